@@ -1,0 +1,404 @@
+"""Plan the conversion of a DeepSpeed ZeRO checkpoint (stages 1, 2, 3; fp32, fp16, bf16).
+
+Only metadata is read here: the pickles of every rank file are parsed lazily (see `torch_zip`),
+and every parameter state becomes a list of fragments with absolute byte offsets. Layouts, as
+written by DeepSpeed 0.19:
+
+* ZeRO-1/2: `mp_rank_00_model_states.pt` holds `param_shapes` (per param group, in flat order),
+  buffers and frozen parameters; `[bf16_]zero_pp_rank_{d}_mp_rank_00_optim_states.pt` holds rank
+  d's flat fp32 partition per group, the Adam moments over the same partition, and
+  `param_slice_mappings` (name -> numel, start within the partition).
+* ZeRO-3: every parameter is partitioned on its own: rank d holds `ceil(numel / dp)` elements
+  (the last rank zero-padded), and a sub-group's flat tensor concatenates those pieces in
+  `param_shapes` order. Frozen parameters are partitioned the same way in the model files.
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from ucp.converters.torch_zip import LazyTensor, Opaque, as_python, load_lazy
+from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedLayoutError
+from ucp.patterns.recognize import FragmentInfo, recognize
+from ucp.plan import (BUFFER, BUFFER_STATE, FROZEN, TRAINABLE, WEIGHT_STATE, ConversionPlan, Fragment,
+                      ParamPlan, Piece, StateSource)
+
+_MODEL_KEYS = {
+    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "frozen_param_fragments",
+    "shared_params", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
+    "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config",
+    "ds_version", "checkpoint_parallel_dimensions", "universal_checkpoint_info",
+}
+_OPTIM_FILE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+_ZERO3_MODEL_FILE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+_MODEL_FILE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
+
+
+@dataclass(frozen=True)
+class TagDir:
+    save_dir: Path
+    tag: str
+
+    @property
+    def path(self) -> Path:
+        return self.save_dir / self.tag
+
+
+def resolve_tag(input_dir: str | os.PathLike, tag: str | None = None) -> TagDir:
+    """The tag folder `engine.save_checkpoint` wrote: `input_dir/<tag or latest>`, or `input_dir` itself."""
+    root = Path(input_dir)
+    if not root.is_dir():
+        raise CheckpointNotFoundError(f"{root}: no such directory; pass the directory given to "
+                                      "engine.save_checkpoint, or one of its tag folders")
+    if tag is None and any(root.glob("*model_states.pt")):
+        return TagDir(root.parent, root.name)
+    if tag is None:
+        latest = root / "latest"
+        if not latest.is_file():
+            raise CheckpointNotFoundError(f"{root}: no 'latest' file and no model-states files here; "
+                                          f"pass --tag (tags present: {_tags(root) or 'none'})")
+        tag = latest.read_text().strip()
+    if not (root / tag).is_dir():
+        raise CheckpointNotFoundError(f"{root / tag}: tag '{tag}' does not exist; "
+                                      f"tags present: {_tags(root) or 'none'}")
+    return TagDir(root, tag)
+
+
+def _tags(root: Path) -> str:
+    return ", ".join(sorted(p.name for p in root.iterdir() if p.is_dir() and any(p.glob("*model_states.pt"))))
+
+
+def plan_deepspeed(input_dir: str | os.PathLike, tag: str | None = None) -> ConversionPlan:
+    """A conversion plan for the ZeRO checkpoint at `input_dir` (tag from `latest` unless given)."""
+    where = resolve_tag(input_dir, tag)
+    folder = where.path
+    names = sorted(os.listdir(folder))
+    optim = _rank_files(folder, names, _OPTIM_FILE)
+    zero3_models = _rank_files(folder, names, _ZERO3_MODEL_FILE)
+    models = sorted(n for n in names if _MODEL_FILE.match(n))
+    if not optim and not models and not zero3_models:
+        raise CheckpointNotFoundError(f"{folder}: no DeepSpeed model-states files; is this a checkpoint tag folder?")
+    if any(m != 0 for (_, m) in list(optim) + list(zero3_models)) or len(models) > 1:
+        raise UnsupportedLayoutError(f"{folder}: tensor/pipeline-parallel checkpoints (several mp_rank files) "
+                                     "are not supported by this converter yet")
+    if zero3_models:
+        return _plan_zero3(where, zero3_models, optim)
+    if not models:
+        raise CheckpointNotFoundError(f"{folder}: mp_rank_00_model_states.pt is missing; copy it from the "
+                                      "training job's checkpoint directory")
+    model_path = folder / models[0]
+    model = _load_dict(model_path)
+    if not optim:
+        raise UnsupportedLayoutError(f"{folder}: no *_optim_states.pt files: a ZeRO-0 checkpoint, which keeps the "
+                                     "optimizer inside the model file; ZeRO-0 conversion is not supported yet")
+    return _plan_zero12(where, model_path, model, optim)
+
+
+def _rank_files(folder: Path, names: list[str], pattern: re.Pattern) -> dict[tuple[int, int], Path]:
+    found = {}
+    for n in names:
+        m = pattern.match(n)
+        if m:
+            dp, mp = int(m.group(m.lastindex - 1)), int(m.group(m.lastindex))
+            found[(dp, mp)] = folder / n
+    return found
+
+
+def _load_dict(path: Path) -> dict:
+    obj = load_lazy(path)
+    if not isinstance(obj, dict):
+        raise CorruptCheckpointError(f"{path}: expected a dict of checkpoint state, found {type(obj).__name__}")
+    return obj
+
+
+def _dp_paths(folder: Path, files: dict[tuple[int, int], Path], dp: int, what: str) -> list[Path]:
+    missing = [d for d in range(dp) if (d, 0) not in files]
+    if missing:
+        example = next(iter(files.values())).name if files else f"zero_pp_rank_0_mp_rank_00_{what}.pt"
+        wanted = re.sub(r"zero_pp_rank_\d+", f"zero_pp_rank_{missing[0]}", example)
+        raise CheckpointNotFoundError(f"{folder / wanted}: missing (the checkpoint was saved by {dp} data-parallel "
+                                      f"ranks, {len(missing)} {what} file(s) absent); copy every rank's file")
+    extra = sorted(d for (d, _) in files if d >= dp)
+    if extra:
+        raise CorruptCheckpointError(f"{folder}: has {what} files for rank {extra[0]} but dp_world_size is {dp}; "
+                                     "files from different runs are mixed in this folder")
+    return [files[(d, 0)] for d in range(dp)]
+
+
+def _dtype_name(t: LazyTensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def _piece(t: LazyTensor, start: int, numel: int) -> Piece:
+    if not t.is_contiguous() or start + numel > t.numel:
+        raise CorruptCheckpointError(f"{t.path}: a fragment [{start}, {start + numel}) lies outside its "
+                                     f"flat partition of {t.numel} elements")
+    return Piece(t.path, t.byte_offset(start), numel, _dtype_name(t))
+
+
+def _shape(value) -> tuple[int, ...]:
+    return tuple(int(s) for s in value)
+
+
+def _state_source(name: str, shape: tuple[int, ...], fragments: list[Fragment], dtype: str = "float32") -> StateSource:
+    spec = recognize(name, shape, [f.info for f in fragments])
+    return StateSource(spec, tuple(sorted(fragments, key=lambda f: f.info.rank)), dtype)
+
+
+def _whole(t: LazyTensor, rank: int = 0) -> Fragment:
+    return Fragment(FragmentInfo(rank, t.shape), _piece(t, 0, t.numel))
+
+
+def _moment_names(state: dict) -> list[str]:
+    return [k for k, v in state.items() if k != "step" and isinstance(v, LazyTensor)]
+
+
+def _step_value(state: dict, path: Path) -> float | None:
+    step = state.get("step")
+    if step is None:
+        return None
+    if isinstance(step, LazyTensor):
+        from ucp.converters.torch_zip import read_tensor
+        return float(read_tensor(step).item())
+    if isinstance(step, (int, float)):
+        return float(step)
+    raise CorruptCheckpointError(f"{path}: unreadable optimizer step {step!r}")
+
+
+def _plan_zero12(where: TagDir, model_path: Path, model: dict, optim_files: dict) -> ConversionPlan:
+    folder = where.path
+    dp = int(model.get("dp_world_size") or len(optim_files))
+    paths = _dp_paths(folder, optim_files, dp, "optim_states")
+    param_shapes = model.get("param_shapes")
+    if not param_shapes:
+        raise CorruptCheckpointError(f"{model_path}: records no param_shapes; was it written by engine.save_checkpoint?")
+    shapes = {name: _shape(s) for group in param_shapes for name, s in group.items()}
+    group_of = {name: g for g, group in enumerate(param_shapes) for name in group}
+
+    fragments: dict[tuple[str, str], list[Fragment]] = {}
+    covered: dict[str, int] = {}
+    steps: dict[int, float | None] = {}
+    moment_names: list[str] = []
+    stage = None
+    hyper = None
+    for rank, path in enumerate(paths):
+        osd = _load_dict(path).get("optimizer_state_dict")
+        if not isinstance(osd, dict) or "single_partition_of_fp32_groups" not in osd:
+            raise CorruptCheckpointError(f"{path}: not a ZeRO-1/2 optimizer file (no single_partition_of_fp32_groups)")
+        stage = _zero_stage(osd, path)
+        _check_partitions(osd.get("partition_count"), dp, path)
+        base = osd["base_optimizer_state"]
+        if hyper is None:
+            hyper = base.get("param_groups", [])
+        flat_fp32 = osd["single_partition_of_fp32_groups"]
+        mappings = osd.get("param_slice_mappings")
+        if mappings is None:
+            raise UnsupportedLayoutError(f"{path}: records no param_slice_mappings (DeepSpeed older than 0.10); "
+                                         "re-save the checkpoint with a newer DeepSpeed")
+        if len(mappings) != len(param_shapes):
+            raise CorruptCheckpointError(f"{path}: has {len(mappings)} param groups, {model_path.name} has "
+                                         f"{len(param_shapes)}; files from different runs are mixed")
+        for g, mapping in enumerate(mappings):
+            state = base["state"].get(g, {})
+            if not moment_names:
+                moment_names = _moment_names(state)
+            steps.setdefault(g, _step_value(state, path))
+            flats = {WEIGHT_STATE: flat_fp32[g], **{k: state[k] for k in _moment_names(state)}}
+            for name, address in mapping.items():
+                numel, start = int(address.numel), int(address.start)
+                if name not in shapes:
+                    raise CorruptCheckpointError(f"{path}: partition holds '{name}', which {model_path.name} "
+                                                 "does not list; files from different runs are mixed")
+                offset = covered.get(name, 0)
+                for state_name, flat in flats.items():
+                    fragments.setdefault((name, state_name), []).append(
+                        Fragment(FragmentInfo(rank, (numel,), offset), _piece(flat, start, numel)))
+                covered[name] = offset + numel
+
+    module = model.get("module") or {}
+    params = []
+    for name, shape in shapes.items():
+        states = {}
+        for state_name in [WEIGHT_STATE, *moment_names]:
+            frags = fragments.get((name, state_name))
+            if frags:
+                states[state_name] = _state_source(name, shape, frags)
+        if WEIGHT_STATE not in states:
+            # ZeRO keeps no optimizer fragment for a parameter that never received a gradient;
+            # its value is still in the module (as DeepSpeed's own converter falls back to).
+            states[WEIGHT_STATE] = _module_state(name, shape, module, model_path)
+        params.append(ParamPlan(name, shape, TRAINABLE, states, group_of[name], steps.get(group_of[name]),
+                                _module_dtype(module, name)))
+    params += _frozen_and_buffers(model, model_path, set(shapes))
+    return _finish(where, model, params, hyper, moment_names, stage, dp, list(paths) + [model_path])
+
+
+def _plan_zero3(where: TagDir, model_files: dict, optim_files: dict) -> ConversionPlan:
+    folder = where.path
+    first_model = _load_dict(model_files[min(model_files)])
+    dp = int(first_model.get("dp_world_size") or len(model_files))
+    model_paths = _dp_paths(folder, model_files, dp, "model_states")
+    optim_paths = _dp_paths(folder, optim_files, dp, "optim_states") if optim_files else []
+    if not optim_paths:
+        raise CheckpointNotFoundError(f"{folder}: ZeRO-3 model files but no *_optim_states.pt files; copy them too")
+    param_shapes = first_model.get("param_shapes")
+    if not param_shapes:
+        raise CorruptCheckpointError(f"{model_paths[0]}: records no param_shapes")
+    shapes = {name: _shape(s) for group in param_shapes for name, s in group.items()}
+    sub_group_of = {name: g for g, group in enumerate(param_shapes) for name in group}
+
+    fragments: dict[tuple[str, str], list[Fragment]] = {}
+    moment_names: list[str] = []
+    sub_steps: dict[int, float | None] = {}
+    sub_hyper = None
+    stage = None
+    for rank, path in enumerate(optim_paths):
+        osd = _load_dict(path).get("optimizer_state_dict")
+        if not isinstance(osd, dict) or "fp32_flat_groups" not in osd:
+            raise CorruptCheckpointError(f"{path}: not a ZeRO-3 optimizer file (no fp32_flat_groups)")
+        stage = _zero_stage(osd, path)
+        if osd.get("ds_zero_partition_groups"):
+            raise UnsupportedLayoutError(f"{path}: hierarchical ZeRO-3 partitions (hpZ/MiCS) are not supported yet")
+        _check_partitions(osd.get("partition_count"), dp, path)
+        inner = osd["optimizer_state_dict"]
+        if sub_hyper is None:
+            sub_hyper = inner.get("param_groups", [])
+        flat_fp32 = osd["fp32_flat_groups"]
+        if len(flat_fp32) != len(param_shapes):
+            raise CorruptCheckpointError(f"{path}: has {len(flat_fp32)} sub-groups, the model files "
+                                         f"{len(param_shapes)}; files from different runs are mixed")
+        for i, group in enumerate(param_shapes):
+            state = inner["state"].get(i, {})
+            if not moment_names:
+                moment_names = _moment_names(state)
+            sub_steps.setdefault(i, _step_value(state, path))
+            flats = {WEIGHT_STATE: flat_fp32[i], **{k: state[k] for k in _moment_names(state)}}
+            offset = 0
+            for name, shape in group.items():
+                per_rank = math.ceil(math.prod(_shape(shape)) / dp)
+                for state_name, flat in flats.items():
+                    fragments.setdefault((name, state_name), []).append(
+                        Fragment(FragmentInfo(rank, (per_rank,), rank * per_rank), _piece(flat, offset, per_rank)))
+                offset += per_rank
+
+    groups, group_of_sub = _merge_sub_groups(sub_hyper or [])
+    params = []
+    module = first_model.get("module") or {}
+    for name, shape in shapes.items():
+        states = {s: _state_source(name, shape, fragments[(name, s)])
+                  for s in [WEIGHT_STATE, *moment_names] if (name, s) in fragments}
+        sub = sub_group_of[name]
+        params.append(ParamPlan(name, shape, TRAINABLE, states, group_of_sub.get(sub, sub), sub_steps.get(sub),
+                                _module_dtype(module, name)))
+
+    frozen_shapes = first_model.get("frozen_param_shapes") or {}
+    frozen_frags: dict[str, list[Fragment]] = {}
+    for rank, path in enumerate(model_paths):
+        model = first_model if rank == 0 else _load_dict(path)
+        for name, shape in frozen_shapes.items():
+            t = (model.get("frozen_param_fragments") or {}).get(name)
+            if not isinstance(t, LazyTensor):
+                raise CorruptCheckpointError(f"{path}: frozen parameter '{name}' has no fragment")
+            per_rank = math.ceil(math.prod(_shape(shape)) / dp)
+            frozen_frags.setdefault(name, []).append(
+                Fragment(FragmentInfo(rank, (per_rank,), rank * per_rank), _piece(t, 0, per_rank)))
+    for name, shape in frozen_shapes.items():
+        params.append(ParamPlan(name, _shape(shape), FROZEN,
+                                {WEIGHT_STATE: _state_source(name, _shape(shape), frozen_frags[name])},
+                                model_dtype=_module_dtype(module, name)))
+    params += _buffers(first_model, model_paths[0])
+    return _finish(where, first_model, params, groups, moment_names, stage, dp,
+                   list(optim_paths) + list(model_paths), group_names=None)
+
+
+def _merge_sub_groups(sub_hyper: list[dict]) -> tuple[list[dict], dict[int, int]]:
+    """ZeRO-3 splits each param group into sub-groups of `sub_group_size` elements, each listed as
+    its own torch param group. Consecutive sub-groups with equal hyper-parameters are rejoined."""
+    groups: list[dict] = []
+    group_of_sub = {}
+    for i, g in enumerate(sub_hyper):
+        hp = {k: v for k, v in g.items() if k != "params"}
+        if not groups or groups[-1] != hp:
+            groups.append(hp)
+        group_of_sub[i] = len(groups) - 1
+    return groups, group_of_sub
+
+
+def _zero_stage(osd: dict, path: Path) -> int:
+    stage = osd.get("zero_stage")
+    value = stage.value if isinstance(stage, Opaque) else stage
+    if not isinstance(value, int):
+        raise CorruptCheckpointError(f"{path}: records no ZeRO stage")
+    return value
+
+
+def _check_partitions(count, dp: int, path: Path) -> None:
+    counts = count if isinstance(count, list) else [count]
+    if any(c is not None and int(c) != dp for c in counts):
+        raise CorruptCheckpointError(f"{path}: partitioned over {counts} ranks but the model file says "
+                                     f"dp_world_size={dp}; files from different runs are mixed")
+
+
+def _module_dtype(module: dict, name: str) -> str:
+    t = module.get(name)
+    return _dtype_name(t) if isinstance(t, LazyTensor) else "float32"
+
+
+def _module_state(name: str, shape: tuple[int, ...], module: dict, path: Path) -> StateSource:
+    t = module.get(name)
+    if not isinstance(t, LazyTensor) or t.shape != shape:
+        raise CorruptCheckpointError(f"{path}: parameter '{name}' has no optimizer state and no full value in "
+                                     "the module state; the checkpoint is incomplete")
+    return _state_source(name, shape, [_whole(t)])
+
+
+def _frozen_and_buffers(model: dict, path: Path, trainable: set[str]) -> list[ParamPlan]:
+    module = model.get("module") or {}
+    buffers = set(model.get("buffer_names") or [])
+    frozen = []
+    for name, t in module.items():
+        if name in trainable or name in buffers or not isinstance(t, LazyTensor):
+            continue
+        frozen.append(ParamPlan(name, t.shape, FROZEN, {WEIGHT_STATE: _state_source(name, t.shape, [_whole(t)])},
+                                model_dtype=_dtype_name(t)))
+    return frozen + _buffers(model, path)
+
+
+def _buffers(model: dict, path: Path) -> list[ParamPlan]:
+    module = model.get("module") or {}
+    out = []
+    for name in model.get("buffer_names") or []:
+        t = module.get(name)
+        if not isinstance(t, LazyTensor):
+            continue  # non-persistent buffers are not in the state dict
+        out.append(ParamPlan(name, t.shape, BUFFER,
+                             {BUFFER_STATE: _state_source(name, t.shape, [_whole(t)], _dtype_name(t))},
+                             model_dtype=_dtype_name(t)))
+    return out
+
+
+def _finish(where: TagDir, model: dict, params: list[ParamPlan], hyper, moment_names: list[str], stage, dp: int,
+            files: list[Path], group_names=True) -> ConversionPlan:
+    config = model.get("ds_config") or {}
+    optimizer_cfg = config.get("optimizer") or {}
+    groups = []
+    for g, hp in enumerate(hyper or []):
+        hp = {k: as_python(v) for k, v in hp.items() if k != "params"}
+        groups.append({"hyperparams": hp, "params": [p.name for p in params if p.kind == TRAINABLE and p.group == g]})
+    precision = "bf16" if (config.get("bf16") or {}).get("enabled") else (
+        "fp16" if (config.get("fp16") or {}).get("enabled") else "fp32")
+    source = {
+        "framework": "deepspeed", "ds_version": as_python(model.get("ds_version")), "zero_stage": stage,
+        "dp": dp, "tp": 1, "pp": 1, "precision": precision, "tag": where.tag,
+        "path": str(where.path.resolve()),
+    }
+    training = {k: as_python(model.get(k)) for k in ("global_steps", "global_samples", "skipped_steps")
+                if model.get(k) is not None}
+    client = {k: as_python(v) for k, v in model.items() if k not in _MODEL_KEYS}
+    optimizer = {"type": optimizer_cfg.get("type", "unknown"), "states": moment_names, "param_groups": groups}
+    return ConversionPlan(params=params, source=source, optimizer=optimizer, training=training,
+                          lr_scheduler=as_python(model.get("lr_scheduler")), client_state=client,
+                          source_files=[str(f) for f in files])

@@ -1,0 +1,261 @@
+"""Read the structure of a `torch.save` zip file without loading its tensors.
+
+DeepSpeed writes every shard with `torch.save`. Loading one with `torch.load` pulls every tensor
+into memory and executes whatever classes the pickle names. Here the pickle is parsed with an
+allow-list: tensors come back as `LazyTensor` records (which stored bytes they live in, at which
+absolute file offset), and classes outside the allow-list (DeepSpeed's enums, loss scalers,
+named tuples) come back as inert `Opaque` objects that only record their arguments and state.
+Nothing from the file is ever imported or run, and `deepspeed` need not be installed.
+"""
+from __future__ import annotations
+
+import collections
+import io
+import math
+import os
+import pickle
+import struct
+import zipfile
+from dataclasses import dataclass
+
+import torch
+
+from ucp.errors import CorruptCheckpointError
+from ucp.fileio import ReadCounter, pread_into
+
+_STORAGE_DTYPES = {
+    "FloatStorage": torch.float32, "DoubleStorage": torch.float64, "HalfStorage": torch.float16,
+    "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
+    "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8,
+    "BoolStorage": torch.bool,
+}
+
+
+@dataclass(frozen=True)
+class LazyStorage:
+    key: str
+    dtype: torch.dtype
+    numel: int
+
+
+@dataclass(frozen=True)
+class LazyTensor:
+    """A tensor found in a torch zip file: where its elements are, not the elements themselves."""
+
+    path: str
+    storage: LazyStorage
+    storage_offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    data_offset: int  # absolute byte offset of the storage's first element in the file
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.storage.dtype
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def itemsize(self) -> int:
+        return self.storage.dtype.itemsize
+
+    def byte_offset(self, element: int = 0) -> int:
+        """Absolute file offset of flat element `element` of this (contiguous) tensor."""
+        return self.data_offset + (self.storage_offset + element) * self.itemsize
+
+    def is_contiguous(self) -> bool:
+        expected = 1
+        for size, stride in zip(reversed(self.shape), reversed(self.stride)):
+            if size != 1 and stride != expected:
+                return False
+            expected *= size
+        return True
+
+
+class Opaque:
+    """Stand-in for a class outside the allow-list; keeps what the pickle gave it."""
+
+    _qualname = "?"
+    # Class-level defaults: copyreg may build instances without calling __init__.
+    args: tuple = ()
+    kwargs: dict = {}
+    state = None
+
+    def __init__(self, *args, **kwargs):
+        self.args = args
+        self.kwargs = kwargs
+        self.state = None
+
+    def __setstate__(self, state):
+        self.state = state
+
+    def __getattr__(self, name):
+        # Dataclass-like objects pickle their fields as a state dict; expose them as attributes.
+        state = self.state
+        if isinstance(state, dict) and name in state:
+            return state[name]
+        raise AttributeError(name)
+
+    @property
+    def value(self):
+        """The first constructor argument: an enum's value, for instance."""
+        return self.args[0] if self.args else None
+
+    def __repr__(self) -> str:
+        return f"<{self._qualname} {self.args or self.state!r}>"
+
+
+_opaque_classes: dict[str, type] = {}
+
+
+def _opaque_class(module: str, name: str) -> type:
+    qualname = f"{module}.{name}"
+    if qualname not in _opaque_classes:
+        _opaque_classes[qualname] = type(name, (Opaque,), {"_qualname": qualname})
+    return _opaque_classes[qualname]
+
+
+def _rebuild_parameter(data, requires_grad, backward_hooks, *args):
+    return data
+
+
+def _rebuild_from_type_v2(func, new_type, args, state):
+    return func(*args)
+
+
+_ALLOWED = {
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    ("collections", "defaultdict"): collections.defaultdict,
+    ("builtins", "set"): set,
+    ("builtins", "frozenset"): frozenset,
+    ("builtins", "slice"): slice,
+    ("builtins", "complex"): complex,
+    ("torch", "Size"): torch.Size,
+    ("torch", "device"): torch.device,
+    ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
+    ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
+    ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type_v2,
+}
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, data: bytes, path: str, offsets: dict[str, int]):
+        super().__init__(io.BytesIO(data))
+        self._path = path
+        self._offsets = offsets
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in _ALLOWED:
+            return _ALLOWED[(module, name)]
+        if module == "torch._utils" and name == "_rebuild_tensor_v2":
+            return self._rebuild_tensor
+        if module == "torch" and name in _STORAGE_DTYPES:
+            return _STORAGE_DTYPES[name]
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        return _opaque_class(module, name)
+
+    def persistent_load(self, pid):
+        if not isinstance(pid, tuple) or not pid or pid[0] != "storage":
+            raise CorruptCheckpointError(f"{self._path}: unexpected persistent id {pid!r}")
+        _, dtype, key, _location, numel = pid
+        if not isinstance(dtype, torch.dtype):
+            raise CorruptCheckpointError(f"{self._path}: unsupported storage type {dtype!r}")
+        return LazyStorage(str(key), dtype, int(numel))
+
+    def _rebuild_tensor(self, storage, storage_offset, size, stride, *rest):
+        if storage.key not in self._offsets:
+            raise CorruptCheckpointError(f"{self._path}: tensor storage {storage.key} is missing from the "
+                                         "archive; the file is truncated or damaged, copy it again")
+        return LazyTensor(self._path, storage, int(storage_offset), tuple(int(s) for s in size),
+                          tuple(int(s) for s in stride), self._offsets[storage.key])
+
+
+_LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
+
+
+def load_lazy(path: str | os.PathLike) -> object:
+    """The object a `torch.save` file holds, with every tensor replaced by a `LazyTensor`."""
+    path = str(path)
+    try:
+        size = os.path.getsize(path)
+        with zipfile.ZipFile(path) as archive:
+            infos = archive.infolist()
+            pkl = [i for i in infos if i.filename.endswith("/data.pkl") or i.filename == "data.pkl"]
+            if len(pkl) != 1:
+                raise CorruptCheckpointError(f"{path}: not a torch.save zip archive (no data.pkl)")
+            prefix = pkl[0].filename[: -len("data.pkl")]
+            data = archive.read(pkl[0])
+            offsets = {}
+            with open(path, "rb") as raw:
+                for info in infos:
+                    if not info.filename.startswith(prefix + "data/"):
+                        continue
+                    if info.compress_type != zipfile.ZIP_STORED:
+                        raise CorruptCheckpointError(f"{path}: compressed tensor data is not supported")
+                    offset = _data_start(raw, info, path)
+                    if offset + info.file_size > size:
+                        raise CorruptCheckpointError(f"{path}: truncated ({size} bytes, tensor data runs "
+                                                     f"to {offset + info.file_size}); copy the file again")
+                    offsets[info.filename[len(prefix) + len("data/"):]] = offset
+    except FileNotFoundError:
+        raise
+    except (zipfile.BadZipFile, EOFError, OSError, KeyError) as exc:
+        raise CorruptCheckpointError(f"{path}: cannot be read as a torch.save file ({exc}); it is truncated "
+                                     "or damaged, copy it again from the training job") from None
+    try:
+        return _Unpickler(data, path, offsets).load()
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as exc:
+        raise CorruptCheckpointError(f"{path}: its pickle is damaged ({exc}); copy the file again") from None
+
+
+def _data_start(raw, info: zipfile.ZipInfo, path: str) -> int:
+    raw.seek(info.header_offset)
+    header = raw.read(_LOCAL_HEADER.size)
+    if len(header) != _LOCAL_HEADER.size or header[:4] != b"PK\x03\x04":
+        raise CorruptCheckpointError(f"{path}: damaged zip entry {info.filename}; copy the file again")
+    fields = _LOCAL_HEADER.unpack(header)
+    name_len, extra_len = fields[9], fields[10]
+    return info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
+
+
+def read_tensor(t: LazyTensor, start: int = 0, numel: int | None = None,
+                counter: ReadCounter | None = None) -> torch.Tensor:
+    """Elements [start, start+numel) of contiguous lazy tensor `t`, read with one positional read."""
+    if not t.is_contiguous():
+        raise CorruptCheckpointError(f"{t.path}: non-contiguous tensor storage is not supported")
+    numel = t.numel - start if numel is None else numel
+    if start < 0 or numel < 0 or start + numel > t.numel:
+        raise CorruptCheckpointError(f"{t.path}: read of elements [{start}, {start + numel}) "
+                                     f"past a tensor of {t.numel}")
+    flat = read_elements(t.path, t.byte_offset(start), numel, t.dtype, counter)
+    return flat.reshape(t.shape) if numel == t.numel else flat
+
+
+def read_elements(path: str, byte_offset: int, numel: int, dtype: torch.dtype,
+                  counter: ReadCounter | None = None) -> torch.Tensor:
+    return pread_into(path, torch.empty(numel, dtype=dtype), byte_offset, counter)
+
+
+def as_python(obj):
+    """Plain JSON-able Python for metadata (tensors become lists only when tiny; Opaque becomes repr)."""
+    if isinstance(obj, dict):
+        return {str(k): as_python(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [as_python(v) for v in obj]
+    if isinstance(obj, (str, int, float, bool)) or obj is None:
+        return obj
+    if isinstance(obj, torch.dtype):
+        return str(obj).removeprefix("torch.")
+    if isinstance(obj, LazyTensor):
+        if obj.numel == 1:
+            return read_tensor(obj).item()
+        return {"tensor": list(obj.shape), "dtype": str(obj.dtype).removeprefix("torch.")}
+    if isinstance(obj, Opaque):
+        if obj.state is not None:
+            return as_python(obj.state)
+        return as_python(obj.value) if len(obj.args) == 1 else repr(obj)
+    return repr(obj)
+

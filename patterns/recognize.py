@@ -1,0 +1,135 @@
+"""Decide a parameter's pattern from what its fragments look like, plus any declared hints.
+
+The recognizer sees only metadata (ranks, piece shapes, flat offsets), never bytes, so it runs in
+the planner before any tensor is read. When the metadata admits more than one reading it raises
+`AmbiguousPatternError` naming the parameter and the hint that settles it.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ucp.errors import AmbiguousPatternError
+from ucp.patterns.types import Pattern, PatternSpec
+
+
+@dataclass(frozen=True)
+class FragmentInfo:
+    """What the recognizer knows of one fragment.
+
+    shape:  the shape of the piece as stored.
+    offset: for 1-D runs of a flattened tensor (ZeRO partitions), where the run starts in the
+            flattened, padded full tensor; None for pieces that keep their own shape.
+    """
+
+    rank: int
+    shape: tuple[int, ...]
+    offset: int | None = None
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class Hints:
+    """Declared knowledge about one parameter, e.g. from DeepSpeed's `universal_checkpoint_info`."""
+
+    pattern: Pattern | None = None
+    dim: int | None = None
+    padded_dim_size: int | None = None
+    sub_widths: tuple[tuple[int, ...], ...] | None = None
+
+
+_FIX = ("declare it in the model's universal_checkpoint_info (e.g. tp_replicated_parameter_patterns, "
+        "parameter_with_row_parallelism_patterns) or pass --pattern '{name}=<pattern>'")
+
+
+def recognize(name: str, shape: Sequence[int], fragments: Sequence[FragmentInfo],
+              hints: Hints | None = None) -> PatternSpec:
+    """The PatternSpec under which `fragments`, ordered by rank, rebuild a tensor of `shape`."""
+    shape = tuple(int(s) for s in shape)
+    if not fragments:
+        raise AmbiguousPatternError(f"{name}: no rank holds any part of this parameter")
+    if hints is not None and hints.pattern is not None:
+        return _from_hints(name, shape, fragments, hints)
+    if all(f.offset is not None for f in fragments):
+        return _recognize_flat(name, shape, fragments)
+    if any(f.offset is not None for f in fragments):
+        raise AmbiguousPatternError(f"{name}: mixes flat and shaped fragments; {_FIX.format(name=name)}")
+    return _recognize_shaped(name, shape, fragments)
+
+
+def _recognize_flat(name: str, shape: tuple[int, ...], fragments: Sequence[FragmentInfo]) -> PatternSpec:
+    numel = math.prod(shape)
+    if len(fragments) > 1 and all(f.offset == 0 and f.numel == numel for f in fragments):
+        return PatternSpec(Pattern.REPLICATE, shape, flat=True)
+    ordered = sorted(fragments, key=lambda f: f.offset)
+    if [f.rank for f in ordered] != sorted(f.rank for f in fragments):
+        raise AmbiguousPatternError(f"{name}: flat fragments are not in rank order; the checkpoint's "
+                                    "partition metadata is inconsistent")
+    cursor = 0
+    for f in ordered:
+        if f.offset != cursor:
+            raise AmbiguousPatternError(
+                f"{name}: flat fragments leave a gap or overlap at element {cursor} "
+                f"(rank {f.rank} starts at {f.offset}); a rank file may be missing")
+        cursor += f.numel
+    if cursor < numel:
+        raise AmbiguousPatternError(f"{name}: fragments cover {cursor} of {numel} elements; "
+                                    "a rank file may be missing")
+    if len(fragments) == 1:
+        return PatternSpec(Pattern.UNIQUE, shape, flat=True, padded_size=cursor)
+    return PatternSpec(Pattern.SHARD_V, shape, flat=True, padded_size=cursor)
+
+
+def _recognize_shaped(name: str, shape: tuple[int, ...], fragments: Sequence[FragmentInfo]) -> PatternSpec:
+    shapes = [f.shape for f in fragments]
+    if len(fragments) == 1:
+        if shapes[0] != shape:
+            raise AmbiguousPatternError(f"{name}: its only fragment has shape {shapes[0]}, the parameter "
+                                        f"{shape}; {_FIX.format(name=name)}")
+        return PatternSpec(Pattern.UNIQUE, shape)
+    if all(s == shape for s in shapes):
+        # Identical shapes could also be partial sums; only a hint can say so (Hints(pattern=PARTIAL)).
+        return PatternSpec(Pattern.REPLICATE, shape)
+    candidates = [d for d in range(len(shape)) if _concatenates(shapes, shape, d)]
+    if len(candidates) == 1:
+        dim = candidates[0]
+        if dim > 1:
+            raise AmbiguousPatternError(f"{name}: split along dim {dim}; {_FIX.format(name=name)}")
+        return PatternSpec(Pattern.SHARD_V if dim == 0 else Pattern.SHARD_H, shape, dim=dim)
+    raise AmbiguousPatternError(
+        f"{name}: fragment shapes {shapes} do not determine how they form {shape}; {_FIX.format(name=name)}")
+
+
+def _concatenates(shapes: Sequence[tuple[int, ...]], full: tuple[int, ...], dim: int) -> bool:
+    if any(len(s) != len(full) for s in shapes):
+        return False
+    for d in range(len(full)):
+        if d != dim and any(s[d] != full[d] for s in shapes):
+            return False
+    return sum(s[dim] for s in shapes) == full[dim]
+
+
+def _from_hints(name: str, shape: tuple[int, ...], fragments: Sequence[FragmentInfo], hints: Hints) -> PatternSpec:
+    pattern = hints.pattern
+    if pattern in (Pattern.REPLICATE, Pattern.PARTIAL, Pattern.UNIQUE):
+        bad = [f.rank for f in fragments if f.shape != shape and f.offset is None]
+        if bad:
+            raise AmbiguousPatternError(f"{name}: declared {pattern.value} but ranks {bad} hold a different "
+                                        f"shape than {shape}")
+        return PatternSpec(pattern, shape)
+    if pattern in (Pattern.SHARD_V, Pattern.SHARD_H):
+        dim = 0 if pattern is Pattern.SHARD_V else 1
+        total = sum(f.shape[dim] for f in fragments)
+        if total < shape[dim] or (total > shape[dim] and hints.padded_dim_size != total):
+            raise AmbiguousPatternError(f"{name}: declared {pattern.value} but pieces sum to {total} along "
+                                        f"dim {dim}, not {shape[dim]}")
+        return PatternSpec(pattern, shape, dim=dim, padded_size=total if total > shape[dim] else None)
+    if pattern is Pattern.SHARD_NC:
+        if hints.sub_widths is None or hints.dim is None:
+            raise AmbiguousPatternError(f"{name}: shard_nc needs the sub-parameter widths and dim")
+        return PatternSpec(pattern, shape, dim=hints.dim, sub_widths=hints.sub_widths)
+    raise AmbiguousPatternError(f"{name}: hint {pattern.value} is not enough to rebuild it; {_FIX.format(name=name)}")

@@ -1,0 +1,186 @@
+"""Conversion as a MapReduce: plan (driver) → write bins (executor) → commit the index (driver).
+
+Each task reads the fragments of its parameters straight from the rank files (Extract), merges
+them (Union, StripPad) one state at a time, and streams them into its own safetensors file, so
+every source byte is read once, every output byte written once, and a worker never holds more
+than one state of one parameter. The index is committed only after every file is durable.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from ucp import __version__
+from ucp.assemble import materialize
+from ucp.balance import lpt_bins
+from ucp.errors import OutputExistsError, UcpError
+from ucp.executor import Executor, LocalExecutor, Report
+from ucp.format import (FORMAT_NAME, FORMAT_VERSION, INDEX_NAME, PARTIAL_SUFFIX, commit_index, data_file_name,
+                        fsync_dir, is_ucp_file, load_index, tensor_key)
+from ucp.plan import ConversionPlan, ParamPlan
+from ucp.safetensors_stream import StreamingWriter, TensorSlot
+
+# A data file grows to about this size before conversion opens another, so output stays a few
+# large files whatever the worker count.
+TARGET_FILE_BYTES = 4 << 30
+
+
+@dataclass(frozen=True)
+class WriteBin:
+    output: str
+    file_name: str
+    params: tuple[ParamPlan, ...]
+    strict: bool
+
+
+@dataclass(frozen=True)
+class ConvertResult:
+    output: Path
+    params: int
+    files: tuple[str, ...]
+    bytes_written: int
+    already_done: bool = False
+
+
+def convert(input_dir: str | os.PathLike, output_dir: str | os.PathLike, *, tag: str | None = None,
+            workers: int | None = None, fmt: str = "ucp", strict: bool = False,
+            executor: Executor | None = None, progress: bool = True) -> ConvertResult:
+    """Convert the DeepSpeed checkpoint at `input_dir` into `output_dir` (format `ucp` or `deepspeed`)."""
+    from ucp.converters.deepspeed_zero import plan_deepspeed
+
+    plan = plan_deepspeed(input_dir, tag)
+    executor = executor or LocalExecutor(workers, progress=progress)
+    if fmt == "deepspeed":
+        from ucp.deepspeed_universal import write_deepspeed_universal
+
+        return write_deepspeed_universal(plan, Path(output_dir), executor, strict=strict)
+    if fmt != "ucp":
+        raise UcpError(f"unknown output format '{fmt}'; use 'ucp' or 'deepspeed'")
+    return write_atomic(plan, Path(output_dir), executor, strict=strict)
+
+
+def source_fingerprint(plan: ConversionPlan) -> str:
+    """Identifies the source files (names, sizes, mtimes), to tell 'already converted' from 'different'."""
+    h = hashlib.sha256()
+    for path in sorted(plan.source_files):
+        st = os.stat(path)
+        h.update(f"{os.path.basename(path)}:{st.st_size}:{st.st_mtime_ns};".encode())
+    return h.hexdigest()[:32]
+
+
+def prepare_output(output: Path, fingerprint: str) -> bool:
+    """Make `output` ready to receive a checkpoint; True when it already holds this very conversion."""
+    if (output / INDEX_NAME).is_file():
+        existing = load_index(output)
+        if existing.get("source", {}).get("fingerprint") == fingerprint:
+            return True
+        raise OutputExistsError(f"{output}: already holds a different checkpoint (converted from "
+                                f"{existing.get('source', {}).get('path', 'elsewhere')}); choose another --output "
+                                "or delete it")
+    if output.exists():
+        foreign = [n for n in os.listdir(output) if not is_ucp_file(n)]
+        if foreign:
+            raise OutputExistsError(f"{output}: is not empty (holds '{foreign[0]}', which ucp did not write); "
+                                    "choose an empty or new --output directory")
+        for name in os.listdir(output):  # leftovers of an interrupted run: not a checkpoint
+            os.remove(output / name)
+    output.mkdir(parents=True, exist_ok=True)
+    return False
+
+
+def plan_bins(plan: ConversionPlan, workers: int) -> list[list[ParamPlan]]:
+    total = sum(p.nbytes for p in plan.params)
+    n_files = max(1, workers) * max(1, math.ceil(total / (TARGET_FILE_BYTES * max(1, workers))))
+    bins = lpt_bins([p.nbytes for p in plan.params], min(n_files, len(plan.params)))
+    return [[plan.params[i] for i in members] for members in bins]
+
+
+def write_atomic(plan: ConversionPlan, output: Path, executor: Executor, *, strict: bool = False) -> ConvertResult:
+    fingerprint = source_fingerprint(plan)
+    if prepare_output(output, fingerprint):
+        index = load_index(output)
+        return ConvertResult(output, len(index["params"]), tuple(index["files"]), 0, already_done=True)
+    bins = plan_bins(plan, executor.workers)
+    tasks = [WriteBin(str(output), data_file_name(i, len(bins)), tuple(b), strict) for i, b in enumerate(bins)]
+    total = sum(p.nbytes for p in plan.params)
+    results = executor.map(write_bin, tasks, total_bytes=total, desc="convert")
+    fsync_dir(output)
+    index = build_index(plan, fingerprint, results)
+    commit_index(output, index)
+    return ConvertResult(output, len(plan.params), tuple(index["files"]),
+                         sum(f["bytes"] for f in index["files"].values()))
+
+
+def bin_slots(params: tuple[ParamPlan, ...]) -> list[TensorSlot]:
+    return [TensorSlot(tensor_key(p.name, state), source.dtype, p.shape)
+            for p in params for state, source in p.states.items()]
+
+
+def write_bin(task: WriteBin, report: Report) -> dict:
+    """Materialise every state of the bin's parameters into one safetensors file (a reduce task)."""
+    final = os.path.join(task.output, task.file_name)
+    partial = final + PARTIAL_SUFFIX
+    writer = StreamingWriter(partial, bin_slots(task.params), metadata={"format": FORMAT_NAME})
+    stored = {}
+    try:
+        for p in task.params:
+            for state, source in p.states.items():
+                tensor = materialize(source, name=p.name, strict=task.strict)
+                stored[tensor_key(p.name, state)] = writer.write(tensor_key(p.name, state), tensor)
+                report(source.nbytes)
+        writer.close()
+    except BaseException:
+        writer.abort()
+        os.remove(partial)
+        raise
+    os.replace(partial, final)
+    return {"file": task.file_name, "bytes": os.path.getsize(final),
+            "tensors": {k: (s.begin, s.end, s.crc32) for k, s in stored.items()}}
+
+
+def build_index(plan: ConversionPlan, fingerprint: str, results: list[dict]) -> dict:
+    where = {key: (r["file"], *span) for r in results for key, span in r["tensors"].items()}
+    params = {}
+    for p in plan.params:
+        states = {}
+        for state, source in p.states.items():
+            file_name, begin, end, crc = where[tensor_key(p.name, state)]
+            states[state] = {"file": file_name, "key": tensor_key(p.name, state), "dtype": source.dtype,
+                             "shape": list(p.shape), "offsets": [begin, end], "crc32": crc}
+        entry = {"kind": p.kind, "shape": list(p.shape), "model_dtype": p.model_dtype,
+                 "pattern": next(iter(p.states.values())).spec.to_json(), "states": states}
+        if p.group is not None:
+            entry["group"] = p.group
+        if p.step is not None:
+            entry["step"] = p.step
+        params[p.name] = entry
+    return {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "created_by": f"ucp {__version__}",
+        "source": {**plan.source, "fingerprint": fingerprint},
+        "training": plan.training,
+        "optimizer": plan.optimizer,
+        "lr_scheduler": plan.lr_scheduler,
+        "client_state": _jsonable(plan.client_state),
+        "splits": {"global_split": 1},
+        "files": {r["file"]: {"bytes": r["bytes"]} for r in sorted(results, key=lambda r: r["file"])},
+        "params": params,
+    }
+
+
+def _jsonable(value):
+    try:
+        json.dumps(value)
+        return value
+    except (TypeError, ValueError):
+        return {k: repr(v) for k, v in value.items()}
+
+
+def remove_tree(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,29 @@
+"""Named errors. Every message names the file or parameter at fault and the fix."""
+
+
+class UcpError(Exception):
+    """Base class for every error ucp raises on bad input or a bad state on disk."""
+
+
+class CheckpointNotFoundError(UcpError):
+    """The path holds no checkpoint ucp can read (missing tag, missing files)."""
+
+
+class CorruptCheckpointError(UcpError):
+    """A file exists but its contents are truncated, damaged or inconsistent."""
+
+
+class IncompleteCheckpointError(UcpError):
+    """A ucp directory has no committed index: a conversion or save never finished."""
+
+
+class AmbiguousPatternError(UcpError):
+    """A parameter's distribution pattern cannot be decided from what the checkpoint records."""
+
+
+class OutputExistsError(UcpError):
+    """The output directory already holds a different checkpoint."""
+
+
+class UnsupportedLayoutError(UcpError):
+    """The checkpoint uses a layout this version of ucp does not convert."""

@@ -1,0 +1,99 @@
+"""Where conversion tasks run. The default is a local process pool; Ray comes as another backend.
+
+A task function has the signature `fn(task, report)`, where `report(nbytes)` feeds the progress
+bar. Backends return results in task order and re-raise a task's error in the driver.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import queue as queue_module
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
+from typing import Protocol, TypeVar
+
+from tqdm import tqdm
+
+T = TypeVar("T")
+R = TypeVar("R")
+Report = Callable[[int], None]
+
+
+class Executor(Protocol):
+    workers: int
+
+    def map(self, fn: Callable[[T, Report], R], tasks: Sequence[T], *, total_bytes: int, desc: str) -> list[R]:
+        ...
+
+
+def default_workers() -> int:
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+def progress_bar(total_bytes: int, desc: str, enabled: bool) -> tqdm:
+    # disable=None lets tqdm hide itself when stderr is not a terminal (CI logs, pipes).
+    return tqdm(total=total_bytes, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
+                disable=None if enabled else True, dynamic_ncols=True)
+
+
+_progress_queue = None
+
+
+def _init_worker(q) -> None:
+    global _progress_queue
+    _progress_queue = q
+    import torch
+
+    torch.set_num_threads(1)  # the pool supplies the parallelism; keep workers from oversubscribing cores
+
+
+def _report_to_queue(nbytes: int) -> None:
+    _progress_queue.put(nbytes)
+
+
+def _run_in_worker(fn, task):
+    return fn(task, _report_to_queue)
+
+
+class LocalExecutor:
+    """A process pool on this machine (fork start), sized to `workers`."""
+
+    def __init__(self, workers: int | None = None, progress: bool = True):
+        self.workers = workers or default_workers()
+        self.progress = progress
+
+    def map(self, fn: Callable[[T, Report], R], tasks: Sequence[T], *, total_bytes: int, desc: str) -> list[R]:
+        with progress_bar(total_bytes, desc, self.progress) as bar:
+            if self.workers == 1 or len(tasks) <= 1:
+                return [fn(task, bar.update) for task in tasks]
+            return self._map_pool(fn, tasks, bar)
+
+    def _map_pool(self, fn, tasks, bar) -> list:
+        ctx = multiprocessing.get_context("fork")
+        progress_queue = ctx.Queue()
+        stop = threading.Event()
+
+        def drain() -> None:
+            while not stop.is_set() or not progress_queue.empty():
+                try:
+                    bar.update(progress_queue.get(timeout=0.1))
+                except queue_module.Empty:
+                    continue
+
+        drainer = threading.Thread(target=drain, daemon=True)
+        drainer.start()
+        try:
+            with ProcessPoolExecutor(max_workers=min(self.workers, len(tasks)), mp_context=ctx,
+                                     initializer=_init_worker, initargs=(progress_queue,)) as pool:
+                futures = [pool.submit(_run_in_worker, fn, task) for task in tasks]
+                done, pending = wait(futures, return_when=FIRST_EXCEPTION)
+                for f in pending:
+                    f.cancel()
+                for f in futures:
+                    if f.done() and not f.cancelled() and f.exception() is not None:
+                        raise f.exception()
+                return [f.result() for f in futures]
+        finally:
+            stop.set()
+            drainer.join()

@@ -1,0 +1,46 @@
+"""Positional reads into preallocated tensors, with a counter of what touched storage."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ucp.errors import CorruptCheckpointError
+
+
+class ReadCounter:
+    """Counts bytes and read calls, so tests and benchmarks can see what touched storage."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.calls = 0
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The raw little-endian bytes of a contiguous CPU tensor, without a copy."""
+    flat = t.reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+def pread_into(path: str, out: torch.Tensor, offset: int, counter: ReadCounter | None = None) -> torch.Tensor:
+    """Fill contiguous `out` with the bytes of `path` starting at `offset`; returns `out`."""
+    view = tensor_bytes(out)
+    if len(view) == 0:
+        return out
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        done = 0
+        while done < len(view):
+            got = os.preadv(fd, [view[done:]], offset + done)
+            if got == 0:
+                raise CorruptCheckpointError(f"{path}: ends at byte {offset + done}, expected at least "
+                                             f"{offset + len(view)}; the file is truncated, copy it again")
+            done += got
+    finally:
+        os.close(fd)
+    if counter is not None:
+        counter.bytes += len(view)
+        counter.calls += 1
+    return out

@@ -1,0 +1,95 @@
+"""What a conversion moves: parameters, their states, and where each state's fragments lie.
+
+A converter turns a framework's checkpoint into a `ConversionPlan` by reading metadata only; the
+executor then materialises every state with Extract → Union → StripPad. The plan is plain frozen
+data, so it pickles to worker processes (or Ray tasks) cheaply.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ucp.patterns.recognize import FragmentInfo
+from ucp.patterns.types import PatternSpec
+
+# Parameter kinds, as stored in the index.
+TRAINABLE = "param"
+FROZEN = "frozen"
+BUFFER = "buffer"
+
+# The state holding a buffer's value (buffers keep their own dtype).
+BUFFER_STATE = "value"
+WEIGHT_STATE = "fp32"
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A contiguous run of `numel` elements of `dtype` starting at `byte_offset` in file `path`."""
+
+    path: str
+    byte_offset: int
+    numel: int
+    dtype: str
+
+
+@dataclass(frozen=True)
+class Fragment:
+    info: FragmentInfo
+    piece: Piece
+
+
+@dataclass(frozen=True)
+class StateSource:
+    """One state of one parameter: how its fragments combine and the dtype it is stored in."""
+
+    spec: PatternSpec
+    fragments: tuple[Fragment, ...]
+    dtype: str = "float32"
+
+    @property
+    def nbytes(self) -> int:
+        return self.spec.numel * _itemsize(self.dtype)
+
+
+@dataclass(frozen=True)
+class ParamPlan:
+    name: str
+    shape: tuple[int, ...]
+    kind: str
+    states: dict[str, StateSource]
+    group: int | None = None
+    step: float | None = None
+    model_dtype: str = "float32"
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.states.values())
+
+
+@dataclass
+class ConversionPlan:
+    params: list[ParamPlan]
+    source: dict
+    optimizer: dict | None
+    training: dict = field(default_factory=dict)
+    lr_scheduler: object = None
+    client_state: dict = field(default_factory=dict)
+    source_files: list[str] = field(default_factory=list)
+
+    def param(self, name: str) -> ParamPlan:
+        for p in self.params:
+            if p.name == name:
+                return p
+        raise KeyError(name)
+
+
+_ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4,
+             "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
+
+
+def _itemsize(dtype: str) -> int:
+    return _ITEMSIZE[dtype]

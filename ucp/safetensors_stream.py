@@ -1,0 +1,108 @@
+"""Write safetensors files tensor by tensor, and read single tensors back by byte offset.
+
+A safetensors file is an 8-byte little-endian header length, a JSON header giving every tensor's
+dtype, shape and byte range, then the raw bytes. When every shape and dtype is known in advance
+(they are: the plan knows them), the header can be written first and the tensors streamed after
+it one at a time, so a writer never holds more than one tensor. Files stay readable by stock
+`safetensors.safe_open`.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ucp.errors import CorruptCheckpointError
+from ucp.fileio import ReadCounter, pread_into, tensor_bytes
+
+DTYPE_CODES = {"float32": "F32", "float64": "F64", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
+               "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
+TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPE_CODES}
+_ALIGN = 8  # safetensors pads the header so the data section starts 8-byte aligned
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * TORCH_DTYPES[self.dtype].itemsize
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """Where one tensor's bytes landed: absolute [begin, end) in its file, and their CRC-32."""
+
+    key: str
+    begin: int
+    end: int
+    crc32: int
+
+
+class StreamingWriter:
+    """Writes the header for `slots` at open, then accepts their tensors in the same order."""
+
+    def __init__(self, path: str, slots: Sequence[TensorSlot], metadata: dict[str, str] | None = None):
+        self.path = path
+        self._slots = list(slots)
+        header: dict = {"__metadata__": metadata} if metadata else {}
+        cursor = 0
+        for slot in self._slots:
+            header[slot.key] = {"dtype": DTYPE_CODES[slot.dtype], "shape": list(slot.shape),
+                                "data_offsets": [cursor, cursor + slot.nbytes]}
+            cursor += slot.nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-(8 + len(raw)) % _ALIGN)
+        self._data_start = 8 + len(raw)
+        self._next = 0
+        self._position = self._data_start
+        self._file = open(path, "wb")
+        self._file.write(struct.pack("<Q", len(raw)))
+        self._file.write(raw)
+
+    def write(self, key: str, tensor: torch.Tensor) -> StoredTensor:
+        slot = self._slots[self._next]
+        if key != slot.key:
+            raise ValueError(f"{self.path}: expected tensor {slot.key}, got {key}")
+        if tuple(tensor.shape) != slot.shape or str(tensor.dtype).removeprefix("torch.") != slot.dtype:
+            raise ValueError(f"{key}: got {tuple(tensor.shape)} {tensor.dtype}, the header says {slot.shape} {slot.dtype}")
+        data = tensor_bytes(tensor.contiguous())
+        self._file.write(data)
+        begin = self._position
+        self._position += len(data)
+        self._next += 1
+        return StoredTensor(key, begin, self._position, zlib.crc32(data))
+
+    def close(self) -> None:
+        """Flush and fsync; the file is durable once this returns."""
+        if self._next != len(self._slots):
+            self._file.close()
+            raise ValueError(f"{self.path}: closed after {self._next} of {len(self._slots)} tensors")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+
+    def abort(self) -> None:
+        self._file.close()
+
+
+def read_stored(path: str, begin: int, end: int, dtype: str, shape: Sequence[int],
+                expected_crc: int | None = None, counter: ReadCounter | None = None) -> torch.Tensor:
+    """The tensor stored at bytes [begin, end) of `path`, checked against its CRC-32 when given."""
+    out = torch.empty(tuple(shape), dtype=TORCH_DTYPES[dtype])
+    if tensor_bytes(out).nbytes != end - begin:
+        raise CorruptCheckpointError(f"{path}: bytes [{begin}, {end}) cannot hold {dtype}{list(shape)}")
+    pread_into(path, out, begin, counter)
+    if expected_crc is not None and zlib.crc32(tensor_bytes(out)) != expected_crc:
+        raise CorruptCheckpointError(f"{path}: bytes [{begin}, {end}) fail their checksum; the file is damaged, "
+                                     "convert again or restore it from a copy")
+    return out
