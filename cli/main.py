@@ -1,2 +1,95 @@
-def main() -> int:
-    return 0
+"""The `ucp` command line. Heavy imports (torch, deepspeed) happen inside the commands that need them."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+DESCRIPTION = """\
+ucp: universal checkpoints for DeepSpeed.
+
+Converts the sharded checkpoints DeepSpeed writes (ZeRO 1/2/3, any DP degree, fp32/fp16/bf16) into a
+parallelism-free atomic format: per-parameter fp32 weights and optimizer states, keyed by name,
+stored in a few safetensors files with a JSON index. Any later layout can resume from it.
+"""
+
+EPILOG = """\
+examples:
+  ucp convert --input ckpts/ --output ckpts_ucp/          convert the tag named in ckpts/latest
+  ucp convert --input ckpts/global_step100 --output out/ --workers 4
+  ucp convert --input ckpts/ --output uc/global_step100 --format deepspeed   stock load_universal layout
+  ucp inspect ckpts_ucp/                                  parameters, shapes, patterns, sizes
+  ucp verify ckpts_ucp/                                   checksums and completeness
+  ucp demo                                                train, save, convert, inspect on 2 CPU ranks
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ucp", description=DESCRIPTION, epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="store_true", help="print the version and exit")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("convert", help="convert a DeepSpeed checkpoint to the atomic format",
+                       description="Convert a DeepSpeed checkpoint (the directory given to engine.save_checkpoint, "
+                                   "or one of its tag folders) into a ucp atomic checkpoint, or into DeepSpeed's own "
+                                   "universal layout with --format deepspeed.")
+    p.add_argument("--input", required=True, metavar="DIR",
+                   help="directory given to engine.save_checkpoint (tag read from its 'latest' file), or a tag folder")
+    p.add_argument("--tag", metavar="T", help="checkpoint tag to convert instead of the one in 'latest'")
+    p.add_argument("--output", required=True, metavar="DIR", help="output directory (created; must be empty or new)")
+    p.add_argument("--workers", type=int, metavar="N", help="parallel worker processes (default: CPU count, max 8)")
+    p.add_argument("--format", choices=["ucp", "deepspeed"], default="ucp",
+                   help="ucp: the atomic format (default); deepspeed: DeepSpeed's universal layout for "
+                        "{\"checkpoint\": {\"load_universal\": true}} (OUTPUT is then the tag folder; "
+                        "'latest_universal' is written beside it)")
+    p.add_argument("--strict", action="store_true",
+                   help="check that replicated copies are identical instead of taking rank 0's")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    p = sub.add_parser("inspect", help="table of parameters, shapes, patterns and sizes",
+                       description="Show what a checkpoint holds: a ucp directory, or a DeepSpeed checkpoint.")
+    p.add_argument("path", metavar="DIR")
+    p.add_argument("--tag", metavar="T", help="for a DeepSpeed save directory: the tag to show")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+    p = sub.add_parser("verify", help="check completeness and every tensor's checksum",
+                       description="Verify a ucp checkpoint: every file present at its recorded size, every tensor "
+                                   "in bounds and matching its CRC-32. Exits 1 on any problem.")
+    p.add_argument("path", metavar="DIR")
+
+    p = sub.add_parser("demo", help="train a tiny model on 2 CPU ranks, save, convert, inspect",
+                       description="End-to-end demo on this machine: trains a tiny model with DeepSpeed "
+                                   "(ZeRO-2, 2 CPU processes, gloo), saves a checkpoint, converts it with ucp and "
+                                   "shows the atomic checkpoint.")
+    p.add_argument("--workdir", metavar="DIR", help="where to write (default: a new temporary directory)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.version:
+        from ucp import __version__
+
+        print(f"ucp {__version__}")
+        return 0
+    if args.command is None:
+        parser.print_help()
+        return 2
+    from ucp.errors import UcpError
+
+    try:
+        from ucp.cli import commands
+
+        return getattr(commands, f"cmd_{args.command}")(args)
+    except UcpError as exc:
+        print(f"ucp {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"ucp {args.command}: interrupted; no index was written, the output is not a checkpoint",
+              file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -45,6 +45,7 @@ class ConvertResult:
     files: tuple[str, ...]
     bytes_written: int
     already_done: bool = False
+    files_written: int = 0
 
 
 def convert(input_dir: str | os.PathLike, output_dir: str | os.PathLike, *, tag: str | None = None,
@@ -113,7 +114,7 @@ def write_atomic(plan: ConversionPlan, output: Path, executor: Executor, *, stri
     index = build_index(plan, fingerprint, results)
     commit_index(output, index)
     return ConvertResult(output, len(plan.params), tuple(index["files"]),
-                         sum(f["bytes"] for f in index["files"].values()))
+                         sum(f["bytes"] for f in index["files"].values()), files_written=len(index["files"]) + 1)
 
 
 def bin_slots(params: tuple[ParamPlan, ...]) -> list[TensorSlot]:

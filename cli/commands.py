@@ -1,0 +1,87 @@
+"""The subcommands behind `ucp`; each returns the process exit code."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from ucp.convert import convert
+
+    start = time.perf_counter()
+    result = convert(args.input, args.output, tag=args.tag, workers=args.workers, fmt=args.format,
+                     strict=args.strict, progress=not args.quiet)
+    if result.already_done:
+        print(f"{result.output}: already holds this conversion ({result.params} parameters); nothing to do")
+        return 0
+    print(f"converted {result.params} parameters into {result.output} "
+          f"({human_bytes(result.bytes_written)} in {result.files_written} files, "
+          f"{time.perf_counter() - start:.1f} s)")
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from ucp.checkpoint import open_checkpoint
+
+    ckpt = open_checkpoint(args.path, args.tag)
+    infos = [ckpt.info(n) for n in ckpt.names]
+    if args.json:
+        json.dump({"source": ckpt.source, "step": ckpt.step, "optimizer": ckpt.optimizer,
+                   "params": [{"name": i.name, "kind": i.kind, "shape": list(i.shape), "pattern": i.pattern,
+                               "states": list(i.states), "bytes": i.nbytes, "group": i.group} for i in infos]},
+                  sys.stdout, indent=1)
+        print()
+        return 0
+    print(describe(ckpt, infos))
+    return 0
+
+
+def describe(ckpt, infos) -> str:
+    src = ckpt.source
+    kind = "ucp checkpoint" if hasattr(ckpt, "index") else "DeepSpeed checkpoint (read through ucp's plan)"
+    lines = [f"{kind} {ckpt.path}",
+             f"source: {src.get('framework', '?')} {src.get('ds_version', '')} ZeRO-{src.get('zero_stage', '?')} "
+             f"dp={src.get('dp', '?')} {src.get('precision', '')}, tag {src.get('tag', '?')}"]
+    opt = ckpt.optimizer or {}
+    total = sum(i.nbytes for i in infos)
+    lines.append(f"step {ckpt.step} · optimizer {opt.get('type', 'none')} ({', '.join(opt.get('states', []))}) · "
+                 f"{len(opt.get('param_groups', []))} param groups · {len(infos)} tensors · {human_bytes(total)}")
+    rows = [("name", "kind", "shape", "pattern", "states", "size")]
+    rows += [(i.name, i.kind, "x".join(map(str, i.shape)) or "scalar", i.pattern, " ".join(i.states),
+              human_bytes(i.nbytes)) for i in infos]
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    lines.append("")
+    lines += ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
+    return "\n".join(lines)
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from ucp.checkpoint import AtomicCheckpoint
+
+    ckpt = AtomicCheckpoint(args.path)
+    problems = ckpt.verify()
+    tensors = sum(len(e["states"]) for e in ckpt.index["params"].values())
+    if problems:
+        for p in problems:
+            print(p, file=sys.stderr)
+        print(f"{ckpt.path}: {len(problems)} problem(s) in {tensors} tensors", file=sys.stderr)
+        return 1
+    print(f"{ckpt.path}: OK ({len(ckpt.names)} parameters, {tensors} tensors, {len(ckpt.index['files'])} files, "
+          "every checksum matches)")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from ucp.cli.demo import run_demo
+
+    return run_demo(args.workdir)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
