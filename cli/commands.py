@@ -11,8 +11,12 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from ucp.convert import convert
 
     start = time.perf_counter()
+    names = None
+    if args.param_names:
+        with open(args.param_names) as f:
+            names = [line.strip() for line in f if line.strip()]
     result = convert(args.input, args.output, tag=args.tag, workers=args.workers, fmt=args.format,
-                     strict=args.strict, progress=not args.quiet)
+                     strict=args.strict, progress=not args.quiet, param_names=names)
     if result.already_done:
         print(f"{result.output}: already holds this conversion ({result.params} parameters); nothing to do")
         return 0

@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "'latest_universal' is written beside it)")
     p.add_argument("--strict", action="store_true",
                    help="check that replicated copies are identical instead of taking rank 0's")
+    p.add_argument("--param-names", metavar="FILE",
+                   help="ZeRO-0 only, when names cannot be recovered from shapes: the optimizer's parameter "
+                        "names, one per line, in param-group order")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
     p = sub.add_parser("inspect", help="table of parameters, shapes, patterns and sizes",

@@ -20,7 +20,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ucp.converters.torch_zip import LazyTensor, Opaque, as_python, load_lazy
+from ucp.converters.deepspeed_zero0 import zero0_trainable
+from ucp.converters.torch_zip import LazyTensor, Opaque, as_python, load_lazy, read_tensor
 from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedLayoutError
 from ucp.patterns.recognize import FragmentInfo, recognize
 from ucp.plan import (BUFFER, BUFFER_STATE, FROZEN, TRAINABLE, WEIGHT_STATE, ConversionPlan, Fragment,
@@ -71,8 +72,13 @@ def _tags(root: Path) -> str:
     return ", ".join(sorted(p.name for p in root.iterdir() if p.is_dir() and any(p.glob("*model_states.pt"))))
 
 
-def plan_deepspeed(input_dir: str | os.PathLike, tag: str | None = None) -> ConversionPlan:
-    """A conversion plan for the ZeRO checkpoint at `input_dir` (tag from `latest` unless given)."""
+def plan_deepspeed(input_dir: str | os.PathLike, tag: str | None = None,
+                   param_names: list[str] | None = None) -> ConversionPlan:
+    """A conversion plan for the ZeRO checkpoint at `input_dir` (tag from `latest` unless given).
+
+    `param_names` (ZeRO-0 only) names the optimizer's parameters in param-group order, for the
+    rare model whose names cannot be recovered from shapes.
+    """
     where = resolve_tag(input_dir, tag)
     folder = where.path
     names = sorted(os.listdir(folder))
@@ -92,8 +98,7 @@ def plan_deepspeed(input_dir: str | os.PathLike, tag: str | None = None) -> Conv
     model_path = folder / models[0]
     model = _load_dict(model_path)
     if not optim:
-        raise UnsupportedLayoutError(f"{folder}: no *_optim_states.pt files: a ZeRO-0 checkpoint, which keeps the "
-                                     "optimizer inside the model file; ZeRO-0 conversion is not supported yet")
+        return _plan_zero0(where, model_path, model, param_names)
     return _plan_zero12(where, model_path, model, optim)
 
 
@@ -161,7 +166,6 @@ def _step_value(state: dict, path: Path) -> float | None:
     if step is None:
         return None
     if isinstance(step, LazyTensor):
-        from ucp.converters.torch_zip import read_tensor
         return float(read_tensor(step).item())
     if isinstance(step, (int, float)):
         return float(step)
@@ -311,7 +315,14 @@ def _plan_zero3(where: TagDir, model_files: dict, optim_files: dict) -> Conversi
                                 model_dtype=_module_dtype(module, name)))
     params += _buffers(first_model, model_paths[0])
     return _finish(where, first_model, params, groups, moment_names, stage, dp,
-                   list(optim_paths) + list(model_paths), group_names=None)
+                   list(optim_paths) + list(model_paths))
+
+
+def _plan_zero0(where: TagDir, model_path: Path, model: dict, param_names: list[str] | None) -> ConversionPlan:
+    params, hyper, moment_names = zero0_trainable(model, model_path, param_names)
+    params += _frozen_and_buffers(model, model_path, {p.name for p in params})
+    dp = int(model.get("dp_world_size") or 1)
+    return _finish(where, model, params, hyper, moment_names, 0, dp, [model_path])
 
 
 def _merge_sub_groups(sub_hyper: list[dict]) -> tuple[list[dict], dict[int, int]]:
@@ -381,7 +392,7 @@ def _buffers(model: dict, path: Path) -> list[ParamPlan]:
 
 
 def _finish(where: TagDir, model: dict, params: list[ParamPlan], hyper, moment_names: list[str], stage, dp: int,
-            files: list[Path], group_names=True) -> ConversionPlan:
+            files: list[Path]) -> ConversionPlan:
     config = model.get("ds_config") or {}
     optimizer_cfg = config.get("optimizer") or {}
     groups = []

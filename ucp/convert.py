@@ -50,11 +50,12 @@ class ConvertResult:
 
 def convert(input_dir: str | os.PathLike, output_dir: str | os.PathLike, *, tag: str | None = None,
             workers: int | None = None, fmt: str = "ucp", strict: bool = False,
-            executor: Executor | None = None, progress: bool = True) -> ConvertResult:
+            executor: Executor | None = None, progress: bool = True,
+            param_names: list[str] | None = None) -> ConvertResult:
     """Convert the DeepSpeed checkpoint at `input_dir` into `output_dir` (format `ucp` or `deepspeed`)."""
     from ucp.converters.deepspeed_zero import plan_deepspeed
 
-    plan = plan_deepspeed(input_dir, tag)
+    plan = plan_deepspeed(input_dir, tag, param_names)
     executor = executor or LocalExecutor(workers, progress=progress)
     if fmt == "deepspeed":
         from ucp.deepspeed_universal import write_deepspeed_universal

@@ -19,7 +19,7 @@ import torch
 
 from ucp.assemble import materialize
 from ucp.convert import ConvertResult, plan_bins
-from ucp.errors import OutputExistsError
+from ucp.errors import OutputExistsError, UnsupportedLayoutError
 from ucp.executor import Executor, Report
 from ucp.plan import BUFFER_STATE, TRAINABLE, WEIGHT_STATE, ConversionPlan, ParamPlan
 
@@ -37,6 +37,10 @@ class SaveBin:
 
 def write_deepspeed_universal(plan: ConversionPlan, output: Path, executor: Executor, *,
                               strict: bool = False) -> ConvertResult:
+    if plan.source["zero_stage"] == 0:
+        raise UnsupportedLayoutError(f"{plan.source['path']}: --format deepspeed needs a ZeRO 1-3 source (stock "
+                                     "DeepSpeed has no universal layout for ZeRO-0); convert to the ucp format and "
+                                     "resume through ucp.deepspeed instead")
     if output.exists() and any(output.iterdir()):
         raise OutputExistsError(f"{output}: is not empty; choose a new --output directory for the DeepSpeed "
                                 "universal checkpoint")
