@@ -1,2 +1,17 @@
-"""ucp: universal checkpoints for DeepSpeed."""
+"""ucp: universal checkpoints for DeepSpeed.
+
+`ucp.open_checkpoint(path)` reads an atomic checkpoint (or a DeepSpeed one, through its plan);
+`ucp.convert.convert(...)` converts. Imports are lazy, so `import ucp` stays light.
+"""
+from __future__ import annotations
+
 __version__ = "0.1.0"
+
+__all__ = ["__version__", "open_checkpoint"]
+
+
+def open_checkpoint(path, tag=None):
+    """Open a ucp checkpoint directory, or a DeepSpeed checkpoint through its conversion plan."""
+    from ucp.checkpoint import open_checkpoint as _open
+
+    return _open(path, tag)

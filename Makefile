@@ -1,0 +1,19 @@
+# The two commands of the README. Each installs what it needs first (idempotent, fast when done).
+PYTHON ?= python3
+# torch is pinned so that pip takes the CPU wheel instead of a multi-GB CUDA build.
+TORCH ?= torch==2.13.0
+
+.PHONY: install demo test bench
+
+install:
+	$(PYTHON) -m pip install --quiet --disable-pip-version-check "$(TORCH)" -e ".[test]"
+
+demo: install
+	ucp demo
+
+test: install
+	$(PYTHON) -m pytest -q
+
+bench: install
+	$(PYTHON) -m pip install --quiet --disable-pip-version-check transformers
+	$(PYTHON) benchmarks/convert.py

@@ -1,0 +1,26 @@
+"""The core must not pull in ray or deepspeed: they are adapters, imported only where used."""
+import subprocess
+import sys
+
+
+def test_import_ucp_pulls_in_neither_ray_nor_deepspeed():
+    code = ("import sys, ucp, ucp.checkpoint, ucp.convert, ucp.patterns, ucp.primitives, ucp.converters.deepspeed_zero;"
+            "bad = [m for m in ('ray', 'deepspeed') if m in sys.modules]; print(','.join(bad))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
+
+
+def test_cli_help_does_not_import_torch():
+    code = ("import sys; from ucp.cli.main import build_parser; build_parser().format_help();"
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_generic_folder_names_are_not_installed_top_level(tmp_path):
+    # Run outside the repository so only what is installed is importable.
+    code = ("import importlib.util, pathlib, ucp; root = pathlib.Path(ucp.__file__).resolve().parent.parent;"
+            "specs = [importlib.util.find_spec(n) for n in ('cli', 'patterns', 'converters')];"
+            "print([s.origin for s in specs if s and s.origin and str(root) in str(s.origin)])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path)
+    assert out.stdout.strip() == "[]"
