@@ -4,13 +4,14 @@ ZeRO-0 writes no `*_optim_states.pt`: the optimizer's state dict sits in the mod
 keyed by the position of each parameter in the optimizer's param groups, not by name, and
 `param_shapes` is None. fp32 training stores torch's optimizer state dict directly (masters are
 the module's own weights); bf16/fp16 training wraps it with per-parameter fp32 masters
-(`fp32_groups`). Names are recovered by matching each group's shapes, in order, against the
-module's parameters in definition order (how `named_parameters()` filters build groups), using
-the masters' values too when there are any. When more than one assignment fits, conversion stops
-and asks for the names instead of guessing.
+(`fp32_groups`). Names are recovered by matching the optimizer's slots to the module's parameters
+by shape and, with mixed precision, by the masters' values (see `_match_names`). When the
+checkpoint cannot settle an assignment, conversion stops and asks for the names
+(`--param-names`) instead of guessing.
 """
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import torch
 
 from ucp.converters.torch_zip import LazyTensor, read_tensor
 from ucp.errors import AmbiguousPatternError, CorruptCheckpointError
+from ucp.fileio import tensor_bytes
 from ucp.patterns.recognize import FragmentInfo, recognize
 from ucp.plan import BUFFER_STATE, WEIGHT_STATE, ParamPlan, StateSource, TRAINABLE, Fragment, Piece
 
@@ -85,46 +87,47 @@ def _whole_state(name: str, t: LazyTensor) -> StateSource:
 
 def _match_names(slots, shapes, candidates: list[str], module: dict,
                  master: Callable[[int, int], LazyTensor | None], path: Path) -> list[str]:
-    """Assign module names to optimizer slots group by group; each group must embed uniquely."""
-    names: list[str] = []
-    taken: set[str] = set()
-    by_group: dict[int, list[int]] = {}
-    for k, (g, _, _) in enumerate(slots):
-        by_group.setdefault(g, []).append(k)
-    for g, members in by_group.items():
-        free = [n for n in candidates if n not in taken]
+    """Assign module names to optimizer slots.
 
-        def fits(k: int, name: str) -> bool:
-            t = module[name]
-            if t.shape != shapes[k]:
-                return False
-            m = master(slots[k][0], slots[k][1])
-            return m is None or torch.equal(read_tensor(m).to(t.dtype), read_tensor(t))
+    Slots and module parameters are grouped by shape and, when fp32 masters exist, by value (the
+    module holds the masters rounded to its dtype). Within a group, slots take the module's
+    parameters in definition order, which is how `named_parameters()`-built groups list them.
+    A group with more module parameters than slots (a frozen parameter of the same shape and
+    value) cannot be settled this way and is an error.
+    """
+    model_dtype = module[candidates[0]].dtype if candidates else torch.float32
 
-        left = _embed(members, free, fits)
-        right = _embed(members[::-1], free[::-1], fits)
-        if left is None:
-            raise AmbiguousPatternError(f"{path}: cannot match optimizer param group {g} to the module's "
-                                        "parameters by shape; pass --param-names with the names in optimizer order")
-        if right is None or left != right[::-1]:
-            clash = next(a for a, b in zip(left, right[::-1]) if a != b)
+    def slot_key(k: int):
+        m = master(slots[k][0], slots[k][1])
+        return shapes[k] if m is None else (shapes[k], _digest(read_tensor(m).to(model_dtype)))
+
+    def module_key(name: str):
+        t = module[name]
+        return t.shape if not has_masters else (t.shape, _digest(read_tensor(t)))
+
+    has_masters = bool(slots) and master(slots[0][0], slots[0][1]) is not None
+    by_key: dict = {}
+    for name in candidates:
+        by_key.setdefault(module_key(name), []).append(name)
+    wanted: dict = {}
+    for k in range(len(slots)):
+        wanted.setdefault(slot_key(k), []).append(k)
+    names: list[str | None] = [None] * len(slots)
+    for key, members in wanted.items():
+        found = by_key.get(key, [])
+        if len(found) < len(members):
+            raise AmbiguousPatternError(f"{path}: the optimizer holds {len(members)} parameter(s) of shape "
+                                        f"{shapes[members[0]]} that match no module parameter; pass --param-names "
+                                        "with the optimizer's parameter names in order")
+        if len(found) > len(members):
             raise AmbiguousPatternError(
-                f"{path}: ZeRO-0 records no parameter names and '{clash}' could be one of several same-shaped "
-                f"parameters in param group {g}; pass --param-names FILE (the optimizer's parameter names, one "
-                "per line, in param-group order)")
-        names += left
-        taken.update(left)
+                f"{path}: ZeRO-0 records no parameter names, and {len(members)} optimizer slot(s) of shape "
+                f"{shapes[members[0]]} could be any of {', '.join(found)}; pass --param-names FILE (the "
+                "optimizer's parameter names, one per line, in param-group order)")
+        for k, name in zip(members, found):
+            names[k] = name
     return names
 
 
-def _embed(members: list[int], free: list[str], fits) -> list[str] | None:
-    """Greedy earliest embedding of the slots `members` into `free` (a subsequence match)."""
-    out, j = [], 0
-    for k in members:
-        while j < len(free) and not fits(k, free[j]):
-            j += 1
-        if j == len(free):
-            return None
-        out.append(free[j])
-        j += 1
-    return out
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.sha1(tensor_bytes(t.contiguous())).hexdigest()

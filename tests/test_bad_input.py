@@ -1,0 +1,128 @@
+"""Bad input: one clear line naming the file and the fix; never an index for a broken conversion."""
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+from support.checkpoints import TinySpec, read_tag
+from ucp.cli.main import main
+from ucp.format import INDEX_NAME
+
+SPEC = TinySpec(stage=1)
+
+
+@pytest.fixture
+def source(tiny_checkpoint, tmp_path):
+    """A private copy of a real checkpoint, safe to damage."""
+    save_dir = tiny_checkpoint(SPEC)
+    copy = tmp_path / "src"
+    shutil.copytree(save_dir, copy)
+    return copy
+
+
+def run_cli(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(err: str, *needles: str) -> None:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+
+
+def optim_file(save_dir, rank):
+    return save_dir / read_tag(save_dir) / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+
+
+def test_truncated_shard(source, tmp_path, capsys):
+    shard = optim_file(source, 1)
+    os.truncate(shard, shard.stat().st_size // 2)
+    code, _, err = run_cli(capsys, "convert", "--input", str(source), "--output", str(tmp_path / "out"), "--quiet")
+    assert code == 2
+    assert_one_line_error(err, str(shard), "copy")
+    assert not (tmp_path / "out" / INDEX_NAME).exists()
+
+
+def test_missing_rank_file(source, tmp_path, capsys):
+    shard = optim_file(source, 1)
+    shard.unlink()
+    code, _, err = run_cli(capsys, "convert", "--input", str(source), "--output", str(tmp_path / "out"), "--quiet")
+    assert code == 2
+    assert_one_line_error(err, str(shard), "missing")
+    assert not (tmp_path / "out" / INDEX_NAME).exists()
+
+
+def test_wrong_tag(source, tmp_path, capsys):
+    code, _, err = run_cli(capsys, "convert", "--input", str(source), "--tag", "global_step999",
+                           "--output", str(tmp_path / "out"))
+    assert code == 2
+    assert_one_line_error(err, "global_step999", read_tag(source))
+    assert not (tmp_path / "out").exists()
+
+
+def test_output_holding_a_different_checkpoint(source, tiny_checkpoint, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert run_cli(capsys, "convert", "--input", str(source), "--output", str(out), "--quiet")[0] == 0
+    index_before = (out / INDEX_NAME).read_bytes()
+    other = tiny_checkpoint(TinySpec(stage=2))
+    code, _, err = run_cli(capsys, "convert", "--input", str(other), "--output", str(out), "--quiet")
+    assert code == 2
+    assert_one_line_error(err, str(out), "different checkpoint")
+    assert (out / INDEX_NAME).read_bytes() == index_before
+    # The same source again is recognised and left alone.
+    code, stdout, _ = run_cli(capsys, "convert", "--input", str(source), "--output", str(out), "--quiet")
+    assert code == 0 and "already holds this conversion" in stdout
+
+
+def test_output_with_foreign_files_is_refused(source, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    code, _, err = run_cli(capsys, "convert", "--input", str(source), "--output", str(out), "--quiet")
+    assert code == 2
+    assert_one_line_error(err, "notes.txt")
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+def test_damaged_output_fails_verify_and_reads(source, tmp_path, capsys):
+    import ucp
+    from ucp.errors import CorruptCheckpointError
+
+    out = tmp_path / "out"
+    assert run_cli(capsys, "convert", "--input", str(source), "--output", str(out), "--quiet")[0] == 0
+    assert run_cli(capsys, "verify", str(out))[0] == 0
+    ckpt = ucp.open_checkpoint(out)
+    name = "emb.weight"
+    entry = ckpt.index["params"][name]["states"]["exp_avg"]
+    with open(out / entry["file"], "r+b") as f:
+        f.seek(entry["offsets"][0])
+        byte = f.read(1)
+        f.seek(entry["offsets"][0])
+        f.write(bytes([byte[0] ^ 0xFF]))
+    code, _, err = run_cli(capsys, "verify", str(out))
+    assert code == 1 and f"{name}:exp_avg" in err
+    with pytest.raises(CorruptCheckpointError, match="checksum"):
+        ucp.open_checkpoint(out).tensor(name, "exp_avg")
+
+
+def test_interrupted_conversion_is_not_a_checkpoint(source, tmp_path, capsys):
+    import ucp
+    from ucp.errors import IncompleteCheckpointError
+
+    out = tmp_path / "out"
+    assert run_cli(capsys, "convert", "--input", str(source), "--output", str(out), "--quiet")[0] == 0
+    (out / INDEX_NAME).unlink()  # as if the driver died before the commit point
+    with pytest.raises(IncompleteCheckpointError, match="incomplete checkpoint at"):
+        ucp.open_checkpoint(out)
+    code, _, err = run_cli(capsys, "verify", str(out))
+    assert code == 2
+    assert_one_line_error(err, "incomplete checkpoint")
+    # Converting again into the leftovers completes it.
+    assert run_cli(capsys, "convert", "--input", str(source), "--output", str(out), "--quiet")[0] == 0
+    assert ucp.open_checkpoint(out).verify() == []
