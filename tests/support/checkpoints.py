@@ -342,3 +342,38 @@ def uninterrupted_losses(spec: TinySpec, total_steps: int, root: Path) -> list[f
             run_tiny(spec, folder, save=False)
             (folder / DONE).touch()
     return _read_losses(folder / "losses.json")
+
+
+def ucp_resume(ucp_dir: Path, spec_at_resume: TinySpec, steps: int, start_step: int, root: Path,
+               bypass: bool = True, dump_state: bool = False) -> RunResult:
+    """Resume from a ucp atomic checkpoint through ``ucp.deepspeed.initialize`` and train ``steps`` steps.
+
+    The result's run folder holds ``ucp_stats.json`` (per-rank load statistics) and, with
+    ``dump_state``, ``state.pt`` (the engine's gathered state after the steps).
+    """
+    runs = Path(root) / "runs"
+    runs.mkdir(parents=True, exist_ok=True)
+    run_dir = Path(tempfile.mkdtemp(prefix=f"ucp-resume-{spec_at_resume.name}-", dir=runs))
+    extra = ["--ucp-load", str(ucp_dir), "--ucp-stats-out", str(run_dir / "ucp_stats.json")]
+    if not bypass:
+        extra.append("--ucp-no-bypass")
+    return run_tiny(spec_at_resume, run_dir, steps=steps, save=False, start_step=start_step,
+                    dump_state=dump_state, extra_args=extra)
+
+
+def ucp_stats(result: RunResult) -> list[dict]:
+    return json.loads((result.run_dir / "ucp_stats.json").read_text())
+
+
+def ucp_load_errors(ucp_dirs: list[Path], spec: TinySpec, root: Path) -> list[dict]:
+    """Load each of ``ucp_dirs`` into one fresh engine expecting ucp errors.
+
+    Returns ``[{"path", "error": str | None, "untouched": bool}]``, one per directory, in order.
+    """
+    runs = Path(root) / "runs"
+    runs.mkdir(parents=True, exist_ok=True)
+    run_dir = Path(tempfile.mkdtemp(prefix=f"ucp-error-{spec.name}-", dir=runs))
+    out = run_dir / "error.json"
+    run_tiny(spec, run_dir, steps=0, save=False,
+             extra_args=["--ucp-load", ",".join(str(d) for d in ucp_dirs), "--ucp-expect-error", str(out)])
+    return json.loads(out.read_text())

@@ -133,6 +133,15 @@ def parse_args(argv=None):
                    help="rank 0 writes {param name: {fp32, exp_avg, exp_avg_sq}} (full shapes, gathered) plus "
                    "metadata to this torch file, after training (after loading when --steps 0)")
     p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--ucp-load", type=str, default=None,
+                   help="resume from this ucp atomic checkpoint through ucp.deepspeed.initialize")
+    p.add_argument("--ucp-no-bypass", action="store_true", help="turn redundancy-bypassing reads off")
+    p.add_argument("--ucp-stats-out", type=str, default=None,
+                   help="rank 0 writes every rank's ucp load statistics (JSON list, by rank)")
+    p.add_argument("--ucp-expect-error", type=str, default=None,
+                   help="load each of the comma-separated --ucp-load paths after deepspeed.initialize expecting "
+                   "a ucp error; write [{path, error, untouched}] to this JSON file, where untouched says "
+                   "the engine state is unchanged")
     return p.parse_args(argv)
 
 
@@ -246,6 +255,49 @@ def dump_state(engine, model, path, rank):
         torch.save(out, path)
 
 
+def engine_digest(engine) -> str:
+    """A hash of every module tensor and optimizer tensor this rank holds."""
+    import hashlib
+
+    h = hashlib.sha256()
+    tensors = list(engine.module.state_dict().values())
+    opt = engine.optimizer
+    for holder in (opt, getattr(opt, "optimizer", None)):
+        for state in getattr(holder, "state", {}).values():
+            tensors += [v for v in state.values() if torch.is_tensor(v)]
+    for name in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"):
+        tensors += list(getattr(opt, name, []))
+    for t in tensors:
+        h.update(t.detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def expect_ucp_error(engine, args, rank) -> int:
+    import torch.distributed as dist
+
+    import ucp.deepspeed
+    from ucp.errors import UcpError
+
+    results = []
+    for path in args.ucp_load.split(","):
+        before = engine_digest(engine)
+        try:
+            ucp.deepspeed.load(engine, path)
+            error = None
+        except UcpError as exc:
+            error = str(exc)
+        results.append({"path": path, "error": error, "untouched": engine_digest(engine) == before})
+    if rank == 0:
+        with open(args.ucp_expect_error, "w") as f:
+            json.dump(results, f)
+        if args.losses_out:
+            with open(args.losses_out, "w") as f:
+                json.dump([], f)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
 def main(argv=None):
     args = parse_args(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -260,9 +312,27 @@ def main(argv=None):
     model = TinyModel()
     if args.uc_info:
         model.universal_checkpoint_info = dict(UC_INFO)
-    engine, _, _, _ = deepspeed.initialize(model=model,
-                                           model_parameters=model.param_groups(),
-                                           config=ds_config(args, world_size))
+    config = ds_config(args, world_size)
+    if args.ucp_expect_error:
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.param_groups(), config=config)
+        return expect_ucp_error(engine, args, rank)
+    if args.ucp_load:
+        import ucp.deepspeed
+
+        config["ucp"] = {"load": args.ucp_load, "bypass": not args.ucp_no_bypass}
+        engine, _, _, _ = ucp.deepspeed.initialize(model=model, model_parameters=model.param_groups(),
+                                                   config=config)
+        if engine.ucp_load_stats.client_state.get("client_marker") != CLIENT_STATE["client_marker"]:
+            raise RuntimeError("client_state not restored by ucp")
+        if args.ucp_stats_out:
+            stats = [None] * world_size
+            dist.all_gather_object(stats, {k: v for k, v in vars(engine.ucp_load_stats).items()
+                                           if k != "client_state"})
+            if rank == 0:
+                with open(args.ucp_stats_out, "w") as f:
+                    json.dump(stats, f)
+    else:
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.param_groups(), config=config)
 
     if args.load_dir is not None:
         load_path, client_state = engine.load_checkpoint(args.load_dir, tag=args.load_tag)

@@ -1,0 +1,294 @@
+"""Resume DeepSpeed training from a ucp checkpoint under the engine's own layout.
+
+    engine, optimizer, loader, scheduler = ucp.deepspeed.initialize(model=..., config={
+        ..., "ucp": {"load": "/ckpt/ucp/global_step1000"}})
+
+or, after `deepspeed.initialize`, `ucp.deepspeed.load(engine, path)`. The `"ucp"` config section:
+
+* `load` (str): the atomic checkpoint to restore.
+* `bypass` (bool, default true): redundancy-bypassing read. Each rank reads its own ZeRO
+  partitions straight from storage, and every tensor that all ranks of the data-parallel group
+  need whole (ZeRO-0 models, frozen parameters, buffers) is read by one rank, chosen to balance
+  bytes, and broadcast. False makes every rank read every tensor it touches whole, as stock
+  `load_universal` does (for comparison).
+* `load_optimizer_states` (bool, default true), `load_lr_scheduler_states` (bool, default true).
+* `strict` (bool, default true): a checkpoint parameter the model lacks is an error.
+
+Loading is layer by layer: a rank holds its own shard plus one layer's states at a time.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ucp.checkpoint import AtomicCheckpoint
+from ucp.deepspeed_targets import OPTIMIZER_STATES, Target, TargetTensor, target_for
+from ucp.errors import CorruptCheckpointError, UcpError
+from ucp.fileio import ReadCounter, pread_into, tensor_bytes
+from ucp.load_plan import ByteRange, Want, assign_readers, coalesce
+from ucp.safetensors_stream import TORCH_DTYPES
+
+CONFIG_KEY = "ucp"
+
+
+class CheckpointMismatchError(UcpError):
+    """The checkpoint does not fit the model or optimizer it is being loaded into."""
+
+
+@dataclass
+class LoadStats:
+    """What this rank read from storage and exchanged with its data-parallel group."""
+
+    bytes_read: int = 0
+    read_calls: int = 0
+    bytes_broadcast: int = 0
+    tensors: int = 0
+    layers: int = 0
+    peak_layer_bytes: int = 0
+    client_state: dict = field(default_factory=dict)
+
+
+def initialize(*args, **kwargs):
+    """`deepspeed.initialize` with the same arguments and result, plus the `"ucp"` config section."""
+    import deepspeed
+
+    config_key = "config" if kwargs.get("config") is not None else "config_params"
+    config = kwargs.get(config_key)
+    if config is None and args and getattr(args[0], "deepspeed_config", None):
+        config_key, config = "config", args[0].deepspeed_config
+    if isinstance(config, (str, os.PathLike)):
+        with open(config) as f:
+            config = json.load(f)
+    options = {}
+    if isinstance(config, dict) and CONFIG_KEY in config:
+        config = dict(config)
+        options = dict(config.pop(CONFIG_KEY))
+        kwargs[config_key] = config
+        if args and getattr(args[0], "deepspeed_config", None):
+            args[0].deepspeed_config = None
+    result = deepspeed.initialize(*args, **kwargs)
+    if options.get("load"):
+        path = options.pop("load")
+        load(result[0], path, **options)
+    return result
+
+
+def load(engine, path: str | os.PathLike, *, bypass: bool = True, load_optimizer_states: bool = True,
+         load_lr_scheduler_states: bool = True, strict: bool = True) -> dict:
+    """Restore `engine` from the ucp checkpoint at `path`; returns the saved client state.
+
+    Everything is checked before the engine is touched: a missing, extra or reshaped parameter, or
+    an optimizer whose states differ from the checkpoint's, raises `CheckpointMismatchError`.
+    """
+    ckpt = AtomicCheckpoint(path)
+    target = target_for(engine)
+    state_names = _check(ckpt, target, engine, load_optimizer_states, strict)
+    stats = LoadStats(client_state=dict(ckpt.client_state))
+    with torch.no_grad():
+        _load_tensors(ckpt, target, state_names, bypass, stats)
+    if load_optimizer_states:
+        _restore_steps(ckpt, target)
+        _restore_optimizer_globals(ckpt, target)
+    with torch.no_grad():
+        target.finish()
+    training = ckpt.index.get("training", {})
+    for key in ("global_steps", "global_samples", "skipped_steps"):
+        if key in training:
+            setattr(engine, key, int(training[key]))
+    if load_lr_scheduler_states and engine.lr_scheduler is not None and ckpt.lr_scheduler is not None:
+        engine.lr_scheduler.load_state_dict(ckpt.lr_scheduler)
+    engine.ucp_load_stats = stats
+    return stats.client_state
+
+
+# -- checks, before anything is written ---------------------------------------------------------------
+
+def _check(ckpt: AtomicCheckpoint, target: Target, engine, load_optimizer_states: bool, strict: bool) -> list[str]:
+    params = ckpt.index["params"]
+    for t in target.tensors:
+        if t.name not in params:
+            raise CheckpointMismatchError(f"{ckpt.path}: has no parameter '{t.name}', which the model has; "
+                                          "was it saved from another model?")
+        saved = tuple(params[t.name]["shape"])
+        if saved != t.shape:
+            raise CheckpointMismatchError(f"{t.name}: the checkpoint holds shape {saved}, the model {t.shape}")
+        if t.kind == "param" and load_optimizer_states and params[t.name]["kind"] != "param":
+            raise CheckpointMismatchError(f"{t.name}: trainable in the model but {params[t.name]['kind']} in the "
+                                          "checkpoint, which has no optimizer state for it; pass "
+                                          "load_optimizer_states=False to load weights only")
+    if strict:
+        known = {t.name for t in target.tensors}
+        extra = [n for n in params if n not in known]
+        if extra:
+            raise CheckpointMismatchError(f"{ckpt.path}: holds parameter '{extra[0]}' ({len(extra)} in all) that "
+                                          "the model does not have; pass strict=False to ignore them")
+    if not load_optimizer_states:
+        return []
+    saved_states = list((ckpt.optimizer or {}).get("states", []))
+    basic = type(getattr(engine, "basic_optimizer", None) or target.engine.optimizer).__name__.lower()
+    expected = OPTIMIZER_STATES.get(basic)
+    if expected is not None and set(saved_states) != set(expected):
+        raise CheckpointMismatchError(
+            f"{ckpt.path}: optimizer {ckpt.optimizer.get('type')} saved states {saved_states}, but the engine's "
+            f"{type(engine.basic_optimizer).__name__} keeps {list(expected)}; use the same optimizer or pass "
+            "load_optimizer_states=False")
+    return saved_states
+
+
+# -- tensors, layer by layer ----------------------------------------------------------------------------
+
+_LAYER = re.compile(r"^(.*?\.\d+)\.")
+
+
+def layer_of(name: str) -> str:
+    """The layer a tensor belongs to: its name up to the first numeric component, else its module."""
+    m = _LAYER.match(name)
+    return m.group(1) if m else name.rsplit(".", 1)[0]
+
+
+def _layers(tensors: list[TargetTensor]) -> Iterator[list[TargetTensor]]:
+    batch: list[TargetTensor] = []
+    for t in tensors:
+        if batch and layer_of(t.name) != layer_of(batch[-1].name):
+            yield batch
+            batch = []
+        batch.append(t)
+    if batch:
+        yield batch
+
+
+def _states_of(t: TargetTensor, state_names: list[str]) -> list[str]:
+    if t.kind == "buffer":
+        return ["value"]
+    return ["fp32"] + (state_names if t.kind == "param" else [])
+
+
+def _load_tensors(ckpt: AtomicCheckpoint, target: Target, state_names: list[str], bypass: bool,
+                  stats: LoadStats) -> None:
+    target.prepare_states(state_names)
+    group = target.dp_group
+    ranks = _group_ranks(group)
+    me = dist.get_rank() if dist.is_initialized() else 0
+    owners = _whole_owners(ckpt, target, state_names, ranks, group) if bypass else {}
+    for layer in _layers(target.tensors):
+        wants = [Want((t.name, s), t.start, t.numel, t.whole) for t in layer for s in _states_of(t, state_names)]
+        values = _read(ckpt, wants, owners, me, bypass, stats)
+        for want in wants:
+            if want.whole and bypass and len(ranks) > 1:
+                values[want.key] = _broadcast(ckpt, want, values.get(want.key), owners[want.key], group, stats)
+        for t in layer:
+            for s in _states_of(t, state_names):
+                if t.numel:
+                    t.install(s, values[(t.name, s)])
+                    stats.tensors += 1
+        stats.layers += 1
+        stats.peak_layer_bytes = max(stats.peak_layer_bytes, sum(v.numel() * v.element_size() for v in values.values()))
+
+
+def _group_ranks(group) -> list[int]:
+    if not dist.is_initialized():
+        return [0]
+    return dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+
+
+def _whole_owners(ckpt, target: Target, state_names: list[str], ranks: list[int], group) -> dict:
+    """Who reads each replicated tensor: balanced over the group, counting the slices each rank reads anyway."""
+    sizes, own = {}, 0
+    for t in target.tensors:
+        for s in _states_of(t, state_names):
+            nbytes = t.numel * _itemsize(ckpt, t.name, s)
+            if t.whole:
+                sizes[(t.name, s)] = nbytes
+            else:
+                own += nbytes
+    loads = [None] * len(ranks)
+    if len(ranks) > 1:
+        dist.all_gather_object(loads, own, group=group)
+    else:
+        loads = [own]
+    return assign_readers(sizes, ranks, dict(zip(ranks, loads)))
+
+
+def _entry(ckpt: AtomicCheckpoint, key: tuple[str, str]) -> dict:
+    name, state = key
+    return ckpt.index["params"][name]["states"][state]
+
+
+def _itemsize(ckpt: AtomicCheckpoint, name: str, state: str) -> int:
+    return TORCH_DTYPES[ckpt.index["params"][name]["states"][state]["dtype"]].itemsize
+
+
+def _read(ckpt: AtomicCheckpoint, wants: list[Want], owners: dict, me: int, bypass: bool,
+          stats: LoadStats) -> dict:
+    """This rank's reads for one layer, coalesced; returns key → wanted elements (flat)."""
+    plan: dict[tuple, tuple[ByteRange, Want]] = {}
+    for w in wants:
+        if w.numel == 0 or (bypass and w.whole and owners.get(w.key, me) != me):
+            continue
+        e = _entry(ckpt, w.key)
+        size = TORCH_DTYPES[e["dtype"]].itemsize
+        begin, end = e["offsets"]
+        if bypass and not w.whole:
+            begin, end = begin + w.start * size, begin + (w.start + w.numel) * size
+        plan[w.key] = (ByteRange(e["file"], begin, end), w)
+    counter = ReadCounter()
+    chunks = {}
+    for merged, parts in coalesce(r for r, _ in plan.values()):
+        buf = torch.empty(merged.nbytes, dtype=torch.uint8)
+        pread_into(str(ckpt.path / merged.file), buf, merged.begin, counter)
+        for part in parts:
+            chunks[part] = buf.narrow(0, part.begin - merged.begin, part.nbytes)
+    stats.bytes_read += counter.bytes
+    stats.read_calls += counter.calls
+    values = {}
+    for key, (rng, w) in plan.items():
+        e = _entry(ckpt, key)
+        if (rng.begin, rng.end) == tuple(e["offsets"]) and zlib.crc32(tensor_bytes(chunks[rng])) != e["crc32"]:
+            raise CorruptCheckpointError(f"{ckpt.path / e['file']}: {key[0]}:{key[1]} fails its checksum; the file "
+                                         "is damaged, convert again or restore it from a copy")
+        flat = chunks[rng].view(TORCH_DTYPES[e["dtype"]])
+        if not bypass and not w.whole:
+            flat = flat.narrow(0, w.start, w.numel)
+        values[key] = flat
+    return values
+
+
+def _broadcast(ckpt, want: Want, value, owner: int, group, stats: LoadStats) -> torch.Tensor:
+    e = _entry(ckpt, want.key)
+    buf = value.clone() if value is not None else torch.empty(want.numel, dtype=TORCH_DTYPES[e["dtype"]])
+    dist.broadcast(buf, src=owner, group=group)
+    stats.bytes_broadcast += buf.numel() * buf.element_size()
+    return buf
+
+
+def _restore_steps(ckpt: AtomicCheckpoint, target: Target) -> None:
+    params = ckpt.index["params"]
+    groups: dict[int, set] = {}
+    for t in target.tensors:
+        if t.kind == "param" and t.group is not None and "step" in params[t.name]:
+            groups.setdefault(t.group, set()).add(params[t.name]["step"])
+    for group, steps in groups.items():
+        if len(steps) != 1:
+            raise CheckpointMismatchError(f"{ckpt.path}: parameters of optimizer group {group} were saved at "
+                                          f"different steps {sorted(steps)}")
+        target.set_step(group, steps.pop())
+
+
+def _restore_optimizer_globals(ckpt: AtomicCheckpoint, target: Target) -> None:
+    """Hyper-parameters of each engine param group, from the checkpoint group its members came from."""
+    saved = (ckpt.optimizer or {}).get("param_groups", [])
+    group_of = {n: i for i, g in enumerate(saved) for n in g["params"]}
+    for entry in target.optimizer_groups:
+        sources = {group_of.get(n) for n in entry["names"]} - {None}
+        if len(sources) == 1:
+            for key, value in saved[sources.pop()]["hyperparams"].items():
+                if key in entry["group"]:
+                    entry["group"][key] = tuple(value) if isinstance(entry["group"][key], tuple) else value
+

@@ -1,0 +1,321 @@
+"""What each rank of a live DeepSpeed engine holds, and how to write a loaded state into it.
+
+One adapter per optimizer family, chosen from the engine before anything is touched:
+
+* ZeRO-0 — the module owns full fp32 weights (plain torch optimizer), or fp32 masters sit in
+  `FP16_UnfusedOptimizer.fp32_groups` (fp16/bf16); every rank wants every tensor whole.
+* ZeRO-1/2 (`DeepSpeedZeroOptimizer`) — each trainable parameter's `_hp_mapping` says which run
+  of its flattened elements lives in this rank's flat fp32 partition.
+* ZeRO-3 (`DeepSpeedZeroOptimizer_Stage3`) — each parameter is partitioned on its own; rank r
+  holds elements [r*pn, (r+1)*pn) (pn = ceil(numel / dp)), packed per sub-group in order.
+
+Frozen parameters and buffers are restored too (ZeRO-3 frozen parameters are partitioned like the
+others). Optimizer states are created when the engine has not stepped yet.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ucp.errors import UnsupportedLayoutError
+
+Install = Callable[[str, torch.Tensor], None]
+
+# The states torch creates for each optimizer family, to check a checkpoint matches before loading.
+OPTIMIZER_STATES = {
+    "adam": ("exp_avg", "exp_avg_sq"), "adamw": ("exp_avg", "exp_avg_sq"), "fusedadam": ("exp_avg", "exp_avg_sq"),
+    "deepspeedcpuadam": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",),
+}
+
+
+@dataclass
+class TargetTensor:
+    """One model tensor on this rank: what it wants of the full tensor and how to install it."""
+
+    name: str
+    kind: str                   # "param", "frozen" or "buffer"
+    shape: tuple[int, ...]      # the full (unsharded) shape the engine expects
+    start: int                  # first wanted element of the flattened full tensor
+    numel: int                  # how many (0: this rank holds none of it)
+    whole: bool                 # wants every element (replicated on the DP group)
+    install: Install            # install(state name, wanted elements as a flat tensor)
+    group: int | None = None    # optimizer param group index (trainable parameters)
+
+
+class Target:
+    """The tensors of one engine on one rank, in model order, plus the hooks around loading them."""
+
+    family = "?"
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.tensors: list[TargetTensor] = []
+        self.dp_group = getattr(engine, "data_parallel_group", None)
+
+    @property
+    def optimizer_groups(self) -> list[dict]:
+        """The torch param groups whose hyper-parameters a checkpoint restores, with member names."""
+        raise NotImplementedError
+
+    def prepare_states(self, state_names: list[str]) -> None:
+        """Create empty optimizer state (an engine that has not stepped has none)."""
+
+    def set_step(self, group: int, step: float) -> None:
+        raise NotImplementedError
+
+    def finish(self) -> None:
+        """Propagate fp32 masters to the low-precision module weights."""
+
+
+def target_for(engine) -> Target:
+    """The adapter for `engine`'s optimizer family, or an error naming what ucp cannot serve."""
+    optimizer = engine.optimizer
+    name = type(optimizer).__name__
+    if name == "DeepSpeedZeroOptimizer":
+        return Zero12Target(engine)
+    if name == "DeepSpeedZeroOptimizer_Stage3":
+        return Zero3Target(engine)
+    if name == "FP16_UnfusedOptimizer":
+        return Zero0MixedTarget(engine)
+    if isinstance(optimizer, torch.optim.Optimizer) and engine.zero_optimization_stage() == 0:
+        return Zero0Target(engine)
+    raise UnsupportedLayoutError(f"ucp cannot load into an engine whose optimizer is {name} (ZeRO stage "
+                                 f"{engine.zero_optimization_stage()}); supported: ZeRO 0-3 with a torch optimizer")
+
+
+def _names(engine) -> dict:
+    return engine.param_names
+
+
+def _buffers_and_frozen(target: Target, skip: set[int], zero3: bool) -> None:
+    module = target.engine.module
+    for name, p in module.named_parameters():
+        if p.requires_grad or id(p) in skip:
+            continue
+        if zero3 and hasattr(p, "ds_tensor"):
+            target.tensors.append(_zero3_frozen(target, name, p))
+            continue
+        target.tensors.append(TargetTensor(name, "frozen", tuple(p.shape), 0, p.numel(), True,
+                                           _copy_into(p.data)))
+    persistent = set(module.state_dict().keys())
+    for name, b in module.named_buffers():
+        if name in persistent:
+            target.tensors.append(TargetTensor(name, "buffer", tuple(b.shape), 0, b.numel(), True, _copy_into(b)))
+
+
+def _copy_into(dest: torch.Tensor) -> Install:
+    def install(state: str, value: torch.Tensor) -> None:
+        dest.data.view(-1).copy_(value)
+    return install
+
+
+def _empty_state(flat: torch.Tensor, names: list[str]) -> dict:
+    return {n: torch.zeros_like(flat, memory_format=torch.preserve_format) for n in names}
+
+
+class Zero0Target(Target):
+    family = "ZeRO-0"
+
+    def __init__(self, engine):
+        super().__init__(engine)
+        names = _names(engine)
+        self.optimizer = engine.optimizer
+        seen = set()
+        for g, group in enumerate(self.optimizer.param_groups):
+            for p in group["params"]:
+                seen.add(id(p))
+                self.tensors.append(TargetTensor(names[p], "param", tuple(p.shape), 0, p.numel(), True,
+                                                 self._installer(p), g))
+        _buffers_and_frozen(self, seen, zero3=False)
+
+    def _installer(self, p: torch.nn.Parameter) -> Install:
+        def install(state: str, value: torch.Tensor) -> None:
+            target = p.data if state == "fp32" else self.optimizer.state[p][state]
+            target.view(-1).copy_(value)
+        return install
+
+    @property
+    def optimizer_groups(self) -> list[dict]:
+        names = _names(self.engine)
+        return [{"group": g, "names": [names[p] for p in g["params"]]} for g in self.optimizer.param_groups]
+
+    def prepare_states(self, state_names: list[str]) -> None:
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                state = self.optimizer.state[p]
+                for n in state_names:
+                    state.setdefault(n, torch.zeros_like(p, memory_format=torch.preserve_format))
+
+    def set_step(self, group: int, step: float) -> None:
+        for p in self.optimizer.param_groups[group]["params"]:
+            self.optimizer.state[p]["step"] = torch.tensor(float(step))
+
+
+class Zero0MixedTarget(Target):
+    """ZeRO-0 with fp16/bf16: fp32 masters per parameter in `fp32_groups`, the module holds low precision."""
+
+    family = "ZeRO-0 (mixed precision)"
+
+    def __init__(self, engine):
+        super().__init__(engine)
+        names = _names(engine)
+        self.wrapper = engine.optimizer
+        self.optimizer = self.wrapper.optimizer
+        seen = set()
+        for g, (low, masters) in enumerate(zip(self.wrapper.fp16_groups, self.wrapper.fp32_groups)):
+            for lp, master in zip(low, masters):
+                seen.add(id(lp))
+                self.tensors.append(TargetTensor(names[lp], "param", tuple(lp.shape), 0, lp.numel(), True,
+                                                 self._installer(master), g))
+        _buffers_and_frozen(self, seen, zero3=False)
+
+    def _installer(self, master: torch.Tensor) -> Install:
+        def install(state: str, value: torch.Tensor) -> None:
+            target = master.data if state == "fp32" else self.optimizer.state[master][state]
+            target.view(-1).copy_(value)
+        return install
+
+    @property
+    def optimizer_groups(self) -> list[dict]:
+        names = _names(self.engine)
+        return [{"group": pg, "names": [names[lp] for lp in low]}
+                for pg, low in zip(self.optimizer.param_groups, self.wrapper.fp16_groups)]
+
+    def prepare_states(self, state_names: list[str]) -> None:
+        for masters in self.wrapper.fp32_groups:
+            for master in masters:
+                state = self.optimizer.state[master]
+                for n in state_names:
+                    state.setdefault(n, torch.zeros_like(master, memory_format=torch.preserve_format))
+
+    def set_step(self, group: int, step: float) -> None:
+        for master in self.wrapper.fp32_groups[group]:
+            self.optimizer.state[master]["step"] = torch.tensor(float(step))
+
+    def finish(self) -> None:
+        for low, masters in zip(self.wrapper.fp16_groups, self.wrapper.fp32_groups):
+            for lp, master in zip(low, masters):
+                lp.data.copy_(master.data)
+
+
+class Zero12Target(Target):
+    family = "ZeRO-1/2"
+
+    def __init__(self, engine):
+        super().__init__(engine)
+        names = _names(engine)
+        self.zero = engine.optimizer
+        if getattr(self.zero, "cpu_offload", False):
+            raise UnsupportedLayoutError("ucp cannot load into a ZeRO-1/2 engine with optimizer offload yet")
+        seen = set()
+        for g, group in enumerate(self.zero.bit16_groups):
+            flat = self.zero.single_partition_of_fp32_groups[g]
+            for lp in group:
+                seen.add(id(lp))
+                mapping = getattr(lp, "_hp_mapping", None)
+                if mapping is None:
+                    self.tensors.append(TargetTensor(names[lp], "param", tuple(lp.shape), 0, 0, False,
+                                                     _nothing, g))
+                    continue
+                lp_address, hp_address = mapping.lp_fragment_address, mapping.hp_fragment_address
+                self.tensors.append(TargetTensor(names[lp], "param", tuple(lp.shape), lp_address.start,
+                                                 lp_address.numel, False,
+                                                 self._installer(flat, hp_address.start, hp_address.numel), g))
+        _buffers_and_frozen(self, seen, zero3=False)
+
+    def _installer(self, flat: torch.Tensor, start: int, numel: int) -> Install:
+        def install(state: str, value: torch.Tensor) -> None:
+            target = flat if state == "fp32" else self.zero.optimizer.state[flat][state]
+            target.narrow(0, start, numel).copy_(value)
+        return install
+
+    @property
+    def optimizer_groups(self) -> list[dict]:
+        names = _names(self.engine)
+        return [{"group": pg, "names": [names[lp] for lp in low]}
+                for pg, low in zip(self.zero.optimizer.param_groups, self.zero.bit16_groups)]
+
+    def prepare_states(self, state_names: list[str]) -> None:
+        for flat in self.zero.single_partition_of_fp32_groups:
+            state = self.zero.optimizer.state[flat]
+            for n, t in _empty_state(flat, state_names).items():
+                state.setdefault(n, t)
+
+    def set_step(self, group: int, step: float) -> None:
+        self.zero.optimizer.state[self.zero.single_partition_of_fp32_groups[group]]["step"] = torch.tensor(float(step))
+
+    def finish(self) -> None:
+        self.zero.update_lp_params()
+
+
+def _nothing(state: str, value: torch.Tensor) -> None:
+    """This rank holds no element of the parameter."""
+
+
+def _zero3_frozen(target: Target, name: str, p) -> TargetTensor:
+    rank = dist.get_rank(group=target.engine.optimizer.dp_process_group)
+    pn = p.ds_tensor.numel()
+    real = max(0, min(pn, p.ds_numel - rank * pn))
+
+    def install(state: str, value: torch.Tensor) -> None:
+        p.ds_tensor.data.narrow(0, 0, real).copy_(value)
+    return TargetTensor(name, "frozen", tuple(p.ds_shape), rank * pn, real, False, install)
+
+
+class Zero3Target(Target):
+    family = "ZeRO-3"
+
+    def __init__(self, engine):
+        super().__init__(engine)
+        names = _names(engine)
+        self.zero = engine.optimizer
+        if getattr(self.zero, "offload_optimizer", False) or getattr(self.zero, "offload_param", False):
+            raise UnsupportedLayoutError("ucp cannot load into a ZeRO-3 engine with offload yet")
+        rank = dist.get_rank(group=self.zero.dp_process_group)
+        seen = set()
+        for sub, group in enumerate(self.zero.fp16_groups):
+            flat = self.zero.fp32_partitioned_groups_flat[sub]
+            offset = 0
+            for p in group:
+                seen.add(id(p))
+                pn = p.partition_numel()
+                real = max(0, min(pn, p.ds_numel - rank * pn))
+                self.tensors.append(TargetTensor(names[p], "param", tuple(p.ds_shape), rank * pn, real, False,
+                                                 self._installer(flat, offset, real), sub))
+                offset += pn
+        _buffers_and_frozen(self, seen, zero3=True)
+
+    def _installer(self, flat: torch.Tensor, start: int, numel: int) -> Install:
+        def install(state: str, value: torch.Tensor) -> None:
+            target = flat if state == "fp32" else self.zero.optimizer.state[flat][state]
+            target.narrow(0, start, numel).copy_(value)
+        return install
+
+    @property
+    def optimizer_groups(self) -> list[dict]:
+        names = _names(self.engine)
+        return [{"group": pg, "names": [names[p] for p in low]}
+                for pg, low in zip(self.zero.optimizer.param_groups, self.zero.fp16_groups)]
+
+    def prepare_states(self, state_names: list[str]) -> None:
+        for flat in self.zero.fp32_partitioned_groups_flat:
+            state = self.zero.optimizer.state[flat]
+            for n, t in _empty_state(flat, state_names).items():
+                state.setdefault(n, t)
+
+    def set_step(self, group: int, step: float) -> None:
+        self.zero.optimizer.state[self.zero.fp32_partitioned_groups_flat[group]]["step"] = torch.tensor(float(step))
+
+    def finish(self) -> None:
+        # As DeepSpeed's own universal loader does: masters → low-precision partitions → params.
+        for sub, fp32_flat in enumerate(self.zero.fp32_partitioned_groups_flat):
+            if fp32_flat.numel() > 0:
+                self.zero.fp16_partitioned_groups_flat[sub].data.copy_(fp32_flat.data)
+        for sub, low_flat in enumerate(self.zero.fp16_partitioned_groups_flat):
+            updated = self.zero.unflatten(low_flat, self.zero.fp16_partitioned_groups[sub])
+            for partitioned, q in zip(self.zero.fp16_partitioned_groups[sub], updated):
+                partitioned.data = q.data
+
