@@ -188,12 +188,15 @@ def _plan_zero12(where: TagDir, model_path: Path, model: dict, optim_files: dict
     moment_names: list[str] = []
     stage = None
     hyper = None
+    scaler = None
     for rank, path in enumerate(paths):
         osd = _load_dict(path).get("optimizer_state_dict")
         if not isinstance(osd, dict) or "single_partition_of_fp32_groups" not in osd:
             raise CorruptCheckpointError(f"{path}: not a ZeRO-1/2 optimizer file (no single_partition_of_fp32_groups)")
         stage = _zero_stage(osd, path)
         _check_partitions(osd.get("partition_count"), dp, path)
+        if rank == 0:
+            scaler = osd.get("loss_scaler")
         base = osd["base_optimizer_state"]
         if hyper is None:
             hyper = base.get("param_groups", [])
@@ -237,7 +240,7 @@ def _plan_zero12(where: TagDir, model_path: Path, model: dict, optim_files: dict
         params.append(ParamPlan(name, shape, TRAINABLE, states, group_of[name], steps.get(group_of[name]),
                                 _module_dtype(module, name)))
     params += _frozen_and_buffers(model, model_path, set(shapes))
-    return _finish(where, model, params, hyper, moment_names, stage, dp, list(paths) + [model_path])
+    return _finish(where, model, params, hyper, moment_names, stage, dp, list(paths) + [model_path], scaler)
 
 
 def _plan_zero3(where: TagDir, model_files: dict, optim_files: dict) -> ConversionPlan:
@@ -259,6 +262,7 @@ def _plan_zero3(where: TagDir, model_files: dict, optim_files: dict) -> Conversi
     sub_steps: dict[int, float | None] = {}
     sub_hyper = None
     stage = None
+    scaler = None
     for rank, path in enumerate(optim_paths):
         osd = _load_dict(path).get("optimizer_state_dict")
         if not isinstance(osd, dict) or "fp32_flat_groups" not in osd:
@@ -267,6 +271,8 @@ def _plan_zero3(where: TagDir, model_files: dict, optim_files: dict) -> Conversi
         if osd.get("ds_zero_partition_groups"):
             raise UnsupportedLayoutError(f"{path}: hierarchical ZeRO-3 partitions (hpZ/MiCS) are not supported yet")
         _check_partitions(osd.get("partition_count"), dp, path)
+        if rank == 0:
+            scaler = osd.get("loss_scaler")
         inner = osd["optimizer_state_dict"]
         if sub_hyper is None:
             sub_hyper = inner.get("param_groups", [])
@@ -315,14 +321,23 @@ def _plan_zero3(where: TagDir, model_files: dict, optim_files: dict) -> Conversi
                                 model_dtype=_module_dtype(module, name)))
     params += _buffers(first_model, model_paths[0])
     return _finish(where, first_model, params, groups, moment_names, stage, dp,
-                   list(optim_paths) + list(model_paths))
+                   list(optim_paths) + list(model_paths), scaler)
 
 
 def _plan_zero0(where: TagDir, model_path: Path, model: dict, param_names: list[str] | None) -> ConversionPlan:
     params, hyper, moment_names = zero0_trainable(model, model_path, param_names)
     params += _frozen_and_buffers(model, model_path, {p.name for p in params})
     dp = int(model.get("dp_world_size") or 1)
-    return _finish(where, model, params, hyper, moment_names, 0, dp, [model_path])
+    return _finish(where, model, params, hyper, moment_names, 0, dp, [model_path], model.get("optimizer"))
+
+
+_SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+
+
+def _loss_scaler_state(scaler) -> dict:
+    """The dynamic fp16 loss-scaler fields, from a pickled LossScaler or a ZeRO-0 optimizer dict."""
+    state = as_python(scaler)
+    return {k: state[k] for k in _SCALER_FIELDS if isinstance(state, dict) and k in state}
 
 
 def _merge_sub_groups(sub_hyper: list[dict]) -> tuple[list[dict], dict[int, int]]:
@@ -392,7 +407,7 @@ def _buffers(model: dict, path: Path) -> list[ParamPlan]:
 
 
 def _finish(where: TagDir, model: dict, params: list[ParamPlan], hyper, moment_names: list[str], stage, dp: int,
-            files: list[Path]) -> ConversionPlan:
+            files: list[Path], scaler=None) -> ConversionPlan:
     config = model.get("ds_config") or {}
     optimizer_cfg = config.get("optimizer") or {}
     groups = []
@@ -408,6 +423,8 @@ def _finish(where: TagDir, model: dict, params: list[ParamPlan], hyper, moment_n
     }
     training = {k: as_python(model.get(k)) for k in ("global_steps", "global_samples", "skipped_steps")
                 if model.get(k) is not None}
+    if precision == "fp16" and scaler is not None:
+        training["loss_scaler"] = _loss_scaler_state(scaler)
     client = {k: as_python(v) for k, v in model.items() if k not in _MODEL_KEYS}
     optimizer = {"type": optimizer_cfg.get("type", "unknown"), "states": moment_names, "param_groups": groups}
     return ConversionPlan(params=params, source=source, optimizer=optimizer, training=training,

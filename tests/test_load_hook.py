@@ -26,6 +26,8 @@ CASES = [  # (saved at, resumed at)
     (TinySpec(stage=2), TinySpec(stage=0)),                                             # ZeRO 2 -> 0
     (TinySpec(stage=0), TinySpec(stage=3, world_size=3)),                               # ZeRO 0 -> 3
     (TinySpec(stage=1), TinySpec(stage=2, dtype="bf16")),                               # fp32 -> bf16
+    (TinySpec(stage=2, dtype="fp16", optimizer="Adam"),
+     TinySpec(stage=1, dtype="fp16", optimizer="Adam", world_size=3)),                  # fp16, loss scale kept
 ]
 
 
@@ -34,7 +36,7 @@ def tolerance(source: TinySpec, target: TinySpec) -> float:
         # Another DP degree or ZeRO stage sums gradients in another order: ~1e-7 apart.
         return 1e-6
     if source.dtype == target.dtype:
-        # bf16 runs at different DP degrees differ by ~1e-4 from scratch already (rounding of
+        # bf16/fp16 runs at different DP degrees differ by ~1e-4 from scratch already (rounding of
         # bf16 gradients in another reduction order), so the resumed run can do no better.
         return 1e-3
     # fp32 training resumed in bf16: the forward pass now rounds to 8 mantissa bits (~4e-3).

@@ -96,6 +96,7 @@ def load(engine, path: str | os.PathLike, *, bypass: bool = True, load_optimizer
     if load_optimizer_states:
         _restore_steps(ckpt, target)
         _restore_optimizer_globals(ckpt, target)
+        _restore_loss_scale(ckpt, engine)
     with torch.no_grad():
         target.finish()
     training = ckpt.index.get("training", {})
@@ -279,6 +280,18 @@ def _restore_steps(ckpt: AtomicCheckpoint, target: Target) -> None:
             raise CheckpointMismatchError(f"{ckpt.path}: parameters of optimizer group {group} were saved at "
                                           f"different steps {sorted(steps)}")
         target.set_step(group, steps.pop())
+
+
+def _restore_loss_scale(ckpt: AtomicCheckpoint, engine) -> None:
+    """fp16 only: the dynamic loss scale and its counters continue where training stopped."""
+    saved = ckpt.index.get("training", {}).get("loss_scaler")
+    optimizer = engine.optimizer
+    scaler = getattr(optimizer, "loss_scaler", None) or getattr(optimizer, "loss_scale_config", None)
+    if not saved or scaler is None:
+        return
+    for key, value in saved.items():
+        if hasattr(scaler, key):
+            setattr(scaler, key, value)
 
 
 def _restore_optimizer_globals(ckpt: AtomicCheckpoint, target: Target) -> None:
