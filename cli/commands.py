@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -9,21 +10,43 @@ import time
 
 def cmd_convert(args: argparse.Namespace) -> int:
     from ucp.convert import convert
+    from ucp.errors import UcpError
 
     start = time.perf_counter()
     names = None
     if args.param_names:
         with open(args.param_names) as f:
             names = [line.strip() for line in f if line.strip()]
-    result = convert(args.input, args.output, tag=args.tag, workers=args.workers, fmt=args.format,
-                     strict=args.strict, progress=not args.quiet, param_names=names)
+    if args.ray_address and args.executor != "ray":
+        raise UcpError(f"--ray-address {args.ray_address} needs --executor ray")
+    with executor_for(args) as executor:
+        result = convert(args.input, args.output, tag=args.tag, workers=args.workers, fmt=args.format,
+                         strict=args.strict, progress=not args.quiet, param_names=names, executor=executor,
+                         resume=args.resume)
     if result.already_done:
         print(f"{result.output}: already holds this conversion ({result.params} parameters); nothing to do")
         return 0
+    redone = f"; redid {result.redone} of {result.params} parameters, kept the rest" if args.resume else ""
     print(f"converted {result.params} parameters into {result.output} "
           f"({human_bytes(result.bytes_written)} in {result.files_written} files, "
-          f"{time.perf_counter() - start:.1f} s)")
+          f"{time.perf_counter() - start:.1f} s{redone})")
     return 0
+
+
+def executor_for(args: argparse.Namespace) -> contextlib.AbstractContextManager:
+    """The executor `--executor` names, as a context manager (Ray connects on entry, disconnects on exit)."""
+    if args.executor == "ray":
+        from ucp.ray_executor import RayExecutor
+
+        return RayExecutor(args.ray_address, args.workers, progress=not args.quiet)
+    return contextlib.nullcontext(None)  # convert() builds the local process pool from --workers
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    from ucp.ray_executor import submit_job
+
+    argv = args.ucp_args[1:] if args.ucp_args[:1] == ["--"] else args.ucp_args
+    return submit_job(args.address, argv, working_dir=args.working_dir, ship_ucp=args.ship_ucp)
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:

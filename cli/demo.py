@@ -1,6 +1,7 @@
 """`ucp demo`: the main job on the embedded default, end to end on this machine's CPUs."""
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -29,7 +30,7 @@ def torchrun(module: str, args: list[str], nproc: int) -> None:
            "--master_port", env["MASTER_PORT"], "-m", module, *args]
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     for line in proc.stdout.splitlines():
-        if line.startswith("  step"):
+        if line.startswith(("  step", "  resumed")):
             print(line)
     if proc.returncode != 0:
         tail = "\n".join(proc.stdout.splitlines()[-40:])
@@ -48,14 +49,23 @@ def run_demo(workdir: str | None) -> int:
     root = Path(workdir or tempfile.mkdtemp(prefix="ucp-demo-"))
     root.mkdir(parents=True, exist_ok=True)
     save_dir, out_dir = root / "deepspeed", root / "atomic"
-    print(f"[1/3] training a tiny language model with DeepSpeed ZeRO-2 on 2 CPU ranks; saving to {save_dir}")
-    torchrun("ucp.cli.demo_train", ["--save-dir", str(save_dir), "--steps", "5", "--stage", "2"], nproc=2)
-    print(f"[2/3] converting to the atomic format: {out_dir}")
-    result = convert(save_dir, out_dir, workers=2)
+    print(f"[1/4] training a tiny language model with DeepSpeed ZeRO-2 on 2 CPU ranks; saving at step 5 to "
+          f"{save_dir}, then training on to step 8 as the reference")
+    torchrun("ucp.cli.demo_train", ["--save-dir", str(save_dir), "--steps", "5", "--more-steps", "3",
+                                    "--stage", "2", "--losses-out", str(root / "reference.json")], nproc=2)
+    print(f"[2/4] converting the step-5 checkpoint to the atomic format: {out_dir}")
+    result = convert(save_dir, out_dir, workers=2, progress=False)
     print(f"      {result.params} parameters in {len(result.files)} safetensors files + index")
-    print("[3/3] the atomic checkpoint (ucp inspect):")
+    print("[3/4] the atomic checkpoint (ucp inspect):")
     ckpt = open_checkpoint(out_dir)
     print(describe(ckpt, [ckpt.info(n) for n in ckpt.names]))
     problems = ckpt.verify()
-    print(f"verify: {'OK' if not problems else problems}")
-    return 1 if problems else 0
+    print(f"      ucp verify: {'OK' if not problems else problems}")
+    print("[4/4] resuming it at another layout, ZeRO-3 on 3 CPU ranks, through ucp.deepspeed.initialize")
+    torchrun("ucp.cli.demo_train", ["--ucp-load", str(out_dir), "--steps", "3", "--stage", "3",
+                                    "--losses-out", str(root / "resumed.json")], nproc=3)
+    reference = json.loads((root / "reference.json").read_text())[5:]
+    resumed = json.loads((root / "resumed.json").read_text())
+    worst = max(abs(a - b) / abs(b) for a, b in zip(resumed, reference))
+    print(f"      losses after the resume vs the uninterrupted ZeRO-2 run: largest relative difference {worst:.1e}")
+    return 1 if problems or worst > 1e-5 else 0

@@ -17,9 +17,12 @@ examples:
   ucp convert --input ckpts/ --output ckpts_ucp/          convert the tag named in ckpts/latest
   ucp convert --input ckpts/global_step100 --output out/ --workers 4
   ucp convert --input ckpts/ --output uc/global_step100 --format deepspeed   stock load_universal layout
+  ucp convert --input ckpts/ --output ckpts_ucp/ --resume     finish an interrupted conversion
+  ucp convert --input /shared/ckpts --output /shared/ucp --executor ray --ray-address auto
+  ucp submit --address http://HEAD:8265 -- convert --input /shared/ckpts --output /shared/ucp
   ucp inspect ckpts_ucp/                                  parameters, shapes, patterns, sizes
   ucp verify ckpts_ucp/                                   checksums and completeness
-  ucp demo                                                train, save, convert, inspect on 2 CPU ranks
+  ucp demo                                                train, save, convert, inspect, resume elsewhere
 """
 
 
@@ -47,6 +50,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--param-names", metavar="FILE",
                    help="ZeRO-0 only, when names cannot be recovered from shapes: the optimizer's parameter "
                         "names, one per line, in param-group order")
+    p.add_argument("--executor", choices=["local", "ray"], default="local",
+                   help="local: a process pool on this machine (default); ray: map and reduce tasks on a Ray "
+                        "cluster (--ray-address), or on a local Ray instance started for this conversion. Same "
+                        "--workers, same output bytes")
+    p.add_argument("--ray-address", metavar="ADDR",
+                   help="with --executor ray: the cluster to join (e.g. auto, or HEAD:6379); default: $RAY_ADDRESS, "
+                        "else a local Ray instance of --workers CPUs")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the data files an interrupted conversion of the same source finished (each checked "
+                        "against its checksums) and convert only the rest; use the same --workers")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
     p = sub.add_parser("inspect", help="table of parameters, shapes, patterns and sizes",
@@ -60,10 +73,29 @@ def build_parser() -> argparse.ArgumentParser:
                                    "in bounds and matching its CRC-32. Exits 1 on any problem.")
     p.add_argument("path", metavar="DIR")
 
-    p = sub.add_parser("demo", help="train a tiny model on 2 CPU ranks, save, convert, inspect",
+    p = sub.add_parser("submit", help="run a ucp command as a job on a Ray cluster and follow its logs",
+                       description="Submit `ucp COMMAND ...` (convert, verify or inspect) to a Ray cluster's job server, "
+                                   "print the job's logs until it ends, and exit 1 if it fails. convert runs with "
+                                   "--executor ray unless told otherwise. Paths are read on the cluster: use absolute "
+                                   "paths on storage every node shares.",
+                       epilog="example: ucp submit --address http://HEAD:8265 -- convert --input /shared/ckpts "
+                              "--output /shared/ckpts_ucp")
+    p.add_argument("--address", required=True, metavar="URL",
+                   help="the job server of the cluster's head node (its dashboard), e.g. http://HEAD:8265")
+    p.add_argument("--working-dir", metavar="DIR",
+                   help="a local directory uploaded with the job and made its working directory (runtime_env "
+                        "working_dir)")
+    p.add_argument("--ship-ucp", action="store_true",
+                   help="upload this ucp with the job (runtime_env py_modules), for clusters where ucp is not "
+                        "installed on every node; torch, safetensors, numpy and tqdm must still be installed there")
+    p.add_argument("ucp_args", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
+                   help="the ucp command to run on the cluster, after '--'")
+
+    p = sub.add_parser("demo", help="train on 2 CPU ranks, save, convert, inspect, resume on 3 ranks",
                        description="End-to-end demo on this machine: trains a tiny model with DeepSpeed "
-                                   "(ZeRO-2, 2 CPU processes, gloo), saves a checkpoint, converts it with ucp and "
-                                   "shows the atomic checkpoint.")
+                                   "(ZeRO-2, 2 CPU processes, gloo), saves a checkpoint, converts it with ucp, "
+                                   "shows the atomic checkpoint, then resumes it under ZeRO-3 on 3 processes "
+                                   "through ucp.deepspeed and compares the losses with the uninterrupted run.")
     p.add_argument("--workdir", metavar="DIR", help="where to write (default: a new temporary directory)")
     return parser
 
