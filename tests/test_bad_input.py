@@ -66,6 +66,19 @@ def test_wrong_tag(source, tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+def test_tag_from_latest_explicit_tag_and_tag_folder_agree(source, tmp_path, capsys):
+    tag = read_tag(source)
+    inputs = {"latest": ["--input", str(source)], "tag": ["--input", str(source), "--tag", tag],
+              "folder": ["--input", str(source / tag)]}
+    indexes = {}
+    for label, argv in inputs.items():
+        out = tmp_path / label
+        assert run_cli(capsys, "convert", *argv, "--output", str(out), "--quiet")[0] == 0
+        index = (out / INDEX_NAME).read_text()
+        indexes[label] = index.replace(str(out), "")
+    assert indexes["latest"] == indexes["tag"] == indexes["folder"]
+
+
 def test_output_holding_a_different_checkpoint(source, tiny_checkpoint, tmp_path, capsys):
     out = tmp_path / "out"
     assert run_cli(capsys, "convert", "--input", str(source), "--output", str(out), "--quiet")[0] == 0

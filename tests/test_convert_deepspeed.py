@@ -22,6 +22,7 @@ SPECS = [
     TinySpec(stage=2, dtype="fp16", optimizer="Adam"),
     TinySpec(stage=3),
     TinySpec(stage=3, dtype="bf16", world_size=3),
+    TinySpec(stage=1, uc_info=True),  # the model declares universal_checkpoint_info
 ]
 
 
