@@ -19,6 +19,10 @@ def read_fragment(fragment: Fragment, counter: ReadCounter | None = None) -> tor
 def materialize(source: StateSource, *, name: str, strict: bool = False,
                 counter: ReadCounter | None = None) -> torch.Tensor:
     """The full, unpadded tensor of one state of one parameter, in the state's stored dtype."""
-    pieces = [read_fragment(f, counter) for f in source.fragments]
+    return assemble(source, [read_fragment(f, counter) for f in source.fragments], name=name, strict=strict)
+
+
+def assemble(source: StateSource, pieces: list[torch.Tensor], *, name: str, strict: bool = False) -> torch.Tensor:
+    """Union → StripPad of fragments already extracted (in `source.fragments` order), in the stored dtype."""
     full = strip_pad(union(source.spec, pieces, strict=strict, name=name), source.spec)
     return full.to(TORCH_DTYPES[source.dtype])

@@ -4,6 +4,10 @@ Each task reads the fragments of its parameters straight from the rank files (Ex
 them (Union, StripPad) one state at a time, and streams them into its own safetensors file, so
 every source byte is read once, every output byte written once, and a worker never holds more
 than one state of one parameter. The index is committed only after every file is durable.
+
+Each finished data file gets a manifest (see `ucp.manifest`), so `--resume` redoes only the bins an
+interrupted run did not finish. A `ShuffleExecutor` (the Ray backend) runs the same bins as a
+MapReduce instead, with the same writer, so its files are byte-identical.
 """
 from __future__ import annotations
 
@@ -12,18 +16,25 @@ import json
 import math
 import os
 import shutil
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ucp import __version__
 from ucp.assemble import materialize
 from ucp.balance import lpt_bins
 from ucp.errors import OutputExistsError, UcpError
-from ucp.executor import Executor, LocalExecutor, Report
+from ucp.executor import Executor, LocalExecutor, Report, ShuffleExecutor
 from ucp.format import (FORMAT_NAME, FORMAT_VERSION, INDEX_NAME, PARTIAL_SUFFIX, commit_index, data_file_name,
                         fsync_dir, is_ucp_file, load_index, tensor_key)
-from ucp.plan import ConversionPlan, ParamPlan
+from ucp.manifest import MANIFEST_SUFFIX, BinCheck, manifest_name, remove_manifests, reusable_bin, write_manifest
+from ucp.plan import ConversionPlan, ParamPlan, StateSource
 from ucp.safetensors_stream import StreamingWriter, TensorSlot
+
+if TYPE_CHECKING:
+    import torch
 
 # A data file grows to about this size before conversion opens another, so output stays a few
 # large files whatever the worker count.
@@ -36,6 +47,7 @@ class WriteBin:
     file_name: str
     params: tuple[ParamPlan, ...]
     strict: bool
+    fingerprint: str  # of the source, recorded in the bin's manifest so --resume keeps only this conversion's files
 
 
 @dataclass(frozen=True)
@@ -46,24 +58,32 @@ class ConvertResult:
     bytes_written: int
     already_done: bool = False
     files_written: int = 0
+    redone: int = 0  # parameters this run converted: all of them, fewer when --resume kept finished files
 
 
 def convert(input_dir: str | os.PathLike, output_dir: str | os.PathLike, *, tag: str | None = None,
             workers: int | None = None, fmt: str = "ucp", strict: bool = False,
             executor: Executor | None = None, progress: bool = True,
-            param_names: list[str] | None = None) -> ConvertResult:
-    """Convert the DeepSpeed checkpoint at `input_dir` into `output_dir` (format `ucp` or `deepspeed`)."""
+            param_names: list[str] | None = None, resume: bool = False) -> ConvertResult:
+    """Convert the DeepSpeed checkpoint at `input_dir` into `output_dir` (format `ucp` or `deepspeed`).
+
+    With `resume`, data files that an interrupted conversion of the same source finished are kept
+    when they still match their checksums; only the other bins are converted again.
+    """
     from ucp.converters.deepspeed_zero import plan_deepspeed
 
+    if fmt not in ("ucp", "deepspeed"):
+        raise UcpError(f"unknown output format '{fmt}'; use 'ucp' or 'deepspeed'")
+    if resume and fmt != "ucp":
+        raise UcpError("--resume works with --format ucp only; for --format deepspeed delete the output "
+                       "directory and convert again")
     plan = plan_deepspeed(input_dir, tag, param_names)
     executor = executor or LocalExecutor(workers, progress=progress)
     if fmt == "deepspeed":
         from ucp.deepspeed_universal import write_deepspeed_universal
 
         return write_deepspeed_universal(plan, Path(output_dir), executor, strict=strict)
-    if fmt != "ucp":
-        raise UcpError(f"unknown output format '{fmt}'; use 'ucp' or 'deepspeed'")
-    return write_atomic(plan, Path(output_dir), executor, strict=strict)
+    return write_atomic(plan, Path(output_dir), executor, strict=strict, resume=resume)
 
 
 def source_fingerprint(plan: ConversionPlan) -> str:
@@ -75,8 +95,11 @@ def source_fingerprint(plan: ConversionPlan) -> str:
     return h.hexdigest()[:32]
 
 
-def prepare_output(output: Path, fingerprint: str) -> bool:
-    """Make `output` ready to receive a checkpoint; True when it already holds this very conversion."""
+def prepare_output(output: Path, fingerprint: str, resume: bool = False) -> bool:
+    """Make `output` ready to receive a checkpoint; True when it already holds this very conversion.
+
+    Leftovers of an interrupted run are deleted, unless `resume` asks to keep them for `keep_finished`.
+    """
     if (output / INDEX_NAME).is_file():
         existing = load_index(output)
         if existing.get("source", {}).get("fingerprint") == fingerprint:
@@ -89,8 +112,9 @@ def prepare_output(output: Path, fingerprint: str) -> bool:
         if foreign:
             raise OutputExistsError(f"{output}: is not empty (holds '{foreign[0]}', which ucp did not write); "
                                     "choose an empty or new --output directory")
-        for name in os.listdir(output):  # leftovers of an interrupted run: not a checkpoint
-            os.remove(output / name)
+        if not resume:
+            for name in os.listdir(output):  # leftovers of an interrupted run: not a checkpoint
+                os.remove(output / name)
     output.mkdir(parents=True, exist_ok=True)
     return False
 
@@ -102,20 +126,48 @@ def plan_bins(plan: ConversionPlan, workers: int) -> list[list[ParamPlan]]:
     return [[plan.params[i] for i in members] for members in bins]
 
 
-def write_atomic(plan: ConversionPlan, output: Path, executor: Executor, *, strict: bool = False) -> ConvertResult:
+def write_atomic(plan: ConversionPlan, output: Path, executor: Executor, *, strict: bool = False,
+                 resume: bool = False) -> ConvertResult:
     fingerprint = source_fingerprint(plan)
-    if prepare_output(output, fingerprint):
+    if prepare_output(output, fingerprint, resume):
+        remove_manifests(output)  # left behind when a run died between its commit and this cleanup
         index = load_index(output)
         return ConvertResult(output, len(index["params"]), tuple(index["files"]), 0, already_done=True)
     bins = plan_bins(plan, executor.workers)
-    tasks = [WriteBin(str(output), data_file_name(i, len(bins)), tuple(b), strict) for i, b in enumerate(bins)]
-    total = sum(p.nbytes for p in plan.params)
-    results = executor.map(write_bin, tasks, total_bytes=total, desc="convert")
+    tasks = [WriteBin(str(output), data_file_name(i, len(bins)), tuple(b), strict, fingerprint)
+             for i, b in enumerate(bins)]
+    kept = keep_finished(output, tasks, executor) if resume else {}
+    todo = [t for t in tasks if t.file_name not in kept]
+    total = sum(p.nbytes for t in todo for p in t.params)
+    if isinstance(executor, ShuffleExecutor):
+        results = executor.write_bins(todo, total_bytes=total)
+    else:
+        results = executor.map(write_bin, todo, total_bytes=total, desc="convert")
     fsync_dir(output)
-    index = build_index(plan, fingerprint, results)
+    index = build_index(plan, fingerprint, [*kept.values(), *results])
     commit_index(output, index)
+    remove_manifests(output)
     return ConvertResult(output, len(plan.params), tuple(index["files"]),
-                         sum(f["bytes"] for f in index["files"].values()), files_written=len(index["files"]) + 1)
+                         sum(f["bytes"] for f in index["files"].values()), files_written=len(todo) + 1,
+                         redone=sum(len(t.params) for t in todo))
+
+
+def keep_finished(output: Path, tasks: list[WriteBin], executor: Executor) -> dict[str, dict]:
+    """--resume: the results of bins whose data files an earlier run finished and that are still intact.
+
+    Everything else ucp left in `output` (partial files, files of bins that are redone, files of a
+    run with another worker count) is deleted before the conversion writes anything.
+    """
+    checks = [BinCheck(t.output, t.file_name, tuple(s.key for s in bin_slots(t.params)), t.fingerprint)
+              for t in tasks if (output / manifest_name(t.file_name)).is_file()]
+    size = sum(os.path.getsize(output / c.file_name) for c in checks if (output / c.file_name).is_file())
+    found = executor.map(reusable_bin, checks, total_bytes=size, desc="verify") if checks else []
+    kept = {c.file_name: r for c, r in zip(checks, found) if r is not None}
+    for name in os.listdir(output):
+        if name not in kept and name.removesuffix(MANIFEST_SUFFIX) not in kept:
+            os.remove(output / name)
+    fsync_dir(output)
+    return kept
 
 
 def bin_slots(params: tuple[ParamPlan, ...]) -> list[TensorSlot]:
@@ -124,7 +176,16 @@ def bin_slots(params: tuple[ParamPlan, ...]) -> list[TensorSlot]:
 
 
 def write_bin(task: WriteBin, report: Report) -> dict:
-    """Materialise every state of the bin's parameters into one safetensors file (a reduce task)."""
+    """A reduce task that Extracts its own fragments, by byte offset from the rank files."""
+    return stream_bin(task, report, lambda p, source: materialize(source, name=p.name, strict=task.strict))
+
+
+def stream_bin(task: WriteBin, report: Report,
+               state_tensor: Callable[[ParamPlan, StateSource], torch.Tensor]) -> dict:
+    """Stream every state of the bin's parameters, as `state_tensor` gives it, into one safetensors file.
+
+    The file is durable (fsynced, renamed, directory fsynced) before its manifest is written.
+    """
     final = os.path.join(task.output, task.file_name)
     partial = final + PARTIAL_SUFFIX
     writer = StreamingWriter(partial, bin_slots(task.params), metadata={"format": FORMAT_NAME})
@@ -132,17 +193,40 @@ def write_bin(task: WriteBin, report: Report) -> dict:
     try:
         for p in task.params:
             for state, source in p.states.items():
-                tensor = materialize(source, name=p.name, strict=task.strict)
+                tensor = state_tensor(p, source)
                 stored[tensor_key(p.name, state)] = writer.write(tensor_key(p.name, state), tensor)
                 report(source.nbytes)
+                if len(stored) == 1:
+                    _hold_for_tests(task.file_name)
         writer.close()
     except BaseException:
         writer.abort()
         os.remove(partial)
         raise
     os.replace(partial, final)
-    return {"file": task.file_name, "bytes": os.path.getsize(final),
-            "tensors": {k: (s.begin, s.end, s.crc32) for k, s in stored.items()}}
+    fsync_dir(Path(task.output))
+    result = {"file": task.file_name, "bytes": os.path.getsize(final),
+              "tensors": {k: (s.begin, s.end, s.crc32) for k, s in stored.items()}}
+    write_manifest(task.output, result, task.fingerprint)
+    return result
+
+
+def _hold_for_tests(file_name: str) -> None:
+    """Fault injection for tests/test_ray.py, inert unless $UCP_TEST_HOLD_DIR is set.
+
+    While `$UCP_TEST_HOLD_DIR/<file_name>.hold` exists, the writer of that data file stops after its
+    first tensor, having written its pid to `<file_name>.pid`, so a test can kill it mid-file.
+    """
+    folder = os.environ.get("UCP_TEST_HOLD_DIR")
+    hold = os.path.join(folder or "", file_name + ".hold")
+    if not folder or not os.path.exists(hold):
+        return
+    pid_file = os.path.join(folder, file_name + ".pid")
+    with open(pid_file + PARTIAL_SUFFIX, "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(pid_file + PARTIAL_SUFFIX, pid_file)
+    while os.path.exists(hold):
+        time.sleep(0.05)
 
 
 def build_index(plan: ConversionPlan, fingerprint: str, results: list[dict]) -> dict:

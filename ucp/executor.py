@@ -1,4 +1,4 @@
-"""Where conversion tasks run. The default is a local process pool; Ray comes as another backend.
+"""Where conversion tasks run: a local process pool by default, Ray (`ucp.ray_executor`) on a cluster.
 
 A task function has the signature `fn(task, report)`, where `report(nbytes)` feeds the progress
 bar. Backends return results in task order and re-raise a task's error in the driver.
@@ -11,7 +11,7 @@ import queue as queue_module
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from tqdm import tqdm
 
@@ -24,6 +24,19 @@ class Executor(Protocol):
     workers: int
 
     def map(self, fn: Callable[[T, Report], R], tasks: Sequence[T], *, total_bytes: int, desc: str) -> list[R]:
+        ...
+
+
+@runtime_checkable
+class ShuffleExecutor(Executor, Protocol):
+    """A backend that writes the bins of a conversion itself, as a MapReduce with a shuffle.
+
+    `write_bins(tasks)` takes `ucp.convert.WriteBin`s and returns what `ucp.convert.write_bin` would
+    have returned for each, in order: map tasks Extract the fragments of each source file, reduce
+    tasks run `ucp.convert.stream_bin` on them. The Ray backend is one.
+    """
+
+    def write_bins(self, tasks: Sequence[Any], *, total_bytes: int) -> list[dict]:
         ...
 
 
