@@ -6,6 +6,7 @@ the planner before any tensor is read. When the metadata admits more than one re
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -59,6 +60,46 @@ def recognize(name: str, shape: Sequence[int], fragments: Sequence[FragmentInfo]
     if any(f.offset is not None for f in fragments):
         raise AmbiguousPatternError(f"{name}: mixes flat and shaped fragments; {_FIX.format(name=name)}")
     return _recognize_shaped(name, shape, fragments)
+
+
+@dataclass(frozen=True)
+class OuterPiece:
+    """One outer piece of a nested layout and the fragments that hold it.
+
+    A tensor-parallel rank's shard, or a pipeline stage's copy of a tied weight, is an outer piece;
+    ZeRO then partitions each one over its data-parallel ranks into `fragments`.
+    """
+
+    rank: int
+    shape: tuple[int, ...]
+    fragments: tuple[FragmentInfo, ...]
+
+
+def recognize_nested(name: str, shape: Sequence[int], pieces: Sequence[OuterPiece],
+                     hints: Hints | None = None) -> PatternSpec:
+    """The PatternSpec under which outer `pieces`, ordered by rank, each rebuilt from its own
+    fragments, rebuild a tensor of `shape`.
+
+    The outer layout is recognized as shaped fragments of the pieces' shapes (`hints` apply to
+    it); the inner layout from each piece's fragments, which must all be held the same way. An
+    outer split becomes SHARD_HY; any other outer pattern keeps its name and nests `inner`.
+    """
+    shape = tuple(int(s) for s in shape)
+    if not pieces:
+        raise AmbiguousPatternError(f"{name}: no rank holds any part of this parameter")
+    inner = [recognize(name, p.shape, p.fragments) for p in pieces]
+    kinds = sorted({f"{s.pattern.value}{' (flat)' if s.flat else ''}" for s in inner})
+    if len(kinds) > 1:
+        raise AmbiguousPatternError(f"{name}: its outer pieces are held in different ways ({', '.join(kinds)}); "
+                                    "the checkpoint's partition metadata is inconsistent")
+    outer = recognize(name, shape, [FragmentInfo(p.rank, tuple(p.shape)) for p in pieces], hints)
+    nested = {"inner": inner[0], "shard_shapes": tuple(tuple(p.shape) for p in pieces)}
+    if outer.pattern in (Pattern.SHARD_V, Pattern.SHARD_H):
+        return PatternSpec(Pattern.SHARD_HY, shape, dim=outer.dim, padded_size=outer.padded_size, **nested)
+    if outer.pattern is Pattern.SHARD_NC:
+        raise AmbiguousPatternError(f"{name}: non-contiguous shards that are themselves partitioned cannot be "
+                                    "rebuilt yet; convert a checkpoint saved without ZeRO partitioning of it")
+    return dataclasses.replace(outer, **nested)
 
 
 def _recognize_flat(name: str, shape: tuple[int, ...], fragments: Sequence[FragmentInfo]) -> PatternSpec:

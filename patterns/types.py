@@ -30,8 +30,10 @@ class PatternSpec:
                  length of `dim` (vocab padding). StripPad cuts back to `shape`.
     sub_widths:  SHARD_NC only: for every sub-parameter, the width each rank holds along `dim`
                  (sub_widths[s][r]); rank r's piece is its blocks of every sub-parameter, in order.
-    inner:       SHARD_HY only: the pattern of the pieces that make up each outer shard.
-    shard_shapes: SHARD_HY only: the shape of each outer shard once its inner pieces are joined.
+    inner:       SHARD_HY: the pattern of the pieces that make up each outer shard. Any other
+                 pattern may nest too: a REPLICATE or UNIQUE whose copies are each held as
+                 `inner` (a pipeline-tied weight that ZeRO partitioned on every stage).
+    shard_shapes: with `inner`: the shape of each outer piece once its inner pieces are joined.
     """
 
     pattern: Pattern

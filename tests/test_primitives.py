@@ -568,3 +568,25 @@ def test_every_pattern_keeps_dtype(dtype):
     for spec, pieces in cases:
         out = rebuild(spec, pieces, strict=True)
         assert_bitwise(out, t)
+
+
+@SETTINGS
+@given(shape=shapes, copies=st.integers(2, 4), dp=st.integers(1, 4), dtype=dtypes, seed=seeds)
+def test_nested_replicate_roundtrip(shape, copies, dp, dtype, seed):
+    """A tied weight on several pipeline stages, each stage's copy ZeRO-partitioned over dp ranks."""
+    from ucp.patterns import OuterPiece, recognize_nested
+
+    t = rand(shape, dtype, seed)
+    pieces, outer = [], []
+    for stage in range(copies):
+        inner_pieces, frags = zero3_shards(t, dp)
+        pieces.append(inner_pieces)
+        outer.append(OuterPiece(stage, tuple(shape), tuple(frags)))
+    spec = recognize_nested("p", shape, outer, Hints(pattern=Pattern.REPLICATE))
+    assert spec.pattern is Pattern.REPLICATE and spec.inner is not None
+    assert_bitwise(rebuild(spec, pieces, strict=True), t)
+    # Negative control: one stage's copy differs in one element; --strict must refuse it.
+    pieces[-1] = [p.clone() for p in pieces[-1]]
+    pieces[-1][0].view(-1)[0] = pieces[-1][0].view(-1)[0] + 1
+    with pytest.raises(ReplicaMismatchError):
+        rebuild(spec, pieces, strict=True)

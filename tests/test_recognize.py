@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ucp.errors import AmbiguousPatternError, UcpError
-from ucp.patterns import FragmentInfo, Hints, Pattern, PatternSpec, recognize
+from ucp.patterns import FragmentInfo, Hints, OuterPiece, Pattern, PatternSpec, recognize, recognize_nested
 
 SETTINGS = settings(max_examples=80, deadline=None)
 
@@ -275,3 +275,42 @@ def test_errors_always_name_the_parameter(seed):
             recognize(NAME, shape, frags)
         except AmbiguousPatternError as exc:
             assert str(exc).startswith(NAME + ":")
+
+
+# ----------------------------------------------------------------------------- nested layouts
+
+def _zero12(numel: int, n: int):
+    """ZeRO-1/2 fragments of one parameter over n ranks: consecutive runs, no padding of their own."""
+    cuts = [numel * r // n for r in range(n + 1)]
+    return tuple(FragmentInfo(r, (cuts[r + 1] - cuts[r],), offset=cuts[r]) for r in range(n))
+
+
+def test_nested_tp_shards_partitioned_by_zero_are_shard_hy():
+    """Uneven vocabulary split over 2 TP ranks, each shard ZeRO-partitioned over 2 DP ranks."""
+    pieces = [OuterPiece(0, (19, 16), _zero12(19 * 16, 2)), OuterPiece(1, (18, 16), _zero12(18 * 16, 2))]
+    spec = recognize_nested(NAME, (37, 16), pieces)
+    assert (spec.pattern, spec.dim, spec.shard_shapes) == (Pattern.SHARD_HY, 0, ((19, 16), (18, 16)))
+    assert spec.inner.pattern is Pattern.SHARD_V and spec.inner.flat
+    row = recognize_nested(NAME, (16, 24), [OuterPiece(r, (16, 12), _zero12(192, 3)) for r in range(2)],
+                           Hints(pattern=Pattern.SHARD_H))
+    assert (row.pattern, row.dim) == (Pattern.SHARD_HY, 1)
+
+
+def test_nested_replicate_keeps_its_name_and_nests_inner():
+    """A pipeline-tied weight: the same full tensor on two stages, each copy ZeRO-partitioned."""
+    pieces = [OuterPiece(s, (11, 6), _zero12(66, 2)) for s in range(2)]
+    spec = recognize_nested(NAME, (11, 6), pieces, Hints(pattern=Pattern.REPLICATE))
+    assert spec.pattern is Pattern.REPLICATE and spec.inner.pattern is Pattern.SHARD_V
+    assert spec.shard_shapes == ((11, 6), (11, 6))
+    assert spec.to_json()["inner"]["pattern"] == "shard_v"
+
+
+def test_nested_pieces_held_differently_name_the_parameter():
+    pieces = [OuterPiece(0, (4, 6), _zero12(24, 2)), OuterPiece(1, (4, 6), (FragmentInfo(0, (24,), offset=0),))]
+    with ambiguous("held in different ways"):
+        recognize_nested(NAME, (8, 6), pieces)
+
+
+def test_nested_without_pieces_names_the_parameter():
+    with ambiguous("no rank holds"):
+        recognize_nested(NAME, (8, 6), [])

@@ -24,5 +24,5 @@ def materialize(source: StateSource, *, name: str, strict: bool = False,
 
 def assemble(source: StateSource, pieces: list[torch.Tensor], *, name: str, strict: bool = False) -> torch.Tensor:
     """Union → StripPad of fragments already extracted (in `source.fragments` order), in the stored dtype."""
-    full = strip_pad(union(source.spec, pieces, strict=strict, name=name), source.spec)
+    full = strip_pad(union(source.spec, source.arrange(pieces), strict=strict, name=name), source.spec)
     return full.to(TORCH_DTYPES[source.dtype])

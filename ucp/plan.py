@@ -40,15 +40,33 @@ class Fragment:
 
 @dataclass(frozen=True)
 class StateSource:
-    """One state of one parameter: how its fragments combine and the dtype it is stored in."""
+    """One state of one parameter: how its fragments combine and the dtype it is stored in.
+
+    `groups` is set when the spec nests (`spec.inner`: a TP shard or a pipeline stage's copy that
+    ZeRO partitioned further): consecutive runs of `fragments`, `groups[i]` long, make up outer
+    piece i. The fragments stay one flat tuple so that readers need not know about nesting.
+    """
 
     spec: PatternSpec
     fragments: tuple[Fragment, ...]
     dtype: str = "float32"
+    groups: tuple[int, ...] | None = None
 
     @property
     def nbytes(self) -> int:
         return self.spec.numel * _itemsize(self.dtype)
+
+    def arrange(self, pieces: list) -> list:
+        """`pieces` (one per fragment, in order) as Union takes them: one list per outer piece when nested."""
+        if self.groups is None:
+            return pieces
+        if sum(self.groups) != len(pieces):
+            raise ValueError(f"{len(pieces)} pieces for groups of {list(self.groups)} fragments")
+        out, start = [], 0
+        for size in self.groups:
+            out.append(pieces[start:start + size])
+            start += size
+        return out
 
 
 @dataclass(frozen=True)

@@ -35,12 +35,16 @@ def extract(source: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]
 def union(spec: PatternSpec, pieces: Sequence, *, strict: bool = False, name: str = "?") -> torch.Tensor:
     """Merge the pieces of one state of one parameter, ordered by rank, by `spec`'s pattern.
 
-    The result may still carry padding; `strip_pad` removes it. For SHARD_HY, `pieces` is a
-    sequence (one per outer shard) of sequences of inner pieces.
+    The result may still carry padding; `strip_pad` removes it. For SHARD_HY, and for any other
+    pattern whose spec has an `inner` pattern (a pipeline-replicated copy that ZeRO partitioned,
+    say), `pieces` is a sequence (one per outer piece) of sequences of inner pieces.
     """
     if not pieces:
         raise ValueError(f"{name}: no fragments to merge")
     pattern = spec.pattern
+    if spec.inner is not None and pattern is not Pattern.SHARD_HY:
+        outer = dataclasses.replace(spec, inner=None, shard_shapes=None)
+        return union(outer, _rebuild_shards(spec, pieces, strict, name), strict=strict, name=name)
     if pattern is Pattern.UNIQUE:
         if len(pieces) != 1:
             raise ValueError(f"{name}: a unique parameter has exactly one fragment, got {len(pieces)}")
@@ -124,11 +128,19 @@ def _union_non_contiguous(spec: PatternSpec, pieces: Sequence[torch.Tensor], nam
 def _union_hybrid(spec: PatternSpec, pieces: Sequence, strict: bool, name: str) -> torch.Tensor:
     if spec.inner is None or spec.shard_shapes is None:
         raise ValueError(f"{name}: shard_hy needs an inner pattern and the outer shard shapes")
+    shards = _rebuild_shards(spec, pieces, strict, name)
+    outer = PatternSpec(Pattern.SHARD_V if _dim(spec, name) == 0 else Pattern.SHARD_H, spec.shape, dim=spec.dim)
+    return union(outer, shards, strict=strict, name=name)
+
+
+def _rebuild_shards(spec: PatternSpec, pieces: Sequence, strict: bool, name: str) -> list[torch.Tensor]:
+    """Each outer piece, rebuilt from its inner pieces by `spec.inner` at its own shape."""
+    if spec.inner is None or spec.shard_shapes is None:
+        raise ValueError(f"{name}: a nested {spec.pattern.value} needs an inner pattern and the outer shard shapes")
     if len(spec.shard_shapes) != len(pieces):
         raise ValueError(f"{name}: {len(spec.shard_shapes)} shard shapes for {len(pieces)} shards")
     shards = []
     for shard_shape, inner_pieces in zip(spec.shard_shapes, pieces):
         inner = dataclasses.replace(spec.inner, shape=tuple(shard_shape))
         shards.append(strip_pad(union(inner, inner_pieces, strict=strict, name=name), inner))
-    outer = PatternSpec(Pattern.SHARD_V if _dim(spec, name) == 0 else Pattern.SHARD_H, spec.shape, dim=spec.dim)
-    return union(outer, shards, strict=strict, name=name)
+    return shards
