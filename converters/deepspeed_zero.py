@@ -20,12 +20,14 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from ucp.converters.deepspeed_slices import (check_partitions, dp_paths, dtype_name, load_dict, moment_keys, piece,
+                                             read_slice, shape_of, step_value, whole, zero_stage)
 from ucp.converters.deepspeed_zero0 import zero0_trainable
-from ucp.converters.torch_zip import LazyTensor, Opaque, as_python, load_lazy, read_tensor
+from ucp.converters.torch_zip import LazyTensor, as_python
 from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedLayoutError
 from ucp.patterns.recognize import FragmentInfo, recognize
-from ucp.plan import (BUFFER, BUFFER_STATE, FROZEN, TRAINABLE, WEIGHT_STATE, ConversionPlan, Fragment,
-                      ParamPlan, Piece, StateSource)
+from ucp.plan import (BUFFER, BUFFER_STATE, FROZEN, TRAINABLE, WEIGHT_STATE, ConversionPlan, Fragment, ParamPlan,
+                      StateSource)
 
 _MODEL_KEYS = {
     "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "frozen_param_fragments",
@@ -87,6 +89,9 @@ def plan_deepspeed(input_dir: str | os.PathLike, tag: str | None = None,
     models = sorted(n for n in names if _MODEL_FILE.match(n))
     if not optim and not models and not zero3_models:
         raise CheckpointNotFoundError(f"{folder}: no DeepSpeed model-states files; is this a checkpoint tag folder?")
+    family = _parallel_family(names)
+    if family is not None:
+        return family(where, names)
     if any(m != 0 for (_, m) in list(optim) + list(zero3_models)) or len(models) > 1:
         raise UnsupportedLayoutError(f"{folder}: tensor/pipeline-parallel checkpoints (several mp_rank files) "
                                      "are not supported by this converter yet")
@@ -96,10 +101,22 @@ def plan_deepspeed(input_dir: str | os.PathLike, tag: str | None = None,
         raise CheckpointNotFoundError(f"{folder}: mp_rank_00_model_states.pt is missing; copy it from the "
                                       "training job's checkpoint directory")
     model_path = folder / models[0]
-    model = _load_dict(model_path)
+    model = load_dict(model_path)
     if not optim:
         return _plan_zero0(where, model_path, model, param_names)
     return _plan_zero12(where, model_path, model, optim)
+
+
+def _parallel_family(names: list[str]):
+    """The planner of a pipeline, tensor-parallel or MoE layout, or None for plain ZeRO.
+
+    Imported here, not at the top: those planners build on this module's `finish_plan`.
+    """
+    from ucp.converters.deepspeed_pipe import is_pipeline, plan_pipe
+
+    if is_pipeline(names):
+        return plan_pipe
+    return None
 
 
 def _rank_files(folder: Path, names: list[str], pattern: re.Pattern) -> dict[tuple[int, int], Path]:
@@ -112,149 +129,45 @@ def _rank_files(folder: Path, names: list[str], pattern: re.Pattern) -> dict[tup
     return found
 
 
-def _load_dict(path: Path) -> dict:
-    obj = load_lazy(path)
-    if not isinstance(obj, dict):
-        raise CorruptCheckpointError(f"{path}: expected a dict of checkpoint state, found {type(obj).__name__}")
-    return obj
-
-
-def _dp_paths(folder: Path, files: dict[tuple[int, int], Path], dp: int, what: str) -> list[Path]:
-    missing = [d for d in range(dp) if (d, 0) not in files]
-    if missing:
-        example = next(iter(files.values())).name if files else f"zero_pp_rank_0_mp_rank_00_{what}.pt"
-        wanted = re.sub(r"zero_pp_rank_\d+", f"zero_pp_rank_{missing[0]}", example)
-        raise CheckpointNotFoundError(f"{folder / wanted}: missing (the checkpoint was saved by {dp} data-parallel "
-                                      f"ranks, {len(missing)} {what} file(s) absent); copy every rank's file")
-    extra = sorted(d for (d, _) in files if d >= dp)
-    if extra:
-        raise CorruptCheckpointError(f"{folder}: has {what} files for rank {extra[0]} but dp_world_size is {dp}; "
-                                     "files from different runs are mixed in this folder")
-    return [files[(d, 0)] for d in range(dp)]
-
-
-def _dtype_name(t: LazyTensor) -> str:
-    return str(t.dtype).removeprefix("torch.")
-
-
-def _piece(t: LazyTensor, start: int, numel: int) -> Piece:
-    if not t.is_contiguous() or start + numel > t.numel:
-        raise CorruptCheckpointError(f"{t.path}: a fragment [{start}, {start + numel}) lies outside its "
-                                     f"flat partition of {t.numel} elements")
-    return Piece(t.path, t.byte_offset(start), numel, _dtype_name(t))
-
-
-def _shape(value) -> tuple[int, ...]:
-    return tuple(int(s) for s in value)
-
-
 def _state_source(name: str, shape: tuple[int, ...], fragments: list[Fragment], dtype: str = "float32") -> StateSource:
     spec = recognize(name, shape, [f.info for f in fragments])
     return StateSource(spec, tuple(sorted(fragments, key=lambda f: f.info.rank)), dtype)
 
 
-def _whole(t: LazyTensor, rank: int = 0) -> Fragment:
-    return Fragment(FragmentInfo(rank, t.shape), _piece(t, 0, t.numel))
-
-
-def _moment_names(state: dict) -> list[str]:
-    return [k for k, v in state.items() if k != "step" and isinstance(v, LazyTensor)]
-
-
-def _step_value(state: dict, path: Path) -> float | None:
-    step = state.get("step")
-    if step is None:
-        return None
-    if isinstance(step, LazyTensor):
-        return float(read_tensor(step).item())
-    if isinstance(step, (int, float)):
-        return float(step)
-    raise CorruptCheckpointError(f"{path}: unreadable optimizer step {step!r}")
-
-
 def _plan_zero12(where: TagDir, model_path: Path, model: dict, optim_files: dict) -> ConversionPlan:
-    folder = where.path
-    dp = int(model.get("dp_world_size") or len(optim_files))
-    paths = _dp_paths(folder, optim_files, dp, "optim_states")
-    param_shapes = model.get("param_shapes")
-    if not param_shapes:
-        raise CorruptCheckpointError(f"{model_path}: records no param_shapes; was it written by engine.save_checkpoint?")
-    shapes = {name: _shape(s) for group in param_shapes for name, s in group.items()}
-    group_of = {name: g for g, group in enumerate(param_shapes) for name in group}
-
-    fragments: dict[tuple[str, str], list[Fragment]] = {}
-    covered: dict[str, int] = {}
-    steps: dict[int, float | None] = {}
-    moment_names: list[str] = []
-    stage = None
-    hyper = None
-    scaler = None
-    for rank, path in enumerate(paths):
-        osd = _load_dict(path).get("optimizer_state_dict")
-        if not isinstance(osd, dict) or "single_partition_of_fp32_groups" not in osd:
-            raise CorruptCheckpointError(f"{path}: not a ZeRO-1/2 optimizer file (no single_partition_of_fp32_groups)")
-        stage = _zero_stage(osd, path)
-        _check_partitions(osd.get("partition_count"), dp, path)
-        if rank == 0:
-            scaler = osd.get("loss_scaler")
-        base = osd["base_optimizer_state"]
-        if hyper is None:
-            hyper = base.get("param_groups", [])
-        flat_fp32 = osd["single_partition_of_fp32_groups"]
-        mappings = osd.get("param_slice_mappings")
-        if mappings is None:
-            raise UnsupportedLayoutError(f"{path}: records no param_slice_mappings (DeepSpeed older than 0.10); "
-                                         "re-save the checkpoint with a newer DeepSpeed")
-        if len(mappings) != len(param_shapes):
-            raise CorruptCheckpointError(f"{path}: has {len(mappings)} param groups, {model_path.name} has "
-                                         f"{len(param_shapes)}; files from different runs are mixed")
-        for g, mapping in enumerate(mappings):
-            state = base["state"].get(g, {})
-            if not moment_names:
-                moment_names = _moment_names(state)
-            steps.setdefault(g, _step_value(state, path))
-            flats = {WEIGHT_STATE: flat_fp32[g], **{k: state[k] for k in _moment_names(state)}}
-            for name, address in mapping.items():
-                numel, start = int(address.numel), int(address.start)
-                if name not in shapes:
-                    raise CorruptCheckpointError(f"{path}: partition holds '{name}', which {model_path.name} "
-                                                 "does not list; files from different runs are mixed")
-                offset = covered.get(name, 0)
-                for state_name, flat in flats.items():
-                    fragments.setdefault((name, state_name), []).append(
-                        Fragment(FragmentInfo(rank, (numel,), offset), _piece(flat, start, numel)))
-                covered[name] = offset + numel
-
+    part = read_slice(where.path, 0, model_path, model, optim_files)
     module = model.get("module") or {}
     params = []
-    for name, shape in shapes.items():
+    for name, shape in part.shapes.items():
         states = {}
-        for state_name in [WEIGHT_STATE, *moment_names]:
-            frags = fragments.get((name, state_name))
+        for state_name in part.states():
+            frags = part.fragments.get((name, state_name))
             if frags:
                 states[state_name] = _state_source(name, shape, frags)
         if WEIGHT_STATE not in states:
             # ZeRO keeps no optimizer fragment for a parameter that never received a gradient;
             # its value is still in the module (as DeepSpeed's own converter falls back to).
             states[WEIGHT_STATE] = _module_state(name, shape, module, model_path)
-        params.append(ParamPlan(name, shape, TRAINABLE, states, group_of[name], steps.get(group_of[name]),
+        group = part.group_of[name]
+        params.append(ParamPlan(name, shape, TRAINABLE, states, group, part.steps.get(group),
                                 _module_dtype(module, name)))
-    params += _frozen_and_buffers(model, model_path, set(shapes))
-    return _finish(where, model, params, hyper, moment_names, stage, dp, list(paths) + [model_path], scaler)
+    params += frozen_and_buffers(model, model_path, set(part.shapes))
+    return finish_plan(where, model, params, part.hyper, part.moment_names, part.stage, part.dp,
+                   list(part.optim_paths) + [model_path], part.loss_scaler)
 
 
 def _plan_zero3(where: TagDir, model_files: dict, optim_files: dict) -> ConversionPlan:
     folder = where.path
-    first_model = _load_dict(model_files[min(model_files)])
+    first_model = load_dict(model_files[min(model_files)])
     dp = int(first_model.get("dp_world_size") or len(model_files))
-    model_paths = _dp_paths(folder, model_files, dp, "model_states")
-    optim_paths = _dp_paths(folder, optim_files, dp, "optim_states") if optim_files else []
+    model_paths = dp_paths(folder, model_files, dp, 0, "model_states")
+    optim_paths = dp_paths(folder, optim_files, dp, 0, "optim_states") if optim_files else []
     if not optim_paths:
         raise CheckpointNotFoundError(f"{folder}: ZeRO-3 model files but no *_optim_states.pt files; copy them too")
     param_shapes = first_model.get("param_shapes")
     if not param_shapes:
         raise CorruptCheckpointError(f"{model_paths[0]}: records no param_shapes")
-    shapes = {name: _shape(s) for group in param_shapes for name, s in group.items()}
+    shapes = {name: shape_of(s) for group in param_shapes for name, s in group.items()}
     sub_group_of = {name: g for g, group in enumerate(param_shapes) for name in group}
 
     fragments: dict[tuple[str, str], list[Fragment]] = {}
@@ -264,13 +177,13 @@ def _plan_zero3(where: TagDir, model_files: dict, optim_files: dict) -> Conversi
     stage = None
     scaler = None
     for rank, path in enumerate(optim_paths):
-        osd = _load_dict(path).get("optimizer_state_dict")
+        osd = load_dict(path).get("optimizer_state_dict")
         if not isinstance(osd, dict) or "fp32_flat_groups" not in osd:
             raise CorruptCheckpointError(f"{path}: not a ZeRO-3 optimizer file (no fp32_flat_groups)")
-        stage = _zero_stage(osd, path)
+        stage = zero_stage(osd, path)
         if osd.get("ds_zero_partition_groups"):
             raise UnsupportedLayoutError(f"{path}: hierarchical ZeRO-3 partitions (hpZ/MiCS) are not supported yet")
-        _check_partitions(osd.get("partition_count"), dp, path)
+        check_partitions(osd.get("partition_count"), dp, [], path)
         if rank == 0:
             scaler = osd.get("loss_scaler")
         inner = osd["optimizer_state_dict"]
@@ -283,15 +196,15 @@ def _plan_zero3(where: TagDir, model_files: dict, optim_files: dict) -> Conversi
         for i, group in enumerate(param_shapes):
             state = inner["state"].get(i, {})
             if not moment_names:
-                moment_names = _moment_names(state)
-            sub_steps.setdefault(i, _step_value(state, path))
-            flats = {WEIGHT_STATE: flat_fp32[i], **{k: state[k] for k in _moment_names(state)}}
+                moment_names = moment_keys(state)
+            sub_steps.setdefault(i, step_value(state, path))
+            flats = {WEIGHT_STATE: flat_fp32[i], **{k: state[k] for k in moment_keys(state)}}
             offset = 0
             for name, shape in group.items():
-                per_rank = math.ceil(math.prod(_shape(shape)) / dp)
+                per_rank = math.ceil(math.prod(shape_of(shape)) / dp)
                 for state_name, flat in flats.items():
                     fragments.setdefault((name, state_name), []).append(
-                        Fragment(FragmentInfo(rank, (per_rank,), rank * per_rank), _piece(flat, offset, per_rank)))
+                        Fragment(FragmentInfo(rank, (per_rank,), rank * per_rank), piece(flat, offset, per_rank)))
                 offset += per_rank
 
     groups, group_of_sub = _merge_sub_groups(sub_hyper or [])
@@ -307,28 +220,28 @@ def _plan_zero3(where: TagDir, model_files: dict, optim_files: dict) -> Conversi
     frozen_shapes = first_model.get("frozen_param_shapes") or {}
     frozen_frags: dict[str, list[Fragment]] = {}
     for rank, path in enumerate(model_paths):
-        model = first_model if rank == 0 else _load_dict(path)
+        model = first_model if rank == 0 else load_dict(path)
         for name, shape in frozen_shapes.items():
             t = (model.get("frozen_param_fragments") or {}).get(name)
             if not isinstance(t, LazyTensor):
                 raise CorruptCheckpointError(f"{path}: frozen parameter '{name}' has no fragment")
-            per_rank = math.ceil(math.prod(_shape(shape)) / dp)
+            per_rank = math.ceil(math.prod(shape_of(shape)) / dp)
             frozen_frags.setdefault(name, []).append(
-                Fragment(FragmentInfo(rank, (per_rank,), rank * per_rank), _piece(t, 0, per_rank)))
+                Fragment(FragmentInfo(rank, (per_rank,), rank * per_rank), piece(t, 0, per_rank)))
     for name, shape in frozen_shapes.items():
-        params.append(ParamPlan(name, _shape(shape), FROZEN,
-                                {WEIGHT_STATE: _state_source(name, _shape(shape), frozen_frags[name])},
+        params.append(ParamPlan(name, shape_of(shape), FROZEN,
+                                {WEIGHT_STATE: _state_source(name, shape_of(shape), frozen_frags[name])},
                                 model_dtype=_module_dtype(module, name)))
     params += _buffers(first_model, model_paths[0])
-    return _finish(where, first_model, params, groups, moment_names, stage, dp,
+    return finish_plan(where, first_model, params, groups, moment_names, stage, dp,
                    list(optim_paths) + list(model_paths), scaler)
 
 
 def _plan_zero0(where: TagDir, model_path: Path, model: dict, param_names: list[str] | None) -> ConversionPlan:
     params, hyper, moment_names = zero0_trainable(model, model_path, param_names)
-    params += _frozen_and_buffers(model, model_path, {p.name for p in params})
+    params += frozen_and_buffers(model, model_path, {p.name for p in params})
     dp = int(model.get("dp_world_size") or 1)
-    return _finish(where, model, params, hyper, moment_names, 0, dp, [model_path], model.get("optimizer"))
+    return finish_plan(where, model, params, hyper, moment_names, 0, dp, [model_path], model.get("optimizer"))
 
 
 _SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
@@ -353,24 +266,9 @@ def _merge_sub_groups(sub_hyper: list[dict]) -> tuple[list[dict], dict[int, int]
     return groups, group_of_sub
 
 
-def _zero_stage(osd: dict, path: Path) -> int:
-    stage = osd.get("zero_stage")
-    value = stage.value if isinstance(stage, Opaque) else stage
-    if not isinstance(value, int):
-        raise CorruptCheckpointError(f"{path}: records no ZeRO stage")
-    return value
-
-
-def _check_partitions(count, dp: int, path: Path) -> None:
-    counts = count if isinstance(count, list) else [count]
-    if any(c is not None and int(c) != dp for c in counts):
-        raise CorruptCheckpointError(f"{path}: partitioned over {counts} ranks but the model file says "
-                                     f"dp_world_size={dp}; files from different runs are mixed")
-
-
 def _module_dtype(module: dict, name: str) -> str:
     t = module.get(name)
-    return _dtype_name(t) if isinstance(t, LazyTensor) else "float32"
+    return dtype_name(t) if isinstance(t, LazyTensor) else "float32"
 
 
 def _module_state(name: str, shape: tuple[int, ...], module: dict, path: Path) -> StateSource:
@@ -378,18 +276,18 @@ def _module_state(name: str, shape: tuple[int, ...], module: dict, path: Path) -
     if not isinstance(t, LazyTensor) or t.shape != shape:
         raise CorruptCheckpointError(f"{path}: parameter '{name}' has no optimizer state and no full value in "
                                      "the module state; the checkpoint is incomplete")
-    return _state_source(name, shape, [_whole(t)])
+    return _state_source(name, shape, [whole(t)])
 
 
-def _frozen_and_buffers(model: dict, path: Path, trainable: set[str]) -> list[ParamPlan]:
+def frozen_and_buffers(model: dict, path: Path, trainable: set[str]) -> list[ParamPlan]:
     module = model.get("module") or {}
     buffers = set(model.get("buffer_names") or [])
     frozen = []
     for name, t in module.items():
         if name in trainable or name in buffers or not isinstance(t, LazyTensor):
             continue
-        frozen.append(ParamPlan(name, t.shape, FROZEN, {WEIGHT_STATE: _state_source(name, t.shape, [_whole(t)])},
-                                model_dtype=_dtype_name(t)))
+        frozen.append(ParamPlan(name, t.shape, FROZEN, {WEIGHT_STATE: _state_source(name, t.shape, [whole(t)])},
+                                model_dtype=dtype_name(t)))
     return frozen + _buffers(model, path)
 
 
@@ -401,13 +299,13 @@ def _buffers(model: dict, path: Path) -> list[ParamPlan]:
         if not isinstance(t, LazyTensor):
             continue  # non-persistent buffers are not in the state dict
         out.append(ParamPlan(name, t.shape, BUFFER,
-                             {BUFFER_STATE: _state_source(name, t.shape, [_whole(t)], _dtype_name(t))},
-                             model_dtype=_dtype_name(t)))
+                             {BUFFER_STATE: _state_source(name, t.shape, [whole(t)], dtype_name(t))},
+                             model_dtype=dtype_name(t)))
     return out
 
 
-def _finish(where: TagDir, model: dict, params: list[ParamPlan], hyper, moment_names: list[str], stage, dp: int,
-            files: list[Path], scaler=None) -> ConversionPlan:
+def finish_plan(where: TagDir, model: dict, params: list[ParamPlan], hyper, moment_names: list[str], stage, dp: int,
+            files: list[Path], scaler=None, parallel: dict | None = None) -> ConversionPlan:
     config = model.get("ds_config") or {}
     optimizer_cfg = config.get("optimizer") or {}
     groups = []
@@ -419,7 +317,7 @@ def _finish(where: TagDir, model: dict, params: list[ParamPlan], hyper, moment_n
     source = {
         "framework": "deepspeed", "ds_version": as_python(model.get("ds_version")), "zero_stage": stage,
         "dp": dp, "tp": 1, "pp": 1, "precision": precision, "tag": where.tag,
-        "path": str(where.path.resolve()),
+        "path": str(where.path.resolve()), **(parallel or {}),
     }
     training = {k: as_python(model.get(k)) for k in ("global_steps", "global_samples", "skipped_steps")
                 if model.get(k) is not None}

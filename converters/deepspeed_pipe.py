@@ -1,0 +1,142 @@
+"""Plan the conversion of a DeepSpeed pipeline-parallel (`PipelineModule`) checkpoint, ZeRO-1.
+
+Layout written by DeepSpeed 0.19 (tensor parallelism 1), for stages SS = 0 .. pp-1:
+
+* `mp_rank_{SS}_model_states.pt`: the stage's `param_shapes`, named as its PipelineModule names
+  them (`<layer index>.<param>` for a LayerSpec, `tied_modules.<key>.<param>` for a TiedLayerSpec),
+  `buffer_names`, and no module (the pipeline engine saves layers instead).
+* `[bf16_]zero_pp_rank_{D}_mp_rank_{SS}_optim_states.pt`: ZeRO partitions of the stage's parameters
+  over its data-parallel ranks.
+* `layer_{LL}[-model_{TT}]-model_states.pt`: the state dict of layer LL (keys without the layer
+  prefix), written by the stage that runs it; the `-model_TT` part appears with an explicit
+  topology that has a model axis. A tied module is written once for every layer that uses it
+  without a `forward_fn`.
+
+A parameter on one stage is Unique to it. A tied one lives on every stage that uses it and stays
+identical there (DeepSpeed all-reduces its gradient between them): Replicate, each stage's copy
+partitioned by ZeRO (a nested spec), checked equal under --strict. Buffers and frozen parameters
+come from the layer files.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from ucp.converters.deepspeed_slices import (SliceState, combined_source, dtype_name, load_dict, model_files,
+                                             optim_files, read_slice, whole)
+from ucp.converters.deepspeed_zero import TagDir, finish_plan
+from ucp.converters.torch_zip import LazyTensor
+from ucp.errors import AmbiguousPatternError, CheckpointNotFoundError, CorruptCheckpointError, UnsupportedLayoutError
+from ucp.patterns import Hints, Pattern, recognize
+from ucp.plan import BUFFER, BUFFER_STATE, FROZEN, TRAINABLE, WEIGHT_STATE, ConversionPlan, ParamPlan, StateSource
+
+LAYER_FILE = re.compile(r"^layer_(\d+)(?:-model_(\d+))?-model_states\.pt$")
+_TIED = re.compile(r"^tied_modules\.([^.]+)\.(.+)$")
+
+
+def is_pipeline(names: list[str]) -> bool:
+    return any(LAYER_FILE.match(n) for n in names)
+
+
+def plan_pipe(where: TagDir, names: list[str]) -> ConversionPlan:
+    """The plan of the pipeline checkpoint in tag folder `where.path`, whose files are `names`."""
+    folder = where.path
+    models = model_files(folder, names)
+    if 0 not in models:
+        raise CheckpointNotFoundError(f"{folder / 'mp_rank_00_model_states.pt'}: missing; copy every stage's "
+                                      "model-states file from the training job")
+    first = load_dict(models[0])
+    dims = first.get("checkpoint_parallel_dimensions") or {}
+    pp, tp = int(dims.get("pp_degree") or len(models)), int(dims.get("tp_degree") or 1)
+    if tp != 1 or any(m.group(2) not in (None, "00") for n in names if (m := LAYER_FILE.match(n))):
+        raise UnsupportedLayoutError(f"{folder}: a pipeline checkpoint with tensor parallelism {tp} is not "
+                                     "supported yet; only pipeline stages with tensor parallelism 1 are")
+    missing = [s for s in range(pp) if s not in models]
+    if missing:
+        raise CheckpointNotFoundError(f"{folder / f'mp_rank_{missing[0]:02d}_model_states.pt'}: missing (the "
+                                      f"checkpoint has {pp} pipeline stages); copy every stage's file")
+    optims = optim_files(folder, names)
+    if not optims:
+        raise UnsupportedLayoutError(f"{folder}: a pipeline checkpoint without ZeRO optimizer files (ZeRO-0) is "
+                                     "not supported yet; save it with ZeRO stage 1")
+    stages = [read_slice(folder, s, models[s], first if s == 0 else load_dict(models[s]), optims) for s in range(pp)]
+    layer_files = [folder / n for n in names if LAYER_FILE.match(n)]
+    buffers = {b for st in stages for b in (st.model.get("buffer_names") or [])}
+    trainable = {name for st in stages for name in st.shapes}
+    tensors = _layer_tensors(layer_files, trainable | buffers)
+    params = _trainable(stages, tensors)
+    for name, t in tensors.items():
+        if name in buffers:
+            params.append(ParamPlan(name, t.shape, BUFFER, {BUFFER_STATE: _whole_source(name, t, dtype_name(t))},
+                                    model_dtype=dtype_name(t)))
+        elif name not in trainable:
+            params.append(ParamPlan(name, t.shape, FROZEN, {WEIGHT_STATE: _whole_source(name, t)},
+                                    model_dtype=dtype_name(t)))
+    files = [p for st in stages for p in [*st.optim_paths, st.model_path]] + layer_files
+    return finish_plan(where, first, params, stages[0].hyper, stages[0].moment_names, stages[0].stage, stages[0].dp,
+                       files, stages[0].loss_scaler, {"pp": pp, "tp": 1})
+
+
+def _trainable(stages: list[SliceState], tensors: dict[str, LazyTensor]) -> list[ParamPlan]:
+    holders: dict[str, list[SliceState]] = {}
+    for st in stages:
+        for name in st.shapes:
+            holders.setdefault(name, []).append(st)
+    params = []
+    for name, held in holders.items():
+        shape = held[0].shapes[name]
+        for st in held[1:]:
+            if st.shapes[name] != shape:
+                raise CorruptCheckpointError(f"{name}: stage {held[0].mp} holds shape {shape}, stage {st.mp} "
+                                             f"{st.shapes[name]}; a tied parameter must have one shape")
+        # Held by several stages: a tied module, which DeepSpeed keeps identical on all of them.
+        hints = Hints(pattern=Pattern.REPLICATE) if len(held) > 1 else None
+        states = {}
+        for state in held[0].states():
+            outer = [(st.mp, shape, st.fragments[(name, state)]) for st in held if (name, state) in st.fragments]
+            if outer and len(outer) != len(held):
+                raise CorruptCheckpointError(f"{name}: tied across stages {[st.mp for st in held]} but only "
+                                             f"{len(outer)} of them hold its '{state}'; files from different runs "
+                                             "are mixed")
+            if outer:
+                states[state] = combined_source(name, shape, outer, hints)
+        if WEIGHT_STATE not in states:
+            raise CorruptCheckpointError(f"{held[0].optim_paths[0]}: parameter '{name}' has no optimizer fragment "
+                                         "(it never received a gradient), and a pipeline checkpoint keeps no other "
+                                         "fp32 copy of it")
+        group = held[0].group_of[name]
+        t = tensors.get(name)
+        params.append(ParamPlan(name, shape, TRAINABLE, states, group, held[0].steps.get(group),
+                                dtype_name(t) if t is not None else "float32"))
+    return params
+
+
+def _layer_tensors(layer_files: list[Path], known: set[str]) -> dict[str, LazyTensor]:
+    """Every tensor of the layer files under the name its stage gives it (first file wins for tied copies)."""
+    tied_keys = sorted({m.group(1) for n in known if (m := _TIED.match(n))})
+    out: dict[str, LazyTensor] = {}
+    for path in sorted(layer_files):
+        layer = int(LAYER_FILE.match(path.name).group(1))
+        state = {k: v for k, v in load_dict(path).items() if isinstance(v, LazyTensor)}
+        prefix = _layer_prefix(layer, state, known, tied_keys, path)
+        for key, t in state.items():
+            out.setdefault(prefix + key, t)
+    return out
+
+
+def _layer_prefix(layer: int, state: dict, known: set[str], tied_keys: list[str], path: Path) -> str:
+    """How the stage names layer `layer`'s keys: `<layer>.`, or `tied_modules.<key>.` for a tied module."""
+    if not state or any(f"{layer}.{k}" in known for k in state):
+        return f"{layer}."
+    fits = [key for key in tied_keys if all(f"tied_modules.{key}.{k}" in known for k in state)]
+    if len(fits) == 1:
+        return f"tied_modules.{fits[0]}."
+    if not fits:
+        return f"{layer}."  # frozen parameters only: the layer's index names them
+    raise AmbiguousPatternError(f"{path}: its keys {sorted(state)} fit the tied modules {fits} alike; the layer "
+                                "file does not say which module it holds, so its tensors cannot be named")
+
+
+def _whole_source(name: str, t: LazyTensor, dtype: str = "float32") -> StateSource:
+    fragment = whole(t)
+    return StateSource(recognize(name, t.shape, [fragment.info]), (fragment,), dtype)

@@ -1,0 +1,206 @@
+"""Read the ZeRO-1/2 optimizer state of one model-parallel slice of a DeepSpeed checkpoint.
+
+DeepSpeed writes one `mp_rank_{MM}_model_states.pt` per model-parallel slice (a pipeline stage, a
+tensor-parallel rank, or both: MM = stage × tp_degree + tp_rank), and ZeRO partitions each slice's
+parameters over that slice's data-parallel ranks, in `[bf16_]zero_pp_rank_{D}_mp_rank_{MM}_optim_states.pt`.
+Every rank file holds, per param group, its flat fp32 partition, the optimizer moments over the
+same partition and `param_slice_mappings` (name -> numel, start within the partition).
+
+`read_slice` turns one slice into fragments per (parameter, state), in rank order, each with its
+offset in the parameter's flattened (slice-local) tensor. A `rename` hook lets a caller give a
+rank's parameters their global names (MoE ranks keep their experts under local names).
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ucp.converters.torch_zip import LazyTensor, Opaque, load_lazy, read_tensor
+from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedLayoutError
+from ucp.patterns.recognize import FragmentInfo, Hints, OuterPiece, recognize, recognize_nested
+from ucp.plan import WEIGHT_STATE, Fragment, Piece, StateSource
+
+OPTIM_FILE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+MODEL_FILE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
+
+# (rank, param group, name as the rank's optimizer stores it) -> the parameter's global name
+Rename = Callable[[int, int, str], str]
+
+
+@dataclass
+class SliceState:
+    """What the optimizer files of one model-parallel slice hold."""
+
+    mp: int
+    model_path: Path
+    model: dict
+    dp: int
+    optim_paths: list[Path]
+    shapes: dict[str, tuple[int, ...]]  # as the slice's model file lists them (this slice's shard shapes)
+    group_of: dict[str, int] = field(default_factory=dict)  # global name -> param group
+    fragments: dict[tuple[str, str], list[Fragment]] = field(default_factory=dict)
+    steps: dict[int, float | None] = field(default_factory=dict)
+    moment_names: list[str] = field(default_factory=list)
+    hyper: list = field(default_factory=list)
+    stage: int | None = None
+    loss_scaler: object = None  # rank 0's, as pickled (fp16 training keeps its dynamic scale here)
+
+    def states(self) -> list[str]:
+        return [WEIGHT_STATE, *self.moment_names]
+
+
+def model_files(folder: Path, names: list[str]) -> dict[int, Path]:
+    """mp rank -> its `mp_rank_{MM}_model_states.pt`."""
+    return {int(m.group(1)): folder / n for n in names if (m := MODEL_FILE.match(n))}
+
+
+def optim_files(folder: Path, names: list[str]) -> dict[tuple[int, int], Path]:
+    """(dp rank, mp rank) -> its optimizer-states file."""
+    return {(int(m.group(2)), int(m.group(3))): folder / n for n in names if (m := OPTIM_FILE.match(n))}
+
+
+def load_dict(path: Path) -> dict:
+    """The dict a rank file holds, tensors lazy (see `torch_zip`)."""
+    obj = load_lazy(path)
+    if not isinstance(obj, dict):
+        raise CorruptCheckpointError(f"{path}: expected a dict of checkpoint state, found {type(obj).__name__}")
+    return obj
+
+
+def read_slice(folder: Path, mp: int, model_path: Path, model: dict, files: dict[tuple[int, int], Path],
+               rename: Rename | None = None) -> SliceState:
+    """Fragments of every parameter that slice `mp` trains, over its data-parallel ranks."""
+    dp = int(model.get("dp_world_size") or sum(1 for (_, m) in files if m == mp))
+    paths = dp_paths(folder, files, dp, mp)
+    param_shapes = model.get("param_shapes")
+    if not param_shapes:
+        raise CorruptCheckpointError(f"{model_path}: records no param_shapes; was it written by engine.save_checkpoint?")
+    out = SliceState(mp, model_path, model, dp, paths,
+                     {name: shape_of(s) for group in param_shapes for name, s in group.items()},
+                     {name: g for g, group in enumerate(param_shapes) for name in group})
+    covered: dict[str, int] = {}
+    for rank, path in enumerate(paths):
+        osd = load_dict(path).get("optimizer_state_dict")
+        if not isinstance(osd, dict) or "single_partition_of_fp32_groups" not in osd:
+            raise CorruptCheckpointError(f"{path}: not a ZeRO-1/2 optimizer file (no single_partition_of_fp32_groups)")
+        out.stage = zero_stage(osd, path)
+        if rank == 0:
+            out.loss_scaler = osd.get("loss_scaler")
+        base = osd["base_optimizer_state"]
+        if not out.hyper:
+            out.hyper = base.get("param_groups", [])
+        check_partitions(osd.get("partition_count"), dp, out.hyper, path)
+        flat_fp32 = osd["single_partition_of_fp32_groups"]
+        mappings = osd.get("param_slice_mappings")
+        if mappings is None:
+            raise UnsupportedLayoutError(f"{path}: records no param_slice_mappings (DeepSpeed older than 0.10); "
+                                         "re-save the checkpoint with a newer DeepSpeed")
+        if len(mappings) != len(param_shapes):
+            raise CorruptCheckpointError(f"{path}: has {len(mappings)} param groups, {model_path.name} has "
+                                         f"{len(param_shapes)}; files from different runs are mixed")
+        for g, mapping in enumerate(mappings):
+            state = base["state"].get(g, {})
+            if not out.moment_names:
+                out.moment_names = moment_keys(state)
+            out.steps.setdefault(g, step_value(state, path))
+            flats = {WEIGHT_STATE: flat_fp32[g], **{k: state[k] for k in moment_keys(state)}}
+            for local, address in mapping.items():
+                if local not in out.shapes:
+                    raise CorruptCheckpointError(f"{path}: partition holds '{local}', which {model_path.name} "
+                                                 "does not list; files from different runs are mixed")
+                name = rename(rank, g, local) if rename else local
+                numel, start = int(address.numel), int(address.start)
+                offset = covered.get(name, 0)
+                for state_name, flat in flats.items():
+                    out.fragments.setdefault((name, state_name), []).append(
+                        Fragment(FragmentInfo(rank, (numel,), offset), piece(flat, start, numel)))
+                covered[name] = offset + numel
+                out.group_of[name] = g
+    return out
+
+
+def dp_paths(folder: Path, files: dict[tuple[int, int], Path], dp: int, mp: int,
+             what: str = "optim_states") -> list[Path]:
+    """The `dp` rank files of slice `mp`, in rank order; a named error for a missing or stray one."""
+    missing = [d for d in range(dp) if (d, mp) not in files]
+    if missing:
+        example = next(iter(files.values())).name if files else f"zero_pp_rank_0_mp_rank_00_{what}.pt"
+        wanted = re.sub(r"zero_pp_rank_\d+", f"zero_pp_rank_{missing[0]}", example)
+        wanted = re.sub(r"mp_rank_\d+", f"mp_rank_{mp:02d}", wanted)
+        raise CheckpointNotFoundError(f"{folder / wanted}: missing (the checkpoint was saved by {dp} data-parallel "
+                                      f"ranks, {len(missing)} {what} file(s) absent); copy every rank's file")
+    extra = sorted(d for (d, m) in files if m == mp and d >= dp)
+    if extra:
+        raise CorruptCheckpointError(f"{folder}: has {what} files for rank {extra[0]} but dp_world_size is {dp}; "
+                                     "files from different runs are mixed in this folder")
+    return [files[(d, mp)] for d in range(dp)]
+
+
+def check_partitions(count, dp: int, hyper: list, path: Path) -> None:
+    """Each param group is partitioned over all `dp` ranks, except MoE expert groups (hyper-parameter
+    `moe`), which ZeRO partitions over the expert-data-parallel group, a divisor of `dp`."""
+    counts = count if isinstance(count, list) else [count] * max(1, len(hyper))
+    for g, c in enumerate(counts):
+        if c is None:
+            continue
+        expert = g < len(hyper) and bool(hyper[g].get("moe"))
+        if (int(c) != dp and not expert) or dp % int(c):
+            raise CorruptCheckpointError(f"{path}: param group {g} is partitioned over {int(c)} ranks but the model "
+                                         f"file says dp_world_size={dp}; files from different runs are mixed")
+
+
+def shape_of(value) -> tuple[int, ...]:
+    return tuple(int(s) for s in value)
+
+
+def dtype_name(t: LazyTensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def piece(t: LazyTensor, start: int, numel: int) -> Piece:
+    if not t.is_contiguous() or start + numel > t.numel:
+        raise CorruptCheckpointError(f"{t.path}: a fragment [{start}, {start + numel}) lies outside its "
+                                     f"flat partition of {t.numel} elements")
+    return Piece(t.path, t.byte_offset(start), numel, dtype_name(t))
+
+
+def whole(t: LazyTensor, rank: int = 0) -> Fragment:
+    return Fragment(FragmentInfo(rank, t.shape), piece(t, 0, t.numel))
+
+
+def moment_keys(state: dict) -> list[str]:
+    return [k for k, v in state.items() if k != "step" and isinstance(v, LazyTensor)]
+
+
+def step_value(state: dict, path: Path) -> float | None:
+    step = state.get("step")
+    if step is None:
+        return None
+    if isinstance(step, LazyTensor):
+        return float(read_tensor(step).item())
+    if isinstance(step, (int, float)):
+        return float(step)
+    raise CorruptCheckpointError(f"{path}: unreadable optimizer step {step!r}")
+
+
+def zero_stage(osd: dict, path: Path) -> int:
+    stage = osd.get("zero_stage")
+    value = stage.value if isinstance(stage, Opaque) else stage
+    if not isinstance(value, int):
+        raise CorruptCheckpointError(f"{path}: records no ZeRO stage")
+    return value
+
+
+def combined_source(name: str, shape: tuple[int, ...], outer: list[tuple[int, tuple[int, ...], list[Fragment]]],
+                    hints: Hints | None = None) -> StateSource:
+    """One state held as outer pieces (TP shards, pipeline stages' copies), each as its own ZeRO
+    fragments: `outer` lists (outer rank, piece shape, fragments in rank order), in outer-rank order.
+    A single piece of the full shape needs no nesting."""
+    if len(outer) == 1 and outer[0][1] == shape and hints is None:
+        frags = outer[0][2]
+        return StateSource(recognize(name, shape, [f.info for f in frags]), tuple(frags))
+    pieces = [OuterPiece(rank, piece_shape, tuple(f.info for f in frags)) for rank, piece_shape, frags in outer]
+    return StateSource(recognize_nested(name, shape, pieces, hints),
+                       tuple(f for _, _, frags in outer for f in frags), groups=tuple(len(frags) for *_, frags in outer))

@@ -1,0 +1,80 @@
+"""Build the 3D-parallel and MoE checkpoints of the tests: one torchrun launch per family.
+
+Each family script (train_pipe.py, train_llama_tp.py, train_moe.py) trains several configurations
+one after another in one launch (``--runs``), which saves most of the start-up cost (importing
+deepspeed and transformers, building process groups) on a small machine. Layout::
+
+    root/<family>-<fingerprint>/<run>/ckpt/       save_dir (``latest``, ``<tag>/...``)
+    root/<family>-<fingerprint>/<run>/state.pt    every rank's gathered fp32 state (support/gather.py)
+    root/<family>-<fingerprint>/train.log         torchrun output of all ranks and runs
+    root/<family>-<fingerprint>/<run>/ds_universal/<tag>/   ds_to_universal output, when asked for
+
+The fingerprint covers the script, support/gather.py, the runs and the torch/deepspeed versions, so
+a persistent ``UCP_TEST_CACHE`` never serves a stale checkpoint.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .checkpoints import DONE, SUPPORT_DIR, _fresh, _is_done, _locked, read_tag, run_ds_to_universal
+from .launch import run_torchrun
+
+
+@dataclass(frozen=True)
+class Family:
+    """A training script, its world size, and its runs (name -> options the script reads)."""
+
+    name: str
+    script: str
+    nproc: int
+    runs: tuple[tuple[str, tuple[tuple[str, object], ...]], ...]
+    steps: int = 2
+
+    @staticmethod
+    def of(name: str, script: str, nproc: int, runs: dict[str, dict], steps: int = 2) -> "Family":
+        return Family(name, script, nproc, tuple((k, tuple(sorted(v.items()))) for k, v in runs.items()), steps)
+
+    def fingerprint(self) -> str:
+        h = hashlib.sha256((SUPPORT_DIR / self.script).read_bytes())
+        h.update((SUPPORT_DIR / "gather.py").read_bytes())
+        h.update(repr((self.nproc, self.runs, self.steps)).encode())
+        h.update(f"{torch.__version__} {importlib.metadata.version('deepspeed')}".encode())
+        return h.hexdigest()[:10]
+
+
+def build_family(family: Family, root: Path, timeout: int = 900) -> Path:
+    """Train every run of `family` in one launch (once; idempotent through a done-marker); the folder."""
+    folder = Path(root) / f"{family.name}-{family.fingerprint()}"
+    with _locked(folder):
+        if not _is_done(folder):
+            _fresh(folder)
+            runs = [{**dict(options), "save_dir": str(folder / name / "ckpt"), "dump_state": str(folder / name /
+                                                                                                  "state.pt")}
+                    for name, options in family.runs]
+            for name, _ in family.runs:
+                (folder / name).mkdir()
+            run_torchrun(SUPPORT_DIR / family.script, ["--runs", json.dumps(runs), "--steps", str(family.steps)],
+                         family.nproc, folder / "train.log", timeout=timeout)
+            for name, _ in family.runs:
+                if not (folder / name / "ckpt" / "latest").is_file():
+                    raise RuntimeError(f"{folder / name}/ckpt/latest was not written; see {folder / 'train.log'}")
+            (folder / DONE).touch()
+    return folder
+
+
+def reference_state(run_dir: Path) -> dict:
+    """``{"ranks": [per-rank dict from the script], "global_steps": int}`` saved by the run."""
+    return torch.load(Path(run_dir) / "state.pt", map_location="cpu", weights_only=False)
+
+
+def ds_universal_of(run_dir: Path) -> Path:
+    """ds_to_universal's output for the run's checkpoint (built once)."""
+    save_dir = Path(run_dir) / "ckpt"
+    tag = read_tag(save_dir)
+    return run_ds_to_universal(save_dir / tag, Path(run_dir) / "ds_universal" / tag)

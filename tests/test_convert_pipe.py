@@ -1,0 +1,121 @@
+"""Pipeline-parallel (PipelineModule, 2 stages, ZeRO-1) sources: ucp against the live engine and ds_to_universal.
+
+The model (tests/support/train_pipe.py) ties its embedding between the first and the last stage,
+so `tied_modules.embed.weight` is held by both stages (Replicate); every other parameter lives on
+one stage (Unique). Every comparison is `torch.equal`.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import ucp
+from support.parallel import Family, build_family, ds_universal_of, reference_state
+from ucp.assemble import assemble, read_fragment
+from ucp.converters.deepspeed_zero import plan_deepspeed
+from ucp.convert import convert
+from ucp.patterns import Pattern
+from ucp.primitives import ReplicaMismatchError
+
+PIPE = Family.of("pipe", "train_pipe.py", 2, {
+    "z1-fp32": {"stage": 1},
+    "z1-bf16-topology": {"stage": 1, "dtype": "bf16", "topology": True},
+})
+RUNS = [name for name, _ in PIPE.runs]
+TIED = "tied_modules.embed.weight"
+STATES = ("fp32", "exp_avg", "exp_avg_sq")
+
+
+@pytest.fixture(scope="module")
+def pipe(ckpt_root):
+    return build_family(PIPE, ckpt_root)
+
+
+@pytest.fixture(scope="module")
+def converted(pipe, tmp_path_factory):
+    memo = {}
+
+    def make(run: str):
+        if run not in memo:
+            out = tmp_path_factory.mktemp("ucp-pipe") / run
+            convert(pipe / run / "ckpt", out, workers=2, progress=False, strict=True)
+            memo[run] = ucp.open_checkpoint(out)
+        return memo[run]
+
+    return make
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_equals_live_engine_state(run, pipe, converted):
+    """Each stage's gathered fp32 master and moments, under the stage's own parameter names."""
+    ckpt, live = converted(run), reference_state(pipe / run)
+    stages = {r["stage"]: r["params"] for r in live["ranks"]}
+    assert set(stages) == {0, 1}
+    assert TIED in stages[0] and TIED in stages[1]
+    names = set(stages[0]) | set(stages[1])
+    assert {n for n in ckpt.names if ckpt.info(n).kind == "param"} == names
+    for params in stages.values():  # the tied copy of each stage matches the one converted tensor
+        for name, states in params.items():
+            for state in STATES:
+                assert torch.equal(ckpt.tensor(name, state), states[state]), (run, name, state)
+            assert ckpt.tensor(name, "step").item() == live["global_steps"]
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_patterns_buffers_and_metadata(run, pipe, converted):
+    ckpt = converted(run)
+    tied = ckpt.index["params"][TIED]["pattern"]
+    assert tied["pattern"] == Pattern.REPLICATE.value and tied["inner"]["flat"]
+    assert ckpt.index["params"]["3.weight"]["pattern"]["pattern"] == Pattern.UNIQUE.value
+    # Buffers of layers 1 and 2 (Block.scale = linspace(1, 0.5, 6) + seed), read from the layer files.
+    for layer in (1, 2):
+        assert ckpt.info(f"{layer}.scale").kind == "buffer"
+        assert torch.equal(ckpt.tensor(f"{layer}.scale", "value"), torch.linspace(1.0, 0.5, 6) + layer)
+    assert ckpt.source["pp"] == 2 and ckpt.source["tp"] == 1
+    assert ckpt.index["params"]["1.fc1.weight"]["model_dtype"] == ("bfloat16" if "bf16" in run else "float32")
+    assert ckpt.client_state["client_marker"] == 11
+    layer_files = sorted(p.name for p in (pipe / run / "ckpt").glob("*/layer_*"))
+    assert layer_files[0] == ("layer_00-model_00-model_states.pt" if "topology" in run else "layer_00-model_states.pt")
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_equals_ds_to_universal(run, pipe, converted):
+    from support.checkpoints import load_ds_universal
+
+    ckpt, reference = converted(run), load_ds_universal(ds_universal_of(pipe / run))
+    compared = 0
+    for name, states in reference.items():
+        for state, expected in states.items():
+            got = ckpt.tensor(name, state)
+            assert torch.equal(got, expected.float().reshape(got.shape)), (name, state)
+            compared += 1
+    assert compared == 4 * sum(1 for n in ckpt.names if ckpt.info(n).kind == "param")
+
+
+def test_strict_checks_the_tied_copies(pipe):
+    """The stages' copies of a tied weight are compared under --strict; a diverged copy is an error."""
+    source = plan_deepspeed(pipe / "z1-fp32" / "ckpt").param(TIED).states["fp32"]
+    assert source.groups == (1, 1)
+    pieces = [read_fragment(f) for f in source.fragments]
+    assert torch.equal(assemble(source, pieces, name=TIED, strict=True),
+                       reference_state(pipe / "z1-fp32")["ranks"][0]["params"][TIED]["fp32"])
+    pieces[1] = pieces[1].clone()
+    pieces[1][3] += 1.0
+    with pytest.raises(ReplicaMismatchError, match=TIED):
+        assemble(source, pieces, name=TIED, strict=True)
+
+
+def test_negative_control_replicate_for_unique_parameters(pipe):
+    """Declaring two stage-local parameters replicas of one another (a wrong pattern) must fail both checks."""
+    plan = plan_deepspeed(pipe / "z1-fp32" / "ckpt")
+    live = reference_state(pipe / "z1-fp32")["ranks"][0]["params"]
+    first, second = plan.param("1.fc1.weight").states["fp32"], plan.param("2.fc1.weight").states["fp32"]
+    spec = dataclasses.replace(first.spec, pattern=Pattern.REPLICATE, inner=first.spec,
+                               shard_shapes=((10, 6), (10, 6)))
+    wrong = dataclasses.replace(first, spec=spec, fragments=first.fragments + second.fragments, groups=(1, 1))
+    pieces = [read_fragment(f) for f in wrong.fragments]
+    assert not torch.equal(assemble(wrong, pieces, name="2.fc1.weight"), live["2.fc1.weight"]["fp32"])
+    with pytest.raises(ReplicaMismatchError):
+        assemble(wrong, pieces, name="2.fc1.weight", strict=True)
