@@ -88,6 +88,10 @@ def recognize_nested(name: str, shape: Sequence[int], pieces: Sequence[OuterPiec
     if not pieces:
         raise AmbiguousPatternError(f"{name}: no rank holds any part of this parameter")
     inner = [recognize(name, p.shape, p.fragments) for p in pieces]
+    if all(s.flat and s.pattern in (Pattern.UNIQUE, Pattern.SHARD_V) for s in inner):
+        # ZeRO cuts every piece at its own partition boundaries: one piece may sit in one rank's
+        # partition, the next straddle two. A single flat run is a flat split into one run.
+        inner = [dataclasses.replace(s, pattern=Pattern.SHARD_V) for s in inner]
     kinds = sorted({f"{s.pattern.value}{' (flat)' if s.flat else ''}" for s in inner})
     if len(kinds) > 1:
         raise AmbiguousPatternError(f"{name}: its outer pieces are held in different ways ({', '.join(kinds)}); "

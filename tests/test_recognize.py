@@ -296,6 +296,13 @@ def test_nested_tp_shards_partitioned_by_zero_are_shard_hy():
     assert (row.pattern, row.dim) == (Pattern.SHARD_HY, 1)
 
 
+def test_nested_pieces_cut_differently_by_zero_are_one_flat_split():
+    """One TP shard inside a single DP rank's partition, the other straddling two: both flat splits."""
+    pieces = [OuterPiece(0, (8, 16), _zero12(128, 1)), OuterPiece(1, (8, 16), _zero12(128, 2))]
+    spec = recognize_nested(NAME, (16, 16), pieces)
+    assert spec.pattern is Pattern.SHARD_HY and spec.inner.pattern is Pattern.SHARD_V and spec.inner.flat
+
+
 def test_nested_replicate_keeps_its_name_and_nests_inner():
     """A pipeline-tied weight: the same full tensor on two stages, each copy ZeRO-partitioned."""
     pieces = [OuterPiece(s, (11, 6), _zero12(66, 2)) for s in range(2)]
@@ -306,7 +313,8 @@ def test_nested_replicate_keeps_its_name_and_nests_inner():
 
 
 def test_nested_pieces_held_differently_name_the_parameter():
-    pieces = [OuterPiece(0, (4, 6), _zero12(24, 2)), OuterPiece(1, (4, 6), (FragmentInfo(0, (24,), offset=0),))]
+    copies = (FragmentInfo(0, (24,), offset=0), FragmentInfo(1, (24,), offset=0))
+    pieces = [OuterPiece(0, (4, 6), _zero12(24, 2)), OuterPiece(1, (4, 6), copies)]
     with ambiguous("held in different ways"):
         recognize_nested(NAME, (8, 6), pieces)
 

@@ -1,0 +1,109 @@
+#!/usr/bin/env python
+"""Train a tiny Hugging Face Llama with DeepSpeed AutoTP on CPU and save checkpoints.
+
+Launched with ``torchrun --nproc_per_node N tests/support/train_llama_tp.py --tp T --runs JSON``
+(N = T × DP); ``--runs`` trains several configurations ({stage, dtype, tied, save_dir,
+dump_state}) one after another in one launch. The model is built from a ``LlamaConfig`` (no
+download) with grouped-query attention (4 heads, 2 key/value heads) and an odd vocabulary (37),
+which AutoTP splits unevenly (19 + 18 rows) when it splits it. ``tied`` ties ``lm_head`` to
+``embed_tokens``; DeepSpeed then splits the shared weight by vocabulary and installs its own
+vocabulary-parallel loss.
+
+DeepSpeed itself records ``universal_checkpoint_info`` (v0.4, with ``affine_map``) for AutoTP.
+A run's ``dump_state`` path gets every rank's gathered fp32 state (its TP shard of each
+parameter, gathered over data parallelism; see support/gather.py) with its TP and DP rank.
+"""
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+VOCAB, HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, SEQ = 37, 16, 24, 2, 4, 2, 6
+MICRO_BATCH, ACCUMULATION = 2, 1
+INIT_SEED = 99
+
+
+def build_model(tied: bool):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=LAYERS,
+                         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=64,
+                         tie_word_embeddings=tied, attn_implementation="eager")
+    torch.manual_seed(INIT_SEED)
+    return LlamaForCausalLM(config)
+
+
+def ds_config(args):
+    cfg = {
+        # No train_batch_size: with AutoTP DeepSpeed would derive 0 accumulation steps from it.
+        "train_micro_batch_size_per_gpu": MICRO_BATCH,
+        "gradient_accumulation_steps": ACCUMULATION,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "betas": [0.9, 0.95], "weight_decay": 0.1,
+                                                  "torch_adam": True}},
+        "zero_optimization": {"stage": args.stage},
+        "steps_per_print": 10**9,
+    }
+    if args.tp > 1:
+        cfg["tensor_parallel"] = {"autotp_size": args.tp}
+    if args.dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    return cfg
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--runs", required=True,
+                   help="JSON list of runs, each {stage, dtype, tied, save_dir, dump_state}: trained one after "
+                   "another in this process (one launch, several checkpoints)")
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--steps", type=int, default=2)
+    return p.parse_args(argv)
+
+
+def train_one(run: dict, args) -> None:
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.utils import groups
+
+    from gather import dump_states, local_state
+
+    world = dist.get_world_size()
+    opts = argparse.Namespace(stage=run.get("stage", 1), dtype=run.get("dtype", "fp32"), tp=args.tp)
+    model = build_model(run.get("tied", False))
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config(opts))
+    tp_rank = groups.get_tensor_model_parallel_rank() if args.tp > 1 else 0
+    dp, dp_rank = world // args.tp, dist.get_rank() // args.tp
+    for step in range(args.steps):
+        g = torch.Generator().manual_seed(step)
+        tokens = torch.randint(0, VOCAB, (MICRO_BATCH * dp, SEQ), generator=g)
+        rows = tokens[dp_rank * MICRO_BATCH:(dp_rank + 1) * MICRO_BATCH]
+        # The model computes the loss: with a tied, vocabulary-parallel head DeepSpeed installs its own.
+        loss = engine(input_ids=rows, labels=rows).loss
+        engine.backward(loss)
+        engine.step()
+    if run.get("dump_state"):
+        dump_states(run["dump_state"], {"tp_rank": tp_rank, "dp_rank": dp_rank,
+                                        "params": local_state(engine, model.named_parameters())},
+                    {"global_steps": engine.global_steps})
+    engine.save_checkpoint(run["save_dir"], client_state={"client_marker": 17})
+    dist.barrier()
+    engine.destroy()
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    import torch.distributed as dist
+
+    torch.use_deterministic_algorithms(True)
+    deepspeed.init_distributed(dist_backend="gloo")
+    for run in json.loads(args.runs):
+        train_one(run, args)
+    dist.destroy_process_group()
+    return 0
+
+if __name__ == "__main__":
+    sys.exit(main())
