@@ -112,11 +112,14 @@ def _parallel_family(names: list[str]):
 
     Imported here, not at the top: those planners build on this module's `finish_plan`.
     """
+    from ucp.converters.deepspeed_moe import is_moe, plan_moe
     from ucp.converters.deepspeed_pipe import is_pipeline, plan_pipe
     from ucp.converters.deepspeed_tp import is_tensor_parallel, plan_tp
 
     if is_pipeline(names):
         return plan_pipe
+    if is_moe(names):
+        return plan_moe
     if is_tensor_parallel(names):
         return plan_tp
     return None

@@ -1,0 +1,113 @@
+"""Native DeepSpeed MoE sources (4 experts, ep_size 1 and 2, ZeRO-1/2) on 2 ranks.
+
+Optimizer files keep each EP rank's experts under local ids; ucp names every expert by its global
+id. The reference is every rank's gathered fp32 state at save time, its local expert ids mapped to
+global ones by the training script from DeepSpeed's own expert-parallel rank. Every comparison is
+`torch.equal`.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ucp
+from support.checkpoints import load_ds_universal
+from support.parallel import Family, build_family, ds_universal_of, reference_state
+from ucp.assemble import assemble, read_fragment
+from ucp.converters.deepspeed_slices import load_dict, model_files, optim_files, read_slice
+from ucp.convert import convert
+from ucp.patterns import FragmentInfo, Pattern, PatternSpec
+from ucp.plan import StateSource
+from ucp.primitives import ReplicaMismatchError
+
+MOE = Family.of("moe", "train_moe.py", 2, {
+    "ep1-z1": {"ep_size": 1, "stage": 1},
+    "ep2-z2": {"ep_size": 2, "stage": 2},
+    "ep2-z1-bf16": {"ep_size": 2, "stage": 1, "dtype": "bf16"},
+})
+RUNS = [name for name, _ in MOE.runs]
+STATES = ("fp32", "exp_avg", "exp_avg_sq")
+EXPERT = "moe.deepspeed_moe.experts.deepspeed_experts.{}.w1.weight"
+
+
+@pytest.fixture(scope="module")
+def moe(ckpt_root):
+    return build_family(MOE, ckpt_root)
+
+
+@pytest.fixture(scope="module")
+def converted(moe, tmp_path_factory):
+    memo = {}
+
+    def make(run: str):
+        if run not in memo:
+            out = tmp_path_factory.mktemp("ucp-moe") / run
+            convert(moe / run / "ckpt", out, workers=2, progress=False, strict=True)
+            memo[run] = ucp.open_checkpoint(out)
+        return memo[run]
+
+    return make
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_equals_live_engine_state(run, moe, converted):
+    ckpt, live = converted(run), reference_state(moe / run)
+    seen = set()
+    for rank in live["ranks"]:
+        for name, states in rank["params"].items():
+            for state in STATES:
+                assert torch.equal(ckpt.tensor(name, state), states[state]), (run, rank["ep_rank"], name, state)
+            seen.add(name)
+    assert {n for n in ckpt.names if ckpt.info(n).kind == "param"} == seen
+    assert all(EXPERT.format(e) in seen for e in range(4))
+    for e in range(4):
+        assert ckpt.tensor(EXPERT.format(e), "step").item() == live["global_steps"]
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_experts_keep_global_ids_and_distinct_values(run, moe, converted):
+    ckpt = converted(run)
+    ep = 1 if run.startswith("ep1") else 2
+    assert ckpt.source["ep"] == ep
+    weights = [ckpt.tensor(EXPERT.format(e)) for e in range(4)]
+    assert all(not torch.equal(weights[a], weights[b]) for a in range(4) for b in range(a + 1, 4))
+    # Each expert file holds that global expert's module copy: the fp32 master rounded to the model dtype.
+    for e in range(4):
+        module = torch.load(next((moe / run / "ckpt").glob(f"*/layer_0_expert_{e}_mp_rank_00_model_states.pt")),
+                            weights_only=False)[EXPERT.format(e)]
+        assert torch.equal(weights[e].to(module.dtype), module), (run, e)
+    assert ckpt.index["params"][EXPERT.format(3)]["pattern"]["flat"]
+
+
+def test_equals_ds_to_universal_at_ep1(moe, converted):
+    """ds_to_universal handles ep_size 1 (local ids are global); at ep_size 2 it fails (not run here)."""
+    ckpt, reference = converted("ep1-z1"), load_ds_universal(ds_universal_of(moe / "ep1-z1"))
+    compared = 0
+    for name, states in reference.items():
+        for state, expected in states.items():
+            got = ckpt.tensor(name, state)
+            assert torch.equal(got, expected.float().reshape(got.shape)), (name, state)
+            compared += 1
+    assert compared == 4 * sum(1 for n in ckpt.names if ckpt.info(n).kind == "param")
+
+
+def test_negative_control_local_names_taken_as_global(moe, converted):
+    """Reading the EP ranks' local expert 0 as one parameter, as their shared name suggests, is wrong both ways:
+    as Replicate the copies differ (they are global experts 0 and 2), as Shard-V (ds_to_universal's join) the
+    pieces hold twice the expert's elements."""
+    tag = next(p for p in (moe / "ep2-z2" / "ckpt").iterdir() if p.is_dir())
+    names = sorted(p.name for p in tag.iterdir())
+    model_path = model_files(tag, names)[0]
+    local = read_slice(tag, 0, model_path, load_dict(model_path), optim_files(tag, names))  # no renaming
+    frags = tuple(local.fragments[(EXPERT.format(0), "fp32")])
+    assert [f.info.rank for f in frags] == [0, 1]
+    pieces = [read_fragment(f) for f in frags]
+    ckpt = converted("ep2-z2")
+    assert torch.equal(pieces[0].reshape(6, 8), ckpt.tensor(EXPERT.format(0)))
+    assert torch.equal(pieces[1].reshape(6, 8), ckpt.tensor(EXPERT.format(2)))
+    replicate = StateSource(PatternSpec(Pattern.REPLICATE, (48,)), frags)
+    with pytest.raises(ReplicaMismatchError):
+        assemble(replicate, pieces, name=EXPERT.format(0), strict=True)
+    joined = StateSource(PatternSpec(Pattern.SHARD_V, (96,), flat=True, padded_size=96), frags)
+    assert assemble(joined, pieces, name=EXPERT.format(0)).numel() == 2 * ckpt.tensor(EXPERT.format(0)).numel()
+    assert [FragmentInfo(r, (48,), 48 * r) for r in range(2)] == [f.info for f in frags]
