@@ -112,3 +112,9 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TiB"
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from ucp.cli.plan import run_plan
+
+    return run_plan(args)

@@ -22,6 +22,7 @@ examples:
   ucp submit --address http://HEAD:8265 -- convert --input /shared/ckpts --output /shared/ucp
   ucp inspect ckpts_ucp/                                  parameters, shapes, patterns, sizes
   ucp verify ckpts_ucp/                                   checksums and completeness
+  ucp plan --gpus 28 --gpu-memory 80 --model examples/models/llama2-7b.json   parallel plans for 28 GPUs
   ucp demo                                                train, save, convert, inspect, resume elsewhere
 """
 
@@ -90,6 +91,25 @@ def build_parser() -> argparse.ArgumentParser:
                         "installed on every node; torch, safetensors, numpy and tqdm must still be installed there")
     p.add_argument("ucp_args", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
                    help="the ucp command to run on the cluster, after '--'")
+
+    p = sub.add_parser("plan", help="search parallel plans (heterogeneous TP/PP per replica) for N GPUs",
+                       description="Search Elastor-style parallel plans for a model on exactly N GPUs, counts that "
+                                   "divide nothing included: TP groups of up to --tp-max GPUs, dealt to DP replicas "
+                                   "that may differ in TP sizes and pipeline stages, layers balanced across stages "
+                                   "and micro-batches across replicas. Prints the fastest plans under the cost model "
+                                   "of docs/PLAN.md with their step time and memory per GPU.")
+    p.add_argument("--gpus", type=int, required=True, metavar="N", help="GPUs to use, all of them")
+    p.add_argument("--gpu-memory", type=float, required=True, metavar="GiB", help="memory of one GPU, in GiB")
+    p.add_argument("--model", required=True, metavar="CONFIG.json",
+                   help="a Hugging Face config.json (Llama, Qwen2, Mistral keys); see examples/models/")
+    p.add_argument("--global-batch", type=int, default=256, metavar="B", help="sequences per step (default 256)")
+    p.add_argument("--seq-len", type=int, default=4096, metavar="S", help="tokens per sequence (default 4096)")
+    p.add_argument("--top", type=int, default=5, metavar="K", help="how many plans to show (default 5)")
+    p.add_argument("--gpu-tflops", type=float, metavar="T", help="dense bf16 TFLOP/s of one GPU (default 312, A100)")
+    p.add_argument("--tp-max", type=int, metavar="T", help="largest TP group, GPUs on one fast link (default 8)")
+    p.add_argument("--zero", type=int, choices=[0, 1], help="1: shard optimizer states across replicas of the "
+                   "same shape (default); 0: keep them whole on every replica")
+    p.add_argument("--json", action="store_true", help="machine-readable output, with each plan's layout")
 
     p = sub.add_parser("demo", help="train on 2 CPU ranks, save, convert, inspect, resume on 3 ranks",
                        description="End-to-end demo on this machine: trains a tiny model with DeepSpeed "
