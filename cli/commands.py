@@ -6,6 +6,10 @@ import contextlib
 import json
 import sys
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ucp.splits import SplitPolicy
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
@@ -19,10 +23,11 @@ def cmd_convert(args: argparse.Namespace) -> int:
             names = [line.strip() for line in f if line.strip()]
     if args.ray_address and args.executor != "ray":
         raise UcpError(f"--ray-address {args.ray_address} needs --executor ray")
+    splits = split_policy(args)
     with executor_for(args) as executor:
         result = convert(args.input, args.output, tag=args.tag, workers=args.workers, fmt=args.format,
                          strict=args.strict, progress=not args.quiet, param_names=names, executor=executor,
-                         resume=args.resume)
+                         resume=args.resume, splits=splits)
     if result.already_done:
         print(f"{result.output}: already holds this conversion ({result.params} parameters); nothing to do")
         return 0
@@ -31,6 +36,20 @@ def cmd_convert(args: argparse.Namespace) -> int:
           f"({human_bytes(result.bytes_written)} in {result.files_written} files, "
           f"{time.perf_counter() - start:.1f} s{redone})")
     return 0
+
+
+def split_policy(args: argparse.Namespace) -> SplitPolicy | None:
+    """The `ucp.splits.SplitPolicy` that --splits and --split-rules ask for, or None."""
+    from ucp.errors import UcpError
+    from ucp.splits import SplitPolicy, load_split_rules
+
+    if args.splits is None:
+        if args.split_rules:
+            raise UcpError("--split-rules needs --splits K")
+        return None
+    if args.split_rules:
+        return SplitPolicy(args.splits, load_split_rules(args.split_rules))
+    return SplitPolicy(args.splits)
 
 
 def executor_for(args: argparse.Namespace) -> contextlib.AbstractContextManager:

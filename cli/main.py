@@ -18,6 +18,7 @@ examples:
   ucp convert --input ckpts/global_step100 --output out/ --workers 4
   ucp convert --input ckpts/ --output uc/global_step100 --format deepspeed   stock load_universal layout
   ucp convert --input ckpts/ --output ckpts_ucp/ --resume     finish an interrupted conversion
+  ucp convert --input ckpts/ --output ckpts_ucp/ --splits 8   split-major, for split-driven loading
   ucp convert --input /shared/ckpts --output /shared/ucp --executor ray --ray-address auto
   ucp submit --address http://HEAD:8265 -- convert --input /shared/ckpts --output /shared/ucp
   ucp inspect ckpts_ucp/                                  parameters, shapes, patterns, sizes
@@ -61,6 +62,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true",
                    help="keep the data files an interrupted conversion of the same source finished (each checked "
                         "against its checksums) and convert only the rest; use the same --workers")
+    p.add_argument("--splits", type=int, metavar="K",
+                   help="store every tensor split-major in K splits along its tensor-parallel dim, so a rank of "
+                        "any layout whose TP size divides K reads exactly its slice in one read (ucp.hmp); K is "
+                        "e.g. the lcm of the TP sizes `ucp plan` may use. Dims come from Hugging Face Llama/Qwen2/"
+                        "Mistral parameter names unless --split-rules says otherwise")
+    p.add_argument("--split-rules", metavar="FILE",
+                   help="with --splits: a JSON object mapping a regex of parameter names to its TP dim (or null "
+                        "for tensors stored whole), first match wins")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
     p = sub.add_parser("inspect", help="table of parameters, shapes, patterns and sizes",

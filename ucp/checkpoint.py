@@ -16,6 +16,7 @@ from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError
 from ucp.fileio import ReadCounter
 from ucp.format import INDEX_NAME, load_index
 from ucp.safetensors_stream import TORCH_DTYPES, read_stored
+from ucp.splits import from_split_major
 
 STEP_STATE = "step"
 
@@ -65,8 +66,11 @@ class AtomicCheckpoint:
             raise KeyError(f"{name}: no state '{state}' (has {', '.join(self.states(name))})")
         s = e["states"][state]
         begin, end = s["offsets"]
-        return read_stored(str(self.path / s["file"]), begin, end, s["dtype"], s["shape"],
-                           s["crc32"] if verify else None, self.counter)
+        stored = read_stored(str(self.path / s["file"]), begin, end, s["dtype"], s["shape"],
+                             s["crc32"] if verify else None, self.counter)
+        if "splits" in s:  # stored split-major: put the logical order back (a no-op along dim 0)
+            return from_split_major(stored, s["shape"], s["splits"]["dim"], s["splits"]["count"])
+        return stored
 
     @property
     def step(self) -> int | None:

@@ -32,6 +32,7 @@ from ucp.format import (FORMAT_NAME, FORMAT_VERSION, INDEX_NAME, PARTIAL_SUFFIX,
 from ucp.manifest import MANIFEST_SUFFIX, BinCheck, manifest_name, remove_manifests, reusable_bin, write_manifest
 from ucp.plan import ConversionPlan, ParamPlan, StateSource
 from ucp.safetensors_stream import StreamingWriter, TensorSlot
+from ucp.splits import SplitPolicy, apply_split_policy, stored_shape, to_split_major
 
 if TYPE_CHECKING:
     import torch
@@ -64,11 +65,13 @@ class ConvertResult:
 def convert(input_dir: str | os.PathLike, output_dir: str | os.PathLike, *, tag: str | None = None,
             workers: int | None = None, fmt: str = "ucp", strict: bool = False,
             executor: Executor | None = None, progress: bool = True,
-            param_names: list[str] | None = None, resume: bool = False) -> ConvertResult:
+            param_names: list[str] | None = None, resume: bool = False,
+            splits: SplitPolicy | None = None) -> ConvertResult:
     """Convert the DeepSpeed checkpoint at `input_dir` into `output_dir` (format `ucp` or `deepspeed`).
 
     With `resume`, data files that an interrupted conversion of the same source finished are kept
-    when they still match their checksums; only the other bins are converted again.
+    when they still match their checksums; only the other bins are converted again. With `splits`,
+    tensors are stored split-major along their TP partition dim (docs/FORMAT.md, "Splits").
     """
     from ucp.converters.deepspeed_zero import plan_deepspeed
 
@@ -77,7 +80,11 @@ def convert(input_dir: str | os.PathLike, output_dir: str | os.PathLike, *, tag:
     if resume and fmt != "ucp":
         raise UcpError("--resume works with --format ucp only; for --format deepspeed delete the output "
                        "directory and convert again")
+    if splits is not None and fmt != "ucp":
+        raise UcpError("--splits works with --format ucp only")
     plan = plan_deepspeed(input_dir, tag, param_names)
+    if splits is not None:
+        plan = apply_split_policy(plan, splits)
     executor = executor or LocalExecutor(workers, progress=progress)
     if fmt == "deepspeed":
         from ucp.deepspeed_universal import write_deepspeed_universal
@@ -87,11 +94,18 @@ def convert(input_dir: str | os.PathLike, output_dir: str | os.PathLike, *, tag:
 
 
 def source_fingerprint(plan: ConversionPlan) -> str:
-    """Identifies the source files (names, sizes, mtimes), to tell 'already converted' from 'different'."""
+    """Identifies the source files (names, sizes, mtimes), to tell 'already converted' from 'different'.
+
+    A split-major conversion also folds in every tensor's (dim, count), so neither the 'already
+    converted' check nor --resume mixes files of another split layout.
+    """
     h = hashlib.sha256()
     for path in sorted(plan.source_files):
         st = os.stat(path)
         h.update(f"{os.path.basename(path)}:{st.st_size}:{st.st_mtime_ns};".encode())
+    for p in plan.params:
+        if p.splits is not None:
+            h.update(f"{p.name}:{p.splits};".encode())
     return h.hexdigest()[:32]
 
 
@@ -171,7 +185,7 @@ def keep_finished(output: Path, tasks: list[WriteBin], executor: Executor) -> di
 
 
 def bin_slots(params: tuple[ParamPlan, ...]) -> list[TensorSlot]:
-    return [TensorSlot(tensor_key(p.name, state), source.dtype, p.shape)
+    return [TensorSlot(tensor_key(p.name, state), source.dtype, stored_shape(p.shape, p.splits))
             for p in params for state, source in p.states.items()]
 
 
@@ -194,6 +208,8 @@ def stream_bin(task: WriteBin, report: Report,
         for p in task.params:
             for state, source in p.states.items():
                 tensor = state_tensor(p, source)
+                if p.splits is not None:
+                    tensor = to_split_major(tensor, *p.splits)
                 stored[tensor_key(p.name, state)] = writer.write(tensor_key(p.name, state), tensor)
                 report(source.nbytes)
                 if len(stored) == 1:
@@ -238,6 +254,8 @@ def build_index(plan: ConversionPlan, fingerprint: str, results: list[dict]) -> 
             file_name, begin, end, crc = where[tensor_key(p.name, state)]
             states[state] = {"file": file_name, "key": tensor_key(p.name, state), "dtype": source.dtype,
                              "shape": list(p.shape), "offsets": [begin, end], "crc32": crc}
+            if p.splits is not None:
+                states[state]["splits"] = {"dim": p.splits[0], "count": p.splits[1]}
         entry = {"kind": p.kind, "shape": list(p.shape), "model_dtype": p.model_dtype,
                  "pattern": next(iter(p.states.values())).spec.to_json(), "states": states}
         if p.group is not None:
@@ -254,7 +272,7 @@ def build_index(plan: ConversionPlan, fingerprint: str, results: list[dict]) -> 
         "optimizer": plan.optimizer,
         "lr_scheduler": plan.lr_scheduler,
         "client_state": _jsonable(plan.client_state),
-        "splits": {"global_split": 1},
+        "splits": {"global_split": max((p.splits[1] for p in plan.params if p.splits), default=1)},
         "files": {r["file"]: {"bytes": r["bytes"]} for r in sorted(results, key=lambda r: r["file"])},
         "params": params,
     }

@@ -34,6 +34,7 @@ from ucp.errors import CorruptCheckpointError, UcpError
 from ucp.fileio import ReadCounter, pread_into, tensor_bytes
 from ucp.load_plan import ByteRange, Want, assign_readers, coalesce
 from ucp.safetensors_stream import TORCH_DTYPES
+from ucp.splits import from_split_major
 
 CONFIG_KEY = "ucp"
 
@@ -236,7 +237,7 @@ def _read(ckpt: AtomicCheckpoint, wants: list[Want], owners: dict, me: int, bypa
         e = _entry(ckpt, w.key)
         size = TORCH_DTYPES[e["dtype"]].itemsize
         begin, end = e["offsets"]
-        if bypass and not w.whole:
+        if bypass and not w.whole and not _reordered(e):
             begin, end = begin + w.start * size, begin + (w.start + w.numel) * size
         plan[w.key] = (ByteRange(e["file"], begin, end), w)
     counter = ReadCounter()
@@ -255,10 +256,18 @@ def _read(ckpt: AtomicCheckpoint, wants: list[Want], owners: dict, me: int, bypa
             raise CorruptCheckpointError(f"{ckpt.path / e['file']}: {key[0]}:{key[1]} fails its checksum; the file "
                                          "is damaged, convert again or restore it from a copy")
         flat = chunks[rng].view(TORCH_DTYPES[e["dtype"]])
-        if not bypass and not w.whole:
+        if _reordered(e):
+            flat = from_split_major(flat, e["shape"], e["splits"]["dim"], e["splits"]["count"]).reshape(-1)
+        if not w.whole and (not bypass or _reordered(e)):
             flat = flat.narrow(0, w.start, w.numel)
         values[key] = flat
     return values
+
+
+def _reordered(entry: dict) -> bool:
+    """Stored split-major along a dim > 0 (ucp convert --splits): a flat range is not a byte range, so read it whole."""
+    splits = entry.get("splits")
+    return splits is not None and splits["dim"] > 0 and splits["count"] > 1
 
 
 def _broadcast(ckpt, want: Want, value, owner: int, group, stats: LoadStats) -> torch.Tensor:

@@ -78,6 +78,7 @@ class ParamPlan:
     group: int | None = None
     step: float | None = None
     model_dtype: str = "float32"
+    splits: tuple[int, int] | None = None  # (dim, count): states stored split-major, see ucp.splits
 
     @property
     def numel(self) -> int:
