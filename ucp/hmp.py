@@ -1,0 +1,113 @@
+"""Load one rank's slices of a ucp checkpoint under any layout, heterogeneous ones included.
+
+    loaded = ucp.hmp.load_slices(layout, rank, "/ckpt/ucp", model_table)
+    loaded.tensors["model.layers.3.mlp.up_proj.weight"]["fp32"]   # this rank's box, in its shape
+
+The layout (`ucp.layout`) says which box of which parameter the rank holds; `ucp.slice_read`
+turns each box into one byte range (exactly the box's bytes when the checkpoint is split-major
+with a split count the rank's TP size divides); touching ranges are merged (`coalesce`) and read
+with one positional read each. This is the loader behind the HMP reference model
+(`ucp.reference_tp`); `ucp.deepspeed`'s hook loads data-parallel (ZeRO) layouts.
+
+Integrity: a read that covers a whole stored state is checked against its CRC-32; a partial read
+(a TP slice) cannot be and is not, as with ZeRO partitions in `ucp.deepspeed`; `ucp verify` checks
+every tensor whole.
+"""
+from __future__ import annotations
+
+import math
+import os
+import zlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ucp.checkpoint import AtomicCheckpoint
+from ucp.errors import CorruptCheckpointError, UcpError
+from ucp.fileio import ReadCounter, pread_into, tensor_bytes
+from ucp.layout import Layout, OwnedSlice, ParamSpec
+from ucp.load_plan import coalesce
+from ucp.safetensors_stream import TORCH_DTYPES
+from ucp.slice_read import SliceRead, plan_slice_read
+from ucp.splits import join_splits
+
+
+class ModelMismatchError(UcpError):
+    """The model's parameter table does not match the checkpoint it loads from."""
+
+
+@dataclass
+class LoadedSlices:
+    """A rank's slices: tensors[name][state] in the box's shape, and what touched storage."""
+
+    slices: dict[str, OwnedSlice]
+    tensors: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    bytes_read: int = 0
+    read_calls: int = 0
+    share_bytes: int = 0     # bytes of the boxes themselves: what an exact loader must read
+    tensors_touched: int = 0  # (parameter, state) pairs read
+
+
+def load_slices(layout: Layout, rank: int, path: str | os.PathLike, table: Iterable[ParamSpec],
+                states: Sequence[str] = ("fp32",), *, verify: bool = True) -> LoadedSlices:
+    """`states` of every parameter of `table` that `rank` holds under `layout`, from the checkpoint at `path`."""
+    ckpt = AtomicCheckpoint(path)
+    global_split = ckpt.index.get("splits", {}).get("global_split") or layout.split_count()
+    table = list(table)
+    _check(ckpt, table, states)
+    owned = layout.rank_slices(rank, table, global_split)
+    out = LoadedSlices(owned)
+    reads: list[SliceRead] = []
+    for name, piece in owned.items():
+        for state in states:
+            entry = ckpt.index["params"][name]["states"][state]
+            itemsize = TORCH_DTYPES[entry["dtype"]].itemsize
+            out.share_bytes += math.prod(b - a for a, b in piece.box) * itemsize
+            reads.append(plan_slice_read((name, state), entry, piece.box, itemsize))
+    counter = ReadCounter()
+    chunks = {}
+    for merged, parts in coalesce(r.range for r in reads if r.range.nbytes):
+        buf = torch.empty(merged.nbytes, dtype=torch.uint8)
+        pread_into(str(ckpt.path / merged.file), buf, merged.begin, counter)
+        for part in parts:
+            chunks[part] = buf.narrow(0, part.begin - merged.begin, part.nbytes)
+    for r in reads:
+        entry = ckpt.index["params"][r.key[0]]["states"][r.key[1]]
+        raw = chunks.get(r.range, torch.empty(0, dtype=torch.uint8))
+        if verify and r.whole and zlib.crc32(tensor_bytes(raw)) != entry["crc32"]:
+            raise CorruptCheckpointError(f"{ckpt.path / entry['file']}: {r.key[0]}:{r.key[1]} fails its checksum; "
+                                         "the file is damaged, convert again or restore it from a copy")
+        box_shape = tuple(b - a for a, b in owned[r.key[0]].box)
+        out.tensors.setdefault(r.key[0], {})[r.key[1]] = _shape(raw.view(TORCH_DTYPES[entry["dtype"]]),
+                                                               entry["shape"], r, box_shape)
+    out.bytes_read, out.read_calls, out.tensors_touched = counter.bytes, counter.calls, len(reads)
+    return out
+
+
+def _shape(flat: torch.Tensor, shape: Sequence[int], read: SliceRead, box_shape: tuple[int, ...]) -> torch.Tensor:
+    """The bytes of one read as the rank's box."""
+    if flat.numel() == 0:
+        return flat.reshape(box_shape)
+    if read.dim is None:
+        tensor = flat.reshape(shape)
+    else:
+        tensor = join_splits(flat, shape, read.dim, read.bounds)
+    for dim, start, length in read.narrow:
+        tensor = tensor.narrow(dim, start, length)
+    return tensor.clone() if read.narrow else tensor
+
+
+def _check(ckpt: AtomicCheckpoint, table: list[ParamSpec], states: Sequence[str]) -> None:
+    params = ckpt.index["params"]
+    for spec in table:
+        if spec.name not in params:
+            raise ModelMismatchError(f"{ckpt.path}: has no parameter '{spec.name}', which the model has; was it "
+                                     "saved from another model?")
+        saved = tuple(params[spec.name]["shape"])
+        if saved != spec.shape:
+            raise ModelMismatchError(f"{spec.name}: the checkpoint holds shape {saved}, the model {spec.shape}")
+        missing = [s for s in states if s not in params[spec.name]["states"]]
+        if missing:
+            raise ModelMismatchError(f"{spec.name}: the checkpoint has no state '{missing[0]}' (has "
+                                     f"{', '.join(params[spec.name]['states'])})")
