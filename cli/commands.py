@@ -27,7 +27,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     with executor_for(args) as executor:
         result = convert(args.input, args.output, tag=args.tag, workers=args.workers, fmt=args.format,
                          strict=args.strict, progress=not args.quiet, param_names=names, executor=executor,
-                         resume=args.resume, splits=splits)
+                         resume=args.resume, splits=splits, patterns=patterns_given(args.pattern))
     if result.already_done:
         print(f"{result.output}: already holds this conversion ({result.params} parameters); nothing to do")
         return 0
@@ -50,6 +50,20 @@ def split_policy(args: argparse.Namespace) -> SplitPolicy | None:
     if args.split_rules:
         return SplitPolicy(args.splits, load_split_rules(args.split_rules))
     return SplitPolicy(args.splits)
+
+
+def patterns_given(values: list[str] | None) -> dict[str, str]:
+    """`--pattern NAME=PATTERN` flags as {NAME: PATTERN} (NAME: a parameter name or a regex of whole names)."""
+    from ucp.errors import UcpError
+
+    out = {}
+    for value in values or []:
+        name, sep, pattern = value.rpartition("=")
+        if not sep or not name or not pattern:
+            raise UcpError(f"--pattern '{value}': expected NAME=PATTERN, e.g. "
+                           "'model.layers.0.mlp.down_proj.weight=shard_h'")
+        out[name] = pattern
+    return out
 
 
 def executor_for(args: argparse.Namespace) -> contextlib.AbstractContextManager:

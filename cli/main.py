@@ -52,6 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--param-names", metavar="FILE",
                    help="ZeRO-0 only, when names cannot be recovered from shapes: the optimizer's parameter "
                         "names, one per line, in param-group order")
+    p.add_argument("--pattern", action="append", metavar="NAME=PATTERN",
+                   help="tensor-parallel checkpoints that do not declare their layout: how the TP shards of "
+                        "NAME (a parameter name, or a regex of whole names) join: shard_v (dim 0), shard_h "
+                        "(dim 1), replicate or partial; repeat for several. Overrides what the checkpoint declares")
     p.add_argument("--executor", choices=["local", "ray"], default="local",
                    help="local: a process pool on this machine (default); ray: map and reduce tasks on a Ray "
                         "cluster (--ray-address), or on a local Ray instance started for this conversion. Same "

@@ -151,6 +151,19 @@ def check_partitions(count, dp: int, hyper: list, path: Path) -> None:
                                          f"file says dp_world_size={dp}; files from different runs are mixed")
 
 
+def aliases(module: dict) -> set[str]:
+    """Module entries that are another entry under a second name (tied weights): torch.save keeps
+    the sharing, so they point at the same stored bytes as an earlier entry."""
+    seen, out = set(), set()
+    for name, t in module.items():
+        if isinstance(t, LazyTensor):
+            where = (t.storage.key, t.storage_offset, t.shape, t.stride)
+            if where in seen:
+                out.add(name)
+            seen.add(where)
+    return out
+
+
 def shape_of(value) -> tuple[int, ...]:
     return tuple(int(s) for s in value)
 
@@ -197,10 +210,14 @@ def combined_source(name: str, shape: tuple[int, ...], outer: list[tuple[int, tu
                     hints: Hints | None = None) -> StateSource:
     """One state held as outer pieces (TP shards, pipeline stages' copies), each as its own ZeRO
     fragments: `outer` lists (outer rank, piece shape, fragments in rank order), in outer-rank order.
-    A single piece of the full shape needs no nesting."""
+    A single piece of the full shape needs no nesting, nor do pieces each held whole (ZeRO-0)."""
     if len(outer) == 1 and outer[0][1] == shape and hints is None:
         frags = outer[0][2]
         return StateSource(recognize(name, shape, [f.info for f in frags]), tuple(frags))
+    if all(len(frags) == 1 and frags[0].info.shape == piece_shape and frags[0].info.offset is None
+           for _, piece_shape, frags in outer):
+        whole_pieces = [Fragment(FragmentInfo(rank, piece_shape), frags[0].piece) for rank, piece_shape, frags in outer]
+        return StateSource(recognize(name, shape, [f.info for f in whole_pieces], hints), tuple(whole_pieces))
     pieces = [OuterPiece(rank, piece_shape, tuple(f.info for f in frags)) for rank, piece_shape, frags in outer]
     return StateSource(recognize_nested(name, shape, pieces, hints),
                        tuple(f for _, _, frags in outer for f in frags), groups=tuple(len(frags) for *_, frags in outer))

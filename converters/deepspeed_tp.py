@@ -1,4 +1,4 @@
-"""Plan the conversion of a tensor-parallel DeepSpeed checkpoint (AutoTP), ZeRO-1/2.
+"""Plan the conversion of a tensor-parallel DeepSpeed checkpoint (AutoTP), ZeRO-0/1/2.
 
 Layout written by DeepSpeed 0.19 with `"tensor_parallel": {"autotp_size": T}` (no pipeline):
 
@@ -6,22 +6,31 @@ Layout written by DeepSpeed 0.19 with `"tensor_parallel": {"autotp_size": T}` (n
   the module's shards, `shared_params` (tied aliases, e.g. `lm_head.weight` -> `embed_tokens`)
   and `universal_checkpoint_info` with an `affine_map` (see `deepspeed_declared`).
 * `[bf16_]zero_pp_rank_{D}_mp_rank_{TT}_optim_states.pt`: ZeRO partitions of each TP shard over
-  the data-parallel ranks of that TP rank.
+  the data-parallel ranks of that TP rank. ZeRO-0 writes none: each TP rank's optimizer state sits
+  whole in its model file (see `deepspeed_zero0`).
 
 Every parameter is an outer layout over TP ranks (Shard-V for column-parallel weights and a
 vocabulary-split embedding, Shard-H for row-parallel ones, Replicate for norms), each shard
 partitioned again by ZeRO: Shard-Hy, or a Replicate of partitioned copies. The affine map gives
-the full shape and the outer pattern. Tied aliases are not parameters of their own and are skipped.
+the full shape and the outer pattern. Tied aliases (`shared_params`, or module entries that share
+another's storage) are not parameters of their own and are skipped.
 """
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
+
+import torch
+
+from ucp.assemble import materialize
 from ucp.converters.deepspeed_declared import affine_params, declared_layout
-from ucp.converters.deepspeed_slices import (MODEL_FILE, SliceState, combined_source, dtype_name, load_dict,
-                                             model_files, optim_files, read_slice, whole)
+from ucp.converters.deepspeed_slices import (MODEL_FILE, SliceState, aliases, combined_source, dtype_name,
+                                             load_dict, model_files, optim_files, read_slice, whole)
+from ucp.converters.deepspeed_zero0 import zero0_slice
 from ucp.converters.deepspeed_zero import TagDir, finish_plan
-from ucp.converters.torch_zip import LazyTensor
+from ucp.converters.torch_zip import LazyTensor, read_tensor
 from ucp.errors import AmbiguousPatternError, CheckpointNotFoundError, CorruptCheckpointError, UnsupportedLayoutError
-from ucp.patterns import Hints, recognize
+from ucp.patterns import Hints, Pattern, recognize
 from ucp.plan import BUFFER, BUFFER_STATE, FROZEN, TRAINABLE, WEIGHT_STATE, ConversionPlan, ParamPlan, StateSource
 
 
@@ -29,8 +38,12 @@ def is_tensor_parallel(names: list[str]) -> bool:
     return sum(1 for n in names if MODEL_FILE.match(n)) > 1
 
 
-def plan_tp(where: TagDir, names: list[str]) -> ConversionPlan:
-    """The plan of the tensor-parallel checkpoint in tag folder `where.path`, whose files are `names`."""
+def plan_tp(where: TagDir, names: list[str], patterns: dict[str, str] | None = None) -> ConversionPlan:
+    """The plan of the tensor-parallel checkpoint in tag folder `where.path`, whose files are `names`.
+
+    `patterns` maps a parameter name (or a regex of whole names) to the pattern of its TP shards
+    (`replicate`, `partial`, `shard_v`, `shard_h`), for checkpoints that do not declare it.
+    """
     folder = where.path
     models = model_files(folder, names)
     first = load_dict(models[min(models)])
@@ -44,37 +57,107 @@ def plan_tp(where: TagDir, names: list[str]) -> ConversionPlan:
         raise CheckpointNotFoundError(f"{folder / f'mp_rank_{missing[0]:02d}_model_states.pt'}: missing (the "
                                       f"checkpoint has {tp} tensor-parallel ranks); copy every rank's file")
     optims = optim_files(folder, names)
-    if not optims:
-        raise UnsupportedLayoutError(f"{folder}: a tensor-parallel checkpoint without ZeRO optimizer files is not "
-                                     "supported yet; save it with ZeRO stage 1 or 2")
-    ranks = [read_slice(folder, t, models[t], first if t == 0 else load_dict(models[t]), optims) for t in range(tp)]
-    entries = affine_params(first.get("universal_checkpoint_info"), str(models[0]))
-    aliases = {str(k) for r in ranks for k in (r.model.get("shared_params") or {})}
-    params = [_trainable(name, ranks, entries) for name in ranks[0].shapes]
-    trainable = set(ranks[0].shapes)
-    params += _module_only(ranks, entries, trainable | aliases)
+    contents = [first] + [load_dict(models[t]) for t in range(1, tp)]
+    # ZeRO-0 keeps each TP rank's optimizer state, whole, in its model file.
+    ranks = [read_slice(folder, t, models[t], contents[t], optims) if optims else zero0_slice(t, models[t], contents[t])
+             for t in range(tp)]
+    layouts = _Layouts(affine_params(first.get("universal_checkpoint_info"), str(models[0])), patterns or {})
+    tied = {str(k) for m in contents for k in (m.get("shared_params") or {})} | aliases(first.get("module") or {})
+    params = [_trainable(name, ranks, layouts) for name in ranks[0].shapes]
+    params += _module_only(ranks, layouts, set(ranks[0].shapes) | tied)
+    layouts.check_used(folder)
     files = [p for r in ranks for p in [*r.optim_paths, r.model_path]]
     return finish_plan(where, first, params, ranks[0].hyper, ranks[0].moment_names, ranks[0].stage, ranks[0].dp,
                        files, ranks[0].loss_scaler, {"tp": tp, "pp": 1})
 
 
-def _layout(name: str, shard_shapes: list[tuple[int, ...]], entries: dict) -> tuple[tuple[int, ...], Hints]:
-    declared = declared_layout(name, entries)
-    if declared is None:
-        raise AmbiguousPatternError(f"{name}: the checkpoint declares no tensor-parallel layout for it (no "
-                                    "universal_checkpoint_info affine_map entry), so its full shape and pattern "
-                                    f"are unknown; shards have shapes {shard_shapes}")
-    return declared
+class _Layouts:
+    """Where each parameter's TP layout comes from, first to last: a `--pattern NAME=PATTERN` the user
+    gave (NAME a parameter name or a regex matching whole names), the checkpoint's affine map, or
+    what the shards themselves show. Shards of different shapes are split along the one dim where
+    they differ; shards of one shape are Replicate when their fp32 copies are equal (read here to
+    check) and otherwise ambiguous: split along dim 0 or 1, which only the user can say."""
+
+    def __init__(self, entries: dict, patterns: dict[str, str]):
+        self.entries = entries
+        self.patterns = {key: _pattern_of(key, value) for key, value in patterns.items()}
+        self.used: set[str] = set()
+
+    def of(self, name: str, shapes: list[tuple[int, ...]], copies: Callable[[], list[torch.Tensor]]
+           ) -> tuple[tuple[int, ...], Hints]:
+        given = [key for key in self.patterns if key == name or re.fullmatch(key, name)]
+        if given:
+            self.used.add(given[0])
+            return _declared_by_user(name, shapes, self.patterns[given[0]]), Hints(pattern=self.patterns[given[0]])
+        declared = declared_layout(name, self.entries)
+        if declared is not None:
+            return declared
+        differ = [d for d in range(len(shapes[0])) if len({s[d] for s in shapes}) > 1]
+        if len(differ) == 1 and differ[0] < 2 and len({len(s) for s in shapes}) == 1:
+            pattern = Pattern.SHARD_V if differ[0] == 0 else Pattern.SHARD_H
+            return _declared_by_user(name, shapes, pattern), Hints(pattern=pattern)
+        if not differ:
+            tensors = copies()
+            if all(torch.equal(tensors[0], t) for t in tensors[1:]):
+                return shapes[0], Hints(pattern=Pattern.REPLICATE)
+            seen = f"its {len(shapes)} TP shards have one shape {shapes[0]} but different values"
+        else:
+            seen = f"its TP shards have shapes {shapes}"
+        raise AmbiguousPatternError(
+            f"{name}: the checkpoint declares no tensor-parallel layout for it (no universal_checkpoint_info) and "
+            f"{seen}, so the way they join is unknown; pass --pattern '{name}=shard_v' (split along dim 0, "
+            f"column-parallel) or --pattern '{name}=shard_h' (dim 1, row-parallel)")
+
+    def check_used(self, folder) -> None:
+        unused = sorted(set(self.patterns) - self.used)
+        if unused:
+            raise AmbiguousPatternError(f"--pattern '{unused[0]}' matches no tensor-parallel parameter of {folder}; "
+                                        "check the name (a parameter name, or a regex of whole names)")
 
 
-def _trainable(name: str, ranks: list[SliceState], entries: dict) -> ParamPlan:
+def _pattern_of(key: str, value: str) -> Pattern:
+    allowed = (Pattern.REPLICATE, Pattern.PARTIAL, Pattern.SHARD_V, Pattern.SHARD_H)
+    try:
+        pattern = Pattern(value)
+    except ValueError:
+        pattern = None
+    if pattern not in allowed:
+        raise AmbiguousPatternError(f"--pattern '{key}={value}': the pattern must be one of "
+                                    f"{', '.join(p.value for p in allowed)}")
+    return pattern
+
+
+def _declared_by_user(name: str, shapes: list[tuple[int, ...]], pattern: Pattern) -> tuple[int, ...]:
+    """The full shape that TP shards of `shapes` form under `pattern`."""
+    if pattern in (Pattern.REPLICATE, Pattern.PARTIAL):
+        if len(set(shapes)) > 1:
+            raise AmbiguousPatternError(f"{name}: declared {pattern.value} but its TP shards have shapes {shapes}")
+        return shapes[0]
+    dim = 0 if pattern is Pattern.SHARD_V else 1
+    if any(len(s) <= dim or len(s) != len(shapes[0]) or s[:dim] + s[dim + 1:] != shapes[0][:dim] + shapes[0][dim + 1:]
+           for s in shapes):
+        raise AmbiguousPatternError(f"{name}: declared {pattern.value} but its TP shards of shapes {shapes} do not "
+                                    f"join along dim {dim}")
+    full = list(shapes[0])
+    full[dim] = sum(s[dim] for s in shapes)
+    return tuple(full)
+
+
+def _fp32_shard(name: str, rank: SliceState) -> torch.Tensor:
+    """TP rank `rank`'s fp32 shard of `name`, read from its fragments."""
+    frags = rank.fragments[(name, WEIGHT_STATE)]
+    return materialize(StateSource(recognize(name, rank.shapes[name], [f.info for f in frags]), tuple(frags)),
+                       name=name)
+
+
+def _trainable(name: str, ranks: list[SliceState], layouts: _Layouts) -> ParamPlan:
     shard_shapes = []
     for r in ranks:
         if name not in r.shapes:
             raise CorruptCheckpointError(f"{r.model_path}: lists no '{name}', which TP rank 0 trains; files from "
                                          "different runs are mixed")
         shard_shapes.append(r.shapes[name])
-    shape, hints = _layout(name, shard_shapes, entries)
+    shape, hints = layouts.of(name, shard_shapes, lambda: [_fp32_shard(name, r) for r in ranks])
     states = {}
     for state in ranks[0].states():
         outer = [(r.mp, r.shapes[name], r.fragments[(name, state)]) for r in ranks if (name, state) in r.fragments]
@@ -84,15 +167,16 @@ def _trainable(name: str, ranks: list[SliceState], entries: dict) -> ParamPlan:
             raise CorruptCheckpointError(f"{name}: only {len(outer)} of {len(ranks)} TP ranks hold its '{state}'; "
                                          "files from different runs are mixed")
     if WEIGHT_STATE not in states:
-        raise CorruptCheckpointError(f"{ranks[0].optim_paths[0]}: parameter '{name}' has no optimizer fragment (it "
-                                     "never received a gradient); convert a checkpoint saved after a full step")
+        raise CorruptCheckpointError(f"{(ranks[0].optim_paths or [ranks[0].model_path])[0]}: parameter '{name}' has "
+                                     "no optimizer fragment (it never received a gradient); convert a checkpoint "
+                                     "saved after a full step")
     group = ranks[0].group_of[name]
     t = (ranks[0].model.get("module") or {}).get(name)
     return ParamPlan(name, shape, TRAINABLE, states, group, ranks[0].steps.get(group),
                      dtype_name(t) if isinstance(t, LazyTensor) else "float32")
 
 
-def _module_only(ranks: list[SliceState], entries: dict, skip: set[str]) -> list[ParamPlan]:
+def _module_only(ranks: list[SliceState], layouts: _Layouts, skip: set[str]) -> list[ParamPlan]:
     """Frozen parameters and buffers: whole TP shards in every rank's module state."""
     modules = [r.model.get("module") or {} for r in ranks]
     buffers = set(ranks[0].model.get("buffer_names") or [])
@@ -104,7 +188,7 @@ def _module_only(ranks: list[SliceState], entries: dict, skip: set[str]) -> list
         if not all(isinstance(x, LazyTensor) for x in tensors):
             raise CorruptCheckpointError(f"{name}: some TP ranks' module state lacks it; files from different "
                                          "runs are mixed")
-        shape, hints = _layout(name, [x.shape for x in tensors], entries)
+        shape, hints = layouts.of(name, [x.shape for x in tensors], lambda: [read_tensor(x) for x in tensors])
         frags = [whole(x, rank) for rank, x in enumerate(tensors)]
         spec = recognize(name, shape, [f.info for f in frags], hints)
         kind, state, dtype = (BUFFER, BUFFER_STATE, dtype_name(t)) if name in buffers else (FROZEN, WEIGHT_STATE,

@@ -14,6 +14,7 @@ written by DeepSpeed 0.19:
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -75,11 +76,13 @@ def _tags(root: Path) -> str:
 
 
 def plan_deepspeed(input_dir: str | os.PathLike, tag: str | None = None,
-                   param_names: list[str] | None = None) -> ConversionPlan:
+                   param_names: list[str] | None = None, patterns: dict[str, str] | None = None) -> ConversionPlan:
     """A conversion plan for the ZeRO checkpoint at `input_dir` (tag from `latest` unless given).
 
     `param_names` (ZeRO-0 only) names the optimizer's parameters in param-group order, for the
-    rare model whose names cannot be recovered from shapes.
+    rare model whose names cannot be recovered from shapes. `patterns` (tensor-parallel only) maps
+    a parameter name, or a regex of whole names, to the pattern of its TP shards, for checkpoints
+    that do not declare it.
     """
     where = resolve_tag(input_dir, tag)
     folder = where.path
@@ -89,7 +92,7 @@ def plan_deepspeed(input_dir: str | os.PathLike, tag: str | None = None,
     models = sorted(n for n in names if _MODEL_FILE.match(n))
     if not optim and not models and not zero3_models:
         raise CheckpointNotFoundError(f"{folder}: no DeepSpeed model-states files; is this a checkpoint tag folder?")
-    family = _parallel_family(names)
+    family = _parallel_family(folder, names, patterns or {})
     if family is not None:
         return family(where, names)
     if any(m != 0 for (_, m) in list(optim) + list(zero3_models)) or len(models) > 1:
@@ -107,7 +110,7 @@ def plan_deepspeed(input_dir: str | os.PathLike, tag: str | None = None,
     return _plan_zero12(where, model_path, model, optim)
 
 
-def _parallel_family(names: list[str]):
+def _parallel_family(folder: Path, names: list[str], patterns: dict[str, str]):
     """The planner of a pipeline, tensor-parallel or MoE layout, or None for plain ZeRO.
 
     Imported here, not at the top: those planners build on this module's `finish_plan`.
@@ -116,13 +119,13 @@ def _parallel_family(names: list[str]):
     from ucp.converters.deepspeed_pipe import is_pipeline, plan_pipe
     from ucp.converters.deepspeed_tp import is_tensor_parallel, plan_tp
 
-    if is_pipeline(names):
-        return plan_pipe
-    if is_moe(names):
-        return plan_moe
-    if is_tensor_parallel(names):
-        return plan_tp
-    return None
+    planner = plan_pipe if is_pipeline(names) else plan_moe if is_moe(names) else None
+    if planner is None and is_tensor_parallel(names):
+        return functools.partial(plan_tp, patterns=patterns)
+    if patterns:
+        raise UnsupportedLayoutError(f"{folder}: --pattern applies to tensor-parallel checkpoints (one mp_rank "
+                                     "model file per TP rank); drop it for this checkpoint")
+    return planner
 
 
 def _rank_files(folder: Path, names: list[str], pattern: re.Pattern) -> dict[tuple[int, int], Path]:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from ucp.converters.deepspeed_slices import SliceState, aliases
 from ucp.converters.torch_zip import LazyTensor, read_tensor
 from ucp.errors import AmbiguousPatternError, CorruptCheckpointError
 from ucp.fileio import tensor_bytes
@@ -37,7 +38,8 @@ def zero0_trainable(model: dict, path: Path, param_names: list[str] | None) -> t
     slots = [(g, i, idx) for g, group in enumerate(groups) for i, idx in enumerate(group["params"])]
     module = model.get("module") or {}
     buffers = set(model.get("buffer_names") or [])
-    candidates = [n for n, t in module.items() if n not in buffers and isinstance(t, LazyTensor)]
+    tied = aliases(module)  # a tied weight's second name holds no optimizer slot of its own
+    candidates = [n for n, t in module.items() if n not in buffers and n not in tied and isinstance(t, LazyTensor)]
 
     def master(g: int, i: int) -> LazyTensor | None:
         return masters[g][i] if masters else None
@@ -131,3 +133,13 @@ def _match_names(slots, shapes, candidates: list[str], module: dict,
 
 def _digest(t: torch.Tensor) -> str:
     return hashlib.sha1(tensor_bytes(t.contiguous())).hexdigest()
+
+
+def zero0_slice(mp: int, path: Path, model: dict, param_names: list[str] | None = None) -> SliceState:
+    """One model-parallel slice of a ZeRO-0 checkpoint as a `SliceState`: every parameter whole,
+    one fragment per state, so that TP/PP planners combine it like a ZeRO-1/2 slice."""
+    params, hyper, moments = zero0_trainable(model, path, param_names)
+    fragments = {(p.name, s): list(src.fragments) for p in params for s, src in p.states.items()}
+    return SliceState(mp, path, model, int(model.get("dp_world_size") or 1), [], {p.name: p.shape for p in params},
+                      {p.name: p.group for p in params}, fragments, {p.group: p.step for p in params}, moments,
+                      list(hyper), 0, model.get("optimizer"))

@@ -66,12 +66,14 @@ def convert(input_dir: str | os.PathLike, output_dir: str | os.PathLike, *, tag:
             workers: int | None = None, fmt: str = "ucp", strict: bool = False,
             executor: Executor | None = None, progress: bool = True,
             param_names: list[str] | None = None, resume: bool = False,
-            splits: SplitPolicy | None = None) -> ConvertResult:
+            splits: SplitPolicy | None = None, patterns: dict[str, str] | None = None) -> ConvertResult:
     """Convert the DeepSpeed checkpoint at `input_dir` into `output_dir` (format `ucp` or `deepspeed`).
 
     With `resume`, data files that an interrupted conversion of the same source finished are kept
     when they still match their checksums; only the other bins are converted again. With `splits`,
     tensors are stored split-major along their TP partition dim (docs/FORMAT.md, "Splits").
+    `patterns` (`--pattern`) says how the TP shards of parameters join, by name or regex of names,
+    for tensor-parallel sources that do not declare it.
     """
     from ucp.converters.deepspeed_zero import plan_deepspeed
 
@@ -82,7 +84,7 @@ def convert(input_dir: str | os.PathLike, output_dir: str | os.PathLike, *, tag:
                        "directory and convert again")
     if splits is not None and fmt != "ucp":
         raise UcpError("--splits works with --format ucp only")
-    plan = plan_deepspeed(input_dir, tag, param_names)
+    plan = plan_deepspeed(input_dir, tag, param_names, patterns)
     if splits is not None:
         plan = apply_split_policy(plan, splits)
     executor = executor or LocalExecutor(workers, progress=progress)
