@@ -1,0 +1,82 @@
+#!/usr/bin/env python
+"""One load of the benchmark Llama under torchrun, timed and counted on every rank.
+
+    torchrun --nproc_per_node N benchmarks/_load_llama.py --mode {stock,ucp,ucp-no-bypass} --path P --out F
+
+`stock` loads DeepSpeed's universal layout with `load_universal`; the ucp modes load the atomic
+checkpoint through `ucp.deepspeed.load`. Bytes and read calls come from /proc/self/io (rchar,
+syscr), so both tools are measured the same way, page-cache hits included.
+"""
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _train_llama import MODEL  # noqa: E402
+
+
+def proc_io() -> dict:
+    with open("/proc/self/io") as f:
+        return {k: int(v) for k, v in (line.split(": ") for line in f)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mode", choices=["stock", "ucp", "ucp-no-bypass"], required=True)
+    parser.add_argument("--path", required=True, help="stock: the universal tag folder; ucp: the atomic dir")
+    parser.add_argument("--stage", type=int, default=3)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+
+    import deepspeed
+    import torch.distributed as dist
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import ucp.deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**MODEL))
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+              "zero_optimization": {"stage": args.stage},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+              "steps_per_print": 10 ** 9}
+    if args.mode == "stock":
+        config["checkpoint"] = {"load_universal": True}
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    dist.barrier()
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    io_before = proc_io()
+    start = time.perf_counter()
+    if args.mode == "stock":
+        path = Path(args.path)
+        engine.load_checkpoint(str(path.parent), tag=path.name)
+    else:
+        ucp.deepspeed.load(engine, args.path, bypass=args.mode == "ucp")
+    dist.barrier()
+    wall = time.perf_counter() - start
+    io_after = proc_io()
+    mine = {"wall_s": wall, "bytes_read": io_after["rchar"] - io_before["rchar"],
+            "read_calls": io_after["syscr"] - io_before["syscr"],
+            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "rss_before_mib": rss_before / 1024}
+    stats = getattr(engine, "ucp_load_stats", None)
+    if stats is not None:
+        mine.update(ucp_bytes_read=stats.bytes_read, ucp_read_calls=stats.read_calls,
+                    bytes_broadcast=stats.bytes_broadcast)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    if dist.get_rank() == 0:
+        Path(args.out).write_text(json.dumps(everyone))
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    main()

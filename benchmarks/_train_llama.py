@@ -1,0 +1,76 @@
+#!/usr/bin/env python
+"""Train a ~112M-parameter Llama (random init, no downloads) for one step with DeepSpeed ZeRO-1 fp32 on CPU
+and save the checkpoint. Launched by benchmarks/convert.py as
+
+    torchrun --nproc_per_node 2 benchmarks/_train_llama.py SAVE_DIR
+
+with DS_ACCELERATOR=cpu, OMP_NUM_THREADS=1. Every rank runs this file.
+"""
+import argparse
+import json
+import os
+
+import torch
+
+# Llama shapes: GQA (12 query heads, 4 KV heads, head dim 64), untied embeddings, 10 layers -> 112.1M params.
+MODEL = dict(
+    vocab_size=32000,
+    hidden_size=768,
+    intermediate_size=2048,
+    num_hidden_layers=10,
+    num_attention_heads=12,
+    num_key_value_heads=4,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+)
+SEQ_LEN = 64
+MICRO_BATCH = 1
+SEED = 1234
+TAG = "global_step1"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("save_dir")
+    parser.add_argument("--info-out", help="where rank 0 writes a JSON description of the run")
+    parser.add_argument("--stage", type=int, default=1, help="ZeRO stage (benchmarks/load.py uses 3)")
+    args = parser.parse_args()
+
+    import deepspeed
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = torch.distributed.get_rank()
+    torch.manual_seed(SEED)
+    model = LlamaForCausalLM(LlamaConfig(**MODEL))
+    n_params = sum(p.numel() for p in model.parameters())
+
+    ds_config = {
+        "train_micro_batch_size_per_gpu": MICRO_BATCH,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": args.stage},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+        "steps_per_print": 1000,
+        "wall_clock_breakdown": False,
+    }
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+
+    g = torch.Generator().manual_seed(SEED + rank)
+    ids = torch.randint(0, MODEL["vocab_size"], (MICRO_BATCH, SEQ_LEN), generator=g)
+    loss = engine(input_ids=ids, labels=ids).loss
+    engine.backward(loss)
+    engine.step()
+    engine.save_checkpoint(args.save_dir, tag=TAG)
+    torch.distributed.barrier()
+    loss = loss.item()
+    if rank == 0 and args.info_out:
+        with open(args.info_out, "w") as f:
+            json.dump({"params": n_params, "config": MODEL, "seq_len": SEQ_LEN, "tag": TAG,
+                       "world_size": torch.distributed.get_world_size(), "zero_stage": args.stage, "dtype": "fp32",
+                       "loss": loss}, f, indent=2)
+    if rank == 0:
+        print(f"saved {n_params / 1e6:.1f}M-parameter Llama to {args.save_dir}/{TAG}, loss {loss:.4f}")
+
+
+if __name__ == "__main__":
+    main()
