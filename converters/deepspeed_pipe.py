@@ -22,8 +22,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ucp.converters.deepspeed_slices import (SliceState, combined_source, dtype_name, load_dict, model_files,
-                                             optim_files, read_slice, whole)
+from ucp.converters.deepspeed_slices import (SliceState, combined_source, dp_paths, dtype_name, load_dict,
+                                             model_files, optim_files, read_slice, slice_names, whole)
 from ucp.converters.deepspeed_zero import TagDir, finish_plan
 from ucp.converters.torch_zip import LazyTensor
 from ucp.errors import AmbiguousPatternError, CheckpointNotFoundError, CorruptCheckpointError, UnsupportedLayoutError
@@ -57,13 +57,25 @@ def plan_pipe(where: TagDir, names: list[str]) -> ConversionPlan:
                                       f"checkpoint has {pp} pipeline stages); copy every stage's file")
     optims = optim_files(folder, names)
     if not optims:
-        raise UnsupportedLayoutError(f"{folder}: a pipeline checkpoint without ZeRO optimizer files (ZeRO-0) is "
-                                     "not supported yet; save it with ZeRO stage 1")
-    stages = [read_slice(folder, s, models[s], first if s == 0 else load_dict(models[s]), optims) for s in range(pp)]
+        raise UnsupportedLayoutError(f"{folder}: a pipeline checkpoint without optimizer files (fp32 ZeRO-0: its "
+                                     "optimizer state is keyed by position and names no parameter) is not supported "
+                                     "yet; save it with ZeRO stage 1 or bf16")
+    contents = [first] + [load_dict(models[s]) for s in range(1, pp)]
     layer_files = [folder / n for n in names if LAYER_FILE.match(n)]
-    buffers = {b for st in stages for b in (st.model.get("buffer_names") or [])}
+    buffers = {b for m in contents for b in (m.get("buffer_names") or [])}
+    if first.get("param_shapes"):
+        stages = [read_slice(folder, s, models[s], contents[s], optims) for s in range(pp)]
+        tensors = _layer_tensors(layer_files, {name for st in stages for name in st.shapes} | buffers)
+    else:
+        # bf16 without ZeRO: the model files list no param_shapes; the optimizer files name the
+        # parameters and the layer files give their shapes.
+        listed = [slice_names(dp_paths(folder, optims, int(contents[s].get("dp_world_size") or 1), s))
+                  for s in range(pp)]
+        tensors = _layer_tensors(layer_files, {n for groups in listed for g in groups for n in g} | buffers)
+        stages = [read_slice(folder, s, models[s], contents[s], optims,
+                             param_shapes=[{n: _shape_in(tensors, n, numel, models[s]) for n, numel in g.items()}
+                                           for g in listed[s]]) for s in range(pp)]
     trainable = {name for st in stages for name in st.shapes}
-    tensors = _layer_tensors(layer_files, trainable | buffers)
     params = _trainable(stages, tensors)
     for name, t in tensors.items():
         if name in buffers:
@@ -109,6 +121,14 @@ def _trainable(stages: list[SliceState], tensors: dict[str, LazyTensor]) -> list
         params.append(ParamPlan(name, shape, TRAINABLE, states, group, held[0].steps.get(group),
                                 dtype_name(t) if t is not None else "float32"))
     return params
+
+
+def _shape_in(tensors: dict[str, LazyTensor], name: str, numel: int, path: Path) -> tuple[int, ...]:
+    t = tensors.get(name)
+    if t is None or t.numel != numel:
+        raise CorruptCheckpointError(f"{path}: its optimizer holds {numel} elements of '{name}', which no layer file "
+                                     "holds with that size; copy every layer_*-model_states.pt of the checkpoint")
+    return t.shape
 
 
 def _layer_tensors(layer_files: list[Path], known: set[str]) -> dict[str, LazyTensor]:

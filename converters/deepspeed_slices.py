@@ -70,11 +70,15 @@ def load_dict(path: Path) -> dict:
 
 
 def read_slice(folder: Path, mp: int, model_path: Path, model: dict, files: dict[tuple[int, int], Path],
-               rename: Rename | None = None) -> SliceState:
-    """Fragments of every parameter that slice `mp` trains, over its data-parallel ranks."""
+               rename: Rename | None = None, param_shapes: list[dict] | None = None) -> SliceState:
+    """Fragments of every parameter that slice `mp` trains, over its data-parallel ranks.
+
+    `param_shapes` (per param group, name -> shape in flat order) stands in for the model file's
+    when it records none (the bf16 optimizer without ZeRO, as pipeline engines use it).
+    """
     dp = int(model.get("dp_world_size") or sum(1 for (_, m) in files if m == mp))
     paths = dp_paths(folder, files, dp, mp)
-    param_shapes = model.get("param_shapes")
+    param_shapes = param_shapes or model.get("param_shapes")
     if not param_shapes:
         raise CorruptCheckpointError(f"{model_path}: records no param_shapes; was it written by engine.save_checkpoint?")
     out = SliceState(mp, model_path, model, dp, paths,
@@ -85,7 +89,8 @@ def read_slice(folder: Path, mp: int, model_path: Path, model: dict, files: dict
         osd = load_dict(path).get("optimizer_state_dict")
         if not isinstance(osd, dict) or "single_partition_of_fp32_groups" not in osd:
             raise CorruptCheckpointError(f"{path}: not a ZeRO-1/2 optimizer file (no single_partition_of_fp32_groups)")
-        out.stage = zero_stage(osd, path)
+        # The bf16 optimizer without ZeRO (pipeline engines at stage 0) records no stage of its own.
+        out.stage = zero_stage(osd, path) if "zero_stage" in osd else config_stage(model)
         if rank == 0:
             out.loss_scaler = osd.get("loss_scaler")
         base = osd["base_optimizer_state"]
@@ -196,6 +201,24 @@ def step_value(state: dict, path: Path) -> float | None:
     if isinstance(step, (int, float)):
         return float(step)
     raise CorruptCheckpointError(f"{path}: unreadable optimizer step {step!r}")
+
+
+def config_stage(model: dict) -> int:
+    """The ZeRO stage the training job's DeepSpeed config asked for."""
+    return int((((model.get("ds_config") or {}).get("zero_optimization")) or {}).get("stage", 0))
+
+
+def slice_names(paths: list[Path]) -> list[dict[str, int]]:
+    """Per param group, every parameter name a slice's optimizer files list (in flat order) -> its numel."""
+    groups: list[dict[str, int]] = []
+    for path in paths:
+        mappings = (load_dict(path).get("optimizer_state_dict") or {}).get("param_slice_mappings") or []
+        for g, mapping in enumerate(mappings):
+            if g == len(groups):
+                groups.append({})
+            for name, address in mapping.items():
+                groups[g][name] = groups[g].get(name, 0) + int(address.numel)
+    return groups
 
 
 def zero_stage(osd: dict, path: Path) -> int:

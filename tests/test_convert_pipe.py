@@ -1,7 +1,8 @@
-"""Pipeline-parallel (PipelineModule, 2 stages, ZeRO-1) sources: ucp against the live engine and ds_to_universal.
+"""Pipeline-parallel (PipelineModule, 2 stages) sources: ucp against the live engine and ds_to_universal.
 
-The model (tests/support/train_pipe.py) ties its embedding between the first and the last stage,
-so `tied_modules.embed.weight` is held by both stages (Replicate); every other parameter lives on
+ZeRO-1 in fp32 and bf16, and bf16 without ZeRO (DeepSpeed's bf16 optimizer, whose files name the
+parameters although the model files record no param_shapes). The model (tests/support/train_pipe.py)
+ties its embedding between the first and the last stage, so `tied_modules.embed.weight` is held by both stages (Replicate); every other parameter lives on
 one stage (Unique). Every comparison is `torch.equal`.
 """
 from __future__ import annotations
@@ -16,14 +17,17 @@ from support.parallel import Family, build_family, ds_universal_of, reference_st
 from ucp.assemble import assemble, read_fragment
 from ucp.converters.deepspeed_zero import plan_deepspeed
 from ucp.convert import convert
+from ucp.errors import UnsupportedLayoutError
 from ucp.patterns import Pattern
 from ucp.primitives import ReplicaMismatchError
 
 PIPE = Family.of("pipe", "train_pipe.py", 2, {
     "z1-fp32": {"stage": 1},
     "z1-bf16-topology": {"stage": 1, "dtype": "bf16", "topology": True},
+    "z0-bf16": {"stage": 0, "dtype": "bf16"},  # the bf16 optimizer without ZeRO: no param_shapes recorded
+    "z0-fp32": {"stage": 0},  # optimizer state by position only: refused, see below
 })
-RUNS = [name for name, _ in PIPE.runs]
+RUNS = [name for name, _ in PIPE.runs if name != "z0-fp32"]
 TIED = "tied_modules.embed.weight"
 STATES = ("fp32", "exp_avg", "exp_avg_sq")
 
@@ -80,7 +84,7 @@ def test_patterns_buffers_and_metadata(run, pipe, converted):
     assert layer_files[0] == ("layer_00-model_00-model_states.pt" if "topology" in run else "layer_00-model_states.pt")
 
 
-@pytest.mark.parametrize("run", RUNS)
+@pytest.mark.parametrize("run", ["z1-fp32", "z1-bf16-topology"])
 def test_equals_ds_to_universal(run, pipe, converted):
     from support.checkpoints import load_ds_universal
 
@@ -92,6 +96,12 @@ def test_equals_ds_to_universal(run, pipe, converted):
             assert torch.equal(got, expected.float().reshape(got.shape)), (name, state)
             compared += 1
     assert compared == 4 * sum(1 for n in ckpt.names if ckpt.info(n).kind == "param")
+
+
+def test_fp32_zero0_is_refused_with_the_reason(pipe, tmp_path):
+    """fp32 without ZeRO keeps the optimizer state by slot position and records no parameter names."""
+    with pytest.raises(UnsupportedLayoutError, match=r"global_step2: a pipeline checkpoint without optimizer files"):
+        convert(pipe / "z0-fp32" / "ckpt", tmp_path / "out", progress=False)
 
 
 def test_strict_checks_the_tied_copies(pipe):
