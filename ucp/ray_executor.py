@@ -25,6 +25,7 @@ import shutil
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -38,7 +39,7 @@ from ucp.assemble import assemble
 from ucp.convert import WriteBin, stream_bin
 from ucp.errors import UcpError
 from ucp.executor import Report, default_workers
-from ucp.fileio import pread_into, tensor_bytes
+from ucp.fileio import pread_into
 from ucp.plan import Fragment, Piece
 from ucp.safetensors_stream import TORCH_DTYPES
 
@@ -79,8 +80,9 @@ def shuffle_plan(tasks: Sequence[WriteBin]) -> list[MapFile]:
             for path in sorted(per_file)]
 
 
-def _nbytes(piece: Piece) -> int:
-    return piece.numel * TORCH_DTYPES[piece.dtype].itemsize
+def _span(piece: Piece) -> int:
+    """Bytes a piece takes in a map output: its own, rounded up to 8 so every piece stays aligned."""
+    return -(-piece.numel * TORCH_DTYPES[piece.dtype].itemsize // 8) * 8
 
 
 @ray.remote(max_retries=MAX_RETRIES, retry_exceptions=False)
@@ -88,26 +90,37 @@ def _extract(job: MapFile):
     """Map: yield, for each bin `job` feeds, the bytes of its pieces back to back (Extract)."""
     with ThreadPoolExecutor(READ_THREADS) as pool:
         for pieces in job.pieces:
-            sizes = [_nbytes(p) for p in pieces]
-            out = torch.empty(sum(sizes), dtype=torch.uint8)
-            starts = itertools.accumulate(sizes, initial=0)
-            list(pool.map(lambda s, n, p: pread_into(job.path, out[s:s + n], p.byte_offset), starts, sizes, pieces))
+            spans = [_span(p) for p in pieces]
+            out = torch.empty(sum(spans), dtype=torch.uint8)
+            starts = itertools.accumulate(spans, initial=0)
+            list(pool.map(lambda start, p: pread_into(job.path, _view(out, start, p), p.byte_offset), starts, pieces))
             yield out.numpy()
+
+
+def _view(buffer: torch.Tensor, start: int, piece: Piece) -> torch.Tensor:
+    """The piece's elements at byte `start` of a map output, without a copy."""
+    nbytes = piece.numel * TORCH_DTYPES[piece.dtype].itemsize
+    return buffer[start:start + nbytes].view(TORCH_DTYPES[piece.dtype])
 
 
 @ray.remote(max_retries=MAX_RETRIES, retry_exceptions=False)
 def _reduce(task: WriteBin, paths: tuple[str, ...], *shares) -> dict:
-    """Reduce: Union → StripPad each state from the mappers' shares and stream the bin's file."""
-    cursors = {path: [share, 0] for path, share in zip(paths, shares)}
+    """Reduce: Union → StripPad each state from the mappers' shares and stream the bin's file.
+
+    The shares are read-only views of the object store; fragments are views of them (Union and
+    StripPad never write into their inputs), so the only copies are the ones Union makes.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        buffers = {path: torch.frombuffer(share, dtype=torch.uint8) if share.nbytes else torch.empty(0, dtype=torch.uint8)
+                   for path, share in zip(paths, shares)}
+    cursors = dict.fromkeys(paths, 0)
 
     def take(fragment: Fragment) -> torch.Tensor:
-        cursor = cursors[fragment.piece.path]
-        n = _nbytes(fragment.piece)
-        out = torch.empty(fragment.piece.numel, dtype=TORCH_DTYPES[fragment.piece.dtype])
-        if n:
-            tensor_bytes(out)[:] = memoryview(cursor[0])[cursor[1]:cursor[1] + n]
-        cursor[1] += n
-        return out.reshape(fragment.info.shape)
+        path = fragment.piece.path
+        piece = _view(buffers[path], cursors[path], fragment.piece)
+        cursors[path] += _span(fragment.piece)
+        return piece.reshape(fragment.info.shape)
 
     return stream_bin(task, _no_progress,
                       lambda p, source: assemble(source, [take(f) for f in source.fragments], name=p.name,
