@@ -48,26 +48,33 @@ class StoredTensor:
     crc32: int
 
 
+def encode_header(slots: Sequence[TensorSlot], metadata: dict[str, str] | None = None) -> bytes:
+    """The first bytes of a safetensors file holding `slots` packed in order: length, JSON, padding.
+
+    The data of slot i then starts at len(header) + the sum of the sizes of slots before it.
+    """
+    header: dict = {"__metadata__": metadata} if metadata else {}
+    cursor = 0
+    for slot in slots:
+        header[slot.key] = {"dtype": DTYPE_CODES[slot.dtype], "shape": list(slot.shape),
+                            "data_offsets": [cursor, cursor + slot.nbytes]}
+        cursor += slot.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(8 + len(raw)) % _ALIGN)
+    return struct.pack("<Q", len(raw)) + raw
+
+
 class StreamingWriter:
     """Writes the header for `slots` at open, then accepts their tensors in the same order."""
 
     def __init__(self, path: str, slots: Sequence[TensorSlot], metadata: dict[str, str] | None = None):
         self.path = path
         self._slots = list(slots)
-        header: dict = {"__metadata__": metadata} if metadata else {}
-        cursor = 0
-        for slot in self._slots:
-            header[slot.key] = {"dtype": DTYPE_CODES[slot.dtype], "shape": list(slot.shape),
-                                "data_offsets": [cursor, cursor + slot.nbytes]}
-            cursor += slot.nbytes
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-(8 + len(raw)) % _ALIGN)
-        self._data_start = 8 + len(raw)
+        head = encode_header(self._slots, metadata)
         self._next = 0
-        self._position = self._data_start
+        self._position = len(head)
         self._file = open(path, "wb")
-        self._file.write(struct.pack("<Q", len(raw)))
-        self._file.write(raw)
+        self._file.write(head)
 
     def write(self, key: str, tensor: torch.Tensor) -> StoredTensor:
         slot = self._slots[self._next]
