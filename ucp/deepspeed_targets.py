@@ -11,6 +11,9 @@ One adapter per optimizer family, chosen from the engine before anything is touc
 
 Frozen parameters and buffers are restored too (ZeRO-3 frozen parameters are partitioned like the
 others). Optimizer states are created when the engine has not stepped yet.
+
+Each tensor's `view(state)` is the live run of elements this rank holds: loading copies into it,
+an asynchronous save (`ucp.deepspeed_save`) snapshots out of it, so both share this layout logic.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ import torch.distributed as dist
 
 from ucp.errors import UnsupportedLayoutError
 
-Install = Callable[[str, torch.Tensor], None]
+View = Callable[[str], torch.Tensor]
 
 # The states torch creates for each optimizer family, to check a checkpoint matches before loading.
 OPTIMIZER_STATES = {
@@ -41,8 +44,11 @@ class TargetTensor:
     start: int                  # first wanted element of the flattened full tensor
     numel: int                  # how many (0: this rank holds none of it)
     whole: bool                 # wants every element (replicated on the DP group)
-    install: Install            # install(state name, wanted elements as a flat tensor)
+    view: View                  # view(state name): the live elements [start, start + numel), flat
     group: int | None = None    # optimizer param group index (trainable parameters)
+
+    def install(self, state: str, value: torch.Tensor) -> None:
+        self.view(state).copy_(value)
 
 
 class Target:
@@ -65,6 +71,23 @@ class Target:
 
     def set_step(self, group: int, step: float) -> None:
         raise NotImplementedError
+
+    def optimizer_state(self, group: int) -> dict:
+        """The torch optimizer state of group `group` (of its first parameter for per-parameter state)."""
+        raise NotImplementedError
+
+    def state_names(self) -> list[str]:
+        """The per-element optimizer states held now (e.g. exp_avg, exp_avg_sq); none before the first step."""
+        for group in range(len(self.optimizer_groups)):
+            names = [k for k, v in self.optimizer_state(group).items()
+                     if k != "step" and torch.is_tensor(v) and v.dim() > 0]
+            if names:
+                return names
+        return []
+
+    def saved_step(self, group: int) -> float | None:
+        step = self.optimizer_state(group).get("step")
+        return None if step is None else float(step)
 
     def finish(self) -> None:
         """Propagate fp32 masters to the low-precision module weights."""
@@ -98,18 +121,17 @@ def _buffers_and_frozen(target: Target, skip: set[int], zero3: bool) -> None:
         if zero3 and hasattr(p, "ds_tensor"):
             target.tensors.append(_zero3_frozen(target, name, p))
             continue
-        target.tensors.append(TargetTensor(name, "frozen", tuple(p.shape), 0, p.numel(), True,
-                                           _copy_into(p.data)))
+        target.tensors.append(TargetTensor(name, "frozen", tuple(p.shape), 0, p.numel(), True, _flat(p.data)))
     persistent = set(module.state_dict().keys())
     for name, b in module.named_buffers():
         if name in persistent:
-            target.tensors.append(TargetTensor(name, "buffer", tuple(b.shape), 0, b.numel(), True, _copy_into(b)))
+            target.tensors.append(TargetTensor(name, "buffer", tuple(b.shape), 0, b.numel(), True, _flat(b)))
 
 
-def _copy_into(dest: torch.Tensor) -> Install:
-    def install(state: str, value: torch.Tensor) -> None:
-        dest.data.view(-1).copy_(value)
-    return install
+def _flat(tensor: torch.Tensor) -> View:
+    def view(state: str) -> torch.Tensor:
+        return tensor.data.view(-1)
+    return view
 
 
 def _empty_state(flat: torch.Tensor, names: list[str]) -> dict:
@@ -128,14 +150,13 @@ class Zero0Target(Target):
             for p in group["params"]:
                 seen.add(id(p))
                 self.tensors.append(TargetTensor(names[p], "param", tuple(p.shape), 0, p.numel(), True,
-                                                 self._installer(p), g))
+                                                 self._view(p), g))
         _buffers_and_frozen(self, seen, zero3=False)
 
-    def _installer(self, p: torch.nn.Parameter) -> Install:
-        def install(state: str, value: torch.Tensor) -> None:
-            target = p.data if state == "fp32" else self.optimizer.state[p][state]
-            target.view(-1).copy_(value)
-        return install
+    def _view(self, p: torch.nn.Parameter) -> View:
+        def view(state: str) -> torch.Tensor:
+            return (p.data if state == "fp32" else self.optimizer.state[p][state]).view(-1)
+        return view
 
     @property
     def optimizer_groups(self) -> list[dict]:
@@ -153,6 +174,9 @@ class Zero0Target(Target):
         for p in self.optimizer.param_groups[group]["params"]:
             self.optimizer.state[p]["step"] = torch.tensor(float(step))
 
+    def optimizer_state(self, group: int) -> dict:
+        return self.optimizer.state.get(self.optimizer.param_groups[group]["params"][0], {})
+
 
 class Zero0MixedTarget(Target):
     """ZeRO-0 with fp16/bf16: fp32 masters per parameter in `fp32_groups`, the module holds low precision."""
@@ -169,14 +193,13 @@ class Zero0MixedTarget(Target):
             for lp, master in zip(low, masters):
                 seen.add(id(lp))
                 self.tensors.append(TargetTensor(names[lp], "param", tuple(lp.shape), 0, lp.numel(), True,
-                                                 self._installer(master), g))
+                                                 self._view(master), g))
         _buffers_and_frozen(self, seen, zero3=False)
 
-    def _installer(self, master: torch.Tensor) -> Install:
-        def install(state: str, value: torch.Tensor) -> None:
-            target = master.data if state == "fp32" else self.optimizer.state[master][state]
-            target.view(-1).copy_(value)
-        return install
+    def _view(self, master: torch.Tensor) -> View:
+        def view(state: str) -> torch.Tensor:
+            return (master.data if state == "fp32" else self.optimizer.state[master][state]).view(-1)
+        return view
 
     @property
     def optimizer_groups(self) -> list[dict]:
@@ -194,6 +217,9 @@ class Zero0MixedTarget(Target):
     def set_step(self, group: int, step: float) -> None:
         for master in self.wrapper.fp32_groups[group]:
             self.optimizer.state[master]["step"] = torch.tensor(float(step))
+
+    def optimizer_state(self, group: int) -> dict:
+        return self.optimizer.state.get(self.wrapper.fp32_groups[group][0], {})
 
     def finish(self) -> None:
         for low, masters in zip(self.wrapper.fp16_groups, self.wrapper.fp32_groups):
@@ -223,14 +249,13 @@ class Zero12Target(Target):
                 lp_address, hp_address = mapping.lp_fragment_address, mapping.hp_fragment_address
                 self.tensors.append(TargetTensor(names[lp], "param", tuple(lp.shape), lp_address.start,
                                                  lp_address.numel, False,
-                                                 self._installer(flat, hp_address.start, hp_address.numel), g))
+                                                 self._view(flat, hp_address.start, hp_address.numel), g))
         _buffers_and_frozen(self, seen, zero3=False)
 
-    def _installer(self, flat: torch.Tensor, start: int, numel: int) -> Install:
-        def install(state: str, value: torch.Tensor) -> None:
-            target = flat if state == "fp32" else self.zero.optimizer.state[flat][state]
-            target.narrow(0, start, numel).copy_(value)
-        return install
+    def _view(self, flat: torch.Tensor, start: int, numel: int) -> View:
+        def view(state: str) -> torch.Tensor:
+            return (flat if state == "fp32" else self.zero.optimizer.state[flat][state]).narrow(0, start, numel)
+        return view
 
     @property
     def optimizer_groups(self) -> list[dict]:
@@ -247,12 +272,16 @@ class Zero12Target(Target):
     def set_step(self, group: int, step: float) -> None:
         self.zero.optimizer.state[self.zero.single_partition_of_fp32_groups[group]]["step"] = torch.tensor(float(step))
 
+    def optimizer_state(self, group: int) -> dict:
+        return self.zero.optimizer.state.get(self.zero.single_partition_of_fp32_groups[group], {})
+
     def finish(self) -> None:
         self.zero.update_lp_params()
 
 
-def _nothing(state: str, value: torch.Tensor) -> None:
+def _nothing(state: str) -> torch.Tensor:
     """This rank holds no element of the parameter."""
+    return torch.empty(0)
 
 
 def _zero3_frozen(target: Target, name: str, p) -> TargetTensor:
@@ -260,9 +289,9 @@ def _zero3_frozen(target: Target, name: str, p) -> TargetTensor:
     pn = p.ds_tensor.numel()
     real = max(0, min(pn, p.ds_numel - rank * pn))
 
-    def install(state: str, value: torch.Tensor) -> None:
-        p.ds_tensor.data.narrow(0, 0, real).copy_(value)
-    return TargetTensor(name, "frozen", tuple(p.ds_shape), rank * pn, real, False, install)
+    def view(state: str) -> torch.Tensor:
+        return p.ds_tensor.data.narrow(0, 0, real)
+    return TargetTensor(name, "frozen", tuple(p.ds_shape), rank * pn, real, False, view)
 
 
 class Zero3Target(Target):
@@ -284,15 +313,14 @@ class Zero3Target(Target):
                 pn = p.partition_numel()
                 real = max(0, min(pn, p.ds_numel - rank * pn))
                 self.tensors.append(TargetTensor(names[p], "param", tuple(p.ds_shape), rank * pn, real, False,
-                                                 self._installer(flat, offset, real), sub))
+                                                 self._view(flat, offset, real), sub))
                 offset += pn
         _buffers_and_frozen(self, seen, zero3=True)
 
-    def _installer(self, flat: torch.Tensor, start: int, numel: int) -> Install:
-        def install(state: str, value: torch.Tensor) -> None:
-            target = flat if state == "fp32" else self.zero.optimizer.state[flat][state]
-            target.narrow(0, start, numel).copy_(value)
-        return install
+    def _view(self, flat: torch.Tensor, start: int, numel: int) -> View:
+        def view(state: str) -> torch.Tensor:
+            return (flat if state == "fp32" else self.zero.optimizer.state[flat][state]).narrow(0, start, numel)
+        return view
 
     @property
     def optimizer_groups(self) -> list[dict]:
@@ -308,6 +336,9 @@ class Zero3Target(Target):
 
     def set_step(self, group: int, step: float) -> None:
         self.zero.optimizer.state[self.zero.fp32_partitioned_groups_flat[group]]["step"] = torch.tensor(float(step))
+
+    def optimizer_state(self, group: int) -> dict:
+        return self.zero.optimizer.state.get(self.zero.fp32_partitioned_groups_flat[group], {})
 
     def finish(self) -> None:
         # As DeepSpeed's own universal loader does: masters → low-precision partitions → params.
