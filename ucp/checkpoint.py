@@ -14,7 +14,7 @@ import torch
 
 from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError
 from ucp.fileio import ReadCounter
-from ucp.format import INDEX_NAME, load_index
+from ucp.format import INDEX_NAME, latest_checkpoint, load_index
 from ucp.safetensors_stream import TORCH_DTYPES, read_stored
 from ucp.splits import from_split_major
 
@@ -192,10 +192,14 @@ class PlannedCheckpoint:
 
 
 def open_checkpoint(path: str | os.PathLike, tag: str | None = None) -> AtomicCheckpoint | PlannedCheckpoint:
-    """Open a ucp checkpoint directory, or a DeepSpeed checkpoint (save dir or tag folder) through its plan."""
+    """Open a ucp checkpoint directory (or a save directory, through its `latest`), or a DeepSpeed
+    checkpoint (save dir or tag folder) through its plan."""
     path = Path(path)
     if (path / INDEX_NAME).is_file():
         return AtomicCheckpoint(path)
+    latest = latest_checkpoint(path) if tag is None else None  # a ucp.deepspeed.save directory
+    if latest is not None:
+        return AtomicCheckpoint(latest)
     if not path.is_dir():
         raise CheckpointNotFoundError(f"{path}: no such directory")
     if any(n.startswith("data-") for n in os.listdir(path)):

@@ -1,11 +1,18 @@
-"""Resume DeepSpeed training from a ucp checkpoint under the engine's own layout.
+"""Resume DeepSpeed training from a ucp checkpoint under the engine's own layout, and save into one.
 
     engine, optimizer, loader, scheduler = ucp.deepspeed.initialize(model=..., config={
-        ..., "ucp": {"load": "/ckpt/ucp/global_step1000"}})
+        ..., "ucp": {"load": "/ckpt/ucp/global_step1000", "save": {"dir": "/ckpt/ucp", "every": 1000}}})
 
-or, after `deepspeed.initialize`, `ucp.deepspeed.load(engine, path)`. The `"ucp"` config section:
+or, after `deepspeed.initialize`, `ucp.deepspeed.load(engine, path)` and
+`ucp.deepspeed.save(engine, dir)` (asynchronous; `ucp.deepspeed.wait(engine)` blocks until it is
+committed, and runs at exit too; see `ucp.deepspeed_save`). The `"ucp"` config section:
 
-* `load` (str): the atomic checkpoint to restore.
+* `load` (str): the atomic checkpoint to restore, or a save directory (its `latest` is restored).
+* `save` (dict): `{"dir": str, "every": int}` saves asynchronously into `<dir>/global_step<N>`
+  after every `every`-th optimizer step (`engine.step` is wrapped; nothing else to call), and
+  moves `<dir>/latest` once each is committed. A save that finds the previous one still writing
+  waits for it, with a warning. Client state for these saves is `engine.ucp_client_state` (a
+  dict) when set. Data parallelism (ZeRO 0-3) only.
 * `bypass` (bool, default true): redundancy-bypassing read. Each rank reads its own ZeRO
   partitions straight from storage, and every tensor that all ranks of the data-parallel group
   need whole (ZeRO-0 models, frozen parameters, buffers) is read by one rank, chosen to balance
@@ -24,19 +31,23 @@ import re
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from ucp.checkpoint import AtomicCheckpoint
+from ucp.deepspeed_save import SaveStats, save, save_every, wait
 from ucp.deepspeed_targets import OPTIMIZER_STATES, Target, TargetTensor, target_for
 from ucp.errors import CorruptCheckpointError, UcpError
 from ucp.fileio import ReadCounter, pread_into, tensor_bytes
+from ucp.format import INDEX_NAME, latest_checkpoint
 from ucp.load_plan import ByteRange, Want, assign_readers, coalesce
 from ucp.safetensors_stream import TORCH_DTYPES
 from ucp.splits import from_split_major
 
 CONFIG_KEY = "ucp"
+__all__ = ["CheckpointMismatchError", "LoadStats", "SaveStats", "initialize", "load", "save", "wait"]
 
 
 class CheckpointMismatchError(UcpError):
@@ -74,10 +85,13 @@ def initialize(*args, **kwargs):
         kwargs[config_key] = config
         if args and getattr(args[0], "deepspeed_config", None):
             args[0].deepspeed_config = None
+    save_options = options.pop("save", None)
     result = deepspeed.initialize(*args, **kwargs)
     if options.get("load"):
         path = options.pop("load")
         load(result[0], path, **options)
+    if save_options is not None:
+        save_every(result[0], save_options)
     return result
 
 
@@ -88,6 +102,8 @@ def load(engine, path: str | os.PathLike, *, bypass: bool = True, load_optimizer
     Everything is checked before the engine is touched: a missing, extra or reshaped parameter, or
     an optimizer whose states differ from the checkpoint's, raises `CheckpointMismatchError`.
     """
+    if not (Path(path) / INDEX_NAME).is_file():
+        path = latest_checkpoint(path) or path  # a save directory: its latest committed checkpoint
     ckpt = AtomicCheckpoint(path)
     target = target_for(engine)
     state_names = _check(ckpt, target, engine, load_optimizer_states, strict)

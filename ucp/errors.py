@@ -27,3 +27,11 @@ class OutputExistsError(UcpError):
 
 class UnsupportedLayoutError(UcpError):
     """The checkpoint uses a layout this version of ucp does not convert."""
+
+
+class SaveError(UcpError):
+    """An asynchronous save did not commit; the previous checkpoint stays the latest."""
+
+
+class ConfigError(UcpError):
+    """The "ucp" section of a DeepSpeed config has a missing or bad key."""

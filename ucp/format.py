@@ -2,6 +2,8 @@
 
 See docs/FORMAT.md for the specification. A directory is a ucp checkpoint exactly when it holds a
 complete `ucp_index.json`; the index is written last, to a temporary name, fsynced, and renamed.
+A save directory holds one checkpoint per tag and a `latest` file naming the newest committed one,
+replaced atomically only after that checkpoint's index is committed.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ FORMAT_VERSION = 1
 INDEX_NAME = "ucp_index.json"
 DATA_PREFIX = "data-"
 PARTIAL_SUFFIX = ".partial"
+LATEST_NAME = "latest"
 
 
 def data_file_name(i: int, n: int) -> str:
@@ -45,6 +48,27 @@ def commit_index(directory: str | os.PathLike, index: dict) -> Path:
     os.replace(tmp, final)
     fsync_dir(directory)
     return final
+
+
+def commit_latest(save_dir: str | os.PathLike, tag: str) -> None:
+    """Point `<save_dir>/latest` at `tag` atomically; call only once that tag's index is committed."""
+    save_dir = Path(save_dir)
+    tmp = save_dir / (LATEST_NAME + PARTIAL_SUFFIX)
+    with open(tmp, "w") as f:
+        f.write(tag)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, save_dir / LATEST_NAME)
+    fsync_dir(save_dir)
+
+
+def latest_checkpoint(save_dir: str | os.PathLike) -> Path | None:
+    """The committed ucp checkpoint `<save_dir>/latest` names, or None when there is none."""
+    pointer = Path(save_dir) / LATEST_NAME
+    if not pointer.is_file():
+        return None
+    folder = Path(save_dir) / pointer.read_text().strip()
+    return folder if (folder / INDEX_NAME).is_file() else None
 
 
 def fsync_dir(directory: Path) -> None:
