@@ -10,6 +10,7 @@ Directory layout under ``root`` (one folder per run, named from the spec)::
     root/<spec.name>/ds_universal/latest_universal
     root/uninterrupted/<name>/             uninterrupted_losses runs
     root/runs/<name>-XXXX/                 resume runs (fresh folder per call)
+    root/runs/ucp-save-<name>-XXXX/ucp/    asynchronous ucp saves (ucp_save_run): latest, global_step<N>/
 
 Every builder is idempotent: a ``.done`` marker is written last, a folder without it is wiped and
 rebuilt, and an ``flock`` serialises builders of the same folder across processes.
@@ -25,6 +26,7 @@ import importlib.metadata
 import importlib.util
 import json
 import shutil
+import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -33,7 +35,7 @@ from typing import Iterator
 
 import torch
 
-from .launch import ds_env, run_logged, run_torchrun
+from .launch import ds_env, run_logged, run_torchrun, start_torchrun
 
 SUPPORT_DIR = Path(__file__).resolve().parent
 TRAIN_SCRIPT = SUPPORT_DIR / "train_tiny.py"
@@ -377,3 +379,39 @@ def ucp_load_errors(ucp_dirs: list[Path], spec: TinySpec, root: Path) -> list[di
     run_tiny(spec, run_dir, steps=0, save=False,
              extra_args=["--ucp-load", ",".join(str(d) for d in ucp_dirs), "--ucp-expect-error", str(out)])
     return json.loads(out.read_text())
+
+
+def _ucp_save_args(spec: TinySpec, run_dir: Path, steps: int, every: int) -> list[str]:
+    return spec.train_args() + ["--steps", str(steps), "--no-save", "--losses-out", str(run_dir / "losses.json"),
+                                "--ucp-save-dir", str(run_dir / "ucp"), "--ucp-save-every", str(every)]
+
+
+def _ucp_save_dir(spec: TinySpec, root: Path) -> Path:
+    runs = Path(root) / "runs"
+    runs.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f"ucp-save-{spec.name}-", dir=runs))
+
+
+def ucp_save_run(spec: TinySpec, steps: int, every: int, root: Path) -> RunResult:
+    """Train ``steps`` steps from scratch at ``spec``, saving asynchronously with ucp every ``every`` steps.
+
+    The saves go through the config (``"ucp": {"save": {"dir", "every"}}``) into ``result.save_dir``
+    (``latest`` and ``global_step<N>/``); the run waits for the last one before it ends.
+    """
+    run_dir = _ucp_save_dir(spec, root)
+    run_torchrun(TRAIN_SCRIPT, _ucp_save_args(spec, run_dir, steps, every), spec.world_size, run_dir / "train.log")
+    return RunResult(run_dir=run_dir, losses=_read_losses(run_dir / "losses.json"), save_dir=run_dir / "ucp",
+                     state_path=None)
+
+
+def start_ucp_save_run(spec: TinySpec, steps: int, every: int, root: Path,
+                       hold_dir: Path) -> tuple[subprocess.Popen, Path]:
+    """Like ``ucp_save_run``, but started in the background with ``$UCP_TEST_HOLD_DIR=hold_dir``.
+
+    Files in ``hold_dir`` stall or fail the writers (see ``ucp.save_writer.hold_for_tests``).
+    Returns the torchrun process and the run folder (``train.log``; saves under ``ucp/``).
+    """
+    run_dir = _ucp_save_dir(spec, root)
+    proc = start_torchrun(TRAIN_SCRIPT, _ucp_save_args(spec, run_dir, steps, every), spec.world_size,
+                          run_dir / "train.log", {"UCP_TEST_HOLD_DIR": str(hold_dir)})
+    return proc, run_dir

@@ -96,16 +96,7 @@ def run_torchrun(script: Path, args: list[str], nproc: int, log_path: Path, time
     60 log lines if the job fails or exceeds ``timeout`` seconds.
     """
     for attempt in range(3):
-        port = free_port()
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run",
-            "--nnodes", "1",
-            "--nproc_per_node", str(nproc),
-            "--master_addr", "127.0.0.1",
-            "--master_port", str(port),
-            str(script), *map(str, args),
-        ]
-        env = ds_env({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+        cmd, env = torchrun_command(script, args, nproc)
         try:
             run_logged(cmd, log_path, timeout=timeout, env=env)
             return
@@ -114,6 +105,36 @@ def run_torchrun(script: Path, args: list[str], nproc: int, log_path: Path, time
             if attempt < 2 and "timed out" not in str(e) and _port_clash(str(e)):
                 continue
             raise
+
+
+def torchrun_command(script: Path, args: list[str], nproc: int,
+                     extra_env: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
+    """``torchrun`` command line and environment for ``nproc`` CPU ranks on a fresh free port."""
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nnodes", "1",
+        "--nproc_per_node", str(nproc),
+        "--master_addr", "127.0.0.1",
+        "--master_port", str(port),
+        str(script), *map(str, args),
+    ]
+    return cmd, ds_env({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **(extra_env or {})})
+
+
+def start_torchrun(script: Path, args: list[str], nproc: int, log_path: Path,
+                   extra_env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start ``torchrun`` in the background, in a session of its own, output appended to ``log_path``.
+
+    The caller waits for it (or kills the session with ``os.killpg(proc.pid, 9)``).
+    """
+    cmd, env = torchrun_command(script, args, nproc, extra_env)
+    log_path = Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "a") as log:
+        log.write(f"$ {' '.join(cmd)}\n")
+        log.flush()
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
 def _port_clash(text: str) -> bool:

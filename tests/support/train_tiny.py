@@ -138,6 +138,10 @@ def parse_args(argv=None):
     p.add_argument("--ucp-no-bypass", action="store_true", help="turn redundancy-bypassing reads off")
     p.add_argument("--ucp-stats-out", type=str, default=None,
                    help="rank 0 writes every rank's ucp load statistics (JSON list, by rank)")
+    p.add_argument("--ucp-save-dir", type=str, default=None,
+                   help="save asynchronously with ucp into this folder (config \"ucp\": {\"save\": ...}); the run "
+                   "waits for the last save before it ends")
+    p.add_argument("--ucp-save-every", type=int, default=1, help="with --ucp-save-dir: every K optimizer steps")
     p.add_argument("--ucp-expect-error", type=str, default=None,
                    help="load each of the comma-separated --ucp-load paths after deepspeed.initialize expecting "
                    "a ucp error; write [{path, error, untouched}] to this JSON file, where untouched says "
@@ -316,12 +320,20 @@ def main(argv=None):
     if args.ucp_expect_error:
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.param_groups(), config=config)
         return expect_ucp_error(engine, args, rank)
-    if args.ucp_load:
+    if args.ucp_load or args.ucp_save_dir:
         import ucp.deepspeed
 
-        config["ucp"] = {"load": args.ucp_load, "bypass": not args.ucp_no_bypass}
+        config["ucp"] = {}
+        if args.ucp_load:
+            config["ucp"].update(load=args.ucp_load, bypass=not args.ucp_no_bypass)
+        if args.ucp_save_dir:
+            config["ucp"]["save"] = {"dir": args.ucp_save_dir, "every": args.ucp_save_every}
         engine, _, _, _ = ucp.deepspeed.initialize(model=model, model_parameters=model.param_groups(),
                                                    config=config)
+        engine.ucp_client_state = dict(CLIENT_STATE)  # what the periodic saves record as client state
+    else:
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.param_groups(), config=config)
+    if args.ucp_load:
         if engine.ucp_load_stats.client_state.get("client_marker") != CLIENT_STATE["client_marker"]:
             raise RuntimeError("client_state not restored by ucp")
         if args.ucp_stats_out:
@@ -331,8 +343,6 @@ def main(argv=None):
             if rank == 0:
                 with open(args.ucp_stats_out, "w") as f:
                     json.dump(stats, f)
-    else:
-        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.param_groups(), config=config)
 
     if args.load_dir is not None:
         load_path, client_state = engine.load_checkpoint(args.load_dir, tag=args.load_tag)
@@ -359,6 +369,8 @@ def main(argv=None):
 
     if not args.no_save and args.save_dir is not None:
         engine.save_checkpoint(args.save_dir, client_state=dict(CLIENT_STATE))
+    if args.ucp_save_dir:
+        ucp.deepspeed.wait(engine)  # before destroy_process_group, which would cut the writers' collectives
 
     if rank == 0 and args.losses_out:
         with open(args.losses_out, "w") as f:
