@@ -80,7 +80,8 @@ def read_slice(folder: Path, mp: int, model_path: Path, model: dict, files: dict
     paths = dp_paths(folder, files, dp, mp)
     param_shapes = param_shapes or model.get("param_shapes")
     if not param_shapes:
-        raise CorruptCheckpointError(f"{model_path}: records no param_shapes; was it written by engine.save_checkpoint?")
+        raise CorruptCheckpointError(f"{model_path}: records no param_shapes; was it written by "
+                                     "engine.save_checkpoint?")
     out = SliceState(mp, model_path, model, dp, paths,
                      {name: shape_of(s) for group in param_shapes for name, s in group.items()},
                      {name: g for g, group in enumerate(param_shapes) for name in group})
@@ -242,5 +243,5 @@ def combined_source(name: str, shape: tuple[int, ...], outer: list[tuple[int, tu
         whole_pieces = [Fragment(FragmentInfo(rank, piece_shape), frags[0].piece) for rank, piece_shape, frags in outer]
         return StateSource(recognize(name, shape, [f.info for f in whole_pieces], hints), tuple(whole_pieces))
     pieces = [OuterPiece(rank, piece_shape, tuple(f.info for f in frags)) for rank, piece_shape, frags in outer]
-    return StateSource(recognize_nested(name, shape, pieces, hints),
-                       tuple(f for _, _, frags in outer for f in frags), groups=tuple(len(frags) for *_, frags in outer))
+    return StateSource(recognize_nested(name, shape, pieces, hints), tuple(f for _, _, frags in outer for f in frags),
+                       groups=tuple(len(frags) for *_, frags in outer))

@@ -29,7 +29,7 @@ AUTOTP = Family.of("autotp", "train_llama_tp.py", 4, {
     "z1-fp32": {"stage": 1},
     "z2-bf16-tied": {"stage": 2, "dtype": "bf16", "tied": True},
     "z1-bf16-tied": {"stage": 1, "dtype": "bf16", "tied": True},
-    "z2-fp32": {"stage": 2},
+    "z2-fp32-frozen": {"stage": 2, "frozen": ["model.norm.weight"]},
     "z0-fp32": {"stage": 0},
     "z0-bf16-tied": {"stage": 0, "dtype": "bf16", "tied": True},
 })
@@ -129,6 +129,10 @@ def test_patterns_and_metadata(run, converted):
     assert ("lm_head.weight" in ckpt.names) != tied  # a tied head is an alias, not a parameter
     assert (ckpt.source["tp"], ckpt.source["dp"], ckpt.source["zero_stage"]) == (2, 2, int(run[1]))
     assert ckpt.client_state["client_marker"] == 17
+    if run.endswith("frozen"):  # read from every TP rank's module state, declared replicated, checked equal
+        assert ckpt.info("model.norm.weight").kind == "frozen"
+        assert pattern["model.norm.weight"]["pattern"] == "replicate"
+        assert torch.equal(ckpt.tensor("model.norm.weight"), torch.ones(16))
     embed = pattern["model.embed_tokens.weight"]["pattern"]
     if run.startswith("z0"):  # ZeRO-0 keeps every TP shard whole: plain Shard-V/H, nothing nested
         assert (q["pattern"], o["pattern"], embed) == ("shard_v", "shard_h", "shard_v" if tied else "replicate")
@@ -136,7 +140,8 @@ def test_patterns_and_metadata(run, converted):
         return
     assert (q["pattern"], o["pattern"], embed) == ("shard_hy", "shard_hy", "shard_hy" if tied else "replicate")
     # Every TP shard is a flat run, or runs, of its DP ranks' ZeRO partitions.
-    assert all(p["inner"]["pattern"] == "shard_v" and p["inner"]["flat"] for p in pattern.values())
+    assert all(p["inner"]["pattern"] == "shard_v" and p["inner"]["flat"] for n, p in pattern.items()
+               if ckpt.info(n).kind == "param")
 
 
 @pytest.mark.parametrize("run", ["z1-fp32", "z2-bf16-tied"])

@@ -2,8 +2,9 @@
 
 ZeRO-1 in fp32 and bf16, and bf16 without ZeRO (DeepSpeed's bf16 optimizer, whose files name the
 parameters although the model files record no param_shapes). The model (tests/support/train_pipe.py)
-ties its embedding between the first and the last stage, so `tied_modules.embed.weight` is held by both stages (Replicate); every other parameter lives on
-one stage (Unique). Every comparison is `torch.equal`.
+ties its embedding between the first and the last stage, so `tied_modules.embed.weight` is held by
+both stages (Replicate); every other parameter lives on one stage (Unique). Every comparison is
+`torch.equal`.
 """
 from __future__ import annotations
 

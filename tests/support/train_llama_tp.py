@@ -3,9 +3,10 @@
 
 Launched with ``torchrun --nproc_per_node N tests/support/train_llama_tp.py --tp T --runs JSON``
 (N = T × DP); ``--runs`` trains several configurations ({stage, dtype, tied, save_dir,
-dump_state}) one after another in one launch. The model is built from a ``LlamaConfig`` (no
-download) with grouped-query attention (4 heads, 2 key/value heads) and an odd vocabulary (37),
-which AutoTP splits unevenly (19 + 18 rows) when it splits it. ``tied`` ties ``lm_head`` to
+dump_state, and optionally frozen: parameter names, llama: LlamaConfig overrides}) one after
+another in one launch. The
+model is built from a ``LlamaConfig`` (no download) with grouped-query attention (4 heads, 2
+key/value heads) and an odd vocabulary (37), which AutoTP splits unevenly (19 + 18 rows). ``tied`` ties ``lm_head`` to
 ``embed_tokens``; DeepSpeed then splits the shared weight by vocabulary and installs its own
 vocabulary-parallel loss.
 
@@ -25,12 +26,14 @@ MICRO_BATCH, ACCUMULATION = 2, 1
 INIT_SEED = 99
 
 
-def build_model(tied: bool):
+def build_model(tied: bool, overrides: dict | None = None):
+    """The tiny Llama, or a larger one with `overrides` of LlamaConfig fields (benchmarks/convert_autotp.py)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=LAYERS,
-                         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=64,
-                         tie_word_embeddings=tied, attn_implementation="eager")
+    fields = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=LAYERS,
+                  num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=64,
+                  tie_word_embeddings=tied, attn_implementation="eager")
+    config = LlamaConfig(**{**fields, **(overrides or {})})
     torch.manual_seed(INIT_SEED)
     return LlamaForCausalLM(config)
 
@@ -55,8 +58,8 @@ def ds_config(args):
 def parse_args(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--runs", required=True,
-                   help="JSON list of runs, each {stage, dtype, tied, save_dir, dump_state}: trained one after "
-                   "another in this process (one launch, several checkpoints)")
+                   help="JSON list of runs, each {stage, dtype, tied, save_dir, dump_state, frozen, llama}: "
+                   "trained one after another in this process (one launch, several checkpoints)")
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--steps", type=int, default=2)
     return p.parse_args(argv)
@@ -71,13 +74,16 @@ def train_one(run: dict, args) -> None:
 
     world = dist.get_world_size()
     opts = argparse.Namespace(stage=run.get("stage", 1), dtype=run.get("dtype", "fp32"), tp=args.tp)
-    model = build_model(run.get("tied", False))
+    model = build_model(run.get("tied", False), run.get("llama"))
+    for name in run.get("frozen", []):
+        model.get_parameter(name).requires_grad_(False)
+    vocab = model.config.vocab_size
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config(opts))
     tp_rank = groups.get_tensor_model_parallel_rank() if args.tp > 1 else 0
     dp, dp_rank = world // args.tp, dist.get_rank() // args.tp
     for step in range(args.steps):
         g = torch.Generator().manual_seed(step)
-        tokens = torch.randint(0, VOCAB, (MICRO_BATCH * dp, SEQ), generator=g)
+        tokens = torch.randint(0, vocab, (MICRO_BATCH * dp, SEQ), generator=g)
         rows = tokens[dp_rank * MICRO_BATCH:(dp_rank + 1) * MICRO_BATCH]
         # The model computes the loss: with a tied, vocabulary-parallel head DeepSpeed installs its own.
         loss = engine(input_ids=rows, labels=rows).loss
