@@ -16,6 +16,7 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from ucp.executor import Report
 from ucp.format import DATA_PREFIX, PARTIAL_SUFFIX, fsync_dir
 
 MANIFEST_SUFFIX = ".json"
@@ -57,7 +58,7 @@ def write_manifest(output: str, result: dict, fingerprint: str) -> None:
     fsync_dir(Path(output))
 
 
-def reusable_bin(check: BinCheck, report) -> dict | None:
+def reusable_bin(check: BinCheck, report: Report) -> dict | None:
     """The bin's result as its writer returned it, if its data file is intact and from this conversion.
 
     None when the manifest is missing, damaged, from another source or another bin layout, or when
