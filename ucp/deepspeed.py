@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from ucp.checkpoint import AtomicCheckpoint
-from ucp.deepspeed_save import SaveStats, save, save_every, wait
+from ucp.deepspeed_save import SaveEvery, SaveStats, save, wait
 from ucp.deepspeed_targets import OPTIMIZER_STATES, Target, TargetTensor, target_for
 from ucp.errors import CorruptCheckpointError, UcpError
 from ucp.fileio import ReadCounter, pread_into, tensor_bytes
@@ -85,13 +85,13 @@ def initialize(*args, **kwargs):
         kwargs[config_key] = config
         if args and getattr(args[0], "deepspeed_config", None):
             args[0].deepspeed_config = None
-    save_options = options.pop("save", None)
+    save_every = SaveEvery.from_config(options.pop("save")) if "save" in options else None
     result = deepspeed.initialize(*args, **kwargs)
     if options.get("load"):
         path = options.pop("load")
         load(result[0], path, **options)
-    if save_options is not None:
-        save_every(result[0], save_options)
+    if save_every is not None:
+        save_every.install(result[0])
     return result
 
 

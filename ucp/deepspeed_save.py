@@ -356,31 +356,43 @@ def wait(engine) -> SaveStats | None:
     return saver.wait() if saver is not None else None
 
 
-def save_every(engine, options: dict) -> None:
-    """The `"save"` config section: wrap `engine.step` to save after every `every`-th optimizer step.
+@dataclass(frozen=True)
+class SaveEvery:
+    """The `"save"` section of the `"ucp"` config: save into `dir` after every `every`-th optimizer step."""
 
-    Client state for these saves is read from `engine.ucp_client_state` (a dict) when set.
-    """
-    if not isinstance(options, dict) or not isinstance(options.get("dir"), (str, os.PathLike)):
-        raise ConfigError(f'"ucp": {{"save": {options!r}}}: needs "dir", the folder to save into, e.g. '
-                          '{"dir": "/ckpt/ucp", "every": 100}')
-    every = options.get("every")
-    if not isinstance(every, int) or isinstance(every, bool) or every < 1:
-        raise ConfigError(f'"ucp": {{"save": {{"every": {every!r}}}}}: must be a positive number of optimizer steps')
-    unknown = set(options) - {"dir", "every"}
-    if unknown:
-        raise ConfigError(f'"ucp": {{"save": ...}}: unknown key {sorted(unknown)[0]!r}; known: "dir", "every"')
-    saver = saver_for(engine)
-    saver.last_step = engine.global_steps
-    step: Callable = engine.step
+    dir: str
+    every: int
 
-    def step_and_save(*args, **kwargs):
-        result = step(*args, **kwargs)
-        if engine.global_steps % every == 0 and engine.global_steps != saver.last_step:
-            saver.save(options["dir"], None, getattr(engine, "ucp_client_state", None), True)
-        return result
+    @classmethod
+    def from_config(cls, options) -> SaveEvery:
+        if not isinstance(options, dict) or not isinstance(options.get("dir"), (str, os.PathLike)):
+            raise ConfigError(f'"ucp": {{"save": {options!r}}}: needs "dir", the folder to save into, e.g. '
+                              '{"dir": "/ckpt/ucp", "every": 100}')
+        every = options.get("every")
+        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+            raise ConfigError(f'"ucp": {{"save": {{"every": {every!r}}}}}: must be a positive number of optimizer '
+                              'steps')
+        unknown = set(options) - {"dir", "every"}
+        if unknown:
+            raise ConfigError(f'"ucp": {{"save": ...}}: unknown key {sorted(unknown)[0]!r}; known: "dir", "every"')
+        return cls(os.fspath(options["dir"]), every)
 
-    engine.step = step_and_save
+    def install(self, engine) -> None:
+        """Wrap `engine.step` to save after every `every`-th optimizer step.
+
+        Client state for these saves is read from `engine.ucp_client_state` (a dict) when set.
+        """
+        saver = saver_for(engine)
+        saver.last_step = engine.global_steps
+        step: Callable = engine.step
+
+        def step_and_save(*args, **kwargs):
+            result = step(*args, **kwargs)
+            if engine.global_steps % self.every == 0 and engine.global_steps != saver.last_step:
+                saver.save(self.dir, None, getattr(engine, "ucp_client_state", None), True)
+            return result
+
+        engine.step = step_and_save
 
 
 def _wait_all() -> None:
