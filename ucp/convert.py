@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ucp import __version__
-from ucp.assemble import materialize
+from ucp.assemble import Arena, materialize
 from ucp.balance import lpt_bins
 from ucp.errors import OutputExistsError, UcpError
 from ucp.executor import Executor, LocalExecutor, Report, ShuffleExecutor
@@ -193,7 +193,9 @@ def bin_slots(params: tuple[ParamPlan, ...]) -> list[TensorSlot]:
 
 def write_bin(task: WriteBin, report: Report) -> dict:
     """A reduce task that Extracts its own fragments, by byte offset from the rank files."""
-    return stream_bin(task, report, lambda p, source: materialize(source, name=p.name, strict=task.strict))
+    arena = Arena()
+    return stream_bin(task, report,
+                      lambda p, source: materialize(source, name=p.name, strict=task.strict, arena=arena))
 
 
 def stream_bin(task: WriteBin, report: Report,
