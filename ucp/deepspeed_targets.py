@@ -227,7 +227,42 @@ class Zero0MixedTarget(Target):
                 lp.data.copy_(master.data)
 
 
-class Zero12Target(Target):
+class _FlatPartitionTarget(Target):
+    """ZeRO-1/2/3: per optimizer group, one flat fp32 partition keys the torch optimizer's state.
+
+    Subclasses set `self.zero`, `self.flats` (the flat fp32 partitions) and `self.low_groups` (the
+    module parameters of each group, in the same order).
+    """
+
+    zero = None
+    flats: list = []
+    low_groups: list = []
+
+    def _view(self, flat: torch.Tensor, start: int, numel: int) -> View:
+        def view(state: str) -> torch.Tensor:
+            return (flat if state == "fp32" else self.zero.optimizer.state[flat][state]).narrow(0, start, numel)
+        return view
+
+    @property
+    def optimizer_groups(self) -> list[dict]:
+        names = _names(self.engine)
+        return [{"group": pg, "names": [names[p] for p in low]}
+                for pg, low in zip(self.zero.optimizer.param_groups, self.low_groups)]
+
+    def prepare_states(self, state_names: list[str]) -> None:
+        for flat in self.flats:
+            state = self.zero.optimizer.state[flat]
+            for n, t in _empty_state(flat, state_names).items():
+                state.setdefault(n, t)
+
+    def set_step(self, group: int, step: float) -> None:
+        self.zero.optimizer.state[self.flats[group]]["step"] = torch.tensor(float(step))
+
+    def optimizer_state(self, group: int) -> dict:
+        return self.zero.optimizer.state.get(self.flats[group], {})
+
+
+class Zero12Target(_FlatPartitionTarget):
     family = "ZeRO-1/2"
 
     def __init__(self, engine):
@@ -236,9 +271,10 @@ class Zero12Target(Target):
         self.zero = engine.optimizer
         if getattr(self.zero, "cpu_offload", False):
             raise UnsupportedLayoutError("ucp cannot load into a ZeRO-1/2 engine with optimizer offload yet")
+        self.flats, self.low_groups = self.zero.single_partition_of_fp32_groups, self.zero.bit16_groups
         seen = set()
-        for g, group in enumerate(self.zero.bit16_groups):
-            flat = self.zero.single_partition_of_fp32_groups[g]
+        for g, group in enumerate(self.low_groups):
+            flat = self.flats[g]
             for lp in group:
                 seen.add(id(lp))
                 mapping = getattr(lp, "_hp_mapping", None)
@@ -251,29 +287,6 @@ class Zero12Target(Target):
                                                  lp_address.numel, False,
                                                  self._view(flat, hp_address.start, hp_address.numel), g))
         _buffers_and_frozen(self, seen, zero3=False)
-
-    def _view(self, flat: torch.Tensor, start: int, numel: int) -> View:
-        def view(state: str) -> torch.Tensor:
-            return (flat if state == "fp32" else self.zero.optimizer.state[flat][state]).narrow(0, start, numel)
-        return view
-
-    @property
-    def optimizer_groups(self) -> list[dict]:
-        names = _names(self.engine)
-        return [{"group": pg, "names": [names[lp] for lp in low]}
-                for pg, low in zip(self.zero.optimizer.param_groups, self.zero.bit16_groups)]
-
-    def prepare_states(self, state_names: list[str]) -> None:
-        for flat in self.zero.single_partition_of_fp32_groups:
-            state = self.zero.optimizer.state[flat]
-            for n, t in _empty_state(flat, state_names).items():
-                state.setdefault(n, t)
-
-    def set_step(self, group: int, step: float) -> None:
-        self.zero.optimizer.state[self.zero.single_partition_of_fp32_groups[group]]["step"] = torch.tensor(float(step))
-
-    def optimizer_state(self, group: int) -> dict:
-        return self.zero.optimizer.state.get(self.zero.single_partition_of_fp32_groups[group], {})
 
     def finish(self) -> None:
         self.zero.update_lp_params()
@@ -294,7 +307,7 @@ def _zero3_frozen(target: Target, name: str, p) -> TargetTensor:
     return TargetTensor(name, "frozen", tuple(p.ds_shape), rank * pn, real, False, view)
 
 
-class Zero3Target(Target):
+class Zero3Target(_FlatPartitionTarget):
     family = "ZeRO-3"
 
     def __init__(self, engine):
@@ -303,10 +316,11 @@ class Zero3Target(Target):
         self.zero = engine.optimizer
         if getattr(self.zero, "offload_optimizer", False) or getattr(self.zero, "offload_param", False):
             raise UnsupportedLayoutError("ucp cannot load into a ZeRO-3 engine with offload yet")
+        self.flats, self.low_groups = self.zero.fp32_partitioned_groups_flat, self.zero.fp16_groups
         rank = dist.get_rank(group=self.zero.dp_process_group)
         seen = set()
-        for sub, group in enumerate(self.zero.fp16_groups):
-            flat = self.zero.fp32_partitioned_groups_flat[sub]
+        for sub, group in enumerate(self.low_groups):
+            flat = self.flats[sub]
             offset = 0
             for p in group:
                 seen.add(id(p))
@@ -316,29 +330,6 @@ class Zero3Target(Target):
                                                  self._view(flat, offset, real), sub))
                 offset += pn
         _buffers_and_frozen(self, seen, zero3=True)
-
-    def _view(self, flat: torch.Tensor, start: int, numel: int) -> View:
-        def view(state: str) -> torch.Tensor:
-            return (flat if state == "fp32" else self.zero.optimizer.state[flat][state]).narrow(0, start, numel)
-        return view
-
-    @property
-    def optimizer_groups(self) -> list[dict]:
-        names = _names(self.engine)
-        return [{"group": pg, "names": [names[p] for p in low]}
-                for pg, low in zip(self.zero.optimizer.param_groups, self.zero.fp16_groups)]
-
-    def prepare_states(self, state_names: list[str]) -> None:
-        for flat in self.zero.fp32_partitioned_groups_flat:
-            state = self.zero.optimizer.state[flat]
-            for n, t in _empty_state(flat, state_names).items():
-                state.setdefault(n, t)
-
-    def set_step(self, group: int, step: float) -> None:
-        self.zero.optimizer.state[self.zero.fp32_partitioned_groups_flat[group]]["step"] = torch.tensor(float(step))
-
-    def optimizer_state(self, group: int) -> dict:
-        return self.zero.optimizer.state.get(self.zero.fp32_partitioned_groups_flat[group], {})
 
     def finish(self) -> None:
         # As DeepSpeed's own universal loader does: masters → low-precision partitions → params.
