@@ -69,15 +69,27 @@ class MapFile:
 
 
 def shuffle_plan(tasks: Sequence[WriteBin]) -> list[MapFile]:
-    """One map task per source file. Reducers read fragments in the order bins list them, and so do mappers."""
-    per_file: dict[str, dict[int, list[Piece]]] = {}
+    """One map task per source file, feeding every bin that has fragments in it."""
+    per_file: dict[str, dict[int, tuple[Piece, ...]]] = {}
     for b, task in enumerate(tasks):
-        for p in task.params:
-            for source in p.states.values():
-                for f in source.fragments:
-                    per_file.setdefault(f.piece.path, {}).setdefault(b, []).append(f.piece)
-    return [MapFile(path, tuple(per_file[path]), tuple(tuple(v) for v in per_file[path].values()))
-            for path in sorted(per_file)]
+        for path, pieces in bin_pieces(task).items():
+            per_file.setdefault(path, {})[b] = tuple(pieces)
+    return [MapFile(path, tuple(per_file[path]), tuple(per_file[path].values())) for path in sorted(per_file)]
+
+
+def bin_pieces(task: WriteBin) -> dict[str, list[Piece]]:
+    """The pieces a bin needs from each source file, in the order its map output holds them."""
+    found: dict[str, list[Piece]] = {}
+    for p in task.params:
+        for source in p.states.values():
+            for f in source.fragments:
+                found.setdefault(f.piece.path, []).append(f.piece)
+    return found
+
+
+def _layout(pieces: Sequence[Piece]) -> list[int]:
+    """Byte offsets of `pieces` packed back to back in a map output."""
+    return list(itertools.accumulate((_span(p) for p in pieces), initial=0))
 
 
 def _span(piece: Piece) -> int:
@@ -90,9 +102,8 @@ def _extract(job: MapFile):
     """Map: yield, for each bin `job` feeds, the bytes of its pieces back to back (Extract)."""
     with ThreadPoolExecutor(READ_THREADS) as pool:
         for pieces in job.pieces:
-            spans = [_span(p) for p in pieces]
-            out = torch.empty(sum(spans), dtype=torch.uint8)
-            starts = itertools.accumulate(spans, initial=0)
+            starts = _layout(pieces)
+            out = torch.empty(starts[-1], dtype=torch.uint8)
             list(pool.map(lambda start, p: pread_into(job.path, _view(out, start, p), p.byte_offset), starts, pieces))
             yield out.numpy()
 
@@ -114,13 +125,12 @@ def _reduce(task: WriteBin, paths: tuple[str, ...], *shares) -> dict:
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
         buffers = {path: torch.frombuffer(share, dtype=torch.uint8) if share.nbytes else torch.empty(0, dtype=torch.uint8)
                    for path, share in zip(paths, shares)}
-    cursors = dict.fromkeys(paths, 0)
+    # Where each piece sits in its file's share: the layout the mapper used, whatever order the writer asks in.
+    where = {path: dict(zip(pieces, _layout(pieces))) for path, pieces in bin_pieces(task).items()}
 
     def take(fragment: Fragment) -> torch.Tensor:
         path = fragment.piece.path
-        piece = _view(buffers[path], cursors[path], fragment.piece)
-        cursors[path] += _span(fragment.piece)
-        return piece.reshape(fragment.info.shape)
+        return _view(buffers[path], where[path][fragment.piece], fragment.piece).reshape(fragment.info.shape)
 
     return stream_bin(task, _no_progress,
                       lambda p, source: assemble(source, [take(f) for f in source.fragments], name=p.name,
