@@ -30,6 +30,7 @@ from ucp.fileio import tensor_bytes
 from ucp.format import FORMAT_NAME
 from ucp.safetensors_stream import TORCH_DTYPES, StreamingWriter, TensorSlot
 from ucp.save_layout import plan_layout, whole_crcs
+from ucp import save_writer
 from ucp.save_writer import BackgroundSave, Piece, SnapshotBuffer, write_pieces
 
 META = {"format": FORMAT_NAME}
@@ -118,7 +119,9 @@ def _rank_pieces(layout, tensors, rank: int, ranks: int):
     return pieces, sources
 
 
-def test_ranks_writing_disjoint_pieces_make_the_file_and_its_checksums(tmp_path):
+@pytest.mark.parametrize("chunk", [7, 4 << 20])  # 7 bytes: pieces span chunks and chunks span pieces
+def test_ranks_writing_disjoint_pieces_make_the_file_and_its_checksums(chunk, tmp_path, monkeypatch):
+    monkeypatch.setattr(save_writer, "_CHUNK", chunk)
     tensors = _tensors()
     layout = plan_layout(SLOTS, 1 << 30, META)
     reports = []

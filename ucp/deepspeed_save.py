@@ -124,9 +124,7 @@ class Saver:
         self.stats = stats
 
         def work() -> None:
-            if event is not None:
-                event.synchronize()
-            self._write(prepared, save_dir, tag, meta)
+            self._write(prepared, save_dir, tag, meta, event)
             stats.durable_s = time.perf_counter() - began
 
         stats.snapshot_s = time.perf_counter() - began
@@ -166,10 +164,12 @@ class Saver:
 
     # -- the writer thread
 
-    def _write(self, prepared: _Prepared, save_dir: Path, tag: str, meta: dict | None) -> None:
+    def _write(self, prepared: _Prepared, save_dir: Path, tag: str, meta: dict | None, event) -> None:
         tag_dir = save_dir / tag
         report, error = None, None
         try:
+            if event is not None:  # the device-to-host copies into the pinned buffer are done
+                event.synchronize()
             written = write_pieces(tag_dir, prepared.layout.files, prepared.buffer, headers=self.leader,
                                    after_first_write=lambda: hold_for_tests(tag, self.rank))
             report = [(w.key, p.start, p.numel, w.begin, w.end, w.crc32)

@@ -51,12 +51,14 @@ class Piece:
 
 @dataclass(frozen=True)
 class Run:
-    """Consecutive pieces that are contiguous in `file`: bytes [begin, end), at `offset` in the buffer."""
+    """Pieces [first, stop) (buffer order), contiguous in `file`: bytes [begin, end), at `offset` in the buffer."""
 
     file: str
     begin: int
     end: int
     offset: int
+    first: int
+    stop: int
 
 
 class SnapshotBuffer:
@@ -67,13 +69,13 @@ class SnapshotBuffer:
         self.offsets = []
         self.runs: list[Run] = []
         total = 0
-        for p in self.pieces:
+        for i, p in enumerate(self.pieces):
             self.offsets.append(total)
             last = self.runs[-1] if self.runs else None
             if last is not None and last.file == p.file and last.end == p.begin:
-                self.runs[-1] = Run(p.file, last.begin, p.end, last.offset)
+                self.runs[-1] = Run(p.file, last.begin, p.end, last.offset, last.first, i + 1)
             else:
-                self.runs.append(Run(p.file, p.begin, p.end, total))
+                self.runs.append(Run(p.file, p.begin, p.end, total, i, i + 1))
             total += p.end - p.begin
         self.data = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
         self.data.zero_()  # touch every page now, not during the first snapshot
@@ -88,8 +90,6 @@ class SnapshotBuffer:
             slot = self.data.narrow(0, offset, p.end - p.begin).view(TORCH_DTYPES[p.dtype])
             slot.copy_(source, non_blocking=slot.is_pinned())
 
-    def piece_bytes(self, i: int) -> memoryview:
-        return tensor_bytes(self.data.narrow(0, self.offsets[i], self.pieces[i].end - self.pieces[i].begin))
 
 
 def partial_path(directory: Path, file: str) -> Path:
@@ -101,8 +101,9 @@ def write_pieces(directory: Path, files: Sequence[FileLayout], buffer: SnapshotB
     """pwrite this rank's pieces (and with `headers` every file's header) into `<file>.partial`; fsync.
 
     Every rank opens the shared partial files without truncating them; the rank writing headers
-    also sets each file's final size, which leaves in place what another rank already wrote. The
-    files are durable on this rank's side when this returns.
+    also sets each file's final size, which leaves in place what another rank already wrote. Each
+    run goes out in chunks, each checksummed right before it is written, so the buffer is read from
+    memory once. The files are durable on this rank's side when this returns.
     """
     names = {f.name for f in files} if headers else {r.file for r in buffer.runs}
     fds = {}
@@ -113,22 +114,29 @@ def write_pieces(directory: Path, files: Sequence[FileLayout], buffer: SnapshotB
             for f in files:
                 os.ftruncate(fds[f.name], f.size)
                 _pwrite_all(fds[f.name], memoryview(f.header), 0)
-        written = [WrittenPiece(p.key, p.begin, p.end, zlib.crc32(buffer.piece_bytes(i)))
-                   for i, p in enumerate(buffer.pieces)]
+        crcs = [0] * len(buffer.pieces)
         view = tensor_bytes(buffer.data)
-        for i, run in enumerate(buffer.runs):
-            _pwrite_all(fds[run.file], view[run.offset:run.offset + run.end - run.begin], run.begin)
-            if i == 0:
-                after_first_write()
+        for run in buffer.runs:
+            size = run.end - run.begin
+            for lo in range(run.offset, run.offset + size, _CHUNK):
+                hi = min(lo + _CHUNK, run.offset + size)
+                for i in range(run.first, run.stop):
+                    a = max(lo, buffer.offsets[i])
+                    b = min(hi, buffer.offsets[i] + buffer.pieces[i].end - buffer.pieces[i].begin)
+                    if a < b:
+                        crcs[i] = zlib.crc32(view[a:b], crcs[i])
+                _pwrite_all(fds[run.file], view[lo:hi], run.begin + lo - run.offset)
+                if lo == 0:
+                    after_first_write()
         for fd in fds.values():
             os.fsync(fd)
     finally:
         for fd in fds.values():
             os.close(fd)
-    return written
+    return [WrittenPiece(p.key, p.begin, p.end, crc) for p, crc in zip(buffer.pieces, crcs)]
 
 
-_CHUNK = 256 << 20  # bytes per pwrite call; Linux writes at most ~2 GiB per call anyway
+_CHUNK = 4 << 20  # bytes checksummed then written at a time: still in cache when the kernel copies them
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
