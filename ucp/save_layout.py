@@ -90,6 +90,10 @@ class WrittenPiece:
     crc32: int
 
 
+_SAME_MODEL = ("; the ranks computed different layouts: every rank must save the same model, with the same "
+               "parameters, shapes and optimizer states")
+
+
 def whole_crcs(layout: SaveLayout, pieces: Iterable[WrittenPiece]) -> dict[str, int]:
     """Each tensor's CRC-32, combined from the pieces the ranks wrote; they must tile it exactly."""
     by_key: dict[str, list[WrittenPiece]] = {}
@@ -101,14 +105,14 @@ def whole_crcs(layout: SaveLayout, pieces: Iterable[WrittenPiece]) -> dict[str, 
         cursor = span.begin
         for piece in sorted(by_key.pop(key, []), key=lambda p: p.begin):
             if piece.begin != cursor:
-                raise SaveError(f"{span.file}: {key}: no rank wrote bytes [{cursor}, {piece.begin})"
-                                if piece.begin > cursor else
-                                f"{span.file}: {key}: two ranks wrote byte {piece.begin}")
+                raise SaveError((f"{span.file}: {key}: no rank wrote bytes [{cursor}, {piece.begin})"
+                                 if piece.begin > cursor else
+                                 f"{span.file}: {key}: two ranks wrote byte {piece.begin}") + _SAME_MODEL)
             crc = crc32_combine(crc, piece.crc32, piece.end - piece.begin)
             cursor = piece.end
         if cursor != span.end:
-            raise SaveError(f"{span.file}: {key}: no rank wrote bytes [{cursor}, {span.end})")
+            raise SaveError(f"{span.file}: {key}: no rank wrote bytes [{cursor}, {span.end}){_SAME_MODEL}")
         crcs[key] = crc
     if by_key:
-        raise SaveError(f"a rank wrote '{next(iter(by_key))}', which the layout does not hold")
+        raise SaveError(f"a rank wrote '{next(iter(by_key))}', which the layout does not hold{_SAME_MODEL}")
     return crcs
