@@ -26,6 +26,7 @@ Loading is layer by layer: a rank holds its own shard plus one layer's states at
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import zlib
@@ -42,9 +43,11 @@ from ucp.deepspeed_targets import OPTIMIZER_STATES, Target, TargetTensor, target
 from ucp.errors import CorruptCheckpointError, UcpError
 from ucp.fileio import ReadCounter, pread_into, tensor_bytes
 from ucp.format import INDEX_NAME, latest_checkpoint
-from ucp.load_plan import ByteRange, Want, assign_readers, coalesce
+from ucp.layout import Box
+from ucp.load_plan import ByteRange, assign_readers, coalesce
 from ucp.safetensors_stream import TORCH_DTYPES
-from ucp.splits import from_split_major
+from ucp.slice_read import SliceRead, plan_slice_read
+from ucp.splits import box_of_read
 
 CONFIG_KEY = "ucp"
 __all__ = ["CheckpointMismatchError", "LoadStats", "SaveStats", "initialize", "load", "save", "wait"]
@@ -106,7 +109,12 @@ def load(engine, path: str | os.PathLike, *, bypass: bool = True, load_optimizer
         path = latest_checkpoint(path) or path  # a save directory: its latest committed checkpoint
     ckpt = AtomicCheckpoint(path)
     target = target_for(engine)
-    state_names = _check(ckpt, target, engine, load_optimizer_states, strict)
+    try:
+        state_names = _check(ckpt, target, engine, load_optimizer_states, strict)
+        error = None
+    except CheckpointMismatchError as e:
+        error = e
+    _agree(error)
     stats = LoadStats(client_state=dict(ckpt.client_state))
     with torch.no_grad():
         _load_tensors(ckpt, target, state_names, bypass, stats)
@@ -142,7 +150,7 @@ def _check(ckpt: AtomicCheckpoint, target: Target, engine, load_optimizer_states
                                           "checkpoint, which has no optimizer state for it; pass "
                                           "load_optimizer_states=False to load weights only")
     if strict:
-        known = {t.name for t in target.tensors}
+        known = target.model_names()
         extra = [n for n in params if n not in known]
         if extra:
             raise CheckpointMismatchError(f"{ckpt.path}: holds parameter '{extra[0]}' ({len(extra)} in all) that "
@@ -158,6 +166,22 @@ def _check(ckpt: AtomicCheckpoint, target: Target, engine, load_optimizer_states
             f"{type(engine.basic_optimizer).__name__} keeps {list(expected)}; use the same optimizer or pass "
             "load_optimizer_states=False")
     return saved_states
+
+
+def _agree(error: CheckpointMismatchError | None) -> None:
+    """Every rank raises if any rank found a mismatch (pipeline stages and expert ranks check different
+    tensors), so none goes on into collectives the others never join."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        if error is not None:
+            raise error
+        return
+    found = [None] * dist.get_world_size()
+    dist.all_gather_object(found, None if error is None else str(error))
+    if error is not None:
+        raise error
+    first = next((f for f in found if f is not None), None)
+    if first is not None:
+        raise CheckpointMismatchError(first)
 
 
 # -- tensors, layer by layer ----------------------------------------------------------------------------
@@ -191,23 +215,31 @@ def _states_of(t: TargetTensor, state_names: list[str]) -> list[str]:
 def _load_tensors(ckpt: AtomicCheckpoint, target: Target, state_names: list[str], bypass: bool,
                   stats: LoadStats) -> None:
     target.prepare_states(state_names)
-    group = target.dp_group
-    ranks = _group_ranks(group)
     me = dist.get_rank() if dist.is_initialized() else 0
-    owners = _whole_owners(ckpt, target, state_names, ranks, group) if bypass else {}
+    groups = _dp_groups(target)
+    owners = _whole_owners(ckpt, target, state_names, groups) if bypass else {}
     for layer in _layers(target.tensors):
-        wants = [Want((t.name, s), t.start, t.numel, t.whole) for t in layer for s in _states_of(t, state_names)]
+        wants = {(t.name, s): t for t in layer for s in _states_of(t, state_names)}
         values = _read(ckpt, wants, owners, me, bypass, stats)
-        for want in wants:
-            if want.whole and bypass and len(ranks) > 1:
-                values[want.key] = _broadcast(ckpt, want, values.get(want.key), owners[want.key], group, stats)
-        for t in layer:
-            for s in _states_of(t, state_names):
-                if t.numel:
-                    t.install(s, values[(t.name, s)])
-                    stats.tensors += 1
+        for key, t in wants.items():
+            ranks, group = groups[id(t)]
+            if t.whole and bypass and len(ranks) > 1:
+                values[key] = _broadcast(ckpt, key, t, values.get(key), owners[key], group, stats)
+        for key, t in wants.items():
+            if t.numel:
+                t.install(key[1], values[key])
+                stats.tensors += 1
         stats.layers += 1
         stats.peak_layer_bytes = max(stats.peak_layer_bytes, sum(v.numel() * v.element_size() for v in values.values()))
+
+
+def _dp_groups(target: Target) -> dict[int, tuple[tuple[int, ...], object]]:
+    """Each tensor's data-parallel group (the ranks that share its box): id(tensor) -> (ranks, group)."""
+    out = {}
+    for t in target.tensors:
+        group = t.dp_group if t.dp_group is not None else target.dp_group
+        out[id(t)] = (tuple(_group_ranks(group)), group)
+    return out
 
 
 def _group_ranks(group) -> list[int]:
@@ -216,22 +248,34 @@ def _group_ranks(group) -> list[int]:
     return dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
 
 
-def _whole_owners(ckpt, target: Target, state_names: list[str], ranks: list[int], group) -> dict:
-    """Who reads each replicated tensor: balanced over the group, counting the slices each rank reads anyway."""
-    sizes, own = {}, 0
+def _whole_owners(ckpt, target: Target, state_names: list[str], groups: dict) -> dict:
+    """Who reads each replicated tensor: balanced over its group, counting the slices each rank reads anyway.
+
+    Groups are visited in one global order (by their ranks), so ranks that belong to several (expert
+    and non-expert data-parallel groups) meet in their collectives without deadlock.
+    """
+    sizes: dict[tuple, dict] = {}
+    own: dict[tuple, int] = {}
+    handles = {}
     for t in target.tensors:
+        ranks, group = groups[id(t)]
+        handles[ranks] = group
+        sizes.setdefault(ranks, {})
         for s in _states_of(t, state_names):
             nbytes = t.numel * _itemsize(ckpt, t.name, s)
             if t.whole:
-                sizes[(t.name, s)] = nbytes
+                sizes[ranks][(t.name, s)] = nbytes
             else:
-                own += nbytes
-    loads = [None] * len(ranks)
-    if len(ranks) > 1:
-        dist.all_gather_object(loads, own, group=group)
-    else:
-        loads = [own]
-    return assign_readers(sizes, ranks, dict(zip(ranks, loads)))
+                own[ranks] = own.get(ranks, 0) + nbytes
+    owners = {}
+    for ranks in sorted(sizes):
+        loads = [None] * len(ranks)
+        if len(ranks) > 1:
+            dist.all_gather_object(loads, own.get(ranks, 0), group=handles[ranks])
+        else:
+            loads = [own.get(ranks, 0)]
+        owners.update(assign_readers(sizes[ranks], list(ranks), dict(zip(ranks, loads))))
+    return owners
 
 
 def _entry(ckpt: AtomicCheckpoint, key: tuple[str, str]) -> dict:
@@ -243,22 +287,46 @@ def _itemsize(ckpt: AtomicCheckpoint, name: str, state: str) -> int:
     return TORCH_DTYPES[ckpt.index["params"][name]["states"][state]["dtype"]].itemsize
 
 
-def _read(ckpt: AtomicCheckpoint, wants: list[Want], owners: dict, me: int, bypass: bool,
+def _full_box(shape) -> Box:
+    return tuple((0, n) for n in shape)
+
+
+def _exact_range(e: dict, t: TargetTensor) -> ByteRange | None:
+    """The bytes of exactly `t`'s elements when they are contiguous in storage (row-major, box cut along dim 0 at most)."""
+    if _reordered(e):
+        return None
+    shape = tuple(e["shape"])
+    box = t.box or _full_box(shape)
+    if any((lo, hi) != (0, n) for (lo, hi), n in zip(box[1:], shape[1:])):
+        return None
+    row = math.prod(shape[1:])
+    size = TORCH_DTYPES[e["dtype"]].itemsize
+    first = e["offsets"][0] + (box[0][0] * row + t.start) * size if shape else e["offsets"][0]
+    return ByteRange(e["file"], first, first + t.numel * size)
+
+
+def _read(ckpt: AtomicCheckpoint, wants: dict[tuple, TargetTensor], owners: dict, me: int, bypass: bool,
           stats: LoadStats) -> dict:
-    """This rank's reads for one layer, coalesced; returns key → wanted elements (flat)."""
-    plan: dict[tuple, tuple[ByteRange, Want]] = {}
-    for w in wants:
-        if w.numel == 0 or (bypass and w.whole and owners.get(w.key, me) != me):
+    """This rank's reads for one layer, coalesced; returns key -> wanted elements (flat).
+
+    With bypass a rank reads exactly its elements when they are contiguous in storage, else the
+    covering part of its box (`ucp.slice_read`); without, every tensor it touches whole.
+    """
+    plan: dict[tuple, SliceRead] = {}
+    for key, t in wants.items():
+        if t.numel == 0 or (bypass and t.whole and owners.get(key, me) != me):
             continue
-        e = _entry(ckpt, w.key)
-        size = TORCH_DTYPES[e["dtype"]].itemsize
-        begin, end = e["offsets"]
-        if bypass and not w.whole and not _reordered(e):
-            begin, end = begin + w.start * size, begin + (w.start + w.numel) * size
-        plan[w.key] = (ByteRange(e["file"], begin, end), w)
+        e = _entry(ckpt, key)
+        exact = _exact_range(e, t) if bypass else None
+        if exact is not None:
+            whole = (exact.begin, exact.end) == tuple(e["offsets"])
+            plan[key] = SliceRead(key, exact, None, (), (), whole)
+        else:
+            box = (t.box or _full_box(e["shape"])) if bypass else _full_box(e["shape"])
+            plan[key] = plan_slice_read(key, e, box, TORCH_DTYPES[e["dtype"]].itemsize)
     counter = ReadCounter()
     chunks = {}
-    for merged, parts in coalesce(r for r, _ in plan.values()):
+    for merged, parts in coalesce(r.range for r in plan.values()):
         buf = torch.empty(merged.nbytes, dtype=torch.uint8)
         pread_into(str(ckpt.path / merged.file), buf, merged.begin, counter)
         for part in parts:
@@ -266,29 +334,41 @@ def _read(ckpt: AtomicCheckpoint, wants: list[Want], owners: dict, me: int, bypa
     stats.bytes_read += counter.bytes
     stats.read_calls += counter.calls
     values = {}
-    for key, (rng, w) in plan.items():
-        e = _entry(ckpt, key)
-        if (rng.begin, rng.end) == tuple(e["offsets"]) and zlib.crc32(tensor_bytes(chunks[rng])) != e["crc32"]:
+    for key, read in plan.items():
+        e, t = _entry(ckpt, key), wants[key]
+        raw = chunks[read.range]
+        if read.whole and zlib.crc32(tensor_bytes(raw)) != e["crc32"]:
             raise CorruptCheckpointError(f"{ckpt.path / e['file']}: {key[0]}:{key[1]} fails its checksum; the file "
                                          "is damaged, convert again or restore it from a copy")
-        flat = chunks[rng].view(TORCH_DTYPES[e["dtype"]])
-        if _reordered(e):
-            flat = from_split_major(flat, e["shape"], e["splits"]["dim"], e["splits"]["count"]).reshape(-1)
-        if not w.whole and (not bypass or _reordered(e)):
-            flat = flat.narrow(0, w.start, w.numel)
-        values[key] = flat
+        flat = raw.view(TORCH_DTYPES[e["dtype"]])
+        if plan[key].range.nbytes != t.numel * flat.element_size() or read.narrow or read.dim is not None:
+            values[key] = _elements(flat, e, t, read, bypass)
+        else:
+            values[key] = flat
     return values
 
 
+def _elements(flat: torch.Tensor, e: dict, t: TargetTensor, read: SliceRead, bypass: bool) -> torch.Tensor:
+    """`t`'s elements [start, start + numel) of its box, from a read of (a cover of) the box or the whole tensor."""
+    shape = tuple(e["shape"])
+    read_box = (t.box or _full_box(shape)) if bypass else _full_box(shape)
+    tensor = box_of_read(flat, shape, read, tuple(hi - lo for lo, hi in read_box))
+    if t.box is not None and not bypass:
+        for dim, (lo, hi) in enumerate(t.box):
+            tensor = tensor.narrow(dim, lo, hi - lo)
+    return tensor.reshape(-1).narrow(0, t.start, t.numel)
+
+
 def _reordered(entry: dict) -> bool:
-    """Stored split-major along a dim > 0 (ucp convert --splits): a flat range is not a byte range, so read it whole."""
+    """Stored split-major along a dim > 0 (ucp convert --splits): the bytes are not in row-major order."""
     splits = entry.get("splits")
     return splits is not None and splits["dim"] > 0 and splits["count"] > 1
 
 
-def _broadcast(ckpt, want: Want, value, owner: int, group, stats: LoadStats) -> torch.Tensor:
-    e = _entry(ckpt, want.key)
-    buf = value.clone() if value is not None else torch.empty(want.numel, dtype=TORCH_DTYPES[e["dtype"]])
+def _broadcast(ckpt, key: tuple[str, str], t: TargetTensor, value, owner: int, group,
+               stats: LoadStats) -> torch.Tensor:
+    e = _entry(ckpt, key)
+    buf = value.clone() if value is not None else torch.empty(t.numel, dtype=TORCH_DTYPES[e["dtype"]])
     dist.broadcast(buf, src=owner, group=group)
     stats.bytes_broadcast += buf.numel() * buf.element_size()
     return buf

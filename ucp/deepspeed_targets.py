@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ucp.errors import UnsupportedLayoutError
+from ucp.layout import Box
 
 View = Callable[[str], torch.Tensor]
 
@@ -36,16 +37,23 @@ OPTIMIZER_STATES = {
 
 @dataclass
 class TargetTensor:
-    """One model tensor on this rank: what it wants of the full tensor and how to install it."""
+    """One model tensor on this rank: what it wants of the full tensor and how to install it.
+
+    Under tensor parallelism the rank's module holds `box` of the full tensor (e.g. a block of rows
+    of a column-parallel weight); `start`/`numel` then count elements of that box, flattened, as
+    ZeRO partitions the local shard. Without it they count elements of the full tensor.
+    """
 
     name: str
     kind: str                   # "param", "frozen" or "buffer"
-    shape: tuple[int, ...]      # the full (unsharded) shape the engine expects
-    start: int                  # first wanted element of the flattened full tensor
+    shape: tuple[int, ...]      # the full (unsharded) shape the checkpoint holds
+    start: int                  # first wanted element of the flattened box (the full tensor without one)
     numel: int                  # how many (0: this rank holds none of it)
-    whole: bool                 # wants every element (replicated on the DP group)
+    whole: bool                 # wants every element of the box (replicated on the DP group)
     view: View                  # view(state name): the live elements [start, start + numel), flat
     group: int | None = None    # optimizer param group index (trainable parameters)
+    box: Box | None = None      # the part of the full tensor this rank's module holds (None: all of it)
+    dp_group: object = None     # the ranks sharing this tensor's box (None: the target's data-parallel group)
 
     def install(self, state: str, value: torch.Tensor) -> None:
         self.view(state).copy_(value)
@@ -65,6 +73,11 @@ class Target:
     def optimizer_groups(self) -> list[dict]:
         """The torch param groups whose hyper-parameters a checkpoint restores, with member names."""
         raise NotImplementedError
+
+    def model_names(self) -> set[str]:
+        """Every tensor name of the whole model, for the strict check: this rank's, unless the model is
+        spread over ranks that hold different tensors (pipeline stages, expert-parallel ranks)."""
+        return {t.name for t in self.tensors}
 
     def prepare_states(self, state_names: list[str]) -> None:
         """Create empty optimizer state (an engine that has not stepped has none)."""

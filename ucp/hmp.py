@@ -30,7 +30,7 @@ from ucp.layout import Layout, OwnedSlice, ParamSpec
 from ucp.load_plan import coalesce
 from ucp.safetensors_stream import TORCH_DTYPES
 from ucp.slice_read import SliceRead, plan_slice_read
-from ucp.splits import join_splits
+from ucp.splits import box_of_read
 
 
 class ModelMismatchError(UcpError):
@@ -79,23 +79,10 @@ def load_slices(layout: Layout, rank: int, path: str | os.PathLike, table: Itera
             raise CorruptCheckpointError(f"{ckpt.path / entry['file']}: {r.key[0]}:{r.key[1]} fails its checksum; "
                                          "the file is damaged, convert again or restore it from a copy")
         box_shape = tuple(b - a for a, b in owned[r.key[0]].box)
-        out.tensors.setdefault(r.key[0], {})[r.key[1]] = _shape(raw.view(TORCH_DTYPES[entry["dtype"]]),
-                                                               entry["shape"], r, box_shape)
+        out.tensors.setdefault(r.key[0], {})[r.key[1]] = box_of_read(raw.view(TORCH_DTYPES[entry["dtype"]]),
+                                                                    entry["shape"], r, box_shape)
     out.bytes_read, out.read_calls, out.tensors_touched = counter.bytes, counter.calls, len(reads)
     return out
-
-
-def _shape(flat: torch.Tensor, shape: Sequence[int], read: SliceRead, box_shape: tuple[int, ...]) -> torch.Tensor:
-    """The bytes of one read as the rank's box."""
-    if flat.numel() == 0:
-        return flat.reshape(box_shape)
-    if read.dim is None:
-        tensor = flat.reshape(shape)
-    else:
-        tensor = join_splits(flat, shape, read.dim, read.bounds)
-    for dim, start, length in read.narrow:
-        tensor = tensor.narrow(dim, start, length)
-    return tensor.clone() if read.narrow else tensor
 
 
 def _check(ckpt: AtomicCheckpoint, table: list[ParamSpec], states: Sequence[str]) -> None:

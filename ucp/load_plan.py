@@ -15,16 +15,6 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
-class Want:
-    """Elements [start, start + numel) of the flattened tensor `key` (a (param, state) pair)."""
-
-    key: tuple[str, str]
-    start: int
-    numel: int
-    whole: bool  # the rank wants every element (replicated state), not its own partition
-
-
-@dataclass(frozen=True)
 class ByteRange:
     file: str
     begin: int

@@ -123,3 +123,16 @@ def join_splits(flat: torch.Tensor, shape: Sequence[int], dim: int, bounds: Sequ
 def from_split_major(flat: torch.Tensor, shape: Sequence[int], dim: int, count: int) -> torch.Tensor:
     """The logical tensor of `shape` from its split-major elements."""
     return join_splits(flat.reshape(-1), shape, dim, split_bounds(shape[dim], count))
+
+
+def box_of_read(flat: torch.Tensor, shape: Sequence[int], read, box_shape: tuple[int, ...]) -> torch.Tensor:
+    """The elements one `ucp.slice_read.SliceRead` brought in (`flat`), as the box it was planned for."""
+    if flat.numel() == 0:
+        return flat.reshape(box_shape)
+    if read.dim is None:
+        tensor = flat.reshape(shape)
+    else:
+        tensor = join_splits(flat, shape, read.dim, read.bounds)
+    for dim, start, length in read.narrow:
+        tensor = tensor.narrow(dim, start, length)
+    return tensor.clone() if read.narrow else tensor
