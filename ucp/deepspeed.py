@@ -22,6 +22,12 @@ committed, and runs at exit too; see `ucp.deepspeed_save`). The `"ucp"` config s
 * `strict` (bool, default true): a checkpoint parameter the model lacks is an error.
 
 Loading is layer by layer: a rank holds its own shard plus one layer's states at a time.
+
+Target layouts (`ucp.deepspeed_targets`): ZeRO stage 0-3 at any data-parallel degree, fp32, fp16
+and bf16; `PipelineModule` engines at any number of stages, each stage loading its own layers
+(a tied module on every stage that uses it) within its data-parallel group
+(`ucp.deepspeed_pipe_target`); native DeepSpeed MoE at any `ep_size`, each rank loading the experts
+of the global ids it owns within its expert-data-parallel group (`ucp.deepspeed_moe_target`).
 """
 from __future__ import annotations
 

@@ -9,6 +9,9 @@ One adapter per optimizer family, chosen from the engine before anything is touc
 * ZeRO-3 (`DeepSpeedZeroOptimizer_Stage3`) — each parameter is partitioned on its own; rank r
   holds elements [r*pn, (r+1)*pn) (pn = ceil(numel / dp)), packed per sub-group in order.
 
+Pipeline stages (`ucp.deepspeed_pipe_target`) and MoE experts (`ucp.deepspeed_moe_target`) adjust
+any family's tensors: their data-parallel groups, expert names, and the names of the whole model.
+
 Frozen parameters and buffers are restored too (ZeRO-3 frozen parameters are partitioned like the
 others). Optimizer states are created when the engine has not stepped yet.
 
@@ -23,6 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ucp.deepspeed_moe_target import checkpoint_name, local_expert_tensors, use_expert_groups
+from ucp.deepspeed_pipe_target import is_pipeline, use_stage_groups
 from ucp.errors import UnsupportedLayoutError
 from ucp.layout import Box
 
@@ -68,6 +73,7 @@ class Target:
         self.engine = engine
         self.tensors: list[TargetTensor] = []
         self.dp_group = getattr(engine, "data_parallel_group", None)
+        self.every_rank_names: set[str] | None = None  # set where ranks hold different tensors
 
     @property
     def optimizer_groups(self) -> list[dict]:
@@ -77,7 +83,7 @@ class Target:
     def model_names(self) -> set[str]:
         """Every tensor name of the whole model, for the strict check: this rank's, unless the model is
         spread over ranks that hold different tensors (pipeline stages, expert-parallel ranks)."""
-        return {t.name for t in self.tensors}
+        return self.every_rank_names if self.every_rank_names is not None else {t.name for t in self.tensors}
 
     def prepare_states(self, state_names: list[str]) -> None:
         """Create empty optimizer state (an engine that has not stepped has none)."""
@@ -107,6 +113,26 @@ class Target:
 
 
 def target_for(engine) -> Target:
+    """The adapter for `engine`'s optimizer family, its tensors in their pipeline-stage or expert groups."""
+    target = _family_target(engine)
+    experts = local_expert_tensors(engine.module)
+    if is_pipeline(engine):
+        use_stage_groups(target)
+    if experts:
+        use_expert_groups(target, experts)
+    if is_pipeline(engine) or experts:
+        target.every_rank_names = _every_rank_names(target)
+    return target
+
+
+def _every_rank_names(target: Target) -> set[str]:
+    """The union of every rank's tensor names (collective over the world)."""
+    found = [None] * dist.get_world_size()
+    dist.all_gather_object(found, sorted(t.name for t in target.tensors))
+    return {name for names in found for name in names}
+
+
+def _family_target(engine) -> Target:
     """The adapter for `engine`'s optimizer family, or an error naming what ucp cannot serve."""
     optimizer = engine.optimizer
     name = type(optimizer).__name__
@@ -123,14 +149,18 @@ def target_for(engine) -> Target:
 
 
 def _names(engine) -> dict:
-    return engine.param_names
+    """Each parameter's checkpoint name: the engine's own, MoE experts under their global ids."""
+    experts = local_expert_tensors(engine.module)
+    return {p: checkpoint_name(experts, n) for p, n in engine.param_names.items()}
 
 
 def _buffers_and_frozen(target: Target, skip: set[int], zero3: bool) -> None:
     module = target.engine.module
+    experts = local_expert_tensors(module)
     for name, p in module.named_parameters():
         if p.requires_grad or id(p) in skip:
             continue
+        name = checkpoint_name(experts, name)
         if zero3 and hasattr(p, "ds_tensor"):
             target.tensors.append(_zero3_frozen(target, name, p))
             continue
@@ -138,6 +168,7 @@ def _buffers_and_frozen(target: Target, skip: set[int], zero3: bool) -> None:
     persistent = set(module.state_dict().keys())
     for name, b in module.named_buffers():
         if name in persistent:
+            name = checkpoint_name(experts, name)
             target.tensors.append(TargetTensor(name, "buffer", tuple(b.shape), 0, b.numel(), True, _flat(b)))
 
 
