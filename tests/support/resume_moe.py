@@ -1,0 +1,126 @@
+#!/usr/bin/env python
+"""Train train_moe.py's model (4 experts) at any ep_size, save mid-run, or resume through ucp.
+
+Launched with ``torchrun --nproc_per_node N tests/support/resume_moe.py --ep-size E ...``. Global
+step ``s`` trains on the same global batch at any ep_size (train_moe's data), and the logged loss
+of a step is the mean over ranks of their losses.
+
+* ``--save-at K --save-dir D``: save with DeepSpeed after K steps and keep training: the losses of
+  the later steps are those of the uninterrupted run.
+* ``--ucp-load P``: resume from the ucp checkpoint P through ``ucp.deepspeed.initialize``;
+  ``--experts-out F`` then has rank 0 write, right after loading, every rank's
+  ``{"rank", "ep_rank", "num_local", "params": {local name: {fp32, exp_avg, exp_avg_sq, module}}}``
+  for its expert parameters (fp32 masters and moments gathered over the expert-data-parallel group,
+  ``module`` the module's own weight).
+* ``--experts-by-local-id`` (negative control): ucp takes every rank for expert-parallel rank 0, so
+  local expert i loads global expert i, as stock DeepSpeed does at a new ep_size. The strict check
+  then refuses the checkpoint (no rank claims experts 2-3): rank 0 writes the error to
+  ``--strict-error-out``, and the run loads again with ``strict=False`` and goes on.
+"""
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+from train_moe import EXPERTS, MICRO_BATCH, SEQ, VOCAB, MoEModel, _ep_rank, ds_config
+
+CLIENT_STATE = {"client_marker": 13}
+
+
+def dump_experts(engine, model, path: str) -> None:
+    import torch.distributed as dist
+
+    from gather import local_state
+
+    experts = [(n, q) for n, q in model.named_parameters() if ".deepspeed_experts." in n]
+    state = local_state(engine, experts)
+    for name, q in experts:
+        state[name]["module"] = q.detach().float().clone()
+    entry = {"rank": dist.get_rank(), "ep_rank": _ep_rank(model), "num_local": model.moe.num_local_experts,
+             "params": state}
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, entry)
+    if dist.get_rank() == 0:
+        torch.save(gathered, path)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--ep-size", type=int, required=True)
+    p.add_argument("--zero-stage", type=int, default=1)
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--start-step", type=int, default=0)
+    p.add_argument("--save-at", type=int, default=None)
+    p.add_argument("--save-dir", default=None)
+    p.add_argument("--ucp-load", default=None)
+    p.add_argument("--experts-out", default=None)
+    p.add_argument("--experts-by-local-id", action="store_true")
+    p.add_argument("--strict-error-out", default=None)
+    p.add_argument("--losses-out", required=True)
+    args = p.parse_args(argv)
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+    import ucp.deepspeed
+    import ucp.deepspeed_moe_target
+
+    torch.use_deterministic_algorithms(True)
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = MoEModel(args.ep_size, rank % args.ep_size)
+    groups = split_params_into_different_moe_groups_for_optimizer([{"params": list(model.parameters()),
+                                                                    "name": "all"}])
+    config = ds_config(argparse.Namespace(stage=args.zero_stage, dtype="fp32"))
+    if args.experts_by_local_id:
+        ucp.deepspeed_moe_target.expert_parallel_rank = lambda group_name: 0
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
+        try:
+            ucp.deepspeed.load(engine, args.ucp_load)
+            raise RuntimeError("the strict check let experts loaded by local id through")
+        except ucp.deepspeed.CheckpointMismatchError as e:
+            if rank == 0:
+                with open(args.strict_error_out, "w") as f:
+                    f.write(str(e))
+        ucp.deepspeed.load(engine, args.ucp_load, strict=False)
+    elif args.ucp_load:
+        config["ucp"] = {"load": args.ucp_load}
+        engine, *_ = ucp.deepspeed.initialize(model=model, model_parameters=groups, config=config)
+        if engine.ucp_load_stats.client_state.get("client_marker") != CLIENT_STATE["client_marker"]:
+            raise RuntimeError("client state not restored by ucp")
+    else:
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
+    if args.experts_out:
+        dump_experts(engine, model, args.experts_out)
+    if _ep_rank(model) != rank % args.ep_size:
+        raise RuntimeError(f"rank {rank}: DeepSpeed made EP rank {_ep_rank(model)}, expected {rank % args.ep_size}")
+    if model.moe.num_local_experts * args.ep_size != EXPERTS:
+        raise RuntimeError(f"{model.moe.num_local_experts} local experts at ep_size {args.ep_size}")
+    losses = []
+    for step in range(args.start_step, args.start_step + args.steps):
+        if step == args.save_at:
+            engine.save_checkpoint(args.save_dir, client_state=dict(CLIENT_STATE))
+        g = torch.Generator().manual_seed(step)
+        tokens = torch.randint(0, VOCAB, (MICRO_BATCH * world, SEQ), generator=g)
+        targets = (tokens * 5 + 2) % VOCAB
+        rows = slice(rank * MICRO_BATCH, (rank + 1) * MICRO_BATCH)
+        loss = engine(tokens[rows], targets[rows])
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().float().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+    if rank == 0:
+        with open(args.losses_out, "w") as f:
+            json.dump(losses, f)
+    dist.barrier()
+    engine.destroy()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
