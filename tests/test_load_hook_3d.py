@@ -25,8 +25,8 @@ def pipe(stages: int, nproc: int) -> Layout:
     return Layout("resume_pipe.py", nproc, ("--stages", str(stages)))
 
 
-def moe(ep_size: int) -> Layout:
-    return Layout("resume_moe.py", 2, ("--ep-size", str(ep_size)))
+def moe(ep_size: int, zero_stage: int = 1) -> Layout:
+    return Layout("resume_moe.py", 2, ("--ep-size", str(ep_size), "--zero-stage", str(zero_stage)))
 
 
 def ep_size_of(layout: Layout) -> int:
@@ -118,7 +118,11 @@ def test_pipeline_bad_checkpoints_are_refused_on_every_stage(converted, ckpt_roo
 
 # -- MoE -----------------------------------------------------------------------------------------------
 
-MOE_CASES = [(moe(1), moe(2)), (moe(2), moe(1))]   # ep 1 -> 2, ep 2 -> 1
+MOE_CASES = [
+    (moe(1), moe(2)),                   # ep 1 -> 2
+    (moe(2), moe(1)),                   # ep 2 -> 1
+    (moe(1), moe(2, zero_stage=2)),     # ep 1 -> 2 and ZeRO 1 -> 2
+]
 MOE_STATES = ("fp32", "exp_avg", "exp_avg_sq")
 
 
