@@ -29,7 +29,8 @@ def moe(ep_size: int, zero_stage: int = 1) -> Layout:
     return Layout("resume_moe.py", 2, ("--ep-size", str(ep_size), "--zero-stage", str(zero_stage)))
 
 
-def ep_size_of(layout: Layout) -> int:
+def degree(layout: Layout) -> int:
+    """The layout's pipeline stages (resume_pipe.py) or ep_size (resume_moe.py): its first flag."""
     return int(layout.flags[1])
 
 
@@ -51,8 +52,21 @@ def converted(ckpt_root, tmp_path_factory):
 
 def resume(path, layout: Layout, root, *extra: str) -> tuple[list[float], object]:
     run = resume_run(layout, ["--steps", RESUME_STEPS, "--start-step", SAVE_AT, "--ucp-load", path,
-                              "--losses-out", "{run}/losses.json", *extra], root)
+                              "--losses-out", "{run}/losses.json", "--ucp-stats-out", "{run}/stats.json", *extra],
+                     root)
     return json.loads((run / "losses.json").read_text()), run
+
+
+def bytes_read(run) -> int:
+    """What all ranks of the resumed run read from storage together."""
+    return sum(rank["bytes_read"] for rank in json.loads((run / "stats.json").read_text()))
+
+
+def stored_bytes(path, names=None) -> int:
+    """The bytes of every state of `names` (all parameters by default) in the checkpoint at `path`."""
+    params = ucp.open_checkpoint(path).index["params"]
+    return sum(s["offsets"][1] - s["offsets"][0] for name in (names or params)
+               for s in params[name]["states"].values())
 
 
 # -- pipeline parallelism ------------------------------------------------------------------------------
@@ -72,10 +86,12 @@ PIPE_CASES = [
 @pytest.mark.parametrize("source,target", PIPE_CASES, ids=lambda layout: layout.name)
 def test_pipeline_resume_continues_the_uninterrupted_run(source, target, converted, ckpt_root):
     path, straight = converted(source)
-    losses, _ = resume(path, target, ckpt_root)
+    losses, run = resume(path, target, ckpt_root)
     # fp32 everywhere; another stage count or DP degree only changes the order in which the tied
     # embedding's two gradients and the DP gradients are summed (~1e-7).
     assert losses == pytest.approx(straight[SAVE_AT:], rel=1e-6)
+    # Each stage's data-parallel group reads its layers once; the tied embedding once per stage.
+    assert bytes_read(run) == stored_bytes(path) + (degree(target) - 1) * stored_bytes(path, [TIED])
 
 
 def test_pipeline_negative_control_tied_copy_left_unloaded(converted, ckpt_root):
@@ -155,8 +171,10 @@ def test_moe_resume_places_experts_by_global_id(source, target, converted, ckpt_
     losses, run = resume(path, target, ckpt_root, "--experts-out", "{run}/experts.pt")
     dump = torch.load(run / "experts.pt", weights_only=False)
     # 4 experts of 3 tensors, each held by 2 / ep_size ranks
-    assert sum(len(entry["params"]) for entry in dump) == 4 * 3 * (2 // ep_size_of(target))
-    assert misplaced_experts(path, dump, ep_size_of(target)) == []
+    assert sum(len(entry["params"]) for entry in dump) == 4 * 3 * (2 // degree(target))
+    assert misplaced_experts(path, dump, degree(target)) == []
+    # Every expert is read once, by (the expert-data-parallel group of) the rank that owns it.
+    assert bytes_read(run) == stored_bytes(path)
     # fp32; another ep_size routes the same tokens through the same experts, only over all-to-all and
     # with expert gradients summed in another order (~1e-7).
     assert losses == pytest.approx(straight[SAVE_AT:], rel=1e-6)

@@ -24,6 +24,7 @@ import sys
 
 import torch
 
+from load_stats import write_stats
 from train_moe import EXPERTS, MICRO_BATCH, SEQ, VOCAB, MoEModel, _ep_rank, ds_config
 
 CLIENT_STATE = {"client_marker": 13}
@@ -55,6 +56,7 @@ def main(argv=None):
     p.add_argument("--save-at", type=int, default=None)
     p.add_argument("--save-dir", default=None)
     p.add_argument("--ucp-load", default=None)
+    p.add_argument("--ucp-stats-out", default=None, help="rank 0 writes every rank's ucp load statistics (JSON)")
     p.add_argument("--experts-out", default=None)
     p.add_argument("--experts-by-local-id", action="store_true")
     p.add_argument("--strict-error-out", default=None)
@@ -91,6 +93,8 @@ def main(argv=None):
         engine, *_ = ucp.deepspeed.initialize(model=model, model_parameters=groups, config=config)
         if engine.ucp_load_stats.client_state.get("client_marker") != CLIENT_STATE["client_marker"]:
             raise RuntimeError("client state not restored by ucp")
+        if args.ucp_stats_out:
+            write_stats(engine, args.ucp_stats_out)
     else:
         engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
     if args.experts_out:

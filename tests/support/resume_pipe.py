@@ -25,6 +25,7 @@ import sys
 
 import torch
 
+from load_stats import write_stats
 from train_pipe import DIM, MICRO_BATCH, SEQ, VOCAB, Block, TiedEmbedding, ds_config, loss_fn
 
 TIED = "tied_modules.embed.weight"
@@ -93,6 +94,7 @@ def main(argv=None):
     p.add_argument("--save-at", type=int, default=None)
     p.add_argument("--save-dir", default=None)
     p.add_argument("--ucp-load", default=None)
+    p.add_argument("--ucp-stats-out", default=None, help="rank 0 writes every rank's ucp load statistics (JSON)")
     p.add_argument("--ucp-expect-error", default=None)
     p.add_argument("--reset-tied-on-last-stage", action="store_true")
     p.add_argument("--losses-out", required=True)
@@ -115,6 +117,8 @@ def main(argv=None):
         engine, *_ = ucp.deepspeed.initialize(model=model, model_parameters=params, config=config)
         if engine.ucp_load_stats.client_state.get("client_marker") != CLIENT_STATE["client_marker"]:
             raise RuntimeError("client state not restored by ucp")
+        if args.ucp_stats_out:
+            write_stats(engine, args.ucp_stats_out)
     else:
         engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=config)
     if args.ucp_expect_error:

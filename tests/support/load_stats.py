@@ -1,0 +1,13 @@
+"""Every rank's ucp load statistics (ucp.deepspeed.LoadStats), written by rank 0 for a test to read."""
+import json
+
+import torch.distributed as dist
+
+
+def write_stats(engine, path: str) -> None:
+    """Rank 0 writes a JSON list, by rank, of each rank's `engine.ucp_load_stats` less its client state."""
+    stats = [None] * dist.get_world_size()
+    dist.all_gather_object(stats, {k: v for k, v in vars(engine.ucp_load_stats).items() if k != "client_state"})
+    if dist.get_rank() == 0:
+        with open(path, "w") as f:
+            json.dump(stats, f)
