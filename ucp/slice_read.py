@@ -5,6 +5,10 @@ consecutive splits in one byte range, so a box that cuts only dim `d` is one rea
 bytes when its edges fall on split boundaries (any TP rank whose group size divides the
 checkpoint's split count), else the covering splits, narrowed after the read. A row-major state
 serves a box cut along dim 0 the same way. Anything else is read whole and narrowed.
+
+A ZeRO partition is a run of a box's elements in row-major order (`plan_flat_read`): one exact
+read when the box is contiguous in storage (row-major, cut along dim 0 at most), else none (read
+the box and narrow).
 """
 from __future__ import annotations
 
@@ -64,6 +68,23 @@ def plan_slice_read(key: tuple[str, str], entry: dict, box: Box, itemsize: int) 
     bounds = tuple(split_bounds(size, count)[first:last + 1]) if reordered else (a, b)
     narrow = () if (a, b) == (lo, hi) else ((dim, lo - a, hi - lo),)
     return SliceRead(key, rng, dim, bounds, narrow, (rng.begin, rng.end) == (begin, end))
+
+
+def plan_flat_read(key: tuple[str, str], entry: dict, box: Box, start: int, numel: int,
+                   itemsize: int) -> SliceRead | None:
+    """The exact read of elements [start, start + numel) of `box` flattened, or None when they are not contiguous."""
+    shape = tuple(entry["shape"])
+    begin, end = entry["offsets"]
+    if numel == 0:
+        return SliceRead(key, ByteRange(entry["file"], begin, begin), None, (), (), False)
+    splits = entry.get("splits")
+    if splits and splits["dim"] > 0 and splits["count"] > 1:
+        return None
+    if any((lo, hi) != (0, n) for (lo, hi), n in zip(box[1:], shape[1:])):
+        return None
+    first = begin + ((box[0][0] * math.prod(shape[1:]) if shape else 0) + start) * itemsize
+    rng = ByteRange(entry["file"], first, first + numel * itemsize)
+    return SliceRead(key, rng, None, (), (), (rng.begin, rng.end) == (begin, end))
 
 
 def _covering(lo: int, hi: int, size: int, count: int) -> tuple[int, int]:
