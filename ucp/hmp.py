@@ -7,7 +7,8 @@ The layout (`ucp.layout`) says which box of which parameter the rank holds; `ucp
 turns each box into one byte range (exactly the box's bytes when the checkpoint is split-major
 with a split count the rank's TP size divides); touching ranges are merged (`coalesce`) and read
 with one positional read each. This is the loader behind the HMP reference model
-(`ucp.reference_tp`); `ucp.deepspeed`'s hook loads data-parallel (ZeRO) layouts.
+(`ucp.reference_tp`) without DeepSpeed; with DeepSpeed, `ucp.deepspeed`'s hook takes the same layout
+(`"layout"` config key, `ucp.deepspeed_layout`) and plans its reads with the same `ucp.slice_read`.
 
 ZeRO: when the layout's `zero_stage` is 1 or more, a rank keeps only its part of each optimizer
 state (`Layout.zero_shard`: a run of its box's elements, row-major, cut among the ranks of every
