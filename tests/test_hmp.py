@@ -77,9 +77,6 @@ def test_hmp_forward_equals_unsharded_model(name, reference, tmp_path):
         assert stats["read_calls"] <= stats["tensors"], (name, rank, stats)
 
 
-DEEPSPEED_SCRIPT = Path(__file__).resolve().parent / "support" / "hmp_deepspeed.py"
-
-
 @pytest.fixture(scope="module")
 def trained_reference(tmp_path_factory):
     """A split-major checkpoint of the reference model with Adam moments, and its tensors."""
@@ -111,7 +108,7 @@ def _without_split_metadata(ckpt: Path, blind: Path) -> Path:
 def _run_hook(layout: Layout, ckpt: Path, out: Path) -> None:
     out.mkdir()
     (out / "layout.json").write_text(json.dumps(layout.to_json()))
-    run_torchrun(DEEPSPEED_SCRIPT, [out / "layout.json", ckpt, out, "--config", json.dumps(CFG.__dict__)],
+    run_torchrun(SCRIPT, [out / "layout.json", ckpt, out, "--config", json.dumps(CFG.__dict__), "--deepspeed"],
                  layout.world_size, out / "run.log", timeout=300)
 
 
