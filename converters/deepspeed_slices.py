@@ -46,9 +46,16 @@ class SliceState:
     hyper: list = field(default_factory=list)
     stage: int | None = None
     loss_scaler: object = None  # rank 0's, as pickled (fp16 training keeps its dynamic scale here)
+    model_paths: list[Path] = field(default_factory=list)  # ZeRO-3: every DP rank's model file, else empty
+    # ZeRO-3: frozen parameters partitioned like trainable ones (name -> slice shape, fragments in rank order)
+    frozen: dict[str, tuple[tuple[int, ...], list[Fragment]]] = field(default_factory=dict)
 
     def states(self) -> list[str]:
         return [WEIGHT_STATE, *self.moment_names]
+
+    def files(self) -> list[Path]:
+        """Every file this slice was read from."""
+        return [*self.optim_paths, *(self.model_paths or [self.model_path])]
 
 
 def model_files(folder: Path, names: list[str]) -> dict[int, Path]:
