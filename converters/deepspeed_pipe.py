@@ -22,13 +22,13 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ucp.converters.deepspeed_slices import (SliceState, combined_source, dp_paths, dtype_name, load_dict,
+from ucp.converters.deepspeed_slices import (dp_paths, dtype_name, held_params, load_dict,
                                              model_files, optim_files, read_slice, slice_names, whole)
 from ucp.converters.deepspeed_zero import TagDir, finish_plan
 from ucp.converters.torch_zip import LazyTensor
 from ucp.errors import AmbiguousPatternError, CheckpointNotFoundError, CorruptCheckpointError, UnsupportedLayoutError
-from ucp.patterns import Hints, Pattern, recognize
-from ucp.plan import BUFFER, BUFFER_STATE, FROZEN, TRAINABLE, WEIGHT_STATE, ConversionPlan, ParamPlan, StateSource
+from ucp.patterns import recognize
+from ucp.plan import BUFFER, BUFFER_STATE, FROZEN, WEIGHT_STATE, ConversionPlan, ParamPlan, StateSource
 
 LAYER_FILE = re.compile(r"^layer_(\d+)(?:-model_(\d+))?-model_states\.pt$")
 _TIED = re.compile(r"^tied_modules\.([^.]+)\.(.+)$")
@@ -76,7 +76,7 @@ def plan_pipe(where: TagDir, names: list[str]) -> ConversionPlan:
                              param_shapes=[{n: _shape_in(tensors, n, numel, models[s]) for n, numel in g.items()}
                                            for g in listed[s]]) for s in range(pp)]
     trainable = {name for st in stages for name in st.shapes}
-    params = _trainable(stages, tensors)
+    params = held_params(stages, tensors, "pipeline stage")
     for name, t in tensors.items():
         if name in buffers:
             params.append(ParamPlan(name, t.shape, BUFFER, {BUFFER_STATE: _whole_source(name, t, dtype_name(t))},
@@ -87,40 +87,6 @@ def plan_pipe(where: TagDir, names: list[str]) -> ConversionPlan:
     files = [p for st in stages for p in [*st.optim_paths, st.model_path]] + layer_files
     return finish_plan(where, first, params, stages[0].hyper, stages[0].moment_names, stages[0].stage, stages[0].dp,
                        files, stages[0].loss_scaler, {"pp": pp, "tp": 1})
-
-
-def _trainable(stages: list[SliceState], tensors: dict[str, LazyTensor]) -> list[ParamPlan]:
-    holders: dict[str, list[SliceState]] = {}
-    for st in stages:
-        for name in st.shapes:
-            holders.setdefault(name, []).append(st)
-    params = []
-    for name, held in holders.items():
-        shape = held[0].shapes[name]
-        for st in held[1:]:
-            if st.shapes[name] != shape:
-                raise CorruptCheckpointError(f"{name}: stage {held[0].mp} holds shape {shape}, stage {st.mp} "
-                                             f"{st.shapes[name]}; a tied parameter must have one shape")
-        # Held by several stages: a tied module, which DeepSpeed keeps identical on all of them.
-        hints = Hints(pattern=Pattern.REPLICATE) if len(held) > 1 else None
-        states = {}
-        for state in held[0].states():
-            outer = [(st.mp, shape, st.fragments[(name, state)]) for st in held if (name, state) in st.fragments]
-            if outer and len(outer) != len(held):
-                raise CorruptCheckpointError(f"{name}: tied across stages {[st.mp for st in held]} but only "
-                                             f"{len(outer)} of them hold its '{state}'; files from different runs "
-                                             "are mixed")
-            if outer:
-                states[state] = combined_source(name, shape, outer, hints)
-        if WEIGHT_STATE not in states:
-            raise CorruptCheckpointError(f"{held[0].optim_paths[0]}: parameter '{name}' has no optimizer fragment "
-                                         "(it never received a gradient), and a pipeline checkpoint keeps no other "
-                                         "fp32 copy of it")
-        group = held[0].group_of[name]
-        t = tensors.get(name)
-        params.append(ParamPlan(name, shape, TRAINABLE, states, group, held[0].steps.get(group),
-                                dtype_name(t) if t is not None else "float32"))
-    return params
 
 
 def _shape_in(tensors: dict[str, LazyTensor], name: str, numel: int, path: Path) -> tuple[int, ...]:
