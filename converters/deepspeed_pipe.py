@@ -1,4 +1,4 @@
-"""Plan the conversion of a DeepSpeed pipeline-parallel (`PipelineModule`) checkpoint, ZeRO-1.
+"""Plan the conversion of a DeepSpeed pipeline-parallel (`PipelineModule`) checkpoint, ZeRO-0/1.
 
 Layout written by DeepSpeed 0.19 (tensor parallelism 1), for stages SS = 0 .. pp-1:
 
@@ -7,6 +7,10 @@ Layout written by DeepSpeed 0.19 (tensor parallelism 1), for stages SS = 0 .. pp
   `buffer_names`, and no module (the pipeline engine saves layers instead).
 * `[bf16_]zero_pp_rank_{D}_mp_rank_{SS}_optim_states.pt`: ZeRO partitions of the stage's parameters
   over its data-parallel ranks.
+* fp32 ZeRO-0 writes no optimizer files: the stage's torch optimizer state dict sits in its model
+  file, by slot position, and nothing in the checkpoint names the slots (no param_shapes, no module,
+  no tied-module keys, no layer-to-stage map): the user names them (`--param-names`), and the
+  names are checked against the layer files' shapes (see `deepspeed_zero0`).
 * `layer_{LL}[-model_{TT}]-model_states.pt`: the state dict of layer LL (keys without the layer
   prefix), written by the stage that runs it; the `-model_TT` part appears with an explicit
   topology that has a model axis. A tied module is written once for every layer that uses it
@@ -25,6 +29,7 @@ from pathlib import Path
 from ucp.converters.deepspeed_slices import (dp_paths, dtype_name, held_params, load_dict,
                                              model_files, optim_files, read_slice, slice_names, whole)
 from ucp.converters.deepspeed_zero import TagDir, finish_plan
+from ucp.converters.deepspeed_zero0 import zero0_slice
 from ucp.converters.torch_zip import LazyTensor
 from ucp.errors import AmbiguousPatternError, CheckpointNotFoundError, CorruptCheckpointError, UnsupportedLayoutError
 from ucp.patterns import recognize
@@ -38,8 +43,12 @@ def is_pipeline(names: list[str]) -> bool:
     return any(LAYER_FILE.match(n) for n in names)
 
 
-def plan_pipe(where: TagDir, names: list[str]) -> ConversionPlan:
-    """The plan of the pipeline checkpoint in tag folder `where.path`, whose files are `names`."""
+def plan_pipe(where: TagDir, names: list[str], param_names: list[str] | None = None) -> ConversionPlan:
+    """The plan of the pipeline checkpoint in tag folder `where.path`, whose files are `names`.
+
+    `param_names` (fp32 ZeRO-0 only, where the checkpoint names no parameter) lists every stage's
+    trainable parameter names in its optimizer's order, stage after stage.
+    """
     folder = where.path
     models = model_files(folder, names)
     if 0 not in models:
@@ -56,14 +65,15 @@ def plan_pipe(where: TagDir, names: list[str]) -> ConversionPlan:
         raise CheckpointNotFoundError(f"{folder / f'mp_rank_{missing[0]:02d}_model_states.pt'}: missing (the "
                                       f"checkpoint has {pp} pipeline stages); copy every stage's file")
     optims = optim_files(folder, names)
-    if not optims:
-        raise UnsupportedLayoutError(f"{folder}: a pipeline checkpoint without optimizer files (fp32 ZeRO-0: its "
-                                     "optimizer state is keyed by position and names no parameter) is not supported "
-                                     "yet; save it with ZeRO stage 1 or bf16")
     contents = [first] + [load_dict(models[s]) for s in range(1, pp)]
     layer_files = [folder / n for n in names if LAYER_FILE.match(n)]
     buffers = {b for m in contents for b in (m.get("buffer_names") or [])}
-    if first.get("param_shapes"):
+    if not optims:
+        listed = _stage_names(folder, contents, param_names)
+        tensors = _layer_tensors(layer_files, {n for stage in listed for n in stage} | buffers)
+        stages = [zero0_slice(s, models[s], {**contents[s], "module": _stage_module(tensors, listed[s], s)},
+                              listed[s]) for s in range(pp)]
+    elif first.get("param_shapes"):
         stages = [read_slice(folder, s, models[s], contents[s], optims) for s in range(pp)]
         tensors = _layer_tensors(layer_files, {name for st in stages for name in st.shapes} | buffers)
     else:
@@ -87,6 +97,40 @@ def plan_pipe(where: TagDir, names: list[str]) -> ConversionPlan:
     files = [p for st in stages for p in [*st.optim_paths, st.model_path]] + layer_files
     return finish_plan(where, first, params, stages[0].hyper, stages[0].moment_names, stages[0].stage, stages[0].dp,
                        files, stages[0].loss_scaler, {"pp": pp, "tp": 1})
+
+
+def _stage_names(folder: Path, contents: list[dict], param_names: list[str] | None) -> list[list[str]]:
+    """Each stage's optimizer slots named by `param_names`, split by the stages' slot counts."""
+    counts = []
+    for s, model in enumerate(contents):
+        opt = model.get("optimizer")
+        if not isinstance(opt, dict):
+            raise CheckpointNotFoundError(f"{folder / f'mp_rank_{s:02d}_model_states.pt'}: a pipeline checkpoint "
+                                          "with no *_optim_states.pt files and no optimizer state in its model "
+                                          "files; was it saved with an optimizer?")
+        inner = opt.get("optimizer_state_dict", opt)
+        counts.append(sum(len(g["params"]) for g in inner.get("param_groups") or []))
+    if param_names is None:
+        raise AmbiguousPatternError(
+            f"{folder}: fp32 ZeRO-0 keeps each pipeline stage's optimizer state in mp_rank_SS_model_states.pt "
+            f"({' + '.join(map(str, counts))} slots) by position only, and the checkpoint records neither the "
+            "stages' parameter names, nor which layers each stage runs, nor the keys of tied modules, so its "
+            "slots cannot be named from it; pass --param-names FILE listing every stage's trainable parameter "
+            "names in optimizer order, stage after stage (on each stage: [n for n, p in "
+            "engine.module.named_parameters() if p.requires_grad]), or save with ZeRO stage 1 or bf16")
+    if len(param_names) != sum(counts):
+        raise AmbiguousPatternError(f"--param-names lists {len(param_names)} names, the {len(counts)} stages' "
+                                    f"optimizers hold {' + '.join(map(str, counts))} parameters")
+    starts = [sum(counts[:s]) for s in range(len(counts))]
+    return [list(param_names[start:start + count]) for start, count in zip(starts, counts)]
+
+
+def _stage_module(tensors: dict[str, LazyTensor], stage_names: list[str], stage: int) -> dict[str, LazyTensor]:
+    missing = [n for n in stage_names if n not in tensors]
+    if missing:
+        raise AmbiguousPatternError(f"--param-names: '{missing[0]}' (stage {stage}) is in no layer file of the "
+                                    "checkpoint; check the names (<layer>.<param>, tied_modules.<key>.<param>)")
+    return {n: tensors[n] for n in stage_names}
 
 
 def _shape_in(tensors: dict[str, LazyTensor], name: str, numel: int, path: Path) -> tuple[int, ...]:

@@ -89,7 +89,7 @@ def plan_deepspeed(input_dir: str | os.PathLike, tag: str | None = None,
     models = sorted(n for n in names if _MODEL_FILE.match(n))
     if not optim and not models and not zero3_models:
         raise CheckpointNotFoundError(f"{folder}: no DeepSpeed model-states files; is this a checkpoint tag folder?")
-    family = _parallel_family(folder, names, patterns or {})
+    family = _parallel_family(folder, names, patterns or {}, param_names)
     if family is not None:
         return family(where, names)
     if any(m != 0 for (_, m) in list(optim) + list(zero3_models)) or len(models) > 1:
@@ -107,7 +107,7 @@ def plan_deepspeed(input_dir: str | os.PathLike, tag: str | None = None,
     return _plan_zero12(where, model_path, model, optim)
 
 
-def _parallel_family(folder: Path, names: list[str], patterns: dict[str, str]):
+def _parallel_family(folder: Path, names: list[str], patterns: dict[str, str], param_names: list[str] | None):
     """The planner of a pipeline, tensor-parallel or MoE layout, or None for plain ZeRO.
 
     Imported here, not at the top: those planners build on this module's `finish_plan`.
@@ -116,7 +116,10 @@ def _parallel_family(folder: Path, names: list[str], patterns: dict[str, str]):
     from ucp.converters.deepspeed_pipe import is_pipeline, plan_pipe
     from ucp.converters.deepspeed_tp import is_tensor_parallel, plan_tp
 
-    planner = plan_pipe if is_pipeline(names) else plan_moe if is_moe(names) else None
+    if is_pipeline(names):
+        planner = functools.partial(plan_pipe, param_names=param_names)
+    else:
+        planner = plan_moe if is_moe(names) else None
     if planner is None and is_tensor_parallel(names):
         return functools.partial(plan_tp, patterns=patterns)
     if patterns:
