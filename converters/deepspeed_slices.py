@@ -115,11 +115,8 @@ def read_slice(folder: Path, mp: int, model_path: Path, model: dict, files: dict
             raise CorruptCheckpointError(f"{path}: has {len(mappings)} param groups, {model_path.name} has "
                                          f"{len(param_shapes)}; files from different runs are mixed")
         for g, mapping in enumerate(mappings):
-            state = base["state"].get(g, {})
-            if not out.moment_names:
-                out.moment_names = moment_keys(state)
-            out.steps.setdefault(g, step_value(state, path))
-            flats = {WEIGHT_STATE: flat_fp32[g], **{k: state[k] for k in moment_keys(state)}}
+            flats, step = group_states(out, base["state"].get(g, {}), flat_fp32[g], path)
+            out.steps.setdefault(g, step)
             for local, address in mapping.items():
                 if local not in out.shapes:
                     raise CorruptCheckpointError(f"{path}: partition holds '{local}', which {model_path.name} "
@@ -195,6 +192,14 @@ def piece(t: LazyTensor, start: int, numel: int) -> Piece:
 
 def whole(t: LazyTensor, rank: int = 0) -> Fragment:
     return Fragment(FragmentInfo(rank, t.shape), piece(t, 0, t.numel))
+
+
+def group_states(out: SliceState, state: dict, fp32: LazyTensor, path: Path) -> tuple[dict[str, LazyTensor],
+                                                                                       float | None]:
+    """One flat param group's tensors by state name (fp32 master, then the moments of its optimizer `state`)
+    and its step; the moment names are recorded in `out` the first time."""
+    out.moment_names = out.moment_names or moment_keys(state)
+    return {WEIGHT_STATE: fp32, **{k: state[k] for k in moment_keys(state)}}, step_value(state, path)
 
 
 def moment_keys(state: dict) -> list[str]:

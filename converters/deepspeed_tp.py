@@ -160,13 +160,17 @@ def _fp32_shard(name: str, rank: SliceState) -> torch.Tensor:
                        name=name)
 
 
+def _on_every_rank(name: str, ranks: list[SliceState], tables: list[dict], what: str) -> list:
+    """`name`'s entry in every TP rank's table (its `what`); a named error where a rank lacks it."""
+    for r, table in zip(ranks, tables):
+        if name not in table:
+            raise CorruptCheckpointError(f"{r.model_path}: lists no {what} '{name}', which TP rank 0 holds; files "
+                                         "from different runs are mixed")
+    return [table[name] for table in tables]
+
+
 def _trainable(name: str, ranks: list[SliceState], layouts: _Layouts) -> ParamPlan:
-    shard_shapes = []
-    for r in ranks:
-        if name not in r.shapes:
-            raise CorruptCheckpointError(f"{r.model_path}: lists no '{name}', which TP rank 0 trains; files from "
-                                         "different runs are mixed")
-        shard_shapes.append(r.shapes[name])
+    shard_shapes = _on_every_rank(name, ranks, [r.shapes for r in ranks], "trainable parameter")
     shape, hints = layouts.of(name, shard_shapes, lambda: [_fp32_shard(name, r) for r in ranks])
     states = {}
     for state in ranks[0].states():
@@ -188,12 +192,8 @@ def _trainable(name: str, ranks: list[SliceState], layouts: _Layouts) -> ParamPl
 
 def _frozen_zero3(name: str, ranks: list[SliceState], layouts: _Layouts) -> ParamPlan:
     """A frozen parameter under ZeRO-3: every TP rank's shard partitioned over its DP ranks."""
-    held = []
-    for r in ranks:
-        if name not in r.frozen:
-            raise CorruptCheckpointError(f"{r.model_path}: lists no frozen '{name}', which TP rank 0 holds; files "
-                                         "from different runs are mixed")
-        held.append((r.mp, *r.frozen[name]))
+    held = [(r.mp, *frozen) for r, frozen in zip(ranks, _on_every_rank(name, ranks, [r.frozen for r in ranks],
+                                                                       "frozen parameter"))]
 
     def copies() -> list[torch.Tensor]:
         return [materialize(StateSource(recognize(name, shard, [f.info for f in frags]), tuple(frags)), name=name)

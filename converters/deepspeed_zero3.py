@@ -18,12 +18,12 @@ import math
 import re
 from pathlib import Path
 
-from ucp.converters.deepspeed_slices import (SliceState, check_partitions, dp_paths, load_dict, moment_keys, piece,
-                                             shape_of, step_value, zero_stage)
+from ucp.converters.deepspeed_slices import (SliceState, check_partitions, dp_paths, group_states, load_dict, piece,
+                                             shape_of, zero_stage)
 from ucp.converters.torch_zip import LazyTensor
 from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedLayoutError
 from ucp.patterns.recognize import FragmentInfo
-from ucp.plan import WEIGHT_STATE, Fragment
+from ucp.plan import Fragment
 
 ZERO3_MODEL_FILE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 
@@ -76,11 +76,8 @@ def read_zero3_slice(folder: Path, mp: int, model_files: dict[tuple[int, int], P
             raise CorruptCheckpointError(f"{path}: has {len(flat_fp32)} sub-groups, the model files "
                                          f"{len(param_shapes)}; files from different runs are mixed")
         for i, group in enumerate(param_shapes):
-            state = inner["state"].get(i, {})
-            if not out.moment_names:
-                out.moment_names = moment_keys(state)
-            sub_steps.setdefault(i, step_value(state, path))
-            flats = {WEIGHT_STATE: flat_fp32[i], **{k: state[k] for k in moment_keys(state)}}
+            flats, step = group_states(out, inner["state"].get(i, {}), flat_fp32[i], path)
+            sub_steps.setdefault(i, step)
             offset = 0
             for name, shape in group.items():
                 per_rank = math.ceil(math.prod(shape_of(shape)) / dp)
