@@ -69,6 +69,8 @@ def plan_pipe(where: TagDir, names: list[str], param_names: list[str] | None = N
     layer_files = [folder / n for n in names if LAYER_FILE.match(n)]
     buffers = {b for m in contents for b in (m.get("buffer_names") or [])}
     if not optims:
+        # A tied weight's value is read from its first layer file for every stage (the checkpoint does not
+        # say which stage wrote which layer file); --strict still compares the stages' own moments.
         listed = _stage_names(folder, contents, param_names)
         tensors = _layer_tensors(layer_files, {n for stage in listed for n in stage} | buffers)
         stages = [zero0_slice(s, models[s], {**contents[s], "module": _stage_module(tensors, listed[s], s)},
