@@ -9,8 +9,8 @@ Layout written by DeepSpeed 0.19 (no tensor or pipeline parallelism):
 * `[bf16_]zero_pp_rank_{D}_mp_rank_00_optim_states.pt`: rank D's partitions. Expert parameters are
   in their own param groups (hyper-parameter `moe`), partitioned over the expert-data-parallel
   group, and named with each rank's **local** expert ids 0 .. num_local-1.
-* ZeRO-0 writes `expp_rank_{E}_mp_rank_00_optim_states.pt` instead, one per EP rank E: that rank's
-  whole optimizer state, by slot position (see `_plan_zero0`).
+* ZeRO-0 writes `expp_rank_{F}_mp_rank_00_optim_states.pt` instead, one per rank of the largest EP
+  group: that rank's whole optimizer state, by slot position (see `_plan_zero0`).
 
 Expert-parallel rank of data-parallel rank D (DeepSpeed's `_create_expert_and_data_parallel`):
 `D % ep_size`, or `D // (dp / ep_size)` with `use_data_before_expert_parallelism`. Its local
