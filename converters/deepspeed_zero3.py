@@ -46,9 +46,7 @@ def read_zero3_slice(folder: Path, mp: int, model_files: dict[tuple[int, int], P
     if not any(m == mp for (_, m) in optim_files):
         raise CheckpointNotFoundError(f"{folder}: ZeRO-3 model files but no *_optim_states.pt files for "
                                       f"mp_rank_{mp:02d}; copy them too")
-    optim_paths = dp_paths(folder, optim_files, dp, mp, "optim_states")
-    if mine[0][0] != 0:
-        first_model = load_dict(model_paths[0])
+    optim_paths = dp_paths(folder, optim_files, dp, mp, "optim_states")  # rank 0's model file exists from here on
     param_shapes = first_model.get("param_shapes")
     if not param_shapes:
         raise CorruptCheckpointError(f"{model_paths[0]}: records no param_shapes")
