@@ -1,4 +1,4 @@
-"""Plan the conversion of a tensor-parallel DeepSpeed checkpoint (AutoTP), ZeRO-0/1/2.
+"""Plan the conversion of a tensor-parallel DeepSpeed checkpoint (AutoTP), ZeRO-0/1/2/3.
 
 Layout written by DeepSpeed 0.19 with `"tensor_parallel": {"autotp_size": T}` (no pipeline):
 
@@ -8,6 +8,8 @@ Layout written by DeepSpeed 0.19 with `"tensor_parallel": {"autotp_size": T}` (n
 * `[bf16_]zero_pp_rank_{D}_mp_rank_{TT}_optim_states.pt`: ZeRO partitions of each TP shard over
   the data-parallel ranks of that TP rank. ZeRO-0 writes none: each TP rank's optimizer state sits
   whole in its model file (see `deepspeed_zero0`).
+* ZeRO-3 writes `zero_pp_rank_{D}_mp_rank_{TT}_{model,optim}_states.pt` instead: every TP shard is
+  partitioned on its own over the DP ranks of its TP rank (see `deepspeed_zero3`), frozen ones too.
 
 Every parameter is an outer layout over TP ranks (Shard-V for column-parallel weights and a
 vocabulary-split embedding, Shard-H for row-parallel ones, Replicate for norms), each shard
@@ -27,6 +29,7 @@ from ucp.converters.deepspeed_declared import affine_params, declared_layout
 from ucp.converters.deepspeed_slices import (MODEL_FILE, SliceState, aliases, combined_source, dtype_name,
                                              load_dict, model_files, optim_files, read_slice, whole)
 from ucp.converters.deepspeed_zero0 import zero0_slice
+from ucp.converters.deepspeed_zero3 import ZERO3_MODEL_FILE, read_zero3_slice, zero3_model_files
 from ucp.converters.deepspeed_zero import TagDir, finish_plan
 from ucp.converters.torch_zip import LazyTensor, read_tensor
 from ucp.errors import AmbiguousPatternError, CheckpointNotFoundError, CorruptCheckpointError, UnsupportedLayoutError
@@ -35,7 +38,8 @@ from ucp.plan import BUFFER, BUFFER_STATE, FROZEN, TRAINABLE, WEIGHT_STATE, Conv
 
 
 def is_tensor_parallel(names: list[str]) -> bool:
-    return sum(1 for n in names if MODEL_FILE.match(n)) > 1
+    zero3_slices = {m.group(2) for n in names if (m := ZERO3_MODEL_FILE.match(n))}
+    return sum(1 for n in names if MODEL_FILE.match(n)) > 1 or len(zero3_slices) > 1
 
 
 def plan_tp(where: TagDir, names: list[str], patterns: dict[str, str] | None = None) -> ConversionPlan:
@@ -45,7 +49,9 @@ def plan_tp(where: TagDir, names: list[str], patterns: dict[str, str] | None = N
     (`replicate`, `partial`, `shard_v`, `shard_h`), for checkpoints that do not declare it.
     """
     folder = where.path
-    models = model_files(folder, names)
+    optims = optim_files(folder, names)
+    zero3 = zero3_model_files(folder, names)
+    models = {mp: path for (dp, mp), path in zero3.items() if dp == 0} if zero3 else model_files(folder, names)
     first = load_dict(models[min(models)])
     dims = first.get("checkpoint_parallel_dimensions") or {}
     tp, pp = int(dims.get("tp_degree") or len(models)), int(dims.get("pp_degree") or 1)
@@ -54,19 +60,23 @@ def plan_tp(where: TagDir, names: list[str], patterns: dict[str, str] | None = N
                                      "tensor x pipeline parallel checkpoints are not supported yet")
     missing = [t for t in range(tp) if t not in models]
     if missing:
-        raise CheckpointNotFoundError(f"{folder / f'mp_rank_{missing[0]:02d}_model_states.pt'}: missing (the "
-                                      f"checkpoint has {tp} tensor-parallel ranks); copy every rank's file")
-    optims = optim_files(folder, names)
-    contents = [first] + [load_dict(models[t]) for t in range(1, tp)]
-    # ZeRO-0 keeps each TP rank's optimizer state, whole, in its model file.
-    ranks = [read_slice(folder, t, models[t], contents[t], optims) if optims else zero0_slice(t, models[t], contents[t])
-             for t in range(tp)]
+        wanted = f"zero_pp_rank_0_mp_rank_{missing[0]:02d}" if zero3 else f"mp_rank_{missing[0]:02d}"
+        raise CheckpointNotFoundError(f"{folder / f'{wanted}_model_states.pt'}: missing (the checkpoint has {tp} "
+                                      "tensor-parallel ranks); copy every rank's file")
+    if zero3:
+        ranks = [read_zero3_slice(folder, t, zero3, optims) for t in range(tp)]
+    else:
+        contents = [first] + [load_dict(models[t]) for t in range(1, tp)]
+        # ZeRO-0 keeps each TP rank's optimizer state, whole, in its model file.
+        ranks = [read_slice(folder, t, models[t], contents[t], optims) if optims
+                 else zero0_slice(t, models[t], contents[t]) for t in range(tp)]
     layouts = _Layouts(affine_params(first.get("universal_checkpoint_info"), str(models[0])), patterns or {})
-    tied = {str(k) for m in contents for k in (m.get("shared_params") or {})} | aliases(first.get("module") or {})
+    tied = {str(k) for r in ranks for k in (r.model.get("shared_params") or {})} | aliases(first.get("module") or {})
     params = [_trainable(name, ranks, layouts) for name in ranks[0].shapes]
-    params += _module_only(ranks, layouts, set(ranks[0].shapes) | tied)
+    params += [_frozen_zero3(name, ranks, layouts) for name in ranks[0].frozen]
+    params += _module_only(ranks, layouts, set(ranks[0].shapes) | set(ranks[0].frozen) | tied)
     layouts.check_used(folder)
-    files = [p for r in ranks for p in [*r.optim_paths, r.model_path]]
+    files = [p for r in ranks for p in r.files()]
     return finish_plan(where, first, params, ranks[0].hyper, ranks[0].moment_names, ranks[0].stage, ranks[0].dp,
                        files, ranks[0].loss_scaler, {"tp": tp, "pp": 1})
 
@@ -150,13 +160,17 @@ def _fp32_shard(name: str, rank: SliceState) -> torch.Tensor:
                        name=name)
 
 
+def _on_every_rank(name: str, ranks: list[SliceState], tables: list[dict], what: str) -> list:
+    """`name`'s entry in every TP rank's table (its `what`); a named error where a rank lacks it."""
+    for r, table in zip(ranks, tables):
+        if name not in table:
+            raise CorruptCheckpointError(f"{r.model_path}: lists no {what} '{name}', which TP rank 0 holds; files "
+                                         "from different runs are mixed")
+    return [table[name] for table in tables]
+
+
 def _trainable(name: str, ranks: list[SliceState], layouts: _Layouts) -> ParamPlan:
-    shard_shapes = []
-    for r in ranks:
-        if name not in r.shapes:
-            raise CorruptCheckpointError(f"{r.model_path}: lists no '{name}', which TP rank 0 trains; files from "
-                                         "different runs are mixed")
-        shard_shapes.append(r.shapes[name])
+    shard_shapes = _on_every_rank(name, ranks, [r.shapes for r in ranks], "trainable parameter")
     shape, hints = layouts.of(name, shard_shapes, lambda: [_fp32_shard(name, r) for r in ranks])
     states = {}
     for state in ranks[0].states():
@@ -174,6 +188,21 @@ def _trainable(name: str, ranks: list[SliceState], layouts: _Layouts) -> ParamPl
     t = (ranks[0].model.get("module") or {}).get(name)
     return ParamPlan(name, shape, TRAINABLE, states, group, ranks[0].steps.get(group),
                      dtype_name(t) if isinstance(t, LazyTensor) else "float32")
+
+
+def _frozen_zero3(name: str, ranks: list[SliceState], layouts: _Layouts) -> ParamPlan:
+    """A frozen parameter under ZeRO-3: every TP rank's shard partitioned over its DP ranks."""
+    held = [(r.mp, *frozen) for r, frozen in zip(ranks, _on_every_rank(name, ranks, [r.frozen for r in ranks],
+                                                                       "frozen parameter"))]
+
+    def copies() -> list[torch.Tensor]:
+        return [materialize(StateSource(recognize(name, shard, [f.info for f in frags]), tuple(frags)), name=name)
+                for _, shard, frags in held]
+
+    shape, hints = layouts.of(name, [shard for _, shard, _ in held], copies)
+    t = (ranks[0].model.get("module") or {}).get(name)
+    return ParamPlan(name, shape, FROZEN, {WEIGHT_STATE: combined_source(name, shape, held, hints)},
+                     model_dtype=dtype_name(t) if isinstance(t, LazyTensor) else "float32")
 
 
 def _module_only(ranks: list[SliceState], layouts: _Layouts, skip: set[str]) -> list[ParamPlan]:

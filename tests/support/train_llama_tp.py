@@ -15,11 +15,10 @@ A run's ``dump_state`` path gets every rank's gathered fp32 state (its TP shard 
 parameter, gathered over data parallelism; see support/gather.py) with its TP and DP rank.
 """
 import argparse
-import json
-import os
 import sys
 
 import torch
+from multi_run import run_all, save_and_close
 
 VOCAB, HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, SEQ = 37, 16, 24, 2, 4, 2, 6
 MICRO_BATCH, ACCUMULATION = 2, 1
@@ -55,17 +54,7 @@ def ds_config(args):
     return cfg
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser()
-    p.add_argument("--runs", required=True,
-                   help="JSON list of runs, each {stage, dtype, tied, save_dir, dump_state, frozen, llama}: "
-                   "trained one after another in this process (one launch, several checkpoints)")
-    p.add_argument("--tp", type=int, default=2)
-    p.add_argument("--steps", type=int, default=2)
-    return p.parse_args(argv)
-
-
-def train_one(run: dict, args) -> None:
+def train_one(run: dict, args: argparse.Namespace) -> None:
     import deepspeed
     import torch.distributed as dist
     from deepspeed.utils import groups
@@ -93,23 +82,9 @@ def train_one(run: dict, args) -> None:
         dump_states(run["dump_state"], {"tp_rank": tp_rank, "dp_rank": dp_rank,
                                         "params": local_state(engine, model.named_parameters())},
                     {"global_steps": engine.global_steps})
-    engine.save_checkpoint(run["save_dir"], client_state={"client_marker": 17})
-    dist.barrier()
-    engine.destroy()
+    save_and_close(engine, run, {"client_marker": 17})
 
-
-def main(argv=None):
-    args = parse_args(argv)
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    import deepspeed
-    import torch.distributed as dist
-
-    torch.use_deterministic_algorithms(True)
-    deepspeed.init_distributed(dist_backend="gloo")
-    for run in json.loads(args.runs):
-        train_one(run, args)
-    dist.destroy_process_group()
-    return 0
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_all(train_one, "{stage, dtype, tied, save_dir, dump_state, frozen, llama}",
+                     add_arguments=lambda p: p.add_argument("--tp", type=int, default=2)))
