@@ -65,13 +65,13 @@ def plan_pipe(where: TagDir, names: list[str]) -> ConversionPlan:
     buffers = {b for m in contents for b in (m.get("buffer_names") or [])}
     if first.get("param_shapes"):
         stages = [read_slice(folder, s, models[s], contents[s], optims) for s in range(pp)]
-        tensors = _layer_tensors(layer_files, {name for st in stages for name in st.shapes} | buffers)
+        tensors = layer_tensors(layer_files, {name for st in stages for name in st.shapes} | buffers)
     else:
         # bf16 without ZeRO: the model files list no param_shapes; the optimizer files name the
         # parameters and the layer files give their shapes.
         listed = [slice_names(dp_paths(folder, optims, int(contents[s].get("dp_world_size") or 1), s))
                   for s in range(pp)]
-        tensors = _layer_tensors(layer_files, {n for groups in listed for g in groups for n in g} | buffers)
+        tensors = layer_tensors(layer_files, {n for groups in listed for g in groups for n in g} | buffers)
         stages = [read_slice(folder, s, models[s], contents[s], optims,
                              param_shapes=[{n: _shape_in(tensors, n, numel, models[s]) for n, numel in g.items()}
                                            for g in listed[s]]) for s in range(pp)]
@@ -131,7 +131,7 @@ def _shape_in(tensors: dict[str, LazyTensor], name: str, numel: int, path: Path)
     return t.shape
 
 
-def _layer_tensors(layer_files: list[Path], known: set[str]) -> dict[str, LazyTensor]:
+def layer_tensors(layer_files: list[Path], known: set[str]) -> dict[str, LazyTensor]:
     """Every tensor of the layer files under the name its stage gives it (first file wins for tied copies)."""
     tied_keys = sorted({m.group(1) for n in known if (m := _TIED.match(n))})
     out: dict[str, LazyTensor] = {}
