@@ -144,6 +144,25 @@ def test_equals_ds_to_universal(run, megatron, converted):
     assert compared == 4 * sum(1 for n in ckpt.names if ckpt.info(n).kind == "param")
 
 
+def test_format_deepspeed_tells_load_universal_how_to_cut(megatron, tmp_path):
+    """--format deepspeed writes the keys ds_to_universal writes (cat_dim, param_n_sub_params, sub_param_shape,
+    vocab_tensor), with which stock load_universal cuts each full tensor for a TP rank."""
+    out = tmp_path / "uc" / "global_step2"
+    convert(megatron / "z1-fp32" / "ckpt", out, fmt="deepspeed", workers=1, progress=False)
+    theirs = ds_universal_of(megatron / "z1-fp32") / "zero"
+    checked = 0
+    for folder in sorted(p for p in theirs.iterdir() if p.is_dir()):
+        want = torch.load(folder / "fp32.pt", weights_only=False)
+        got = torch.load(out / "zero" / folder.name / "fp32.pt", weights_only=False)
+        assert torch.equal(got.pop("param"), want.pop("param")), folder.name
+        if "sub_param_shape" in want:  # ucp's names no patterns; load_universal reads the shape and dim only
+            shape, ours = want.pop("sub_param_shape"), got.pop("sub_param_shape")
+            assert (ours.shape, ours.partition_dim) == (shape.shape, shape.partition_dim), folder.name
+            checked += 1
+        assert got == {"cat_dim": 0, **want}, folder.name  # cat_dim 0 where DeepSpeed leaves it to its default
+    assert checked == 2
+
+
 def _rebuilt(source, spec, name: str) -> torch.Tensor:
     wrong = dataclasses.replace(source, spec=spec)
     return assemble(wrong, [read_fragment(f) for f in wrong.fragments], name=name)
