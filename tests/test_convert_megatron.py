@@ -27,7 +27,7 @@ from ucp.assemble import assemble, read_fragment
 from ucp.converters.deepspeed_lists import list_layout
 from ucp.converters.deepspeed_zero import plan_deepspeed
 from ucp.convert import convert
-from ucp.errors import AmbiguousPatternError, CorruptCheckpointError
+from ucp.errors import AmbiguousPatternError, CheckpointNotFoundError, CorruptCheckpointError
 from ucp.patterns import Pattern
 
 MEGATRON = Family.of("megatron", "train_megatron.py", 4, {
@@ -220,6 +220,27 @@ def test_contradicting_lists_are_refused_by_name(megatron, tmp_path):
         convert(copy, tmp_path / "out", progress=False)
 
 
+def test_pattern_flag_overrides_a_declared_list(megatron, converted, tmp_path):
+    """--pattern NAME=replicate over the declared average: TP rank 0's copy, which is not the mean."""
+    out = tmp_path / "out"
+    convert(megatron / "z1-fp32" / "ckpt", out, progress=False, patterns={r"\d+\.mlp\.input_scale": "replicate"})
+    ckpt = ucp.open_checkpoint(out)
+    assert ckpt.index["params"][SCALE]["pattern"]["pattern"] == "replicate"
+    ranks = reference_state(megatron / "z1-fp32")["ranks"]
+    rank0 = next(r["params"][SCALE] for r in ranks if r["tp_rank"] == 0 and SCALE in r["params"])
+    assert torch.equal(ckpt.tensor(SCALE), rank0["fp32"])
+    assert not torch.equal(ckpt.tensor(SCALE), converted("z1-fp32").tensor(SCALE))
+
+
+def test_a_missing_slice_file_is_named(megatron, tmp_path):
+    copy = tmp_path / "ckpt"
+    shutil.copytree(megatron / "z1-fp32" / "ckpt", copy)
+    next(copy.glob("*/mp_rank_03_model_states.pt")).unlink()
+    with pytest.raises(CheckpointNotFoundError, match=r"mp_rank_03_model_states\.pt: missing \(the checkpoint has 2 "
+                                                      r"pipeline stages x 2 tensor-parallel ranks\)"):
+        convert(copy, tmp_path / "out", progress=False)
+
+
 # ----------------------------------------------------------------------------- declared lists, without processes
 
 def _sub_params(shape, widths=None) -> dict:
@@ -232,7 +253,8 @@ def _sub_params(shape, widths=None) -> dict:
 def test_list_layouts():
     shape, hints = list_layout("qkv", [(5, 3), (3, 3)], _sub_params(((4, 2, 2), 3), [[3, 1], [1, 1], [1, 1]]))
     assert shape == (8, 3) and hints.pattern is Pattern.SHARD_NC and hints.sub_widths == ((3, 1), (1, 1), (1, 1))
-    shape, hints = list_layout("qkv", [(6, 3), (6, 3)], _sub_params((3, 3)))  # before 0.4: 3 equal sub-parameters
+    # Before version 0.4: the number of equal sub-parameters.
+    shape, hints = list_layout("qkv", [(6, 3), (6, 3)], _sub_params((3, 3)))
     assert shape == (12, 3) and hints.sub_widths == ((2, 2), (2, 2), (2, 2))
     info = {"vocabulary_parameter_patterns": ["emb"], "original_vocab_size": 7}
     shape, hints = list_layout("emb", [(4, 2), (4, 2)], info)
