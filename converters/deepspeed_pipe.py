@@ -48,9 +48,10 @@ def plan_pipe(where: TagDir, names: list[str]) -> ConversionPlan:
     first = load_dict(models[0])
     dims = first.get("checkpoint_parallel_dimensions") or {}
     pp, tp = int(dims.get("pp_degree") or len(models)), int(dims.get("tp_degree") or 1)
-    if tp != 1 or any(m.group(2) not in (None, "00") for n in names if (m := LAYER_FILE.match(n))):
-        raise UnsupportedLayoutError(f"{folder}: a pipeline checkpoint with tensor parallelism {tp} is not "
-                                     "supported yet; only pipeline stages with tensor parallelism 1 are")
+    if tp != 1:
+        # Tensor x pipeline checkpoints have layer files of every TP rank (see deepspeed_megatron).
+        raise CheckpointNotFoundError(f"{folder}: records tensor parallelism {tp} but holds the layer files of TP "
+                                      "rank 0 only; copy every layer_*-model_*-model_states.pt of the checkpoint")
     missing = [s for s in range(pp) if s not in models]
     if missing:
         raise CheckpointNotFoundError(f"{folder / f'mp_rank_{missing[0]:02d}_model_states.pt'}: missing (the "

@@ -241,6 +241,16 @@ def test_a_missing_slice_file_is_named(megatron, tmp_path):
         convert(copy, tmp_path / "out", progress=False)
 
 
+def test_missing_layer_files_of_a_tp_rank_are_named(megatron, tmp_path):
+    copy = tmp_path / "ckpt"
+    shutil.copytree(megatron / "z1-fp32" / "ckpt", copy)
+    for path in copy.glob("*/layer_*-model_01-model_states.pt"):
+        path.unlink()
+    with pytest.raises(CheckpointNotFoundError, match=r"records tensor parallelism 2 but holds the layer files of "
+                                                      r"TP rank 0 only; copy every layer_\*-model_\*"):
+        convert(copy, tmp_path / "out", progress=False)
+
+
 # ----------------------------------------------------------------------------- declared lists, without processes
 
 def _sub_params(shape, widths=None) -> dict:
