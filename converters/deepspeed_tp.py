@@ -109,7 +109,8 @@ class Layouts:
         raise AmbiguousPatternError(
             f"{name}: the checkpoint declares no tensor-parallel layout for it (no universal_checkpoint_info) and "
             f"{seen}, so the way they join is unknown; pass --pattern '{name}=shard_v' (split along dim 0, "
-            f"column-parallel) or --pattern '{name}=shard_h' (dim 1, row-parallel)")
+            f"column-parallel) or --pattern '{name}=shard_h' (dim 1, row-parallel); a fused parameter (QKV, gate/up) "
+            "needs its sub-parameters declared in universal_checkpoint_info (parameter_with_sub_params)")
 
     def check_used(self, folder) -> None:
         unused = sorted(set(self.patterns) - self.used)

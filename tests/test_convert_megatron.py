@@ -205,6 +205,10 @@ def test_without_declared_lists_the_error_names_parameter_and_flag(megatron, tmp
     with pytest.raises(AmbiguousPatternError, match=r"^tied_modules\.embed\.word_embeddings\.weight: .*--pattern"):
         convert(copy, tmp_path / "out", progress=False)
     assert not (tmp_path / "out" / "ucp_index.json").exists()
+    # A flag settles the embedding; the fused QKV has no flag, only a declaration, and the error says so.
+    fused = r"^1\.self_attention\.query_key_value\.weight: .*declared in universal_checkpoint_info \(parameter_with_sub"
+    with pytest.raises(AmbiguousPatternError, match=fused):
+        convert(copy, tmp_path / "out", progress=False, patterns={WORDS: "shard_v"})
 
 
 def test_contradicting_lists_are_refused_by_name(megatron, tmp_path):
