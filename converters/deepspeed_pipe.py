@@ -31,7 +31,7 @@ from ucp.converters.deepspeed_slices import (dp_paths, dtype_name, held_params, 
 from ucp.converters.deepspeed_zero import TagDir, finish_plan
 from ucp.converters.deepspeed_zero0 import zero0_slice
 from ucp.converters.torch_zip import LazyTensor
-from ucp.errors import AmbiguousPatternError, CheckpointNotFoundError, CorruptCheckpointError, UnsupportedLayoutError
+from ucp.errors import AmbiguousPatternError, CheckpointNotFoundError, CorruptCheckpointError
 from ucp.patterns import recognize
 from ucp.plan import BUFFER, BUFFER_STATE, FROZEN, WEIGHT_STATE, ConversionPlan, ParamPlan, StateSource
 
@@ -57,9 +57,10 @@ def plan_pipe(where: TagDir, names: list[str], param_names: list[str] | None = N
     first = load_dict(models[0])
     dims = first.get("checkpoint_parallel_dimensions") or {}
     pp, tp = int(dims.get("pp_degree") or len(models)), int(dims.get("tp_degree") or 1)
-    if tp != 1 or any(m.group(2) not in (None, "00") for n in names if (m := LAYER_FILE.match(n))):
-        raise UnsupportedLayoutError(f"{folder}: a pipeline checkpoint with tensor parallelism {tp} is not "
-                                     "supported yet; only pipeline stages with tensor parallelism 1 are")
+    if tp != 1:
+        # Tensor x pipeline checkpoints have layer files of every TP rank (see deepspeed_megatron).
+        raise CheckpointNotFoundError(f"{folder}: records tensor parallelism {tp} but holds the layer files of TP "
+                                      "rank 0 only; copy every layer_*-model_*-model_states.pt of the checkpoint")
     missing = [s for s in range(pp) if s not in models]
     if missing:
         raise CheckpointNotFoundError(f"{folder / f'mp_rank_{missing[0]:02d}_model_states.pt'}: missing (the "
@@ -72,18 +73,18 @@ def plan_pipe(where: TagDir, names: list[str], param_names: list[str] | None = N
         # A tied weight's value is read from its first layer file for every stage (the checkpoint does not
         # say which stage wrote which layer file); --strict still compares the stages' own moments.
         listed = _stage_names(folder, contents, param_names)
-        tensors = _layer_tensors(layer_files, {n for stage in listed for n in stage} | buffers)
+        tensors = layer_tensors(layer_files, {n for stage in listed for n in stage} | buffers)
         stages = [zero0_slice(s, models[s], {**contents[s], "module": _stage_module(tensors, listed[s], s)},
                               listed[s]) for s in range(pp)]
     elif first.get("param_shapes"):
         stages = [read_slice(folder, s, models[s], contents[s], optims) for s in range(pp)]
-        tensors = _layer_tensors(layer_files, {name for st in stages for name in st.shapes} | buffers)
+        tensors = layer_tensors(layer_files, {name for st in stages for name in st.shapes} | buffers)
     else:
         # bf16 without ZeRO: the model files list no param_shapes; the optimizer files name the
         # parameters and the layer files give their shapes.
         listed = [slice_names(dp_paths(folder, optims, int(contents[s].get("dp_world_size") or 1), s))
                   for s in range(pp)]
-        tensors = _layer_tensors(layer_files, {n for groups in listed for g in groups for n in g} | buffers)
+        tensors = layer_tensors(layer_files, {n for groups in listed for g in groups for n in g} | buffers)
         stages = [read_slice(folder, s, models[s], contents[s], optims,
                              param_shapes=[{n: _shape_in(tensors, n, numel, models[s]) for n, numel in g.items()}
                                            for g in listed[s]]) for s in range(pp)]
@@ -143,7 +144,7 @@ def _shape_in(tensors: dict[str, LazyTensor], name: str, numel: int, path: Path)
     return t.shape
 
 
-def _layer_tensors(layer_files: list[Path], known: set[str]) -> dict[str, LazyTensor]:
+def layer_tensors(layer_files: list[Path], known: set[str]) -> dict[str, LazyTensor]:
     """Every tensor of the layer files under the name its stage gives it (first file wins for tied copies)."""
     tied_keys = sorted({m.group(1) for n in known if (m := _TIED.match(n))})
     out: dict[str, LazyTensor] = {}

@@ -70,7 +70,8 @@ def plan_tp(where: TagDir, names: list[str], patterns: dict[str, str] | None = N
         # ZeRO-0 keeps each TP rank's optimizer state, whole, in its model file.
         ranks = [read_slice(folder, t, models[t], contents[t], optims) if optims
                  else zero0_slice(t, models[t], contents[t]) for t in range(tp)]
-    layouts = _Layouts(affine_params(first.get("universal_checkpoint_info"), str(models[0])), patterns or {})
+    entries = affine_params(first.get("universal_checkpoint_info"), str(models[0]))
+    layouts = Layouts(lambda name, shapes: declared_layout(name, entries), patterns or {})
     tied = {str(k) for r in ranks for k in (r.model.get("shared_params") or {})} | aliases(first.get("module") or {})
     params = [_trainable(name, ranks, layouts) for name in ranks[0].shapes]
     params += [_frozen_zero3(name, ranks, layouts) for name in ranks[0].frozen]
@@ -81,15 +82,17 @@ def plan_tp(where: TagDir, names: list[str], patterns: dict[str, str] | None = N
                        files, ranks[0].loss_scaler, {"tp": tp, "pp": 1})
 
 
-class _Layouts:
+class Layouts:
     """Where each parameter's TP layout comes from, first to last: a `--pattern NAME=PATTERN` the user
-    gave (NAME a parameter name or a regex matching whole names), the checkpoint's affine map, or
-    what the shards themselves show. Shards of different shapes are split along the one dim where
-    they differ; shards of one shape are Replicate when their fp32 copies are equal (read here to
-    check) and otherwise ambiguous: split along dim 0 or 1, which only the user can say."""
+    gave (NAME a parameter name or a regex matching whole names), what the checkpoint declares
+    (`declared(name, shard shapes)`: the full shape and hints, or None), or what the shards themselves
+    show. Shards of different shapes are split along the one dim where they differ; shards of one
+    shape are Replicate when their fp32 copies are equal (read here to check) and otherwise
+    ambiguous: split along dim 0 or 1, which only the user can say."""
 
-    def __init__(self, entries: dict, patterns: dict[str, str]):
-        self.entries = entries
+    def __init__(self, declared: Callable[[str, list[tuple[int, ...]]], tuple[tuple[int, ...], Hints] | None],
+                 patterns: dict[str, str]):
+        self.declared = declared
         self.patterns = {key: _pattern_of(key, value) for key, value in patterns.items()}
         self.used: set[str] = set()
 
@@ -99,7 +102,7 @@ class _Layouts:
         if given:
             self.used.add(given[0])
             return _declared_by_user(name, shapes, self.patterns[given[0]]), Hints(pattern=self.patterns[given[0]])
-        declared = declared_layout(name, self.entries)
+        declared = self.declared(name, shapes)
         if declared is not None:
             return declared
         differ = [d for d in range(len(shapes[0])) if len({s[d] for s in shapes}) > 1]
@@ -116,7 +119,8 @@ class _Layouts:
         raise AmbiguousPatternError(
             f"{name}: the checkpoint declares no tensor-parallel layout for it (no universal_checkpoint_info) and "
             f"{seen}, so the way they join is unknown; pass --pattern '{name}=shard_v' (split along dim 0, "
-            f"column-parallel) or --pattern '{name}=shard_h' (dim 1, row-parallel)")
+            f"column-parallel) or --pattern '{name}=shard_h' (dim 1, row-parallel); a fused parameter (QKV, gate/up) "
+            "needs its sub-parameters declared in universal_checkpoint_info (parameter_with_sub_params)")
 
     def check_used(self, folder) -> None:
         unused = sorted(set(self.patterns) - self.used)
@@ -153,7 +157,7 @@ def _declared_by_user(name: str, shapes: list[tuple[int, ...]], pattern: Pattern
     return tuple(full)
 
 
-def _fp32_shard(name: str, rank: SliceState) -> torch.Tensor:
+def fp32_shard(name: str, rank: SliceState) -> torch.Tensor:
     """TP rank `rank`'s fp32 shard of `name`, read from its fragments."""
     frags = rank.fragments[(name, WEIGHT_STATE)]
     return materialize(StateSource(recognize(name, rank.shapes[name], [f.info for f in frags]), tuple(frags)),
@@ -169,9 +173,9 @@ def _on_every_rank(name: str, ranks: list[SliceState], tables: list[dict], what:
     return [table[name] for table in tables]
 
 
-def _trainable(name: str, ranks: list[SliceState], layouts: _Layouts) -> ParamPlan:
+def _trainable(name: str, ranks: list[SliceState], layouts: Layouts) -> ParamPlan:
     shard_shapes = _on_every_rank(name, ranks, [r.shapes for r in ranks], "trainable parameter")
-    shape, hints = layouts.of(name, shard_shapes, lambda: [_fp32_shard(name, r) for r in ranks])
+    shape, hints = layouts.of(name, shard_shapes, lambda: [fp32_shard(name, r) for r in ranks])
     states = {}
     for state in ranks[0].states():
         outer = [(r.mp, r.shapes[name], r.fragments[(name, state)]) for r in ranks if (name, state) in r.fragments]
@@ -190,7 +194,7 @@ def _trainable(name: str, ranks: list[SliceState], layouts: _Layouts) -> ParamPl
                      dtype_name(t) if isinstance(t, LazyTensor) else "float32")
 
 
-def _frozen_zero3(name: str, ranks: list[SliceState], layouts: _Layouts) -> ParamPlan:
+def _frozen_zero3(name: str, ranks: list[SliceState], layouts: Layouts) -> ParamPlan:
     """A frozen parameter under ZeRO-3: every TP rank's shard partitioned over its DP ranks."""
     held = [(r.mp, *frozen) for r, frozen in zip(ranks, _on_every_rank(name, ranks, [r.frozen for r in ranks],
                                                                        "frozen parameter"))]
@@ -205,7 +209,7 @@ def _frozen_zero3(name: str, ranks: list[SliceState], layouts: _Layouts) -> Para
                      model_dtype=dtype_name(t) if isinstance(t, LazyTensor) else "float32")
 
 
-def _module_only(ranks: list[SliceState], layouts: _Layouts, skip: set[str]) -> list[ParamPlan]:
+def _module_only(ranks: list[SliceState], layouts: Layouts, skip: set[str]) -> list[ParamPlan]:
     """Frozen parameters and buffers: whole TP shards in every rank's module state."""
     modules = [r.model.get("module") or {} for r in ranks]
     buffers = set(ranks[0].model.get("buffer_names") or [])

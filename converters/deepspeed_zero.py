@@ -108,14 +108,17 @@ def plan_deepspeed(input_dir: str | os.PathLike, tag: str | None = None,
 
 
 def _parallel_family(folder: Path, names: list[str], patterns: dict[str, str], param_names: list[str] | None):
-    """The planner of a pipeline, tensor-parallel or MoE layout, or None for plain ZeRO.
+    """The planner of a tensor x pipeline, pipeline, tensor-parallel or MoE layout, or None for plain ZeRO.
 
     Imported here, not at the top: those planners build on this module's `finish_plan`.
     """
+    from ucp.converters.deepspeed_megatron import is_tensor_pipeline, plan_megatron
     from ucp.converters.deepspeed_moe import is_moe, plan_moe
     from ucp.converters.deepspeed_pipe import is_pipeline, plan_pipe
     from ucp.converters.deepspeed_tp import is_tensor_parallel, plan_tp
 
+    if is_tensor_pipeline(names):
+        return functools.partial(plan_megatron, patterns=patterns)
     if is_pipeline(names):
         planner = functools.partial(plan_pipe, param_names=param_names)
     else:
