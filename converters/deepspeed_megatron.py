@@ -26,13 +26,12 @@ from ucp.converters.deepspeed_declared import affine_params, declared_layout
 from ucp.converters.deepspeed_lists import declares_lists, list_layout
 from ucp.converters.deepspeed_pipe import LAYER_FILE, layer_tensors
 from ucp.converters.deepspeed_slices import (SliceState, combined_source, dtype_name, load_dict, model_files,
-                                             optim_files, read_slice, whole)
-from ucp.converters.deepspeed_tp import Layouts, fp32_shard
+                                             optim_files, read_slice)
+from ucp.converters.deepspeed_tp import Layouts, fp32_shard, untrained_shards
 from ucp.converters.deepspeed_zero import TagDir, finish_plan
-from ucp.converters.torch_zip import LazyTensor, read_tensor
+from ucp.converters.torch_zip import LazyTensor
 from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedLayoutError
-from ucp.patterns import recognize
-from ucp.plan import BUFFER, BUFFER_STATE, FROZEN, TRAINABLE, WEIGHT_STATE, ConversionPlan, ParamPlan, StateSource
+from ucp.plan import TRAINABLE, WEIGHT_STATE, ConversionPlan, ParamPlan
 
 
 def is_tensor_pipeline(names: list[str]) -> bool:
@@ -78,7 +77,8 @@ def plan_megatron(where: TagDir, names: list[str], patterns: dict[str, str] | No
     buffers = {b for c in contents for b in (c.get("buffer_names") or [])}
     layers = [_layer_tensors_of(folder, names, rank, trainable | buffers) for rank in range(tp)]
     params = [_trainable(name, by_tp, layers, layouts) for name in _in_order(slices)]
-    params += _layer_only(layers, layouts, trainable, buffers)
+    params += untrained_shards(layers, layouts, trainable, buffers,
+                               "copy every layer_*-model_*-model_states.pt of the checkpoint")
     layouts.check_used(folder)
     files = [p for st in slices for p in [*st.optim_paths, st.model_path]]
     files += [folder / n for n in names if LAYER_FILE.match(n)]
@@ -132,25 +132,4 @@ def _trainable(name: str, by_tp: list[list[SliceState]], layers: list[dict[str, 
     t = layers[0].get(name)
     return ParamPlan(name, shape, TRAINABLE, states, group, holders[0].steps.get(group),
                      dtype_name(t) if t is not None else "float32")
-
-
-def _layer_only(layers: list[dict[str, LazyTensor]], layouts: Layouts, trainable: set[str],
-                buffers: set[str]) -> list[ParamPlan]:
-    """Frozen parameters and buffers: whole TP shards in every TP rank's layer files."""
-    out = []
-    for name, t in layers[0].items():
-        if name in trainable:
-            continue
-        tensors = [layer.get(name) for layer in layers]
-        if not all(isinstance(x, LazyTensor) for x in tensors):
-            raise CorruptCheckpointError(f"{name}: the layer files of some TP ranks lack it; copy every "
-                                         "layer_*-model_*-model_states.pt of the checkpoint")
-        shape, hints = layouts.of(name, [x.shape for x in tensors], lambda: [read_tensor(x) for x in tensors])
-        frags = [whole(x, rank) for rank, x in enumerate(tensors)]
-        spec = recognize(name, shape, [f.info for f in frags], hints)
-        kind, state, dtype = (BUFFER, BUFFER_STATE, dtype_name(t)) if name in buffers else (FROZEN, WEIGHT_STATE,
-                                                                                          "float32")
-        out.append(ParamPlan(name, shape, kind, {state: StateSource(spec, tuple(frags), dtype)},
-                             model_dtype=dtype_name(t)))
-    return out
 

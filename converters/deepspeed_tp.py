@@ -75,7 +75,9 @@ def plan_tp(where: TagDir, names: list[str], patterns: dict[str, str] | None = N
     tied = {str(k) for r in ranks for k in (r.model.get("shared_params") or {})} | aliases(first.get("module") or {})
     params = [_trainable(name, ranks, layouts) for name in ranks[0].shapes]
     params += [_frozen_zero3(name, ranks, layouts) for name in ranks[0].frozen]
-    params += _module_only(ranks, layouts, set(ranks[0].shapes) | set(ranks[0].frozen) | tied)
+    params += untrained_shards([r.model.get("module") or {} for r in ranks], layouts,
+                               set(ranks[0].shapes) | set(ranks[0].frozen) | tied,
+                               set(ranks[0].model.get("buffer_names") or []), "files from different runs are mixed")
     layouts.check_used(folder)
     files = [p for r in ranks for p in r.files()]
     return finish_plan(where, first, params, ranks[0].hyper, ranks[0].moment_names, ranks[0].stage, ranks[0].dp,
@@ -209,18 +211,19 @@ def _frozen_zero3(name: str, ranks: list[SliceState], layouts: Layouts) -> Param
                      model_dtype=dtype_name(t) if isinstance(t, LazyTensor) else "float32")
 
 
-def _module_only(ranks: list[SliceState], layouts: Layouts, skip: set[str]) -> list[ParamPlan]:
-    """Frozen parameters and buffers: whole TP shards in every rank's module state."""
-    modules = [r.model.get("module") or {} for r in ranks]
-    buffers = set(ranks[0].model.get("buffer_names") or [])
+def untrained_shards(tables: list[dict], layouts: Layouts, skip: set[str], buffers: set[str],
+                     missing: str) -> list[ParamPlan]:
+    """Frozen parameters and buffers: whole TP shards, one table (name -> tensor) per TP rank.
+
+    `missing` ends the error for a tensor some rank's table lacks (which files to copy).
+    """
     out = []
-    for name, t in modules[0].items():
+    for name, t in tables[0].items():
         if name in skip or not isinstance(t, LazyTensor):
             continue
-        tensors = [m.get(name) for m in modules]
+        tensors = [table.get(name) for table in tables]
         if not all(isinstance(x, LazyTensor) for x in tensors):
-            raise CorruptCheckpointError(f"{name}: some TP ranks' module state lacks it; files from different "
-                                         "runs are mixed")
+            raise CorruptCheckpointError(f"{name}: some TP ranks lack it; {missing}")
         shape, hints = layouts.of(name, [x.shape for x in tensors], lambda: [read_tensor(x) for x in tensors])
         frags = [whole(x, rank) for rank, x in enumerate(tensors)]
         spec = recognize(name, shape, [f.info for f in frags], hints)
