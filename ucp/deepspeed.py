@@ -27,6 +27,11 @@ committed, and runs at exit too; see `ucp.deepspeed_save`). The `"ucp"` config s
   (`ucp.deepspeed_layout`).
 
 Loading is layer by layer: a rank holds its own shard plus one layer's states at a time.
+
+Target layouts: ZeRO stage 0-3 at any data-parallel degree, fp32/fp16/bf16 (`ucp.deepspeed_targets`);
+DeepSpeed AutoTP tensor parallelism with ZeRO 0-2, where each TP rank loads the box of every full
+tensor that the engine's own `affine_map` gives it (`ucp.deepspeed_tp_target`); and an explicit
+`layout`.
 """
 from __future__ import annotations
 
@@ -44,6 +49,7 @@ import torch.distributed as dist
 from ucp.checkpoint import AtomicCheckpoint
 from ucp.deepspeed_save import SaveEvery, SaveStats, save, wait
 from ucp.deepspeed_targets import OPTIMIZER_STATES, Target, TargetTensor, target_for
+from ucp.deepspeed_tp_target import with_tensor_parallel
 from ucp.deepspeed_layout import as_layout, place_by_layout
 from ucp.errors import CorruptCheckpointError, UcpError, UnsupportedLayoutError
 from ucp.fileio import ReadCounter, pread_into, tensor_bytes
@@ -120,6 +126,7 @@ def load(engine, path: str | os.PathLike, *, bypass: bool = True, load_optimizer
     ckpt = AtomicCheckpoint(path)
     target = target_for(engine)
     try:
+        with_tensor_parallel(target)
         model_names = None
         if layout is not None:
             model_names = _place(engine, target, layout, param_table)
