@@ -7,8 +7,9 @@ it through the hook and trains the same 2 global batches:
 * TP 2 -> 1: AutoTP=2 x DP=1, ZeRO-1, tied embeddings (split by vocabulary, 19 + 18 rows) ->
   plain DP=2, ZeRO-2.
 * TP 1 -> 2: plain DP=2, ZeRO-1, untied -> AutoTP=2 x DP=2, ZeRO-1 (each TP shard partitioned again
-  by ZeRO), ZeRO-0 fp32 and bf16 (TP shards whole, read by one rank of each DP group and broadcast),
-  and ZeRO-1 with a column- and a row-parallel weight frozen (loaded, not trained).
+  by ZeRO, flat), ZeRO-3 (each TP shard partitioned on its own), ZeRO-0 fp32 and bf16 (TP shards
+  whole, read by one rank of each DP group and broadcast), and ZeRO-1 with a column- and a
+  row-parallel weight frozen (loaded, not trained).
 
 The loaded TP shards are compared with torch.equal to the checkpoint's tensors cut by how AutoTP
 splits a Llama (stated here independently of the affine map the loader reads). A negative control
@@ -125,6 +126,7 @@ def tp1_to_2(sources, ckpt_root):
     return resume("dp2-to-tp2", TP, 4, {
         "z1": {**load, "stage": 1},
         "z0": {**load, "stage": 0},
+        "z3": {**load, "stage": 3},
         "z0-bf16": {**load, "stage": 0, "dtype": "bf16", "dump_loaded": False},
         "frozen": {**load, "stage": 1, "steps": 0, "frozen": FROZEN},
         "swapped": {**load, "stage": 1, "ucp_swap_row_blocks": True},
@@ -132,7 +134,7 @@ def tp1_to_2(sources, ckpt_root):
     }, ckpt_root)
 
 
-@pytest.mark.parametrize("run", ["z1", "z0", "frozen"])
+@pytest.mark.parametrize("run", ["z1", "z0", "z3", "frozen"])
 def test_tp1_to_2_loads_each_tp_rank_its_box(run, sources, tp1_to_2):
     path, _ = sources["dp2"]
     loaded = torch.load(tp1_to_2 / run / "loaded.pt", weights_only=False)
@@ -146,13 +148,13 @@ def test_tp1_to_2_loads_each_tp_rank_its_box(run, sources, tp1_to_2):
 
 def test_tp1_to_2_continues_the_uninterrupted_run(sources, tp1_to_2):
     _, straight = sources["dp2"]
-    for run in ("z1", "z0"):
+    for run in ("z1", "z0", "z3"):
         assert losses(tp1_to_2 / run) == pytest.approx(straight[SAVED_AT:], rel=1e-6), run  # reduction order
     # fp32 training resumed in bf16: the forward pass now rounds to 8 mantissa bits (~4e-3), as in test_load_hook.
     assert losses(tp1_to_2 / "z0-bf16") == pytest.approx(straight[SAVED_AT:], rel=2e-2)
 
 
-@pytest.mark.parametrize("run", ["z1", "z0", "z0-bf16"])
+@pytest.mark.parametrize("run", ["z1", "z0", "z3", "z0-bf16"])
 def test_tp1_to_2_each_dp_group_reads_its_boxes_once(run, sources, tp1_to_2):
     path, _ = sources["dp2"]
     stats = load_stats(tp1_to_2 / run)

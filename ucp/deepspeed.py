@@ -29,7 +29,7 @@ committed, and runs at exit too; see `ucp.deepspeed_save`). The `"ucp"` config s
 Loading is layer by layer: a rank holds its own shard plus one layer's states at a time.
 
 Target layouts: ZeRO stage 0-3 at any data-parallel degree, fp32/fp16/bf16 (`ucp.deepspeed_targets`);
-DeepSpeed AutoTP tensor parallelism with ZeRO 0-2, where each TP rank loads the box of every full
+DeepSpeed AutoTP tensor parallelism with ZeRO 0-3, where each TP rank loads the box of every full
 tensor that the engine's own `affine_map` gives it (`ucp.deepspeed_tp_target`); and an explicit
 `layout`.
 """

@@ -47,9 +47,6 @@ def with_tensor_parallel(target: Target) -> Target:
     size = tp_size(target.engine)
     if size == 1:
         return target
-    if target.family == "ZeRO-3":
-        raise UnsupportedLayoutError(f"ucp cannot load into a ZeRO-3 engine with AutoTP (autotp_size {size}) yet; "
-                                     "use ZeRO stage 0, 1 or 2 with tensor parallelism")
     from deepspeed.utils import groups
 
     rank = groups.get_tensor_model_parallel_rank()

@@ -124,6 +124,7 @@ def dump(engine, run: dict, ranks: dict, model) -> None:
 
 
 def ucp_load(engine, run: dict, ranks: dict, model) -> None:
+    import deepspeed
     import torch.distributed as dist
 
     import ucp.deepspeed
@@ -135,10 +136,12 @@ def ucp_load(engine, run: dict, ranks: dict, model) -> None:
     if engine.ucp_load_stats.client_state.get("client_marker") != CLIENT_STATE["client_marker"]:
         raise RuntimeError("client_state not restored by ucp")
     if run.get("dump_loaded"):
-        frozen = {name: {"fp32": p.detach().float().clone()} for name, p in model.named_parameters()
-                  if not p.requires_grad}
-        dump_states(run["dump_loaded"], {**ranks, "params": {**local_state(engine, model.named_parameters()),
-                                                             **frozen}})
+        # ZeRO-3 keeps each parameter partitioned (shape [0]) until a forward pass gathers it.
+        with deepspeed.zero.GatheredParameters(list(model.parameters())):
+            frozen = {name: {"fp32": p.detach().float().clone()} for name, p in model.named_parameters()
+                      if not p.requires_grad}
+            params = {**local_state(engine, model.named_parameters()), **frozen}
+        dump_states(run["dump_loaded"], {**ranks, "params": params})
     stats = [None] * dist.get_world_size()
     dist.all_gather_object(stats, {**ranks, **{k: v for k, v in vars(engine.ucp_load_stats).items()
                                                if k != "client_state"}})
