@@ -6,6 +6,7 @@ it through the hook and trains the same 2 global batches:
 
 * TP 2 -> 1: AutoTP=2 x DP=1, ZeRO-1, tied embeddings (split by vocabulary, 19 + 18 rows) ->
   plain DP=2, ZeRO-2.
+* TP 2 -> 2: the tied checkpoint -> AutoTP=2 x DP=2, ZeRO-2, tied.
 * TP 1 -> 2: plain DP=2, ZeRO-1, untied -> AutoTP=2 x DP=2, ZeRO-1 (each TP shard partitioned again
   by ZeRO, flat), ZeRO-3 (each TP shard partitioned on its own), ZeRO-0 fp32 and bf16 (TP shards
   whole, read by one rank of each DP group and broadcast), and ZeRO-1 with a column- and a
@@ -120,10 +121,13 @@ def test_tp2_to_1_continues_the_uninterrupted_run(sources, ckpt_root):
 
 
 @pytest.fixture(scope="module")
-def tp1_to_2(sources, ckpt_root):
+def tp2_engines(sources, ckpt_root):
+    """One launch of AutoTP=2 x DP=2 engines: the DP checkpoint loaded by every ZeRO family, the
+    negative control, the fused refusal, and the tied TP=2 checkpoint into a tied TP=2 engine."""
     path, _ = sources["dp2"]
     load = {**RESUME, "ucp_load": str(path), "dump_loaded": True}
-    return resume("dp2-to-tp2", TP, 4, {
+    return resume("to-tp2", TP, 4, {
+        "tied": {**RESUME, "stage": 2, "tied": True, "ucp_load": str(sources["tp2"][0]), "dump_loaded": True},
         "z1": {**load, "stage": 1},
         "z0": {**load, "stage": 0},
         "z3": {**load, "stage": 3},
@@ -135,9 +139,9 @@ def tp1_to_2(sources, ckpt_root):
 
 
 @pytest.mark.parametrize("run", ["z1", "z0", "z3", "frozen"])
-def test_tp1_to_2_loads_each_tp_rank_its_box(run, sources, tp1_to_2):
+def test_tp1_to_2_loads_each_tp_rank_its_box(run, sources, tp2_engines):
     path, _ = sources["dp2"]
-    loaded = torch.load(tp1_to_2 / run / "loaded.pt", weights_only=False)
+    loaded = torch.load(tp2_engines / run / "loaded.pt", weights_only=False)
     assert {r["tp_rank"] for r in loaded["ranks"]} == {0, 1}
     frozen = FROZEN if run == "frozen" else []
     for rank in loaded["ranks"]:
@@ -146,18 +150,18 @@ def test_tp1_to_2_loads_each_tp_rank_its_box(run, sources, tp1_to_2):
     assert mismatched_shards(path, loaded, tied=False) == []
 
 
-def test_tp1_to_2_continues_the_uninterrupted_run(sources, tp1_to_2):
+def test_tp1_to_2_continues_the_uninterrupted_run(sources, tp2_engines):
     _, straight = sources["dp2"]
     for run in ("z1", "z0", "z3"):
-        assert losses(tp1_to_2 / run) == pytest.approx(straight[SAVED_AT:], rel=1e-6), run  # reduction order
+        assert losses(tp2_engines / run) == pytest.approx(straight[SAVED_AT:], rel=1e-6), run  # reduction order
     # fp32 training resumed in bf16: the forward pass now rounds to 8 mantissa bits (~4e-3), as in test_load_hook.
-    assert losses(tp1_to_2 / "z0-bf16") == pytest.approx(straight[SAVED_AT:], rel=2e-2)
+    assert losses(tp2_engines / "z0-bf16") == pytest.approx(straight[SAVED_AT:], rel=2e-2)
 
 
 @pytest.mark.parametrize("run", ["z1", "z0", "z3", "z0-bf16"])
-def test_tp1_to_2_each_dp_group_reads_its_boxes_once(run, sources, tp1_to_2):
+def test_tp1_to_2_each_dp_group_reads_its_boxes_once(run, sources, tp2_engines):
     path, _ = sources["dp2"]
-    stats = load_stats(tp1_to_2 / run)
+    stats = load_stats(tp2_engines / run)
     assert len(stats) == 4
     for tp_rank in range(TP):
         group = [s for s in stats if s["tp_rank"] == tp_rank]
@@ -165,23 +169,33 @@ def test_tp1_to_2_each_dp_group_reads_its_boxes_once(run, sources, tp1_to_2):
         assert sum(s["bytes_read"] for s in group) == tp_rank_bytes(path, tied=False, rank=tp_rank), (run, tp_rank)
 
 
-def test_negative_control_the_other_tp_ranks_blocks_fail_both_checks(sources, tp1_to_2):
+def test_tied_tp2_to_tp2_dp2_splits_the_shared_embedding_by_vocabulary(sources, tp2_engines):
+    """TP=2 x DP=1 ZeRO-1 -> TP=2 x DP=2 ZeRO-2, tied: the head is the embedding, 19 + 18 rows per TP rank."""
+    path, straight = sources["tp2"]
+    loaded = torch.load(tp2_engines / "tied" / "loaded.pt", weights_only=False)
+    embed = [r["params"]["model.embed_tokens.weight"]["fp32"].shape[0] for r in loaded["ranks"]]
+    assert sorted(embed) == [18, 18, 19, 19] and all("lm_head.weight" not in r["params"] for r in loaded["ranks"])
+    assert mismatched_shards(path, loaded, tied=True) == []
+    assert losses(tp2_engines / "tied") == pytest.approx(straight[SAVED_AT:], rel=1e-6)  # reduction order, as above
+
+
+def test_negative_control_the_other_tp_ranks_blocks_fail_both_checks(sources, tp2_engines):
     """Proves the checks can fail: each TP rank loaded the other's block of every row-parallel weight."""
     path, straight = sources["dp2"]
-    loaded = torch.load(tp1_to_2 / "swapped" / "loaded.pt", weights_only=False)
+    loaded = torch.load(tp2_engines / "swapped" / "loaded.pt", weights_only=False)
     wrong = mismatched_shards(path, loaded, tied=False)
     assert {name for _, name, _ in wrong} == {f"model.layers.{i}.{m}.weight" for i in range(2)
                                               for m in ("self_attn.o_proj", "mlp.down_proj")}
     # ... and those are exactly the other rank's blocks.
     assert not set(mismatched_shards(path, loaded, tied=False, swap=True)) & set(wrong)
-    assert losses(tp1_to_2 / "swapped") != pytest.approx(straight[SAVED_AT:], rel=1e-3)
+    assert losses(tp2_engines / "swapped") != pytest.approx(straight[SAVED_AT:], rel=1e-3)
     # The correct run fails the comparison with the other rank's boxes too.
-    correct = torch.load(tp1_to_2 / "z1" / "loaded.pt", weights_only=False)
+    correct = torch.load(tp2_engines / "z1" / "loaded.pt", weights_only=False)
     assert mismatched_shards(path, correct, tied=False, swap=True) != []
 
 
-def test_a_fused_tp_layout_is_refused_before_the_engine_is_touched(tp1_to_2):
-    results = json.loads((tp1_to_2 / "fused" / "error.json").read_text())
+def test_a_fused_tp_layout_is_refused_before_the_engine_is_touched(tp2_engines):
+    results = json.loads((tp2_engines / "fused" / "error.json").read_text())
     assert len(results) == 4
     for result in results:
         assert result["error"] is not None and result["error"].startswith(f"{FUSED}: ")
