@@ -49,8 +49,8 @@ import torch.distributed as dist
 from ucp.checkpoint import AtomicCheckpoint
 from ucp.deepspeed_save import SaveEvery, SaveStats, save, wait
 from ucp.deepspeed_targets import OPTIMIZER_STATES, Target, TargetTensor, target_for
-from ucp.deepspeed_tp_target import with_tensor_parallel
 from ucp.deepspeed_layout import as_layout, place_by_layout
+from ucp.deepspeed_tp_target import with_tensor_parallel
 from ucp.errors import CorruptCheckpointError, UcpError, UnsupportedLayoutError
 from ucp.fileio import ReadCounter, pread_into, tensor_bytes
 from ucp.format import INDEX_NAME, latest_checkpoint
