@@ -10,14 +10,17 @@ its name), the full `logical_shape` and, for each TP rank, the `shard_shape` it 
 the full tensor everywhere → Replicate; one block per rank, the blocks tiling the full tensor
 along dim 0 / 1 in rank order → Shard-V / Shard-H (a shard longer than its block is vocabulary
 padding). A map that places several blocks on a rank (a fused parameter) or scales its blocks is
-refused by name rather than read approximately.
+refused by name rather than read approximately. `declared_blocks` reads the same maps (and
+refuses the same ones) as the box of the full tensor each TP rank holds, for the load hook.
 """
 from __future__ import annotations
 
 import math
 import re
+from dataclasses import dataclass
 
 from ucp.errors import CorruptCheckpointError, UnsupportedLayoutError
+from ucp.layout import Box
 from ucp.patterns import Hints, Pattern
 
 AFFINE_MAP_VERSION = 1  # the newest `affine_map.version` this reader knows
@@ -35,15 +38,11 @@ def affine_params(uc_info: dict | None, source: str) -> dict[str, dict]:
 
 def declared_layout(name: str, entries: dict[str, dict]) -> tuple[tuple[int, ...], Hints] | None:
     """The full shape and hints the affine map declares for `name`, or None when it has no entry."""
-    matched = [key for key in entries if re.match(key, name)]
-    if not matched:
+    entry = _entry_of(name, entries)
+    if entry is None:
         return None
-    if len(matched) > 1:
-        raise CorruptCheckpointError(f"{name}: several affine_map entries match it ({matched}); the checkpoint's "
-                                     "universal_checkpoint_info is inconsistent")
-    entry = entries[matched[0]]
     logical = tuple(int(s) for s in entry["logical_shape"])
-    ranks = [entry["ranks"][r] for r in sorted(entry["ranks"], key=int)]
+    ranks = _ranks(entry)
     pieces = [r["pieces"] for r in ranks]
     if any(p.get("scale", 1.0) != 1.0 for rank in pieces for p in rank):
         raise UnsupportedLayoutError(f"{name}: its affine map stores scaled blocks (a pre-divided bias); ucp does "
@@ -78,6 +77,47 @@ def declared_layout(name: str, entries: dict[str, dict]) -> tuple[tuple[int, ...
     held = sum(int(shard["shard_shape"][dim]) for shard in ranks)
     return logical, Hints(pattern=Pattern.SHARD_V if dim == 0 else Pattern.SHARD_H,
                           padded_dim_size=held if held > logical[dim] else None)
+
+
+@dataclass(frozen=True)
+class RankBlock:
+    """What one TP rank holds of a parameter: `box` of the full tensor, in a shard of `shard_shape`
+    (longer than the box along the split dim where the rank pads it, e.g. a padded vocabulary)."""
+
+    box: Box
+    shard_shape: tuple[int, ...]
+
+
+def declared_blocks(name: str, entries: dict[str, dict]) -> tuple[tuple[int, ...], list[RankBlock]] | None:
+    """The full shape of `name` and, per TP rank in rank order, the block its affine map places there;
+    None when the map has no entry for it. Accepts exactly the maps `declared_layout` accepts."""
+    declared = declared_layout(name, entries)
+    if declared is None:
+        return None
+    logical, hints = declared
+    full = tuple((0, n) for n in logical)
+    blocks = []
+    for shard in _ranks(_entry_of(name, entries)):
+        piece, box = shard["pieces"][0], full
+        if hints.pattern is not Pattern.REPLICATE:
+            dim = 0 if hints.pattern is Pattern.SHARD_V else 1
+            lo = int(piece["source"][0]) // _row_major(logical)[dim]
+            box = full[:dim] + ((lo, lo + int(piece["shape"][dim])),) + full[dim + 1:]
+        blocks.append(RankBlock(box, tuple(int(s) for s in shard["shard_shape"])))
+    return logical, blocks
+
+
+def _entry_of(name: str, entries: dict[str, dict]) -> dict | None:
+    matched = [key for key in entries if re.match(key, name)]
+    if len(matched) > 1:
+        raise CorruptCheckpointError(f"{name}: several affine_map entries match it ({matched}); the checkpoint's "
+                                     "universal_checkpoint_info is inconsistent")
+    return entries[matched[0]] if matched else None
+
+
+def _ranks(entry: dict) -> list[dict]:
+    """The entry's per-rank records in rank order (keys are ints in a live map, strings once saved as JSON)."""
+    return [entry["ranks"][r] for r in sorted(entry["ranks"], key=int)]
 
 
 def _row_major(shape: tuple[int, ...]) -> list[int]:

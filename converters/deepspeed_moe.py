@@ -1,4 +1,4 @@
-"""Plan the conversion of a checkpoint with native DeepSpeed MoE layers (`deepspeed.moe.layer.MoE`), ZeRO-1/2.
+"""Plan the conversion of a checkpoint with native DeepSpeed MoE layers (`deepspeed.moe.layer.MoE`), ZeRO-0/1/2.
 
 Layout written by DeepSpeed 0.19 (no tensor or pipeline parallelism):
 
@@ -9,6 +9,8 @@ Layout written by DeepSpeed 0.19 (no tensor or pipeline parallelism):
 * `[bf16_]zero_pp_rank_{D}_mp_rank_00_optim_states.pt`: rank D's partitions. Expert parameters are
   in their own param groups (hyper-parameter `moe`), partitioned over the expert-data-parallel
   group, and named with each rank's **local** expert ids 0 .. num_local-1.
+* ZeRO-0 writes `expp_rank_{F}_mp_rank_00_optim_states.pt` instead, one per rank of the largest EP
+  group: that rank's whole optimizer state, by slot position (see `_plan_zero0`).
 
 Expert-parallel rank of data-parallel rank D (DeepSpeed's `_create_expert_and_data_parallel`):
 `D % ep_size`, or `D // (dp / ep_size)` with `use_data_before_expert_parallelism`. Its local
@@ -21,8 +23,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ucp.converters.deepspeed_slices import (combined_source, dtype_name, load_dict, model_files, optim_files,
-                                             read_slice, whole)
+from ucp.converters.deepspeed_slices import (combined_source, dtype_name, held_params, load_dict, model_files,
+                                             optim_files, read_slice, whole)
+from ucp.converters.deepspeed_zero0 import zero0_slice
 from ucp.converters.deepspeed_zero import TagDir, finish_plan, frozen_and_buffers
 from ucp.converters.torch_zip import LazyTensor
 from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedLayoutError
@@ -30,6 +33,8 @@ from ucp.patterns import recognize
 from ucp.plan import FROZEN, TRAINABLE, WEIGHT_STATE, ConversionPlan, ParamPlan, StateSource
 
 EXPERT_FILE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+EXPP_FILE = re.compile(r"^expp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+_EP_GROUP = re.compile(r"^ep_size_(\d+)$")
 _EXPERT_NAME = re.compile(r"^(.*\.deepspeed_experts\.)(\d+)(\..+)$")
 
 
@@ -44,10 +49,6 @@ def plan_moe(where: TagDir, names: list[str]) -> ConversionPlan:
     if set(models) != {0} or any(m.group(3) != "00" for n in names if (m := EXPERT_FILE.match(n))):
         raise UnsupportedLayoutError(f"{folder}: MoE with tensor or pipeline parallelism (several mp_rank files) "
                                      "is not supported yet")
-    optims = optim_files(folder, names)
-    if not optims:
-        raise UnsupportedLayoutError(f"{folder}: an MoE checkpoint without ZeRO optimizer files (ZeRO-0, expp_rank "
-                                     "files) is not supported yet; save it with ZeRO stage 1 or 2")
     model = load_dict(models[0])
     experts = _expert_tensors(folder, names)
     prefixes = _layer_prefixes(experts)
@@ -55,6 +56,9 @@ def plan_moe(where: TagDir, names: list[str]) -> ConversionPlan:
     if len(num_experts) != len(prefixes):
         raise CorruptCheckpointError(f"{models[0]}: records num_experts for {len(num_experts)} MoE layers, the "
                                      f"expert files hold {len(prefixes)}; files from different runs are mixed")
+    optims = optim_files(folder, names)
+    if not optims:
+        return _plan_zero0(where, names, models[0], model, experts, dict(zip(prefixes, num_experts)))
     dp = int(model.get("dp_world_size") or 1)
     local = _local_counts(folder, optims, prefixes, dp)
     ep = {prefix: _ep_size(num_experts[layer], local[prefix], prefix) for layer, prefix in enumerate(prefixes)}
@@ -90,14 +94,81 @@ def plan_moe(where: TagDir, names: list[str]) -> ConversionPlan:
                                      "global id), for which no expert file exists; copy every layer_*_expert_* file")
     for name, t in experts.items():
         if name not in trainable:
-            fragment = whole(t)
-            params.append(ParamPlan(name, t.shape, FROZEN, {WEIGHT_STATE: StateSource(
-                recognize(name, t.shape, [fragment.info]), (fragment,))}, model_dtype=dtype_name(t)))
+            params.append(_frozen_expert(name, t))
     params += frozen_and_buffers(model, models[0], set(part.shapes) | set(trainable))
     files = [*part.optim_paths, models[0]] + [folder / n for n in names if EXPERT_FILE.match(n)]
     sizes = sorted(set(ep.values()))
     return finish_plan(where, model, params, part.hyper, part.moment_names, part.stage, part.dp, files,
                        part.loss_scaler, {"ep": sizes[0] if len(sizes) == 1 else sizes})
+
+
+def _plan_zero0(where: TagDir, names: list[str], model_path: Path, model: dict, experts: dict[str, LazyTensor],
+                num_experts: dict[str, int]) -> ConversionPlan:
+    """ZeRO-0: `expp_rank_{F}_mp_rank_00_optim_states.pt` holds the whole optimizer state (see `deepspeed_zero0`)
+    of the rank with expert-parallel rank F in the process's largest EP group and expert-data-parallel rank 0:
+    the dense parameters and its own experts. The experts' param group names their EP size (`ep_size_N`,
+    DeepSpeed's MoE group name), so file F holds the experts of EP rank F % N; with a larger EP group in the
+    same process there are more files than EP ranks, and the extra ones are copies. Slots are named from
+    the dense module state and the expert files of those global ids; a parameter in several files is a
+    Replicate of their copies."""
+    folder = where.path
+    expp = {int(m.group(1)): folder / n for n in names if (m := EXPP_FILE.match(n)) and m.group(2) == "00"}
+    if not expp:
+        raise CheckpointNotFoundError(f"{folder}: an MoE checkpoint with neither ZeRO optimizer files "
+                                      "(*zero_pp_rank_*_optim_states.pt) nor ZeRO-0 ones (expp_rank_*_optim_states.pt)"
+                                      "; copy the optimizer files of the checkpoint too")
+    missing = [f for f in range(max(expp) + 1) if f not in expp]
+    if missing:
+        raise CheckpointNotFoundError(f"{folder / f'expp_rank_{missing[0]}_mp_rank_00_optim_states.pt'}: missing (the "
+                                      f"checkpoint has {max(expp) + 1} of them); copy every rank's file")
+    optimizers = [load_dict(expp[f]).get("optimizer") for f in range(len(expp))]
+    ep = _expert_group_size(optimizers[0], expp[0])
+    if ep > len(expp) or any(count % ep for count in num_experts.values()):
+        raise CorruptCheckpointError(f"{expp[0]}: its experts' group says ep_size {ep}, but there are {len(expp)} "
+                                     f"expp_rank files and {sorted(set(num_experts.values()))} experts per MoE layer; "
+                                     "files from different runs are mixed")
+    if bool((model.get("ds_config") or {}).get("use_data_before_expert_parallelism")) and len(expp) != ep:
+        raise UnsupportedLayoutError(f"{folder}: ZeRO-0 MoE with use_data_before_expert_parallelism and several EP "
+                                     "sizes in one process is not supported yet")
+    local = {prefix: count // ep for prefix, count in num_experts.items()}
+    dense = dict(model.get("module") or {})
+    ranks = []
+    for f, optimizer in enumerate(optimizers):
+        own = {n: t for n, t in experts.items() if _global_id(n) // local[_EXPERT_NAME.match(n).group(1)] == f % ep}
+        ranks.append(zero0_slice(f, expp[f], {**model, "optimizer": optimizer, "module": {**dense, **own}}))
+    params = held_params(ranks, {**dense, **experts}, "expp_rank file")
+    trainable = {p.name for p in params}
+    for name, t in experts.items():
+        if name not in trainable:
+            params.append(_frozen_expert(name, t))
+    params += frozen_and_buffers(model, model_path, trainable)
+    files = [*expp.values(), model_path] + [folder / n for n in names if EXPERT_FILE.match(n)]
+    dp = int(model.get("dp_world_size") or 1)
+    return finish_plan(where, model, params, ranks[0].hyper, ranks[0].moment_names, 0, dp, files,
+                       ranks[0].loss_scaler, {"ep": ep})
+
+
+def _expert_group_size(optimizer, path: Path) -> int:
+    """The EP size of the experts in a ZeRO-0 optimizer state: its `moe` param groups are named `ep_size_N`."""
+    inner = optimizer.get("optimizer_state_dict", optimizer) if isinstance(optimizer, dict) else {}
+    sizes = {m.group(1) for g in inner.get("param_groups") or [] if g.get("moe")
+             and (m := _EP_GROUP.match(str(g.get("name"))))}
+    if len(sizes) != 1:
+        raise UnsupportedLayoutError(f"{path}: expected one expert param group named ep_size_N, found "
+                                     f"{sorted(sizes) or 'none'}; MoE layers of different ep_size (or expert groups "
+                                     "not made by split_params_into_different_moe_groups_for_optimizer) are not "
+                                     "supported under ZeRO-0 yet")
+    return int(sizes.pop())
+
+
+def _global_id(expert_param: str) -> int:
+    return int(_EXPERT_NAME.match(expert_param).group(2))
+
+
+def _frozen_expert(name: str, t: LazyTensor) -> ParamPlan:
+    fragment = whole(t)
+    return ParamPlan(name, t.shape, FROZEN, {WEIGHT_STATE: StateSource(recognize(name, t.shape, [fragment.info]),
+                                                                       (fragment,))}, model_dtype=dtype_name(t))
 
 
 def _expert_tensors(folder: Path, names: list[str]) -> dict[str, LazyTensor]:

@@ -1,4 +1,4 @@
-"""Plan the conversion of a DeepSpeed pipeline-parallel (`PipelineModule`) checkpoint, ZeRO-1.
+"""Plan the conversion of a DeepSpeed pipeline-parallel (`PipelineModule`) checkpoint, ZeRO-0/1.
 
 Layout written by DeepSpeed 0.19 (tensor parallelism 1), for stages SS = 0 .. pp-1:
 
@@ -7,6 +7,10 @@ Layout written by DeepSpeed 0.19 (tensor parallelism 1), for stages SS = 0 .. pp
   `buffer_names`, and no module (the pipeline engine saves layers instead).
 * `[bf16_]zero_pp_rank_{D}_mp_rank_{SS}_optim_states.pt`: ZeRO partitions of the stage's parameters
   over its data-parallel ranks.
+* fp32 ZeRO-0 writes no optimizer files: the stage's torch optimizer state dict sits in its model
+  file, by slot position, and nothing in the checkpoint names the slots (no param_shapes, no module,
+  no tied-module keys, no layer-to-stage map): the user names them (`--param-names`), and the
+  names are checked against the layer files' shapes (see `deepspeed_zero0`).
 * `layer_{LL}[-model_{TT}]-model_states.pt`: the state dict of layer LL (keys without the layer
   prefix), written by the stage that runs it; the `-model_TT` part appears with an explicit
   topology that has a model axis. A tied module is written once for every layer that uses it
@@ -22,13 +26,14 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ucp.converters.deepspeed_slices import (SliceState, combined_source, dp_paths, dtype_name, load_dict,
+from ucp.converters.deepspeed_slices import (dp_paths, dtype_name, held_params, load_dict,
                                              model_files, optim_files, read_slice, slice_names, whole)
 from ucp.converters.deepspeed_zero import TagDir, finish_plan
+from ucp.converters.deepspeed_zero0 import zero0_slice
 from ucp.converters.torch_zip import LazyTensor
-from ucp.errors import AmbiguousPatternError, CheckpointNotFoundError, CorruptCheckpointError, UnsupportedLayoutError
-from ucp.patterns import Hints, Pattern, recognize
-from ucp.plan import BUFFER, BUFFER_STATE, FROZEN, TRAINABLE, WEIGHT_STATE, ConversionPlan, ParamPlan, StateSource
+from ucp.errors import AmbiguousPatternError, CheckpointNotFoundError, CorruptCheckpointError
+from ucp.patterns import recognize
+from ucp.plan import BUFFER, BUFFER_STATE, FROZEN, WEIGHT_STATE, ConversionPlan, ParamPlan, StateSource
 
 LAYER_FILE = re.compile(r"^layer_(\d+)(?:-model_(\d+))?-model_states\.pt$")
 _TIED = re.compile(r"^tied_modules\.([^.]+)\.(.+)$")
@@ -38,8 +43,12 @@ def is_pipeline(names: list[str]) -> bool:
     return any(LAYER_FILE.match(n) for n in names)
 
 
-def plan_pipe(where: TagDir, names: list[str]) -> ConversionPlan:
-    """The plan of the pipeline checkpoint in tag folder `where.path`, whose files are `names`."""
+def plan_pipe(where: TagDir, names: list[str], param_names: list[str] | None = None) -> ConversionPlan:
+    """The plan of the pipeline checkpoint in tag folder `where.path`, whose files are `names`.
+
+    `param_names` (fp32 ZeRO-0 only, where the checkpoint names no parameter) lists every stage's
+    trainable parameter names in its optimizer's order, stage after stage.
+    """
     folder = where.path
     models = model_files(folder, names)
     if 0 not in models:
@@ -48,35 +57,39 @@ def plan_pipe(where: TagDir, names: list[str]) -> ConversionPlan:
     first = load_dict(models[0])
     dims = first.get("checkpoint_parallel_dimensions") or {}
     pp, tp = int(dims.get("pp_degree") or len(models)), int(dims.get("tp_degree") or 1)
-    if tp != 1 or any(m.group(2) not in (None, "00") for n in names if (m := LAYER_FILE.match(n))):
-        raise UnsupportedLayoutError(f"{folder}: a pipeline checkpoint with tensor parallelism {tp} is not "
-                                     "supported yet; only pipeline stages with tensor parallelism 1 are")
+    if tp != 1:
+        # Tensor x pipeline checkpoints have layer files of every TP rank (see deepspeed_megatron).
+        raise CheckpointNotFoundError(f"{folder}: records tensor parallelism {tp} but holds the layer files of TP "
+                                      "rank 0 only; copy every layer_*-model_*-model_states.pt of the checkpoint")
     missing = [s for s in range(pp) if s not in models]
     if missing:
         raise CheckpointNotFoundError(f"{folder / f'mp_rank_{missing[0]:02d}_model_states.pt'}: missing (the "
                                       f"checkpoint has {pp} pipeline stages); copy every stage's file")
     optims = optim_files(folder, names)
-    if not optims:
-        raise UnsupportedLayoutError(f"{folder}: a pipeline checkpoint without optimizer files (fp32 ZeRO-0: its "
-                                     "optimizer state is keyed by position and names no parameter) is not supported "
-                                     "yet; save it with ZeRO stage 1 or bf16")
     contents = [first] + [load_dict(models[s]) for s in range(1, pp)]
     layer_files = [folder / n for n in names if LAYER_FILE.match(n)]
     buffers = {b for m in contents for b in (m.get("buffer_names") or [])}
-    if first.get("param_shapes"):
+    if not optims:
+        # A tied weight's value is read from its first layer file for every stage (the checkpoint does not
+        # say which stage wrote which layer file); --strict still compares the stages' own moments.
+        listed = _stage_names(folder, contents, param_names)
+        tensors = layer_tensors(layer_files, {n for stage in listed for n in stage} | buffers)
+        stages = [zero0_slice(s, models[s], {**contents[s], "module": _stage_module(tensors, listed[s], s)},
+                              listed[s]) for s in range(pp)]
+    elif first.get("param_shapes"):
         stages = [read_slice(folder, s, models[s], contents[s], optims) for s in range(pp)]
-        tensors = _layer_tensors(layer_files, {name for st in stages for name in st.shapes} | buffers)
+        tensors = layer_tensors(layer_files, {name for st in stages for name in st.shapes} | buffers)
     else:
         # bf16 without ZeRO: the model files list no param_shapes; the optimizer files name the
         # parameters and the layer files give their shapes.
         listed = [slice_names(dp_paths(folder, optims, int(contents[s].get("dp_world_size") or 1), s))
                   for s in range(pp)]
-        tensors = _layer_tensors(layer_files, {n for groups in listed for g in groups for n in g} | buffers)
+        tensors = layer_tensors(layer_files, {n for groups in listed for g in groups for n in g} | buffers)
         stages = [read_slice(folder, s, models[s], contents[s], optims,
                              param_shapes=[{n: _shape_in(tensors, n, numel, models[s]) for n, numel in g.items()}
                                            for g in listed[s]]) for s in range(pp)]
     trainable = {name for st in stages for name in st.shapes}
-    params = _trainable(stages, tensors)
+    params = held_params(stages, tensors, "pipeline stage")
     for name, t in tensors.items():
         if name in buffers:
             params.append(ParamPlan(name, t.shape, BUFFER, {BUFFER_STATE: _whole_source(name, t, dtype_name(t))},
@@ -89,38 +102,38 @@ def plan_pipe(where: TagDir, names: list[str]) -> ConversionPlan:
                        files, stages[0].loss_scaler, {"pp": pp, "tp": 1})
 
 
-def _trainable(stages: list[SliceState], tensors: dict[str, LazyTensor]) -> list[ParamPlan]:
-    holders: dict[str, list[SliceState]] = {}
-    for st in stages:
-        for name in st.shapes:
-            holders.setdefault(name, []).append(st)
-    params = []
-    for name, held in holders.items():
-        shape = held[0].shapes[name]
-        for st in held[1:]:
-            if st.shapes[name] != shape:
-                raise CorruptCheckpointError(f"{name}: stage {held[0].mp} holds shape {shape}, stage {st.mp} "
-                                             f"{st.shapes[name]}; a tied parameter must have one shape")
-        # Held by several stages: a tied module, which DeepSpeed keeps identical on all of them.
-        hints = Hints(pattern=Pattern.REPLICATE) if len(held) > 1 else None
-        states = {}
-        for state in held[0].states():
-            outer = [(st.mp, shape, st.fragments[(name, state)]) for st in held if (name, state) in st.fragments]
-            if outer and len(outer) != len(held):
-                raise CorruptCheckpointError(f"{name}: tied across stages {[st.mp for st in held]} but only "
-                                             f"{len(outer)} of them hold its '{state}'; files from different runs "
-                                             "are mixed")
-            if outer:
-                states[state] = combined_source(name, shape, outer, hints)
-        if WEIGHT_STATE not in states:
-            raise CorruptCheckpointError(f"{held[0].optim_paths[0]}: parameter '{name}' has no optimizer fragment "
-                                         "(it never received a gradient), and a pipeline checkpoint keeps no other "
-                                         "fp32 copy of it")
-        group = held[0].group_of[name]
-        t = tensors.get(name)
-        params.append(ParamPlan(name, shape, TRAINABLE, states, group, held[0].steps.get(group),
-                                dtype_name(t) if t is not None else "float32"))
-    return params
+def _stage_names(folder: Path, contents: list[dict], param_names: list[str] | None) -> list[list[str]]:
+    """Each stage's optimizer slots named by `param_names`, split by the stages' slot counts."""
+    counts = []
+    for s, model in enumerate(contents):
+        opt = model.get("optimizer")
+        if not isinstance(opt, dict):
+            raise CheckpointNotFoundError(f"{folder / f'mp_rank_{s:02d}_model_states.pt'}: a pipeline checkpoint "
+                                          "with no *_optim_states.pt files and no optimizer state in its model "
+                                          "files; was it saved with an optimizer?")
+        inner = opt.get("optimizer_state_dict", opt)
+        counts.append(sum(len(g["params"]) for g in inner.get("param_groups") or []))
+    if param_names is None:
+        raise AmbiguousPatternError(
+            f"{folder}: fp32 ZeRO-0 keeps each pipeline stage's optimizer state in mp_rank_SS_model_states.pt "
+            f"({' + '.join(map(str, counts))} slots) by position only, and the checkpoint records neither the "
+            "stages' parameter names, nor which layers each stage runs, nor the keys of tied modules, so its "
+            "slots cannot be named from it; pass --param-names FILE listing every stage's trainable parameter "
+            "names in optimizer order, stage after stage (on each stage: [n for n, p in "
+            "engine.module.named_parameters() if p.requires_grad]), or save with ZeRO stage 1 or bf16")
+    if len(param_names) != sum(counts):
+        raise AmbiguousPatternError(f"--param-names lists {len(param_names)} names, the {len(counts)} stages' "
+                                    f"optimizers hold {' + '.join(map(str, counts))} parameters")
+    starts = [sum(counts[:s]) for s in range(len(counts))]
+    return [list(param_names[start:start + count]) for start, count in zip(starts, counts)]
+
+
+def _stage_module(tensors: dict[str, LazyTensor], stage_names: list[str], stage: int) -> dict[str, LazyTensor]:
+    missing = [n for n in stage_names if n not in tensors]
+    if missing:
+        raise AmbiguousPatternError(f"--param-names: '{missing[0]}' (stage {stage}) is in no layer file of the "
+                                    "checkpoint; check the names (<layer>.<param>, tied_modules.<key>.<param>)")
+    return {n: tensors[n] for n in stage_names}
 
 
 def _shape_in(tensors: dict[str, LazyTensor], name: str, numel: int, path: Path) -> tuple[int, ...]:
@@ -131,7 +144,7 @@ def _shape_in(tensors: dict[str, LazyTensor], name: str, numel: int, path: Path)
     return t.shape
 
 
-def _layer_tensors(layer_files: list[Path], known: set[str]) -> dict[str, LazyTensor]:
+def layer_tensors(layer_files: list[Path], known: set[str]) -> dict[str, LazyTensor]:
     """Every tensor of the layer files under the name its stage gives it (first file wins for tied copies)."""
     tied_keys = sorted({m.group(1) for n in known if (m := _TIED.match(n))})
     out: dict[str, LazyTensor] = {}

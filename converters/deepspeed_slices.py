@@ -19,8 +19,9 @@ from pathlib import Path
 
 from ucp.converters.torch_zip import LazyTensor, Opaque, load_lazy, read_tensor
 from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedLayoutError
+from ucp.patterns import Pattern
 from ucp.patterns.recognize import FragmentInfo, Hints, OuterPiece, recognize, recognize_nested
-from ucp.plan import WEIGHT_STATE, Fragment, Piece, StateSource
+from ucp.plan import TRAINABLE, WEIGHT_STATE, Fragment, ParamPlan, Piece, StateSource
 
 OPTIM_FILE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 MODEL_FILE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
@@ -46,9 +47,16 @@ class SliceState:
     hyper: list = field(default_factory=list)
     stage: int | None = None
     loss_scaler: object = None  # rank 0's, as pickled (fp16 training keeps its dynamic scale here)
+    model_paths: list[Path] = field(default_factory=list)  # ZeRO-3: every DP rank's model file, else empty
+    # ZeRO-3: frozen parameters partitioned like trainable ones (name -> slice shape, fragments in rank order)
+    frozen: dict[str, tuple[tuple[int, ...], list[Fragment]]] = field(default_factory=dict)
 
     def states(self) -> list[str]:
         return [WEIGHT_STATE, *self.moment_names]
+
+    def files(self) -> list[Path]:
+        """Every file this slice was read from."""
+        return [*self.optim_paths, *(self.model_paths or [self.model_path])]
 
 
 def model_files(folder: Path, names: list[str]) -> dict[int, Path]:
@@ -107,11 +115,8 @@ def read_slice(folder: Path, mp: int, model_path: Path, model: dict, files: dict
             raise CorruptCheckpointError(f"{path}: has {len(mappings)} param groups, {model_path.name} has "
                                          f"{len(param_shapes)}; files from different runs are mixed")
         for g, mapping in enumerate(mappings):
-            state = base["state"].get(g, {})
-            if not out.moment_names:
-                out.moment_names = moment_keys(state)
-            out.steps.setdefault(g, step_value(state, path))
-            flats = {WEIGHT_STATE: flat_fp32[g], **{k: state[k] for k in moment_keys(state)}}
+            flats, step = group_states(out, base["state"].get(g, {}), flat_fp32[g], path)
+            out.steps.setdefault(g, step)
             for local, address in mapping.items():
                 if local not in out.shapes:
                     raise CorruptCheckpointError(f"{path}: partition holds '{local}', which {model_path.name} "
@@ -163,7 +168,7 @@ def aliases(module: dict) -> set[str]:
     seen, out = set(), set()
     for name, t in module.items():
         if isinstance(t, LazyTensor):
-            where = (t.storage.key, t.storage_offset, t.shape, t.stride)
+            where = (t.path, t.storage.key, t.storage_offset, t.shape, t.stride)  # keys are per file
             if where in seen:
                 out.add(name)
             seen.add(where)
@@ -187,6 +192,14 @@ def piece(t: LazyTensor, start: int, numel: int) -> Piece:
 
 def whole(t: LazyTensor, rank: int = 0) -> Fragment:
     return Fragment(FragmentInfo(rank, t.shape), piece(t, 0, t.numel))
+
+
+def group_states(out: SliceState, state: dict, fp32: LazyTensor, path: Path) -> tuple[dict[str, LazyTensor],
+                                                                                       float | None]:
+    """One flat param group's tensors by state name (fp32 master, then the moments of its optimizer `state`)
+    and its step; the moment names are recorded in `out` the first time."""
+    out.moment_names = out.moment_names or moment_keys(state)
+    return {WEIGHT_STATE: fp32, **{k: state[k] for k in moment_keys(state)}}, step_value(state, path)
 
 
 def moment_keys(state: dict) -> list[str]:
@@ -245,3 +258,40 @@ def combined_source(name: str, shape: tuple[int, ...], outer: list[tuple[int, tu
     pieces = [OuterPiece(rank, piece_shape, tuple(f.info for f in frags)) for rank, piece_shape, frags in outer]
     return StateSource(recognize_nested(name, shape, pieces, hints), tuple(f for _, _, frags in outer for f in frags),
                        groups=tuple(len(frags) for *_, frags in outer))
+
+
+def held_params(slices: list[SliceState], tensors: dict[str, LazyTensor], holder: str) -> list[ParamPlan]:
+    """The trainable parameters of several slices (each a `holder`: a pipeline stage, an expert-parallel
+    rank), in first-seen order. A parameter one slice holds is Unique to it; one that several hold is
+    a copy kept identical on each (a tied weight on every stage that uses it, a dense weight on every
+    EP rank): Replicate, checked equal under --strict. `tensors` gives each parameter's model dtype."""
+    holders: dict[str, list[SliceState]] = {}
+    for sl in slices:
+        for name in sl.shapes:
+            holders.setdefault(name, []).append(sl)
+    params = []
+    for name, held in holders.items():
+        shape = held[0].shapes[name]
+        for sl in held[1:]:
+            if sl.shapes[name] != shape:
+                raise CorruptCheckpointError(f"{name}: {holder} {held[0].mp} holds shape {shape}, {holder} {sl.mp} "
+                                             f"{sl.shapes[name]}; a shared parameter must have one shape")
+        hints = Hints(pattern=Pattern.REPLICATE) if len(held) > 1 else None
+        states = {}
+        for state in held[0].states():
+            outer = [(sl.mp, shape, sl.fragments[(name, state)]) for sl in held if (name, state) in sl.fragments]
+            if outer and len(outer) != len(held):
+                raise CorruptCheckpointError(f"{name}: shared by {holder}s {[sl.mp for sl in held]} but only "
+                                             f"{len(outer)} of them hold its '{state}'; files from different runs "
+                                             "are mixed")
+            if outer:
+                states[state] = combined_source(name, shape, outer, hints)
+        if WEIGHT_STATE not in states:
+            raise CorruptCheckpointError(f"{(held[0].optim_paths or [held[0].model_path])[0]}: parameter '{name}' has "
+                                         "no optimizer fragment (it never received a gradient), and no other fp32 "
+                                         "copy of it is kept; convert a checkpoint saved after a full step")
+        group = held[0].group_of[name]
+        t = tensors.get(name)
+        params.append(ParamPlan(name, shape, TRAINABLE, states, group, held[0].steps.get(group),
+                                dtype_name(t) if t is not None else "float32"))
+    return params

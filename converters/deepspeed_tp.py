@@ -1,4 +1,4 @@
-"""Plan the conversion of a tensor-parallel DeepSpeed checkpoint (AutoTP), ZeRO-0/1/2.
+"""Plan the conversion of a tensor-parallel DeepSpeed checkpoint (AutoTP), ZeRO-0/1/2/3.
 
 Layout written by DeepSpeed 0.19 with `"tensor_parallel": {"autotp_size": T}` (no pipeline):
 
@@ -8,6 +8,8 @@ Layout written by DeepSpeed 0.19 with `"tensor_parallel": {"autotp_size": T}` (n
 * `[bf16_]zero_pp_rank_{D}_mp_rank_{TT}_optim_states.pt`: ZeRO partitions of each TP shard over
   the data-parallel ranks of that TP rank. ZeRO-0 writes none: each TP rank's optimizer state sits
   whole in its model file (see `deepspeed_zero0`).
+* ZeRO-3 writes `zero_pp_rank_{D}_mp_rank_{TT}_{model,optim}_states.pt` instead: every TP shard is
+  partitioned on its own over the DP ranks of its TP rank (see `deepspeed_zero3`), frozen ones too.
 
 Every parameter is an outer layout over TP ranks (Shard-V for column-parallel weights and a
 vocabulary-split embedding, Shard-H for row-parallel ones, Replicate for norms), each shard
@@ -27,6 +29,7 @@ from ucp.converters.deepspeed_declared import affine_params, declared_layout
 from ucp.converters.deepspeed_slices import (MODEL_FILE, SliceState, aliases, combined_source, dtype_name,
                                              load_dict, model_files, optim_files, read_slice, whole)
 from ucp.converters.deepspeed_zero0 import zero0_slice
+from ucp.converters.deepspeed_zero3 import ZERO3_MODEL_FILE, read_zero3_slice, zero3_model_files
 from ucp.converters.deepspeed_zero import TagDir, finish_plan
 from ucp.converters.torch_zip import LazyTensor, read_tensor
 from ucp.errors import AmbiguousPatternError, CheckpointNotFoundError, CorruptCheckpointError, UnsupportedLayoutError
@@ -35,7 +38,8 @@ from ucp.plan import BUFFER, BUFFER_STATE, FROZEN, TRAINABLE, WEIGHT_STATE, Conv
 
 
 def is_tensor_parallel(names: list[str]) -> bool:
-    return sum(1 for n in names if MODEL_FILE.match(n)) > 1
+    zero3_slices = {m.group(2) for n in names if (m := ZERO3_MODEL_FILE.match(n))}
+    return sum(1 for n in names if MODEL_FILE.match(n)) > 1 or len(zero3_slices) > 1
 
 
 def plan_tp(where: TagDir, names: list[str], patterns: dict[str, str] | None = None) -> ConversionPlan:
@@ -45,7 +49,9 @@ def plan_tp(where: TagDir, names: list[str], patterns: dict[str, str] | None = N
     (`replicate`, `partial`, `shard_v`, `shard_h`), for checkpoints that do not declare it.
     """
     folder = where.path
-    models = model_files(folder, names)
+    optims = optim_files(folder, names)
+    zero3 = zero3_model_files(folder, names)
+    models = {mp: path for (dp, mp), path in zero3.items() if dp == 0} if zero3 else model_files(folder, names)
     first = load_dict(models[min(models)])
     dims = first.get("checkpoint_parallel_dimensions") or {}
     tp, pp = int(dims.get("tp_degree") or len(models)), int(dims.get("pp_degree") or 1)
@@ -54,32 +60,41 @@ def plan_tp(where: TagDir, names: list[str], patterns: dict[str, str] | None = N
                                      "tensor x pipeline parallel checkpoints are not supported yet")
     missing = [t for t in range(tp) if t not in models]
     if missing:
-        raise CheckpointNotFoundError(f"{folder / f'mp_rank_{missing[0]:02d}_model_states.pt'}: missing (the "
-                                      f"checkpoint has {tp} tensor-parallel ranks); copy every rank's file")
-    optims = optim_files(folder, names)
-    contents = [first] + [load_dict(models[t]) for t in range(1, tp)]
-    # ZeRO-0 keeps each TP rank's optimizer state, whole, in its model file.
-    ranks = [read_slice(folder, t, models[t], contents[t], optims) if optims else zero0_slice(t, models[t], contents[t])
-             for t in range(tp)]
-    layouts = _Layouts(affine_params(first.get("universal_checkpoint_info"), str(models[0])), patterns or {})
-    tied = {str(k) for m in contents for k in (m.get("shared_params") or {})} | aliases(first.get("module") or {})
+        wanted = f"zero_pp_rank_0_mp_rank_{missing[0]:02d}" if zero3 else f"mp_rank_{missing[0]:02d}"
+        raise CheckpointNotFoundError(f"{folder / f'{wanted}_model_states.pt'}: missing (the checkpoint has {tp} "
+                                      "tensor-parallel ranks); copy every rank's file")
+    if zero3:
+        ranks = [read_zero3_slice(folder, t, zero3, optims) for t in range(tp)]
+    else:
+        contents = [first] + [load_dict(models[t]) for t in range(1, tp)]
+        # ZeRO-0 keeps each TP rank's optimizer state, whole, in its model file.
+        ranks = [read_slice(folder, t, models[t], contents[t], optims) if optims
+                 else zero0_slice(t, models[t], contents[t]) for t in range(tp)]
+    entries = affine_params(first.get("universal_checkpoint_info"), str(models[0]))
+    layouts = Layouts(lambda name, shapes: declared_layout(name, entries), patterns or {})
+    tied = {str(k) for r in ranks for k in (r.model.get("shared_params") or {})} | aliases(first.get("module") or {})
     params = [_trainable(name, ranks, layouts) for name in ranks[0].shapes]
-    params += _module_only(ranks, layouts, set(ranks[0].shapes) | tied)
+    params += [_frozen_zero3(name, ranks, layouts) for name in ranks[0].frozen]
+    params += untrained_shards([r.model.get("module") or {} for r in ranks], layouts,
+                               set(ranks[0].shapes) | set(ranks[0].frozen) | tied,
+                               set(ranks[0].model.get("buffer_names") or []), "files from different runs are mixed")
     layouts.check_used(folder)
-    files = [p for r in ranks for p in [*r.optim_paths, r.model_path]]
+    files = [p for r in ranks for p in r.files()]
     return finish_plan(where, first, params, ranks[0].hyper, ranks[0].moment_names, ranks[0].stage, ranks[0].dp,
                        files, ranks[0].loss_scaler, {"tp": tp, "pp": 1})
 
 
-class _Layouts:
+class Layouts:
     """Where each parameter's TP layout comes from, first to last: a `--pattern NAME=PATTERN` the user
-    gave (NAME a parameter name or a regex matching whole names), the checkpoint's affine map, or
-    what the shards themselves show. Shards of different shapes are split along the one dim where
-    they differ; shards of one shape are Replicate when their fp32 copies are equal (read here to
-    check) and otherwise ambiguous: split along dim 0 or 1, which only the user can say."""
+    gave (NAME a parameter name or a regex matching whole names), what the checkpoint declares
+    (`declared(name, shard shapes)`: the full shape and hints, or None), or what the shards themselves
+    show. Shards of different shapes are split along the one dim where they differ; shards of one
+    shape are Replicate when their fp32 copies are equal (read here to check) and otherwise
+    ambiguous: split along dim 0 or 1, which only the user can say."""
 
-    def __init__(self, entries: dict, patterns: dict[str, str]):
-        self.entries = entries
+    def __init__(self, declared: Callable[[str, list[tuple[int, ...]]], tuple[tuple[int, ...], Hints] | None],
+                 patterns: dict[str, str]):
+        self.declared = declared
         self.patterns = {key: _pattern_of(key, value) for key, value in patterns.items()}
         self.used: set[str] = set()
 
@@ -89,7 +104,7 @@ class _Layouts:
         if given:
             self.used.add(given[0])
             return _declared_by_user(name, shapes, self.patterns[given[0]]), Hints(pattern=self.patterns[given[0]])
-        declared = declared_layout(name, self.entries)
+        declared = self.declared(name, shapes)
         if declared is not None:
             return declared
         differ = [d for d in range(len(shapes[0])) if len({s[d] for s in shapes}) > 1]
@@ -106,7 +121,8 @@ class _Layouts:
         raise AmbiguousPatternError(
             f"{name}: the checkpoint declares no tensor-parallel layout for it (no universal_checkpoint_info) and "
             f"{seen}, so the way they join is unknown; pass --pattern '{name}=shard_v' (split along dim 0, "
-            f"column-parallel) or --pattern '{name}=shard_h' (dim 1, row-parallel)")
+            f"column-parallel) or --pattern '{name}=shard_h' (dim 1, row-parallel); a fused parameter (QKV, gate/up) "
+            "needs its sub-parameters declared in universal_checkpoint_info (parameter_with_sub_params)")
 
     def check_used(self, folder) -> None:
         unused = sorted(set(self.patterns) - self.used)
@@ -143,21 +159,25 @@ def _declared_by_user(name: str, shapes: list[tuple[int, ...]], pattern: Pattern
     return tuple(full)
 
 
-def _fp32_shard(name: str, rank: SliceState) -> torch.Tensor:
+def fp32_shard(name: str, rank: SliceState) -> torch.Tensor:
     """TP rank `rank`'s fp32 shard of `name`, read from its fragments."""
     frags = rank.fragments[(name, WEIGHT_STATE)]
     return materialize(StateSource(recognize(name, rank.shapes[name], [f.info for f in frags]), tuple(frags)),
                        name=name)
 
 
-def _trainable(name: str, ranks: list[SliceState], layouts: _Layouts) -> ParamPlan:
-    shard_shapes = []
-    for r in ranks:
-        if name not in r.shapes:
-            raise CorruptCheckpointError(f"{r.model_path}: lists no '{name}', which TP rank 0 trains; files from "
-                                         "different runs are mixed")
-        shard_shapes.append(r.shapes[name])
-    shape, hints = layouts.of(name, shard_shapes, lambda: [_fp32_shard(name, r) for r in ranks])
+def _on_every_rank(name: str, ranks: list[SliceState], tables: list[dict], what: str) -> list:
+    """`name`'s entry in every TP rank's table (its `what`); a named error where a rank lacks it."""
+    for r, table in zip(ranks, tables):
+        if name not in table:
+            raise CorruptCheckpointError(f"{r.model_path}: lists no {what} '{name}', which TP rank 0 holds; files "
+                                         "from different runs are mixed")
+    return [table[name] for table in tables]
+
+
+def _trainable(name: str, ranks: list[SliceState], layouts: Layouts) -> ParamPlan:
+    shard_shapes = _on_every_rank(name, ranks, [r.shapes for r in ranks], "trainable parameter")
+    shape, hints = layouts.of(name, shard_shapes, lambda: [fp32_shard(name, r) for r in ranks])
     states = {}
     for state in ranks[0].states():
         outer = [(r.mp, r.shapes[name], r.fragments[(name, state)]) for r in ranks if (name, state) in r.fragments]
@@ -176,18 +196,34 @@ def _trainable(name: str, ranks: list[SliceState], layouts: _Layouts) -> ParamPl
                      dtype_name(t) if isinstance(t, LazyTensor) else "float32")
 
 
-def _module_only(ranks: list[SliceState], layouts: _Layouts, skip: set[str]) -> list[ParamPlan]:
-    """Frozen parameters and buffers: whole TP shards in every rank's module state."""
-    modules = [r.model.get("module") or {} for r in ranks]
-    buffers = set(ranks[0].model.get("buffer_names") or [])
+def _frozen_zero3(name: str, ranks: list[SliceState], layouts: Layouts) -> ParamPlan:
+    """A frozen parameter under ZeRO-3: every TP rank's shard partitioned over its DP ranks."""
+    held = [(r.mp, *frozen) for r, frozen in zip(ranks, _on_every_rank(name, ranks, [r.frozen for r in ranks],
+                                                                       "frozen parameter"))]
+
+    def copies() -> list[torch.Tensor]:
+        return [materialize(StateSource(recognize(name, shard, [f.info for f in frags]), tuple(frags)), name=name)
+                for _, shard, frags in held]
+
+    shape, hints = layouts.of(name, [shard for _, shard, _ in held], copies)
+    t = (ranks[0].model.get("module") or {}).get(name)
+    return ParamPlan(name, shape, FROZEN, {WEIGHT_STATE: combined_source(name, shape, held, hints)},
+                     model_dtype=dtype_name(t) if isinstance(t, LazyTensor) else "float32")
+
+
+def untrained_shards(tables: list[dict], layouts: Layouts, skip: set[str], buffers: set[str],
+                     missing: str) -> list[ParamPlan]:
+    """Frozen parameters and buffers: whole TP shards, one table (name -> tensor) per TP rank.
+
+    `missing` ends the error for a tensor some rank's table lacks (which files to copy).
+    """
     out = []
-    for name, t in modules[0].items():
+    for name, t in tables[0].items():
         if name in skip or not isinstance(t, LazyTensor):
             continue
-        tensors = [m.get(name) for m in modules]
+        tensors = [table.get(name) for table in tables]
         if not all(isinstance(x, LazyTensor) for x in tensors):
-            raise CorruptCheckpointError(f"{name}: some TP ranks' module state lacks it; files from different "
-                                         "runs are mixed")
+            raise CorruptCheckpointError(f"{name}: some TP ranks lack it; {missing}")
         shape, hints = layouts.of(name, [x.shape for x in tensors], lambda: [read_tensor(x) for x in tensors])
         frags = [whole(x, rank) for rank, x in enumerate(tensors)]
         spec = recognize(name, shape, [f.info for f in frags], hints)

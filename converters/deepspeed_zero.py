@@ -8,25 +8,23 @@ written by DeepSpeed 0.19:
   buffers and frozen parameters; `[bf16_]zero_pp_rank_{d}_mp_rank_00_optim_states.pt` holds rank
   d's flat fp32 partition per group, the Adam moments over the same partition, and
   `param_slice_mappings` (name -> numel, start within the partition).
-* ZeRO-3: every parameter is partitioned on its own: rank d holds `ceil(numel / dp)` elements
-  (the last rank zero-padded), and a sub-group's flat tensor concatenates those pieces in
-  `param_shapes` order. Frozen parameters are partitioned the same way in the model files.
+* ZeRO-3: every parameter is partitioned on its own (see `deepspeed_zero3`); frozen parameters
+  are partitioned the same way in the model files.
 """
 from __future__ import annotations
 
 import functools
-import math
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ucp.converters.deepspeed_slices import (check_partitions, dp_paths, dtype_name, load_dict, moment_keys, piece,
-                                             read_slice, shape_of, step_value, whole, zero_stage)
+from ucp.converters.deepspeed_slices import dtype_name, load_dict, read_slice, whole
 from ucp.converters.deepspeed_zero0 import zero0_trainable
+from ucp.converters.deepspeed_zero3 import read_zero3_slice, zero3_model_files
 from ucp.converters.torch_zip import LazyTensor, as_python
 from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedLayoutError
-from ucp.patterns.recognize import FragmentInfo, recognize
+from ucp.patterns.recognize import recognize
 from ucp.plan import (BUFFER, BUFFER_STATE, FROZEN, TRAINABLE, WEIGHT_STATE, ConversionPlan, Fragment, ParamPlan,
                       StateSource)
 
@@ -37,7 +35,6 @@ _MODEL_KEYS = {
     "ds_version", "checkpoint_parallel_dimensions", "universal_checkpoint_info",
 }
 _OPTIM_FILE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
-_ZERO3_MODEL_FILE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 _MODEL_FILE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
 
 
@@ -88,11 +85,11 @@ def plan_deepspeed(input_dir: str | os.PathLike, tag: str | None = None,
     folder = where.path
     names = sorted(os.listdir(folder))
     optim = _rank_files(folder, names, _OPTIM_FILE)
-    zero3_models = _rank_files(folder, names, _ZERO3_MODEL_FILE)
+    zero3_models = zero3_model_files(folder, names)
     models = sorted(n for n in names if _MODEL_FILE.match(n))
     if not optim and not models and not zero3_models:
         raise CheckpointNotFoundError(f"{folder}: no DeepSpeed model-states files; is this a checkpoint tag folder?")
-    family = _parallel_family(folder, names, patterns or {})
+    family = _parallel_family(folder, names, patterns or {}, param_names)
     if family is not None:
         return family(where, names)
     if any(m != 0 for (_, m) in list(optim) + list(zero3_models)) or len(models) > 1:
@@ -110,16 +107,22 @@ def plan_deepspeed(input_dir: str | os.PathLike, tag: str | None = None,
     return _plan_zero12(where, model_path, model, optim)
 
 
-def _parallel_family(folder: Path, names: list[str], patterns: dict[str, str]):
-    """The planner of a pipeline, tensor-parallel or MoE layout, or None for plain ZeRO.
+def _parallel_family(folder: Path, names: list[str], patterns: dict[str, str], param_names: list[str] | None):
+    """The planner of a tensor x pipeline, pipeline, tensor-parallel or MoE layout, or None for plain ZeRO.
 
     Imported here, not at the top: those planners build on this module's `finish_plan`.
     """
+    from ucp.converters.deepspeed_megatron import is_tensor_pipeline, plan_megatron
     from ucp.converters.deepspeed_moe import is_moe, plan_moe
     from ucp.converters.deepspeed_pipe import is_pipeline, plan_pipe
     from ucp.converters.deepspeed_tp import is_tensor_parallel, plan_tp
 
-    planner = plan_pipe if is_pipeline(names) else plan_moe if is_moe(names) else None
+    if is_tensor_pipeline(names):
+        return functools.partial(plan_megatron, patterns=patterns)
+    if is_pipeline(names):
+        planner = functools.partial(plan_pipe, param_names=param_names)
+    else:
+        planner = plan_moe if is_moe(names) else None
     if planner is None and is_tensor_parallel(names):
         return functools.partial(plan_tp, patterns=patterns)
     if patterns:
@@ -166,84 +169,21 @@ def _plan_zero12(where: TagDir, model_path: Path, model: dict, optim_files: dict
 
 
 def _plan_zero3(where: TagDir, model_files: dict, optim_files: dict) -> ConversionPlan:
-    folder = where.path
-    first_model = load_dict(model_files[min(model_files)])
-    dp = int(first_model.get("dp_world_size") or len(model_files))
-    model_paths = dp_paths(folder, model_files, dp, 0, "model_states")
-    optim_paths = dp_paths(folder, optim_files, dp, 0, "optim_states") if optim_files else []
-    if not optim_paths:
-        raise CheckpointNotFoundError(f"{folder}: ZeRO-3 model files but no *_optim_states.pt files; copy them too")
-    param_shapes = first_model.get("param_shapes")
-    if not param_shapes:
-        raise CorruptCheckpointError(f"{model_paths[0]}: records no param_shapes")
-    shapes = {name: shape_of(s) for group in param_shapes for name, s in group.items()}
-    sub_group_of = {name: g for g, group in enumerate(param_shapes) for name in group}
-
-    fragments: dict[tuple[str, str], list[Fragment]] = {}
-    moment_names: list[str] = []
-    sub_steps: dict[int, float | None] = {}
-    sub_hyper = None
-    stage = None
-    scaler = None
-    for rank, path in enumerate(optim_paths):
-        osd = load_dict(path).get("optimizer_state_dict")
-        if not isinstance(osd, dict) or "fp32_flat_groups" not in osd:
-            raise CorruptCheckpointError(f"{path}: not a ZeRO-3 optimizer file (no fp32_flat_groups)")
-        stage = zero_stage(osd, path)
-        if osd.get("ds_zero_partition_groups"):
-            raise UnsupportedLayoutError(f"{path}: hierarchical ZeRO-3 partitions (hpZ/MiCS) are not supported yet")
-        check_partitions(osd.get("partition_count"), dp, [], path)
-        if rank == 0:
-            scaler = osd.get("loss_scaler")
-        inner = osd["optimizer_state_dict"]
-        if sub_hyper is None:
-            sub_hyper = inner.get("param_groups", [])
-        flat_fp32 = osd["fp32_flat_groups"]
-        if len(flat_fp32) != len(param_shapes):
-            raise CorruptCheckpointError(f"{path}: has {len(flat_fp32)} sub-groups, the model files "
-                                         f"{len(param_shapes)}; files from different runs are mixed")
-        for i, group in enumerate(param_shapes):
-            state = inner["state"].get(i, {})
-            if not moment_names:
-                moment_names = moment_keys(state)
-            sub_steps.setdefault(i, step_value(state, path))
-            flats = {WEIGHT_STATE: flat_fp32[i], **{k: state[k] for k in moment_keys(state)}}
-            offset = 0
-            for name, shape in group.items():
-                per_rank = math.ceil(math.prod(shape_of(shape)) / dp)
-                for state_name, flat in flats.items():
-                    fragments.setdefault((name, state_name), []).append(
-                        Fragment(FragmentInfo(rank, (per_rank,), rank * per_rank), piece(flat, offset, per_rank)))
-                offset += per_rank
-
-    groups, group_of_sub = _merge_sub_groups(sub_hyper or [])
+    part = read_zero3_slice(where.path, 0, model_files, optim_files)
+    module = part.model.get("module") or {}
     params = []
-    module = first_model.get("module") or {}
-    for name, shape in shapes.items():
-        states = {s: _state_source(name, shape, fragments[(name, s)])
-                  for s in [WEIGHT_STATE, *moment_names] if (name, s) in fragments}
-        sub = sub_group_of[name]
-        params.append(ParamPlan(name, shape, TRAINABLE, states, group_of_sub.get(sub, sub), sub_steps.get(sub),
+    for name, shape in part.shapes.items():
+        states = {s: _state_source(name, shape, part.fragments[(name, s)]) for s in part.states()
+                  if (name, s) in part.fragments}
+        group = part.group_of[name]
+        params.append(ParamPlan(name, shape, TRAINABLE, states, group, part.steps.get(group),
                                 _module_dtype(module, name)))
-
-    frozen_shapes = first_model.get("frozen_param_shapes") or {}
-    frozen_frags: dict[str, list[Fragment]] = {}
-    for rank, path in enumerate(model_paths):
-        model = first_model if rank == 0 else load_dict(path)
-        for name, shape in frozen_shapes.items():
-            t = (model.get("frozen_param_fragments") or {}).get(name)
-            if not isinstance(t, LazyTensor):
-                raise CorruptCheckpointError(f"{path}: frozen parameter '{name}' has no fragment")
-            per_rank = math.ceil(math.prod(shape_of(shape)) / dp)
-            frozen_frags.setdefault(name, []).append(
-                Fragment(FragmentInfo(rank, (per_rank,), rank * per_rank), piece(t, 0, per_rank)))
-    for name, shape in frozen_shapes.items():
-        params.append(ParamPlan(name, shape_of(shape), FROZEN,
-                                {WEIGHT_STATE: _state_source(name, shape_of(shape), frozen_frags[name])},
+    for name, (shape, frags) in part.frozen.items():
+        params.append(ParamPlan(name, shape, FROZEN, {WEIGHT_STATE: _state_source(name, shape, frags)},
                                 model_dtype=_module_dtype(module, name)))
-    params += _buffers(first_model, model_paths[0])
-    return finish_plan(where, first_model, params, groups, moment_names, stage, dp,
-                   list(optim_paths) + list(model_paths), scaler)
+    params += _buffers(part.model, part.model_path)
+    return finish_plan(where, part.model, params, part.hyper, part.moment_names, part.stage, part.dp,
+                       part.files(), part.loss_scaler)
 
 
 def _plan_zero0(where: TagDir, model_path: Path, model: dict, param_names: list[str] | None) -> ConversionPlan:
@@ -260,19 +200,6 @@ def _loss_scaler_state(scaler) -> dict:
     """The dynamic fp16 loss-scaler fields, from a pickled LossScaler or a ZeRO-0 optimizer dict."""
     state = as_python(scaler)
     return {k: state[k] for k in _SCALER_FIELDS if isinstance(state, dict) and k in state}
-
-
-def _merge_sub_groups(sub_hyper: list[dict]) -> tuple[list[dict], dict[int, int]]:
-    """ZeRO-3 splits each param group into sub-groups of `sub_group_size` elements, each listed as
-    its own torch param group. Consecutive sub-groups with equal hyper-parameters are rejoined."""
-    groups: list[dict] = []
-    group_of_sub = {}
-    for i, g in enumerate(sub_hyper):
-        hp = {k: v for k, v in g.items() if k != "params"}
-        if not groups or groups[-1] != hp:
-            groups.append(hp)
-        group_of_sub[i] = len(groups) - 1
-    return groups, group_of_sub
 
 
 def _module_dtype(module: dict, name: str) -> str:

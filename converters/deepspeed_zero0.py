@@ -22,7 +22,7 @@ from ucp.converters.torch_zip import LazyTensor, read_tensor
 from ucp.errors import AmbiguousPatternError, CorruptCheckpointError
 from ucp.fileio import tensor_bytes
 from ucp.patterns.recognize import FragmentInfo, recognize
-from ucp.plan import BUFFER_STATE, WEIGHT_STATE, ParamPlan, StateSource, TRAINABLE, Fragment, Piece
+from ucp.plan import WEIGHT_STATE, ParamPlan, StateSource, TRAINABLE, Fragment, Piece
 
 
 def zero0_trainable(model: dict, path: Path, param_names: list[str] | None) -> tuple[list[ParamPlan], list, list[str]]:

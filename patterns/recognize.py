@@ -100,9 +100,6 @@ def recognize_nested(name: str, shape: Sequence[int], pieces: Sequence[OuterPiec
     nested = {"inner": inner[0], "shard_shapes": tuple(tuple(p.shape) for p in pieces)}
     if outer.pattern in (Pattern.SHARD_V, Pattern.SHARD_H):
         return PatternSpec(Pattern.SHARD_HY, shape, dim=outer.dim, padded_size=outer.padded_size, **nested)
-    if outer.pattern is Pattern.SHARD_NC:
-        raise AmbiguousPatternError(f"{name}: non-contiguous shards that are themselves partitioned cannot be "
-                                    "rebuilt yet; convert a checkpoint saved without ZeRO partitioning of it")
     return dataclasses.replace(outer, **nested)
 
 
@@ -176,5 +173,11 @@ def _from_hints(name: str, shape: tuple[int, ...], fragments: Sequence[FragmentI
     if pattern is Pattern.SHARD_NC:
         if hints.sub_widths is None or hints.dim is None:
             raise AmbiguousPatternError(f"{name}: shard_nc needs the sub-parameter widths and dim")
+        held = [sum(w[r] for w in hints.sub_widths) if all(len(w) == len(fragments) for w in hints.sub_widths)
+                else None for r in range(len(fragments))]
+        if held != [f.shape[hints.dim] if len(f.shape) > hints.dim else None for f in fragments]:
+            raise AmbiguousPatternError(f"{name}: declared shard_nc with sub-parameter widths "
+                                        f"{[list(w) for w in hints.sub_widths]}, which do not fill its pieces "
+                                        f"{[f.shape for f in fragments]} along dim {hints.dim}")
         return PatternSpec(pattern, shape, dim=hints.dim, sub_widths=hints.sub_widths)
     raise AmbiguousPatternError(f"{name}: hint {pattern.value} is not enough to rebuild it; {_FIX.format(name=name)}")

@@ -1,9 +1,15 @@
-"""Tensor-parallel (DeepSpeed AutoTP) sources: a tiny Hugging Face Llama with GQA at TP=2 x DP=2.
+"""Tensor-parallel (DeepSpeed AutoTP) sources: a tiny Hugging Face Llama with GQA at TP=2 x DP=2, ZeRO 0-3.
 
 The reference is each rank's gathered fp32 state at save time (its TP shard, gathered over DP),
 consolidated here by hand from what AutoTP does to a Llama, independently of the checkpoint's own
 metadata: q/k/v/gate/up (and a tied, vocabulary-split embedding) split along dim 0, o/down along
 dim 1, norms and an untied embedding replicated. Every comparison is `torch.equal`.
+
+DeepSpeed 0.19.8 trains AutoTP under ZeRO-3 on CPU ("AutoTP + ZeRO stage 3 is supported for both
+inference and training", runtime/engine.py): each TP rank's shard is partitioned again, on its own,
+over the DP ranks of that TP rank (`zero_pp_rank_{D}_mp_rank_{TT}_*_states.pt`), which ucp reads as
+Shard-Hy. Its ds_to_universal converts such a checkpoint (no step.pt) but stops on a frozen
+parameter ("Unused patterns=['^model\\.norm\\.weight$'] while merging tp slices").
 """
 from __future__ import annotations
 
@@ -32,6 +38,8 @@ AUTOTP = Family.of("autotp", "train_llama_tp.py", 4, {
     "z2-fp32-frozen": {"stage": 2, "frozen": ["model.norm.weight"]},
     "z0-fp32": {"stage": 0},
     "z0-bf16-tied": {"stage": 0, "dtype": "bf16", "tied": True},
+    "z3-fp32-frozen": {"stage": 3, "frozen": ["model.norm.weight"]},
+    "z3-bf16-tied": {"stage": 3, "dtype": "bf16", "tied": True},
 })
 RUNS = [name for name, _ in AUTOTP.runs]
 STATES = ("fp32", "exp_avg", "exp_avg_sq")
@@ -144,9 +152,10 @@ def test_patterns_and_metadata(run, converted):
                if ckpt.info(n).kind == "param")
 
 
-@pytest.mark.parametrize("run", ["z1-fp32", "z2-bf16-tied"])
+@pytest.mark.parametrize("run", ["z1-fp32", "z2-bf16-tied", "z3-bf16-tied"])
 def test_equals_ds_to_universal(run, autotp, converted):
     ckpt, reference = converted(run), load_ds_universal(ds_universal_of(autotp / run))
+    per_param = 3 if run.startswith("z3") else 4  # ds_to_universal writes no step.pt for ZeRO-3
     compared = 0
     for name, states in reference.items():
         if name == "lm_head.weight" and "tied" in run:
@@ -157,7 +166,22 @@ def test_equals_ds_to_universal(run, autotp, converted):
             got = ckpt.tensor(name, state)
             assert torch.equal(got, expected.float().reshape(got.shape)), (name, state)
             compared += 1
-    assert compared == 4 * sum(1 for n in ckpt.names if ckpt.info(n).kind == "param")
+    assert compared == per_param * sum(1 for n in ckpt.names if ckpt.info(n).kind == "param")
+
+
+def test_negative_control_zero3_partitions_joined_across_tp_ranks(autotp, converted):
+    """Under ZeRO-3 every TP shard of the row-parallel down_proj is partitioned on its own. Joining all four
+    ranks' partitions as one flat tensor (TP rank after TP rank, as if the shards split dim 0) must fail the
+    check that the nested Shard-Hy read passes."""
+    name = "model.layers.0.mlp.down_proj.weight"
+    source = plan_deepspeed(autotp / "z3-fp32-frozen" / "ckpt").param(name).states["fp32"]
+    assert source.spec.pattern is Pattern.SHARD_HY and source.spec.dim == 1 and source.groups == (2, 2)
+    pieces = [read_fragment(f) for f in source.fragments]
+    expected = consolidated(reference_state(autotp / "z3-fp32-frozen"), tied=False)[name]["fp32"]
+    assert torch.equal(converted("z3-fp32-frozen").tensor(name), expected)
+    wrong = strip_pad(union(PatternSpec(Pattern.SHARD_V, (16, 24), flat=True, padded_size=384), pieces),
+                      PatternSpec(Pattern.SHARD_V, (16, 24), flat=True, padded_size=384))
+    assert wrong.shape == expected.shape and not torch.equal(wrong, expected)
 
 
 def test_negative_control_non_contiguous_split(autotp):

@@ -1,9 +1,14 @@
-"""Native DeepSpeed MoE sources (4 experts, ep_size 1 and 2, ZeRO-1/2) on 2 ranks.
+"""Native DeepSpeed MoE sources (4 experts, ep_size 1 and 2, ZeRO-0/1/2) on 2 ranks.
 
 Optimizer files keep each EP rank's experts under local ids; ucp names every expert by its global
 id. The reference is every rank's gathered fp32 state at save time, its local expert ids mapped to
 global ones by the training script from DeepSpeed's own expert-parallel rank. Every comparison is
 `torch.equal`.
+
+ZeRO-0 writes no ZeRO optimizer files but `expp_rank_{E}_mp_rank_00_optim_states.pt`: EP rank E's
+whole torch optimizer state (with fp32 masters under bf16), by slot position. DeepSpeed 0.19.8's
+ds_to_universal stops on them (it reads expp_rank_0 as a ZeRO optimizer file: KeyError
+'optimizer_state_dict'), so it is not compared.
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ from support.checkpoints import load_ds_universal
 from support.parallel import Family, build_family, ds_universal_of, reference_state
 from ucp.assemble import assemble, read_fragment
 from ucp.converters.deepspeed_slices import load_dict, model_files, optim_files, read_slice
+from ucp.converters.deepspeed_zero0 import zero0_slice
 from ucp.convert import convert
 from ucp.patterns import FragmentInfo, Pattern, PatternSpec
 from ucp.plan import StateSource
@@ -24,6 +30,9 @@ MOE = Family.of("moe", "train_moe.py", 2, {
     "ep1-z1": {"ep_size": 1, "stage": 1},
     "ep2-z2": {"ep_size": 2, "stage": 2},
     "ep2-z1-bf16": {"ep_size": 2, "stage": 1, "dtype": "bf16"},
+    "ep1-z0": {"ep_size": 1, "stage": 0},
+    "ep2-z0": {"ep_size": 2, "stage": 0},
+    "ep2-z0-bf16": {"ep_size": 2, "stage": 0, "dtype": "bf16"},
 })
 RUNS = [name for name, _ in MOE.runs]
 STATES = ("fp32", "exp_avg", "exp_avg_sq")
@@ -52,16 +61,55 @@ def converted(moe, tmp_path_factory):
 @pytest.mark.parametrize("run", RUNS)
 def test_equals_live_engine_state(run, moe, converted):
     ckpt, live = converted(run), reference_state(moe / run)
+    # Under bf16 ZeRO-0 the engine's helpers see only the bf16 module weights, which the fp32 masters round to;
+    # test_zero0_equals_the_saved_slots checks the masters and moments against the files.
+    rounded = run == "ep2-z0-bf16"
     seen = set()
     for rank in live["ranks"]:
         for name, states in rank["params"].items():
-            for state in STATES:
-                assert torch.equal(ckpt.tensor(name, state), states[state]), (run, rank["ep_rank"], name, state)
+            for state in ("fp32",) if rounded else STATES:
+                got = ckpt.tensor(name, state)
+                assert torch.equal(got.bfloat16().float() if rounded else got, states[state]), (run, rank["ep_rank"],
+                                                                                                name, state)
             seen.add(name)
     assert {n for n in ckpt.names if ckpt.info(n).kind == "param"} == seen
     assert all(EXPERT.format(e) in seen for e in range(4))
-    for e in range(4):
-        assert ckpt.tensor(EXPERT.format(e), "step").item() == live["global_steps"]
+    if not rounded:  # DeepSpeed 0.19's bf16 ZeRO-0 optimizer counts one step more than the engine
+        for e in range(4):
+            assert ckpt.tensor(EXPERT.format(e), "step").item() == live["global_steps"]
+
+
+# Each EP rank's optimizer slots, in order: the dense parameters, then its local experts' parameters.
+DENSE = ["emb.weight", "moe.deepspeed_moe.gate.wg.weight", "head.weight", "head.bias"]
+EXPERT_PARAMS = ["w1.weight", "w1.bias", "w2.weight"]
+
+
+@pytest.mark.parametrize("run", ["ep1-z0", "ep2-z0", "ep2-z0-bf16"])
+def test_zero0_equals_the_saved_slots(run, moe, converted):
+    """Every expp_rank file, its slots named by hand (dense first, then the global experts of its EP rank),
+    holds exactly what ucp wrote: moments, step, and under bf16 the fp32 masters; copies in several files agree.
+
+    DeepSpeed numbers the files by the process's largest EP group: ep1-z0, trained after ep_size 2 runs in the
+    same launch, has two files (ranks 0 and 1), each with all four experts."""
+    ckpt, tag = converted(run), next(p for p in (moe / run / "ckpt").iterdir() if p.is_dir())
+    ep = 1 if run.startswith("ep1") else 2
+    files = sorted(tag.glob("expp_rank_*"))
+    assert [p.name for p in files] == [f"expp_rank_{f}_mp_rank_00_optim_states.pt" for f in range(2)]
+    for f, path in enumerate(files):
+        saved = torch.load(path, weights_only=False)["optimizer"]
+        inner = saved.get("optimizer_state_dict", saved)
+        masters = [t for group in saved.get("fp32_groups", []) for t in group]
+        experts = range(f % ep * 4 // ep, (f % ep + 1) * 4 // ep)
+        names = DENSE + [EXPERT.format(x).replace("w1.weight", p) for x in experts for p in EXPERT_PARAMS]
+        assert len(names) == len(inner["state"])
+        for slot, name in enumerate(names):
+            for state in STATES[1:] + ("step",):
+                assert torch.equal(ckpt.tensor(name, state), inner["state"][slot][state].float()), (f, name, state)
+            if masters:
+                assert torch.equal(ckpt.tensor(name, "fp32"), masters[slot]), (f, name)
+    assert ckpt.source["zero_stage"] == 0 and ckpt.source["ep"] == ep
+    assert ckpt.index["params"]["head.weight"]["pattern"]["pattern"] == "replicate"
+    assert ckpt.index["params"][EXPERT.format(3)]["pattern"]["pattern"] == ("replicate" if ep == 1 else "unique")
 
 
 @pytest.mark.parametrize("run", RUNS)
@@ -76,7 +124,8 @@ def test_experts_keep_global_ids_and_distinct_values(run, moe, converted):
         module = torch.load(next((moe / run / "ckpt").glob(f"*/layer_0_expert_{e}_mp_rank_00_model_states.pt")),
                             weights_only=False)[EXPERT.format(e)]
         assert torch.equal(weights[e].to(module.dtype), module), (run, e)
-    assert ckpt.index["params"][EXPERT.format(3)]["pattern"]["flat"]
+    # ZeRO-1/2 partitions an expert as flat runs; ZeRO-0 keeps it whole in one EP rank's file.
+    assert ckpt.index["params"][EXPERT.format(3)]["pattern"].get("flat", False) == ("-z0" not in run)
 
 
 def test_equals_ds_to_universal_at_ep1(moe, converted):
@@ -111,3 +160,23 @@ def test_negative_control_local_names_taken_as_global(moe, converted):
     joined = StateSource(PatternSpec(Pattern.SHARD_V, (96,), flat=True, padded_size=96), frags)
     assert assemble(joined, pieces, name=EXPERT.format(0)).numel() == 2 * ckpt.tensor(EXPERT.format(0)).numel()
     assert [FragmentInfo(r, (48,), 48 * r) for r in range(2)] == [f.info for f in frags]
+
+
+def test_negative_control_zero0_local_experts_taken_as_global(moe, converted):
+    """Naming EP rank 1's ZeRO-0 slots after experts 0 and 1 (its local ids, as if they were global) fits every
+    shape, so only the values can tell: they are experts 2 and 3, and fail the comparison with expert 0."""
+    tag = next(p for p in (moe / "ep2-z0" / "ckpt").iterdir() if p.is_dir())
+    model = load_dict(tag / "mp_rank_00_model_states.pt")
+    wrong_experts = {}
+    for e in (0, 1):
+        path = tag / f"layer_0_expert_{e}_mp_rank_00_model_states.pt"
+        wrong_experts.update({k: v for k, v in load_dict(path).items() if k.startswith("moe.")})
+    path = tag / "expp_rank_1_mp_rank_00_optim_states.pt"
+    wrong = zero0_slice(1, path, {**model, "optimizer": load_dict(path)["optimizer"],
+                                  "module": {**model["module"], **wrong_experts}})
+    ckpt, live = converted("ep2-z0"), reference_state(moe / "ep2-z0")["ranks"][0]["params"]
+    moment = read_fragment(wrong.fragments[(EXPERT.format(0), "exp_avg")][0])
+    assert torch.equal(ckpt.tensor(EXPERT.format(0), "exp_avg"), live[EXPERT.format(0)]["exp_avg"])
+    assert moment.shape == live[EXPERT.format(0)]["exp_avg"].shape
+    assert not torch.equal(moment, live[EXPERT.format(0)]["exp_avg"])
+    assert torch.equal(moment, ckpt.tensor(EXPERT.format(2), "exp_avg"))

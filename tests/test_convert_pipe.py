@@ -1,7 +1,11 @@
 """Pipeline-parallel (PipelineModule, 2 stages) sources: ucp against the live engine and ds_to_universal.
 
-ZeRO-1 in fp32 and bf16, and bf16 without ZeRO (DeepSpeed's bf16 optimizer, whose files name the
-parameters although the model files record no param_shapes). The model (tests/support/train_pipe.py)
+ZeRO-1 in fp32 and bf16, bf16 without ZeRO (DeepSpeed's bf16 optimizer, whose files name the
+parameters although the model files record no param_shapes), and fp32 without ZeRO: each stage's torch
+optimizer state sits in its mp_rank file by slot position, and nothing in the checkpoint names the slots
+(no param_shapes, no module, no tied-module keys, no layer-to-stage map), so the test names them as a
+user would, from the live stages' `named_parameters()`, and ucp checks them against the layer files'
+shapes; ds_to_universal 0.19.8 does not read ZeRO-0. The model (tests/support/train_pipe.py)
 ties its embedding between the first and the last stage, so `tied_modules.embed.weight` is held by
 both stages (Replicate); every other parameter lives on one stage (Unique). Every comparison is
 `torch.equal`.
@@ -18,7 +22,7 @@ from support.parallel import Family, build_family, ds_universal_of, reference_st
 from ucp.assemble import assemble, read_fragment
 from ucp.converters.deepspeed_zero import plan_deepspeed
 from ucp.convert import convert
-from ucp.errors import UnsupportedLayoutError
+from ucp.errors import AmbiguousPatternError
 from ucp.patterns import Pattern
 from ucp.primitives import ReplicaMismatchError
 
@@ -26,9 +30,9 @@ PIPE = Family.of("pipe", "train_pipe.py", 2, {
     "z1-fp32": {"stage": 1},
     "z1-bf16-topology": {"stage": 1, "dtype": "bf16", "topology": True},
     "z0-bf16": {"stage": 0, "dtype": "bf16"},  # the bf16 optimizer without ZeRO: no param_shapes recorded
-    "z0-fp32": {"stage": 0},  # optimizer state by position only: refused, see below
+    "z0-fp32": {"stage": 0},  # optimizer state by position only: named with --param-names
 })
-RUNS = [name for name, _ in PIPE.runs if name != "z0-fp32"]
+RUNS = [name for name, _ in PIPE.runs]
 TIED = "tied_modules.embed.weight"
 STATES = ("fp32", "exp_avg", "exp_avg_sq")
 
@@ -38,6 +42,12 @@ def pipe(ckpt_root):
     return build_family(PIPE, ckpt_root)
 
 
+def stage_names(run_dir) -> list[str]:
+    """Every stage's trainable parameter names in optimizer order, stage after stage, from the live engine."""
+    ranks = sorted(reference_state(run_dir)["ranks"], key=lambda r: (r["stage"], r["dp_rank"]))
+    return [name for r in ranks if r["dp_rank"] == 0 for name in r["params"]]
+
+
 @pytest.fixture(scope="module")
 def converted(pipe, tmp_path_factory):
     memo = {}
@@ -45,7 +55,8 @@ def converted(pipe, tmp_path_factory):
     def make(run: str):
         if run not in memo:
             out = tmp_path_factory.mktemp("ucp-pipe") / run
-            convert(pipe / run / "ckpt", out, workers=2, progress=False, strict=True)
+            names = stage_names(pipe / run) if run == "z0-fp32" else None
+            convert(pipe / run / "ckpt", out, workers=2, progress=False, strict=True, param_names=names)
             memo[run] = ucp.open_checkpoint(out)
         return memo[run]
 
@@ -72,7 +83,9 @@ def test_equals_live_engine_state(run, pipe, converted):
 def test_patterns_buffers_and_metadata(run, pipe, converted):
     ckpt = converted(run)
     tied = ckpt.index["params"][TIED]["pattern"]
-    assert tied["pattern"] == Pattern.REPLICATE.value and tied["inner"]["flat"]
+    # ZeRO-1 partitions each stage's copy (flat runs); fp32 ZeRO-0 keeps it whole.
+    assert tied["pattern"] == Pattern.REPLICATE.value and ("inner" not in tied if run == "z0-fp32" else
+                                                           tied["inner"]["flat"])
     assert ckpt.index["params"]["3.weight"]["pattern"]["pattern"] == Pattern.UNIQUE.value
     # Buffers of layers 1 and 2 (Block.scale = linspace(1, 0.5, 6) + seed), read from the layer files.
     for layer in (1, 2):
@@ -99,10 +112,32 @@ def test_equals_ds_to_universal(run, pipe, converted):
     assert compared == 4 * sum(1 for n in ckpt.names if ckpt.info(n).kind == "param")
 
 
-def test_fp32_zero0_is_refused_with_the_reason(pipe, tmp_path):
+def test_fp32_zero0_without_names_says_why_and_what_to_do(pipe, tmp_path):
     """fp32 without ZeRO keeps the optimizer state by slot position and records no parameter names."""
-    with pytest.raises(UnsupportedLayoutError, match=r"global_step2: a pipeline checkpoint without optimizer files"):
+    with pytest.raises(AmbiguousPatternError, match=r"global_step2: fp32 ZeRO-0 keeps each pipeline stage's optimizer "
+                       r"state in mp_rank_SS_model_states.pt \(9 \+ 3 slots\) by position only, .* pass --param-names "
+                       r"FILE listing every stage's trainable parameter names"):
         convert(pipe / "z0-fp32" / "ckpt", tmp_path / "out", progress=False)
+    names = stage_names(pipe / "z0-fp32")
+    with pytest.raises(AmbiguousPatternError, match=r"--param-names lists 11 names, the 2 stages' optimizers hold 9 \+ 3"):
+        convert(pipe / "z0-fp32" / "ckpt", tmp_path / "out", progress=False, param_names=names[:-1])
+    with pytest.raises(AmbiguousPatternError, match=r"3.weight: optimizer slot 0 holds shape \(11, 6\), the module "
+                       r"\(6,\)"):  # stage 1's first two names swapped: the layer files' shapes disagree
+        convert(pipe / "z0-fp32" / "ckpt", tmp_path / "out", progress=False,
+                param_names=names[:9] + [names[10], names[9], names[11]])
+
+
+def test_negative_control_zero0_names_of_equal_shapes_swapped(pipe, tmp_path):
+    """Naming layer 1's fc1 weight as layer 2's and back fits every shape; only the values can tell, and they
+    must fail the comparison with the live engine."""
+    names = stage_names(pipe / "z0-fp32")
+    a, b = names.index("1.fc1.weight"), names.index("2.fc1.weight")
+    names[a], names[b] = names[b], names[a]
+    convert(pipe / "z0-fp32" / "ckpt", tmp_path / "out", progress=False, param_names=names)
+    ckpt, live = ucp.open_checkpoint(tmp_path / "out"), reference_state(pipe / "z0-fp32")["ranks"]
+    expected = next(r for r in live if r["stage"] == 0)["params"]["1.fc1.weight"]["exp_avg"]
+    assert ckpt.tensor("1.fc1.weight", "exp_avg").shape == expected.shape
+    assert not torch.equal(ckpt.tensor("1.fc1.weight", "exp_avg"), expected)
 
 
 def test_strict_checks_the_tied_copies(pipe):

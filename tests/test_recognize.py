@@ -157,6 +157,8 @@ def test_shard_nc_hint():
         recognize(NAME, (12, 8), frags, Hints(pattern=Pattern.SHARD_NC, dim=0))
     with ambiguous("shard_nc needs"):
         recognize(NAME, (12, 8), frags, Hints(pattern=Pattern.SHARD_NC, sub_widths=widths))
+    with ambiguous("widths", "do not fill its pieces"):  # rank 0 holds 6 rows, these widths 5
+        recognize(NAME, (12, 8), frags, Hints(pattern=Pattern.SHARD_NC, dim=0, sub_widths=((3, 5), (1, 1), (1, 1))))
 
 
 def test_hints_without_pattern_fall_back_to_shapes():
@@ -310,6 +312,16 @@ def test_nested_replicate_keeps_its_name_and_nests_inner():
     assert spec.pattern is Pattern.REPLICATE and spec.inner.pattern is Pattern.SHARD_V
     assert spec.shard_shapes == ((11, 6), (11, 6))
     assert spec.to_json()["inner"]["pattern"] == "shard_v"
+
+
+def test_nested_fused_shards_partitioned_by_zero_keep_shard_nc():
+    """Fused QKV over 2 TP ranks ([q 4 | k 1 | v 1] rows each), each shard ZeRO-partitioned over 2 DP ranks."""
+    widths = ((4, 4), (1, 1), (1, 1))
+    pieces = [OuterPiece(r, (6, 8), _zero12(48, 2)) for r in range(2)]
+    spec = recognize_nested(NAME, (12, 8), pieces, Hints(pattern=Pattern.SHARD_NC, dim=0, sub_widths=widths))
+    assert (spec.pattern, spec.dim, spec.sub_widths, spec.shard_shapes) == (Pattern.SHARD_NC, 0, widths,
+                                                                            ((6, 8), (6, 8)))
+    assert spec.inner.pattern is Pattern.SHARD_V and spec.inner.flat
 
 
 def test_nested_pieces_held_differently_name_the_parameter():

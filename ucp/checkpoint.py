@@ -6,7 +6,6 @@ names (`exp_avg`, `exp_avg_sq` for Adam), `step`; buffers hold one state, `value
 from __future__ import annotations
 
 import os
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import torch
 from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError
 from ucp.fileio import ReadCounter
 from ucp.format import INDEX_NAME, latest_checkpoint, load_index
-from ucp.safetensors_stream import TORCH_DTYPES, read_stored
+from ucp.safetensors_stream import read_stored
 from ucp.splits import from_split_major
 
 STEP_STATE = "step"

@@ -20,23 +20,29 @@ committed, and runs at exit too; see `ucp.deepspeed_save`). The `"ucp"` config s
   `load_universal` does (for comparison).
 * `load_optimizer_states` (bool, default true), `load_lr_scheduler_states` (bool, default true).
 * `strict` (bool, default true): a checkpoint parameter the model lacks is an error.
+* `layout` (dict, or path to its JSON): an explicit `ucp.layout.Layout`, for heterogeneous model
+  parallelism (Elastor's HMP: TP sizes that differ between replicas), which DeepSpeed itself cannot
+  describe. Each rank's module holds the slices the layout gives it (shapes of those slices) and
+  exposes the whole model's `ucp_param_table`; every rank reads exactly its slices
+  (`ucp.deepspeed_layout`).
 
 Loading is layer by layer: a rank holds its own shard plus one layer's states at a time.
 
-Target layouts (`ucp.deepspeed_targets`): ZeRO stage 0-3 at any data-parallel degree, fp32, fp16
-and bf16; `PipelineModule` engines at any number of stages, each stage loading its own layers
-(a tied module on every stage that uses it) within its data-parallel group
-(`ucp.deepspeed_pipe_target`); native DeepSpeed MoE at any `ep_size`, each rank loading the experts
-of the global ids it owns within its expert-data-parallel group (`ucp.deepspeed_moe_target`).
+Target layouts: ZeRO stage 0-3 at any data-parallel degree, fp32/fp16/bf16 (`ucp.deepspeed_targets`);
+DeepSpeed AutoTP tensor parallelism with ZeRO 0-3, where each TP rank loads the box of every full
+tensor that the engine's own `affine_map` gives it (`ucp.deepspeed_tp_target`); `PipelineModule`
+engines at any number of stages, each stage loading its own layers (a tied module on every stage
+that uses it) within its data-parallel group (`ucp.deepspeed_pipe_target`); native DeepSpeed MoE at
+any `ep_size`, each rank loading the experts of the global ids it owns within its
+expert-data-parallel group (`ucp.deepspeed_moe_target`); and an explicit `layout`.
 """
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,13 +52,15 @@ import torch.distributed as dist
 from ucp.checkpoint import AtomicCheckpoint
 from ucp.deepspeed_save import SaveEvery, SaveStats, save, wait
 from ucp.deepspeed_targets import OPTIMIZER_STATES, Target, TargetTensor, target_for
-from ucp.errors import CorruptCheckpointError, UcpError
+from ucp.deepspeed_layout import as_layout, place_by_layout
+from ucp.deepspeed_tp_target import with_tensor_parallel
+from ucp.errors import CorruptCheckpointError, UcpError, UnsupportedLayoutError
 from ucp.fileio import ReadCounter, pread_into, tensor_bytes
 from ucp.format import INDEX_NAME, latest_checkpoint
-from ucp.layout import Box
-from ucp.load_plan import ByteRange, assign_readers, coalesce
+from ucp.layout import Box, Layout, ParamSpec
+from ucp.load_plan import assign_readers, coalesce
 from ucp.safetensors_stream import TORCH_DTYPES
-from ucp.slice_read import SliceRead, plan_slice_read
+from ucp.slice_read import SliceRead, plan_flat_read, plan_slice_read
 from ucp.splits import box_of_read
 
 CONFIG_KEY = "ucp"
@@ -105,20 +113,29 @@ def initialize(*args, **kwargs):
 
 
 def load(engine, path: str | os.PathLike, *, bypass: bool = True, load_optimizer_states: bool = True,
-         load_lr_scheduler_states: bool = True, strict: bool = True) -> dict:
+         load_lr_scheduler_states: bool = True, strict: bool = True,
+         layout: Layout | dict | str | os.PathLike | None = None,
+         param_table: Sequence[ParamSpec] | None = None) -> dict:
     """Restore `engine` from the ucp checkpoint at `path`; returns the saved client state.
 
     Everything is checked before the engine is touched: a missing, extra or reshaped parameter, or
     an optimizer whose states differ from the checkpoint's, raises `CheckpointMismatchError`.
+    With `layout` (HMP included, see `ucp.deepspeed_layout`) each module tensor is the slice the
+    layout gives this rank; `param_table` (default: the module's `ucp_param_table`) describes the
+    full model.
     """
     if not (Path(path) / INDEX_NAME).is_file():
         path = latest_checkpoint(path) or path  # a save directory: its latest committed checkpoint
     ckpt = AtomicCheckpoint(path)
     target = target_for(engine)
     try:
-        state_names = _check(ckpt, target, engine, load_optimizer_states, strict)
+        with_tensor_parallel(target)
+        model_names = None
+        if layout is not None:
+            model_names = _place(engine, target, layout, param_table)
+        state_names = _check(ckpt, target, engine, load_optimizer_states, strict, model_names)
         error = None
-    except CheckpointMismatchError as e:
+    except UcpError as e:
         error = e
     _agree(error)
     stats = LoadStats(client_state=dict(ckpt.client_state))
@@ -142,7 +159,17 @@ def load(engine, path: str | os.PathLike, *, bypass: bool = True, load_optimizer
 
 # -- checks, before anything is written ---------------------------------------------------------------
 
-def _check(ckpt: AtomicCheckpoint, target: Target, engine, load_optimizer_states: bool, strict: bool) -> list[str]:
+def _place(engine, target: Target, layout, param_table) -> set[str]:
+    table = param_table if param_table is not None else getattr(engine.module, "ucp_param_table", None)
+    if table is None:
+        raise UnsupportedLayoutError("loading by a layout needs the model's parameter table: pass param_table= "
+                                     "or give the module a `ucp_param_table` (a list of ucp.layout.ParamSpec)")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return place_by_layout(target, as_layout(layout), table, rank)
+
+
+def _check(ckpt: AtomicCheckpoint, target: Target, engine, load_optimizer_states: bool, strict: bool,
+           model_names: set[str] | None = None) -> list[str]:
     params = ckpt.index["params"]
     for t in target.tensors:
         if t.name not in params:
@@ -156,7 +183,7 @@ def _check(ckpt: AtomicCheckpoint, target: Target, engine, load_optimizer_states
                                           "checkpoint, which has no optimizer state for it; pass "
                                           "load_optimizer_states=False to load weights only")
     if strict:
-        known = target.model_names()
+        known = model_names if model_names is not None else target.model_names()
         extra = [n for n in params if n not in known]
         if extra:
             raise CheckpointMismatchError(f"{ckpt.path}: holds parameter '{extra[0]}' ({len(extra)} in all) that "
@@ -174,9 +201,9 @@ def _check(ckpt: AtomicCheckpoint, target: Target, engine, load_optimizer_states
     return saved_states
 
 
-def _agree(error: CheckpointMismatchError | None) -> None:
-    """Every rank raises if any rank found a mismatch (pipeline stages and expert ranks check different
-    tensors), so none goes on into collectives the others never join."""
+def _agree(error: UcpError | None) -> None:
+    """Every rank raises if any rank found a mismatch (pipeline stages, expert ranks and layout slices
+    differ between ranks), so none goes on into collectives the others never join."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         if error is not None:
             raise error
@@ -185,9 +212,9 @@ def _agree(error: CheckpointMismatchError | None) -> None:
     dist.all_gather_object(found, None if error is None else str(error))
     if error is not None:
         raise error
-    first = next((f for f in found if f is not None), None)
+    first = next(((rank, f) for rank, f in enumerate(found) if f is not None), None)
     if first is not None:
-        raise CheckpointMismatchError(first)
+        raise CheckpointMismatchError(f"rank {first[0]}: {first[1]}")
 
 
 # -- tensors, layer by layer ----------------------------------------------------------------------------
@@ -297,20 +324,6 @@ def _full_box(shape) -> Box:
     return tuple((0, n) for n in shape)
 
 
-def _exact_range(e: dict, t: TargetTensor) -> ByteRange | None:
-    """The bytes of exactly `t`'s elements when they are contiguous in storage (row-major, box cut along dim 0 at most)."""
-    if _reordered(e):
-        return None
-    shape = tuple(e["shape"])
-    box = t.box or _full_box(shape)
-    if any((lo, hi) != (0, n) for (lo, hi), n in zip(box[1:], shape[1:])):
-        return None
-    row = math.prod(shape[1:])
-    size = TORCH_DTYPES[e["dtype"]].itemsize
-    first = e["offsets"][0] + (box[0][0] * row + t.start) * size if shape else e["offsets"][0]
-    return ByteRange(e["file"], first, first + t.numel * size)
-
-
 def _read(ckpt: AtomicCheckpoint, wants: dict[tuple, TargetTensor], owners: dict, me: int, bypass: bool,
           stats: LoadStats) -> dict:
     """This rank's reads for one layer, coalesced; returns key -> wanted elements (flat).
@@ -323,13 +336,10 @@ def _read(ckpt: AtomicCheckpoint, wants: dict[tuple, TargetTensor], owners: dict
         if t.numel == 0 or (bypass and t.whole and owners.get(key, me) != me):
             continue
         e = _entry(ckpt, key)
-        exact = _exact_range(e, t) if bypass else None
-        if exact is not None:
-            whole = (exact.begin, exact.end) == tuple(e["offsets"])
-            plan[key] = SliceRead(key, exact, None, (), (), whole)
-        else:
-            box = (t.box or _full_box(e["shape"])) if bypass else _full_box(e["shape"])
-            plan[key] = plan_slice_read(key, e, box, TORCH_DTYPES[e["dtype"]].itemsize)
+        itemsize = TORCH_DTYPES[e["dtype"]].itemsize
+        box = t.box or _full_box(e["shape"])
+        exact = plan_flat_read(key, e, box, t.start, t.numel, itemsize) if bypass else None
+        plan[key] = exact or plan_slice_read(key, e, box if bypass else _full_box(e["shape"]), itemsize)
     counter = ReadCounter()
     chunks = {}
     for merged, parts in coalesce(r.range for r in plan.values()):
@@ -363,12 +373,6 @@ def _elements(flat: torch.Tensor, e: dict, t: TargetTensor, read: SliceRead, byp
         for dim, (lo, hi) in enumerate(t.box):
             tensor = tensor.narrow(dim, lo, hi - lo)
     return tensor.reshape(-1).narrow(0, t.start, t.numel)
-
-
-def _reordered(entry: dict) -> bool:
-    """Stored split-major along a dim > 0 (ucp convert --splits): the bytes are not in row-major order."""
-    splits = entry.get("splits")
-    return splits is not None and splits["dim"] > 0 and splits["count"] > 1
 
 
 def _broadcast(ckpt, key: tuple[str, str], t: TargetTensor, value, owner: int, group,

@@ -21,6 +21,7 @@ from ucp.assemble import materialize
 from ucp.convert import ConvertResult, plan_bins
 from ucp.errors import OutputExistsError, UnsupportedLayoutError
 from ucp.executor import Executor, Report
+from ucp.patterns import Pattern, PatternSpec
 from ucp.plan import BUFFER_STATE, TRAINABLE, WEIGHT_STATE, ConversionPlan, ParamPlan
 
 _EXPERT_FILE = re.compile(r"^layer_\d+_expert_\d+_.*model_states\.pt$")
@@ -68,7 +69,7 @@ def save_bin(task: SaveBin, report: Report) -> dict:
             if task.zero3 and p.kind == TRAINABLE:
                 payload = tensor.reshape(-1)
             else:
-                payload = {"param": tensor, "cat_dim": 0} if p.kind == TRAINABLE else {"param": tensor}
+                payload = {"param": tensor, **tp_keys(source.spec)} if p.kind == TRAINABLE else {"param": tensor}
             # A buffer's one state is stored as DeepSpeed does for module tensors: fp32.pt.
             torch.save(payload, folder / f"{WEIGHT_STATE if state == BUFFER_STATE else state}.pt")
             files += 1
@@ -78,6 +79,28 @@ def save_bin(task: SaveBin, report: Report) -> dict:
             torch.save(torch.tensor(p.step, dtype=torch.float32), folder / "step.pt")
             files += 1
     return {"files": files, "bytes": nbytes}
+
+
+def tp_keys(spec: PatternSpec) -> dict:
+    """The keys with which `ds_to_universal` tells stock `load_universal` how to cut a full tensor for
+    a TP rank: `cat_dim` (the split dim), `vocab_tensor` (padding to restore), and for fused parameters
+    `param_n_sub_params` (two equal halves) or `sub_param_shape` (sub-parameter sizes along a dim)."""
+    keys: dict = {"cat_dim": 0}
+    if spec.flat or spec.dim is None:
+        return keys
+    keys["cat_dim"] = spec.dim
+    if spec.pattern is Pattern.SHARD_NC:
+        sizes = tuple(sum(w) for w in spec.sub_widths)
+        if len(sizes) == 2 and sizes[0] == sizes[1]:
+            keys["param_n_sub_params"] = 2
+        else:
+            from deepspeed.checkpoint.universal_checkpoint import SubparamShape
+
+            shape = tuple(sizes if d == spec.dim else s for d, s in enumerate(spec.shape))
+            keys["sub_param_shape"] = SubparamShape(patterns=[], shape=shape, partition_dim=spec.dim)
+    elif spec.padded_size is not None and spec.dim == 0:
+        keys["vocab_tensor"] = True
+    return keys
 
 
 def _save_optimizer_state(plan: ConversionPlan, path: Path, zero3: bool) -> None:

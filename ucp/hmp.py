@@ -7,7 +7,14 @@ The layout (`ucp.layout`) says which box of which parameter the rank holds; `ucp
 turns each box into one byte range (exactly the box's bytes when the checkpoint is split-major
 with a split count the rank's TP size divides); touching ranges are merged (`coalesce`) and read
 with one positional read each. This is the loader behind the HMP reference model
-(`ucp.reference_tp`); `ucp.deepspeed`'s hook loads data-parallel (ZeRO) layouts.
+(`ucp.reference_tp`) without DeepSpeed; with DeepSpeed, `ucp.deepspeed`'s hook takes the same layout
+(`"layout"` config key, `ucp.deepspeed_layout`) and plans its reads with the same `ucp.slice_read`.
+
+ZeRO: when the layout's `zero_stage` is 1 or more, a rank keeps only its part of each optimizer
+state (`Layout.zero_shard`: a run of its box's elements, row-major, cut among the ranks of every
+replica holding the same box), returned flat. Weights ("fp32") stay whole boxes: the model needs
+them, and a rank's fp32 master partition is a part of them. A shard is one exact read when the box
+is contiguous in storage (cut along dim 0); a row-parallel box is read whole and narrowed.
 
 Integrity: a read that covers a whole stored state is checked against its CRC-32; a partial read
 (a TP slice) cannot be and is not, as with ZeRO partitions in `ucp.deepspeed`; `ucp verify` checks
@@ -29,7 +36,7 @@ from ucp.fileio import ReadCounter, pread_into, tensor_bytes
 from ucp.layout import Layout, OwnedSlice, ParamSpec
 from ucp.load_plan import coalesce
 from ucp.safetensors_stream import TORCH_DTYPES
-from ucp.slice_read import SliceRead, plan_slice_read
+from ucp.slice_read import SliceRead, plan_flat_read, plan_slice_read
 from ucp.splits import box_of_read
 
 
@@ -43,6 +50,7 @@ class LoadedSlices:
 
     slices: dict[str, OwnedSlice]
     tensors: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    shards: dict[str, tuple[int, int]] = field(default_factory=dict)  # ZeRO: flat [start, stop) of the box kept
     bytes_read: int = 0
     read_calls: int = 0
     share_bytes: int = 0     # bytes of the boxes themselves: what an exact loader must read
@@ -58,13 +66,22 @@ def load_slices(layout: Layout, rank: int, path: str | os.PathLike, table: Itera
     _check(ckpt, table, states)
     owned = layout.rank_slices(rank, table, global_split)
     out = LoadedSlices(owned)
+    if layout.zero_stage:
+        specs = {spec.name: spec for spec in table}
+        out.shards = {name: layout.zero_shard(rank, specs[name]) for name in owned}
     reads: list[SliceRead] = []
     for name, piece in owned.items():
         for state in states:
             entry = ckpt.index["params"][name]["states"][state]
             itemsize = TORCH_DTYPES[entry["dtype"]].itemsize
-            out.share_bytes += math.prod(b - a for a, b in piece.box) * itemsize
-            reads.append(plan_slice_read((name, state), entry, piece.box, itemsize))
+            shard = out.shards.get(name) if state != "fp32" else None
+            if shard is None:
+                out.share_bytes += math.prod(b - a for a, b in piece.box) * itemsize
+                reads.append(plan_slice_read((name, state), entry, piece.box, itemsize))
+            else:
+                out.share_bytes += (shard[1] - shard[0]) * itemsize
+                reads.append(plan_flat_read((name, state), entry, piece.box, shard[0], shard[1] - shard[0], itemsize)
+                             or plan_slice_read((name, state), entry, piece.box, itemsize))
     counter = ReadCounter()
     chunks = {}
     for merged, parts in coalesce(r.range for r in reads if r.range.nbytes):
@@ -73,14 +90,21 @@ def load_slices(layout: Layout, rank: int, path: str | os.PathLike, table: Itera
         for part in parts:
             chunks[part] = buf.narrow(0, part.begin - merged.begin, part.nbytes)
     for r in reads:
-        entry = ckpt.index["params"][r.key[0]]["states"][r.key[1]]
+        name, state = r.key
+        entry = ckpt.index["params"][name]["states"][state]
         raw = chunks.get(r.range, torch.empty(0, dtype=torch.uint8))
         if verify and r.whole and zlib.crc32(tensor_bytes(raw)) != entry["crc32"]:
-            raise CorruptCheckpointError(f"{ckpt.path / entry['file']}: {r.key[0]}:{r.key[1]} fails its checksum; "
+            raise CorruptCheckpointError(f"{ckpt.path / entry['file']}: {name}:{state} fails its checksum; "
                                          "the file is damaged, convert again or restore it from a copy")
-        box_shape = tuple(b - a for a, b in owned[r.key[0]].box)
-        out.tensors.setdefault(r.key[0], {})[r.key[1]] = box_of_read(raw.view(TORCH_DTYPES[entry["dtype"]]),
-                                                                    entry["shape"], r, box_shape)
+        flat = raw.view(TORCH_DTYPES[entry["dtype"]])
+        shard = out.shards.get(name) if state != "fp32" else None
+        if shard is not None and r.dim is None and not r.narrow and not r.whole:
+            value = flat  # an exact read of the shard
+        else:
+            value = box_of_read(flat, entry["shape"], r, tuple(b - a for a, b in owned[name].box))
+            if shard is not None:
+                value = value.reshape(-1)[shard[0]:shard[1]].clone()
+        out.tensors.setdefault(name, {})[state] = value
     out.bytes_read, out.read_calls, out.tensors_touched = counter.bytes, counter.calls, len(reads)
     return out
 

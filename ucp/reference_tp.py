@@ -9,6 +9,11 @@ replica's forward pass must equal `full_forward` on the unsharded weights.
     groups = tp_groups(layout)                  # every rank, same order (torch.distributed rule)
     stage = Stage.load(layout, rank, "/ckpt/ucp", config)
     logits = stage.forward(tokens, groups)      # on each replica's last stage; None elsewhere
+
+For training with DeepSpeed, `StageModule(layout, rank, config)` holds the rank's slices as
+parameters (named as in the checkpoint, shaped as the slices) and its `ucp_param_table`, so
+`ucp.deepspeed.initialize(..., config={"ucp": {"load": ..., "layout": layout.to_json()}})` fills
+it; `Stage.of_module` runs it.
 """
 from __future__ import annotations
 
@@ -86,6 +91,12 @@ class Stage:
         self.weights, self.boxes = weights, boxes
 
     @classmethod
+    def of_module(cls, module: StageModule, dtype: torch.dtype = torch.float64) -> Stage:
+        """The stage over a `StageModule`'s parameters (copied to `dtype`)."""
+        weights = {n: p.detach().to(dtype) for n, p in module.named_parameters()}
+        return cls(module.layout, module.rank, module.cfg, weights, module.boxes)
+
+    @classmethod
     def load(cls, layout: Layout, rank: int, path: str | os.PathLike, cfg: RefConfig,
              dtype: torch.dtype = torch.float64) -> Stage:
         loaded = load_slices(layout, rank, path, param_table(cfg))
@@ -134,3 +145,21 @@ class Stage:
     def _broadcast(self, t: torch.Tensor, group) -> None:
         if self.stage.tp > 1:
             dist.broadcast(t, src=self.stage.ranks[0], group=group)
+
+
+class StageModule(torch.nn.Module):
+    """A rank's slices as `torch.nn.Parameter`s (zeros until loaded), named as the full model's parameters."""
+
+    def __init__(self, layout: Layout, rank: int, cfg: RefConfig):
+        super().__init__()
+        self.layout, self.rank, self.cfg = layout, rank, cfg
+        self.ucp_param_table = param_table(cfg)
+        self.boxes = {n: s.box for n, s in layout.rank_slices(rank, self.ucp_param_table).items()}
+        for name, box in self.boxes.items():
+            *path, leaf = name.split(".")
+            owner = self
+            for part in path:
+                if not hasattr(owner, part):
+                    owner.add_module(part, torch.nn.Module())
+                owner = getattr(owner, part)
+            owner.register_parameter(leaf, torch.nn.Parameter(torch.zeros(tuple(b - a for a, b in box))))

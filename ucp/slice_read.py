@@ -5,6 +5,10 @@ consecutive splits in one byte range, so a box that cuts only dim `d` is one rea
 bytes when its edges fall on split boundaries (any TP rank whose group size divides the
 checkpoint's split count), else the covering splits, narrowed after the read. A row-major state
 serves a box cut along dim 0 the same way. Anything else is read whole and narrowed.
+
+A ZeRO partition is a run of a box's elements in row-major order (`plan_flat_read`): one exact
+read when the box is contiguous in storage (row-major, cut along dim 0 at most; or exactly one split
+of split-major storage, e.g. a row-parallel TP shard), else none (read the box and narrow).
 """
 from __future__ import annotations
 
@@ -64,6 +68,39 @@ def plan_slice_read(key: tuple[str, str], entry: dict, box: Box, itemsize: int) 
     bounds = tuple(split_bounds(size, count)[first:last + 1]) if reordered else (a, b)
     narrow = () if (a, b) == (lo, hi) else ((dim, lo - a, hi - lo),)
     return SliceRead(key, rng, dim, bounds, narrow, (rng.begin, rng.end) == (begin, end))
+
+
+def plan_flat_read(key: tuple[str, str], entry: dict, box: Box, start: int, numel: int,
+                   itemsize: int) -> SliceRead | None:
+    """The exact read of elements [start, start + numel) of `box` flattened, or None when they are not contiguous."""
+    shape = tuple(entry["shape"])
+    begin, end = entry["offsets"]
+    if numel == 0:
+        return SliceRead(key, ByteRange(entry["file"], begin, begin), None, (), (), False)
+    splits = entry.get("splits")
+    if splits and splits["dim"] > 0 and splits["count"] > 1:
+        first = _split_start(box, shape, splits)
+        if first is None:
+            return None
+    elif any((lo, hi) != (0, n) for (lo, hi), n in zip(box[1:], shape[1:])):
+        return None
+    else:
+        first = box[0][0] * math.prod(shape[1:]) if shape else 0
+    first = begin + (first + start) * itemsize
+    rng = ByteRange(entry["file"], first, first + numel * itemsize)
+    return SliceRead(key, rng, None, (), (), (rng.begin, rng.end) == (begin, end))
+
+
+def _split_start(box: Box, shape: tuple[int, ...], splits: dict) -> int | None:
+    """Where `box` starts in split-major storage (in elements) when it is exactly one split: a split is
+    stored as its own row-major block, so any run of its elements is contiguous. None otherwise."""
+    dim = splits["dim"]
+    if any((lo, hi) != (0, n) for d, ((lo, hi), n) in enumerate(zip(box, shape)) if d != dim):
+        return None
+    bounds = split_bounds(shape[dim], splits["count"])
+    if box[dim] not in zip(bounds, bounds[1:]):
+        return None
+    return box[dim][0] * (math.prod(shape) // shape[dim])  # the splits before it: box[dim][0] indices along dim
 
 
 def _covering(lo: int, hi: int, size: int, count: int) -> tuple[int, int]:

@@ -1,16 +1,17 @@
 """Build the 3D-parallel and MoE checkpoints of the tests: one torchrun launch per family.
 
 Each family script (train_pipe.py, train_llama_tp.py, train_moe.py) trains several configurations
-one after another in one launch (``--runs``), which saves most of the start-up cost (importing
-deepspeed and transformers, building process groups) on a small machine. Layout::
+one after another in one launch (``--runs``, see support/multi_run.py), which saves most of the
+start-up cost (importing deepspeed and transformers, building process groups) on a small machine.
+Layout::
 
     root/<family>-<fingerprint>/<run>/ckpt/       save_dir (``latest``, ``<tag>/...``)
     root/<family>-<fingerprint>/<run>/state.pt    every rank's gathered fp32 state (support/gather.py)
     root/<family>-<fingerprint>/train.log         torchrun output of all ranks and runs
     root/<family>-<fingerprint>/<run>/ds_universal/<tag>/   ds_to_universal output, when asked for
 
-The fingerprint covers the script, support/gather.py, the runs and the torch/deepspeed versions, so
-a persistent ``UCP_TEST_CACHE`` never serves a stale checkpoint.
+The fingerprint covers the script, support/gather.py and support/multi_run.py, the runs and the
+torch/deepspeed versions, so a persistent ``UCP_TEST_CACHE`` never serves a stale checkpoint.
 """
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ class Family:
 
     def fingerprint(self) -> str:
         h = hashlib.sha256((SUPPORT_DIR / self.script).read_bytes())
-        h.update((SUPPORT_DIR / "gather.py").read_bytes())
+        for helper in ("gather.py", "multi_run.py"):
+            h.update((SUPPORT_DIR / helper).read_bytes())
         h.update(repr((self.nproc, self.runs, self.steps)).encode())
         h.update(f"{torch.__version__} {importlib.metadata.version('deepspeed')}".encode())
         return h.hexdigest()[:10]

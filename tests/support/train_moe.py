@@ -15,13 +15,12 @@ A run's ``dump_state`` path gets every rank's gathered fp32 state (see support/g
 rank's local expert ids mapped to global ones from DeepSpeed's own expert-parallel rank.
 """
 import argparse
-import json
-import os
 import re
 import sys
 
 import torch
 import torch.nn.functional as F
+from multi_run import run_all, save_and_close
 
 VOCAB, DIM, HIDDEN, SEQ, EXPERTS = 12, 8, 6, 4, 4
 MICRO_BATCH = 3
@@ -93,7 +92,7 @@ def ds_config(args):
     return cfg
 
 
-def train_one(run: dict, steps: int) -> None:
+def train_one(run: dict, args: argparse.Namespace) -> None:
     import deepspeed
     import torch.distributed as dist
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
@@ -110,7 +109,7 @@ def train_one(run: dict, steps: int) -> None:
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds_config(opts))
     if _ep_rank(model) != rank % ep_size:
         raise RuntimeError(f"rank {rank}: DeepSpeed made EP rank {_ep_rank(model)}, expected {rank % ep_size}")
-    for step in range(steps):
+    for step in range(args.steps):
         g = torch.Generator().manual_seed(step)
         tokens = torch.randint(0, VOCAB, (MICRO_BATCH * world, SEQ), generator=g)
         targets = (tokens * 5 + 2) % VOCAB
@@ -124,28 +123,8 @@ def train_one(run: dict, steps: int) -> None:
         dump_states(run["dump_state"], {"ep_rank": ep_rank,
                                         "params": {global_name(n, ep_rank, local): v for n, v in state.items()}},
                     {"global_steps": engine.global_steps})
-    engine.save_checkpoint(run["save_dir"], client_state={"client_marker": 13})
-    dist.barrier()
-    engine.destroy()
+    save_and_close(engine, run, {"client_marker": 13})
 
-
-def main(argv=None):
-    p = argparse.ArgumentParser()
-    p.add_argument("--runs", required=True,
-                   help="JSON list of runs, each {stage, dtype, ep_size, save_dir, dump_state}: trained one after "
-                   "another in this process (one launch, several checkpoints)")
-    p.add_argument("--steps", type=int, default=2)
-    args = p.parse_args(argv)
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    import deepspeed
-    import torch.distributed as dist
-
-    torch.use_deterministic_algorithms(True)
-    deepspeed.init_distributed(dist_backend="gloo")
-    for run in json.loads(args.runs):
-        train_one(run, args.steps)
-    dist.destroy_process_group()
-    return 0
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_all(train_one, "{stage, dtype, ep_size, save_dir, dump_state}"))

@@ -20,12 +20,11 @@ sync by all-reducing its gradient between the two stages, so both copies stay id
 which changes the layer file names to ``layer_XX-model_00-model_states.pt``.
 """
 import argparse
-import json
-import os
 import sys
 
 import torch
 import torch.nn.functional as F
+from multi_run import run_all, save_and_close
 
 VOCAB, DIM, HIDDEN, SEQ = 11, 6, 10, 4
 MICRO_BATCH, ACCUMULATION = 2, 2
@@ -107,7 +106,7 @@ def batches(step, dp_rank, dp):
         yield tokens[rows], targets[rows]
 
 
-def train_one(run: dict, steps: int) -> None:
+def train_one(run: dict, args: argparse.Namespace) -> None:
     import deepspeed
     import torch.distributed as dist
 
@@ -119,34 +118,14 @@ def train_one(run: dict, steps: int) -> None:
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=[q for q in model.parameters()],
                                            config=ds_config(opts))
     dp, dp_rank = engine.grid.data_parallel_size, engine.grid.data_parallel_id
-    for step in range(steps):
+    for step in range(args.steps):
         engine.train_batch(iter(list(batches(step, dp_rank, dp))))
     if run.get("dump_state"):
         dump_states(run["dump_state"], {"stage": engine.stage_id, "dp_rank": dp_rank,
                                         "params": local_state(engine, model.named_parameters())},
                     {"global_steps": engine.global_steps})
-    engine.save_checkpoint(run["save_dir"], client_state={"client_marker": 11})
-    dist.barrier()
-    engine.destroy()
+    save_and_close(engine, run, {"client_marker": 11})
 
-
-def main(argv=None):
-    p = argparse.ArgumentParser()
-    p.add_argument("--runs", required=True,
-                   help="JSON list of runs, each {stage, dtype, topology, save_dir, dump_state}: trained one after "
-                   "another in this process (one launch, several checkpoints)")
-    p.add_argument("--steps", type=int, default=2)
-    args = p.parse_args(argv)
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    import deepspeed
-    import torch.distributed as dist
-
-    torch.use_deterministic_algorithms(True)
-    deepspeed.init_distributed(dist_backend="gloo")
-    for run in json.loads(args.runs):
-        train_one(run, args.steps)
-    dist.destroy_process_group()
-    return 0
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_all(train_one, "{stage, dtype, topology, save_dir, dump_state}"))

@@ -1,0 +1,135 @@
+"""Plan the conversion of a Megatron-DeepSpeed-style checkpoint: tensor x pipeline parallel, ZeRO-1.
+
+Layout written by DeepSpeed 0.19 for a `PipelineModule` with a `PipeModelDataParallelTopology`
+of P stages and T tensor-parallel ranks (T > 1):
+
+* `mp_rank_{MM}_model_states.pt`, MM = stage × T + tp rank: `param_shapes` of that slice's TP
+  shards, named as the stage's PipelineModule names them, `checkpoint_parallel_dimensions`
+  ({pp_degree, tp_degree}) and the model's `universal_checkpoint_info` (its pattern lists, see
+  `deepspeed_lists`; an AutoTP-style `affine_map` is read too).
+* `[bf16_]zero_pp_rank_{D}_mp_rank_{MM}_optim_states.pt`: ZeRO partitions of each slice's shards.
+* `layer_{LL}-model_{TT}-model_states.pt`: layer LL's state dict on TP rank TT (buffers and frozen
+  parameters are read from there).
+
+A parameter lives on one stage, or on several (a tied module: the embedding reused as the output
+head), and on every TP rank. Its TP layout comes from `--pattern`, then the declaration, then the
+shards (see `deepspeed_tp.Layouts`): Shard-V / Shard-H / Shard-NC / Replicate / Partial over the
+TP ranks, each TP shard partitioned again by ZeRO. A tied parameter is read from the first stage
+that holds it: DeepSpeed keeps the stages' copies equal (it all-reduces their gradients), and
+Megatron-DeepSpeed declares them `pipeline_replicated_parameter_patterns`.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from ucp.converters.deepspeed_declared import affine_params, declared_layout
+from ucp.converters.deepspeed_lists import declares_lists, list_layout
+from ucp.converters.deepspeed_pipe import LAYER_FILE, layer_tensors
+from ucp.converters.deepspeed_slices import (SliceState, combined_source, dtype_name, load_dict, model_files,
+                                             optim_files, read_slice)
+from ucp.converters.deepspeed_tp import Layouts, fp32_shard, untrained_shards
+from ucp.converters.deepspeed_zero import TagDir, finish_plan
+from ucp.converters.torch_zip import LazyTensor
+from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedLayoutError
+from ucp.plan import TRAINABLE, WEIGHT_STATE, ConversionPlan, ParamPlan
+
+
+def is_tensor_pipeline(names: list[str]) -> bool:
+    """Pipeline layer files of more than one tensor-parallel rank (`layer_LL-model_TT-...`, some TT > 0)."""
+    return any((m := LAYER_FILE.match(n)) and m.group(2) not in (None, "00") for n in names)
+
+
+def plan_megatron(where: TagDir, names: list[str], patterns: dict[str, str] | None = None) -> ConversionPlan:
+    """The plan of the TP x PP checkpoint in tag folder `where.path`, whose files are `names`.
+
+    `patterns` (`--pattern NAME=PATTERN`) overrides or completes what the checkpoint declares.
+    """
+    folder = where.path
+    models = model_files(folder, names)
+    if 0 not in models:
+        raise CheckpointNotFoundError(f"{folder / 'mp_rank_00_model_states.pt'}: missing; copy every model-states "
+                                      "file of the checkpoint")
+    first = load_dict(models[0])
+    dims = first.get("checkpoint_parallel_dimensions") or {}
+    pp, tp = int(dims.get("pp_degree") or 0), int(dims.get("tp_degree") or 0)
+    if pp < 1 or tp < 2:
+        raise CorruptCheckpointError(f"{models[0]}: records checkpoint_parallel_dimensions {dims!r}, but its layer "
+                                     "files are those of several tensor-parallel ranks; files from different runs "
+                                     "are mixed")
+    missing = [mp for mp in range(pp * tp) if mp not in models]
+    if missing:
+        absent = folder / f"mp_rank_{missing[0]:02d}_model_states.pt"
+        raise CheckpointNotFoundError(f"{absent}: missing (the checkpoint has {pp} pipeline stages x {tp} "
+                                      "tensor-parallel ranks); copy every file")
+    optims = optim_files(folder, names)
+    if not optims:
+        raise UnsupportedLayoutError(f"{folder}: a tensor x pipeline parallel checkpoint without optimizer files "
+                                     "(ZeRO-0) is not supported yet; save it with ZeRO stage 1")
+    contents = [first] + [load_dict(models[mp]) for mp in range(1, pp * tp)]
+    if not all(c.get("param_shapes") for c in contents):
+        raise UnsupportedLayoutError(f"{folder}: its model files record no param_shapes (the bf16 optimizer without "
+                                     "ZeRO); tensor x pipeline parallel checkpoints are read with ZeRO stage 1")
+    slices = [read_slice(folder, mp, models[mp], contents[mp], optims) for mp in range(pp * tp)]
+    uc_info = first.get("universal_checkpoint_info") or {}
+    trainable = {name for st in slices for name in st.shapes}
+    layouts = Layouts(_declared(uc_info, str(models[0]), trainable), patterns or {})
+    by_tp = [[slices[stage * tp + rank] for stage in range(pp)] for rank in range(tp)]
+    buffers = {b for c in contents for b in (c.get("buffer_names") or [])}
+    layers = [_layer_tensors_of(folder, names, rank, trainable | buffers) for rank in range(tp)]
+    params = [_trainable(name, by_tp, layers, layouts) for name in _in_order(slices)]
+    params += untrained_shards(layers, layouts, trainable, buffers,
+                               "copy every layer_*-model_*-model_states.pt of the checkpoint")
+    layouts.check_used(folder)
+    files = [p for st in slices for p in [*st.optim_paths, st.model_path]]
+    files += [folder / n for n in names if LAYER_FILE.match(n)]
+    return finish_plan(where, first, params, slices[0].hyper, slices[0].moment_names, slices[0].stage, slices[0].dp,
+                       files, slices[0].loss_scaler, {"pp": pp, "tp": tp})
+
+
+def _declared(uc_info: dict, source: str, trainable: set[str]):
+    """What the checkpoint declares per parameter: its pattern lists, else an affine map, else nothing."""
+    if declares_lists(uc_info):
+        return lambda name, shapes: list_layout(name, shapes, uc_info, name in trainable)
+    entries = affine_params(uc_info, source)
+    return lambda name, shapes: declared_layout(name, entries)
+
+
+def _in_order(slices: list[SliceState]) -> list[str]:
+    """Every trainable name once, stage by stage in flat order."""
+    return list(dict.fromkeys(name for st in slices for name in st.shapes))
+
+
+def _layer_tensors_of(folder: Path, names: list[str], rank: int, known: set[str]) -> dict[str, LazyTensor]:
+    files = [folder / n for n in names if (m := LAYER_FILE.match(n)) and int(m.group(2) or 0) == rank]
+    return layer_tensors(files, known)
+
+
+def _trainable(name: str, by_tp: list[list[SliceState]], layers: list[dict[str, LazyTensor]],
+               layouts: Layouts) -> ParamPlan:
+    holders = [next((st for st in stages if name in st.shapes), None) for stages in by_tp]
+    if any(h is None for h in holders):
+        raise CorruptCheckpointError(f"{name}: only some tensor-parallel ranks' model files list it; files from "
+                                     "different runs are mixed")
+    stage = holders[0].mp // len(by_tp)
+    if any(h.mp // len(by_tp) != stage for h in holders):
+        raise CorruptCheckpointError(f"{name}: its TP ranks place it on different pipeline stages; files from "
+                                     "different runs are mixed")
+    shard_shapes = [h.shapes[name] for h in holders]
+    shape, hints = layouts.of(name, shard_shapes, lambda: [fp32_shard(name, h) for h in holders])
+    states = {}
+    for state in holders[0].states():
+        outer = [(rank, h.shapes[name], h.fragments[(name, state)]) for rank, h in enumerate(holders)
+                 if (name, state) in h.fragments]
+        if len(outer) == len(holders):
+            states[state] = combined_source(name, shape, outer, hints)
+        elif outer:
+            raise CorruptCheckpointError(f"{name}: only {len(outer)} of {len(holders)} TP ranks hold its '{state}'; "
+                                         "files from different runs are mixed")
+    if WEIGHT_STATE not in states:
+        raise CorruptCheckpointError(f"{holders[0].optim_paths[0]}: parameter '{name}' has no optimizer fragment (it "
+                                     "never received a gradient), and a pipeline checkpoint keeps no other fp32 copy")
+    group = holders[0].group_of[name]
+    t = layers[0].get(name)
+    return ParamPlan(name, shape, TRAINABLE, states, group, holders[0].steps.get(group),
+                     dtype_name(t) if t is not None else "float32")
+
