@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from ucp.convert import TARGET_FILE_BYTES, build_index
 from ucp.deepspeed_targets import Target, TargetTensor, Zero3Target, target_for
+from ucp.deepspeed_tp_target import tp_size
 from ucp.errors import ConfigError, OutputExistsError, SaveError, UnsupportedLayoutError
 from ucp.format import FORMAT_NAME, INDEX_NAME, commit_index, commit_latest, fsync_dir, tensor_key
 from ucp.load_plan import assign_readers
@@ -76,10 +77,11 @@ class Saver:
     """Saves one engine: its process group, layout, snapshot buffer and the save in flight."""
 
     def __init__(self, engine):
-        if getattr(engine, "mp_world_size", 1) > 1 or getattr(engine, "pipeline_parallelism", False):
+        if (getattr(engine, "mp_world_size", 1) > 1 or getattr(engine, "pipeline_parallelism", False)
+                or getattr(engine, "has_moe_layers", False) or tp_size(engine) > 1):
             raise UnsupportedLayoutError("ucp.deepspeed.save handles data parallelism only (ZeRO 0-3); this engine "
-                                         "uses tensor or pipeline parallelism: use engine.save_checkpoint and "
-                                         "`ucp convert` instead")
+                                         "uses tensor, pipeline or expert parallelism: use engine.save_checkpoint "
+                                         "and `ucp convert` instead")
         self.engine = engine
         self.target: Target = target_for(engine)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
