@@ -8,7 +8,6 @@ with DS_ACCELERATOR=cpu, OMP_NUM_THREADS=1. Every rank runs this file.
 """
 import argparse
 import json
-import os
 
 import torch
 

@@ -2,6 +2,10 @@
 """Conversion benchmark: `ucp convert` against DeepSpeed's ds_to_universal.py and a plain `cp -r`.
 
     python benchmarks/convert.py [--workers 2] [--cache DIR] [--repeat 1] [--markdown-out FILE]
+    python benchmarks/convert.py --source autotp [--workers 2] [--cache DIR] [--markdown-out FILE]
+
+With `--source autotp` the checkpoint is a ~125M-parameter Llama saved with AutoTP=2 and ZeRO-1, measured
+the same way against ds_to_universal.py (benchmarks/convert_autotp.py, which this runs).
 
 1. Builds once (cached under --cache, default ~/.cache/ucp-bench) a real DeepSpeed ZeRO-1 fp32 checkpoint of a
    ~112M-parameter Llama (transformers.LlamaConfig, random init, GQA, untied embeddings) trained one step on
@@ -380,7 +384,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=1, help="timed runs per tool; the table shows medians")
     ap.add_argument("--markdown-out", metavar="FILE", help="also write the results as markdown to FILE")
     ap.add_argument("--tmp", metavar="DIR", help="scratch directory for outputs (default: a new one under $TMPDIR)")
+    ap.add_argument("--source", choices=("zero1", "autotp"), default="zero1",
+                    help="zero1: the data-parallel ZeRO-1 Llama (default); autotp: a Llama saved with AutoTP=2 ZeRO-1 "
+                    "(--repeat and --tmp do not apply)")
     args = ap.parse_args(argv)
+    if args.source == "autotp":
+        from convert_autotp import main as autotp_main
+
+        return autotp_main(["--workers", str(args.workers), "--cache", args.cache]
+                           + (["--markdown-out", args.markdown_out] if args.markdown_out else []))
 
     save_dir = build_checkpoint(Path(args.cache).expanduser())
     tag = (save_dir / "latest").read_text().strip()

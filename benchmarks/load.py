@@ -76,7 +76,14 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 3])
     parser.add_argument("--cache", type=Path, default=Path(os.path.expanduser("~/.cache/ucp-bench")))
     parser.add_argument("--markdown-out", type=Path)
+    parser.add_argument("--splits", action="store_true",
+                        help="instead, split-driven loading under layout changes (benchmarks/load_splits.py): bytes "
+                        "and read calls of ucp.hmp.load_slices vs whole-tensor reads, as stock load_universal does")
     args = parser.parse_args()
+    if args.splits:
+        import load_splits
+
+        sys.exit(load_splits.main(["--markdown-out", str(args.markdown_out)] if args.markdown_out else []))
     atomic, universal = build(args.cache)
     work = Path(tempfile.mkdtemp(prefix="ucp-load-bench-"))
     rows = []

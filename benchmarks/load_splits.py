@@ -64,11 +64,11 @@ def per_tensor(layout: Layout, rank: int, path: Path, table) -> tuple[dict, int,
     return out, ckpt.counter.bytes, ckpt.counter.calls
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tmp", metavar="DIR", help="where to write the two checkpoints (deleted after)")
     parser.add_argument("--markdown-out", metavar="FILE")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="ucp-load-splits-", dir=args.tmp))
     try:
         table = MODEL.param_table()
