@@ -16,6 +16,8 @@ of a step is the mean over ranks of their losses.
   local expert i loads global expert i, as stock DeepSpeed does at a new ep_size. The strict check
   then refuses the checkpoint (no rank claims experts 2-3): rank 0 writes the error to
   ``--strict-error-out``, and the run loads again with ``strict=False`` and goes on.
+* ``--save-refusal-out F``: after loading, ``ucp.deepspeed.save`` must refuse the engine (it saves
+  data parallelism only); rank 0 writes the error to F.
 """
 import argparse
 import json
@@ -47,6 +49,20 @@ def dump_experts(engine, model, path: str) -> None:
         torch.save(gathered, path)
 
 
+def refuse_save(engine, out: str, rank: int) -> None:
+    import ucp.deepspeed
+    from ucp.errors import UnsupportedLayoutError
+
+    try:
+        ucp.deepspeed.save(engine, os.path.join(os.path.dirname(out), "ucp_save"))
+    except UnsupportedLayoutError as e:
+        if rank == 0:
+            with open(out, "w") as f:
+                f.write(str(e))
+        return
+    raise RuntimeError("ucp.deepspeed.save accepted an MoE engine")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--ep-size", type=int, required=True)
@@ -60,6 +76,7 @@ def main(argv=None):
     p.add_argument("--experts-out", default=None)
     p.add_argument("--experts-by-local-id", action="store_true")
     p.add_argument("--strict-error-out", default=None)
+    p.add_argument("--save-refusal-out", default=None)
     p.add_argument("--losses-out", required=True)
     args = p.parse_args(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -95,6 +112,8 @@ def main(argv=None):
             raise RuntimeError("client state not restored by ucp")
         if args.ucp_stats_out:
             write_stats(engine, args.ucp_stats_out)
+        if args.save_refusal_out:
+            refuse_save(engine, args.save_refusal_out, rank)
     else:
         engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
     if args.experts_out:
