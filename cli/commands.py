@@ -6,6 +6,7 @@ import contextlib
 import json
 import sys
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -119,8 +120,12 @@ def describe(ckpt, infos) -> str:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     from ucp.checkpoint import AtomicCheckpoint
+    from ucp.format import INDEX_NAME, latest_checkpoint
 
-    ckpt = AtomicCheckpoint(args.path)
+    path = Path(args.path)
+    if not (path / INDEX_NAME).is_file():
+        path = latest_checkpoint(path) or path  # a save directory (ucp.deepspeed.save): the checkpoint `latest` names
+    ckpt = AtomicCheckpoint(path)
     problems = ckpt.verify()
     tensors = sum(len(e["states"]) for e in ckpt.index["params"].values())
     if problems:

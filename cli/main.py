@@ -86,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", help="check completeness and every tensor's checksum",
                        description="Verify a ucp checkpoint: every file present at its recorded size, every tensor "
                                    "in bounds and matching its CRC-32. Exits 1 on any problem.")
-    p.add_argument("path", metavar="DIR")
+    p.add_argument("path", metavar="DIR", help="a ucp checkpoint, or a save folder of ucp.deepspeed.save (the "
+                   "checkpoint its `latest` names)")
 
     p = sub.add_parser("submit", help="run a ucp command as a job on a Ray cluster and follow its logs",
                        description="Submit `ucp COMMAND ...` (convert, verify or inspect) to a Ray cluster's job server, "

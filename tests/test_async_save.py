@@ -23,6 +23,7 @@ from safetensors import safe_open
 import ucp
 from support.checkpoints import (TinySpec, read_tag, start_ucp_save_run, trained_losses, ucp_resume, ucp_save_run,
                                  uninterrupted_losses)
+from ucp.cli.main import main as cli_main
 from ucp.convert import convert
 from ucp.crc import crc32_combine
 from ucp.errors import IncompleteCheckpointError, SaveError
@@ -251,7 +252,7 @@ def _finish(proc, timeout: float = 240) -> int:
         _stop(proc)
 
 
-def test_a_writer_killed_mid_save_leaves_the_previous_checkpoint_latest_and_loadable(ckpt_root, tmp_path):
+def test_a_writer_killed_mid_save_leaves_the_previous_checkpoint_latest_and_loadable(ckpt_root, tmp_path, capsys):
     spec = TinySpec(stage=1, steps=0)
     (tmp_path / "global_step4.hold").touch()
     proc, run_dir = start_ucp_save_run(spec, 6, 2, ckpt_root, tmp_path)
@@ -271,6 +272,8 @@ def test_a_writer_killed_mid_save_leaves_the_previous_checkpoint_latest_and_load
         ucp.open_checkpoint(save_dir / "global_step4")
     previous = ucp.open_checkpoint(save_dir)
     assert previous.path.name == "global_step2" and previous.verify() == []
+    assert cli_main(["verify", str(save_dir)]) == 0  # the save folder: its `latest`
+    assert f"{save_dir / 'global_step2'}: OK" in capsys.readouterr().out
     # It loads through the hook (given the save folder, it follows `latest`) and training continues.
     resumed = ucp_resume(save_dir, TinySpec(stage=2, world_size=1), RESUME_STEPS, 2, ckpt_root)
     straight = uninterrupted_losses(spec, TinySpec(stage=1).steps + RESUME_STEPS, ckpt_root)
