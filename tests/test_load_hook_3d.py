@@ -21,8 +21,8 @@ SAVE_AT, RESUME_STEPS = 2, 2
 TIED = "tied_modules.embed.weight"
 
 
-def pipe(stages: int, nproc: int) -> Layout:
-    return Layout("resume_pipe.py", nproc, ("--stages", str(stages)))
+def pipe(stages: int, nproc: int, *more: str) -> Layout:
+    return Layout("resume_pipe.py", nproc, ("--stages", str(stages), *more))
 
 
 def moe(ep_size: int, zero_stage: int = 1) -> Layout:
@@ -83,13 +83,18 @@ PIPE_CASES = [
 # next to other jobs got OOM-killed on the 2-core, 23 GB test machine.
 
 
-@pytest.mark.parametrize("source,target", PIPE_CASES, ids=lambda layout: layout.name)
+BF16_NO_ZERO = ("--zero-stage", "0", "--dtype", "bf16")  # DeepSpeed's BF16_Optimizer
+
+
+@pytest.mark.parametrize("source,target", PIPE_CASES + [(pipe(2, 2, *BF16_NO_ZERO), pipe(1, 1, *BF16_NO_ZERO))],
+                         ids=lambda layout: layout.name)
 def test_pipeline_resume_continues_the_uninterrupted_run(source, target, converted, ckpt_root):
     path, straight = converted(source)
     losses, run = resume(path, target, ckpt_root)
-    # fp32 everywhere; another stage count or DP degree only changes the order in which the tied
-    # embedding's two gradients and the DP gradients are summed (~1e-7).
-    assert losses == pytest.approx(straight[SAVE_AT:], rel=1e-6)
+    # fp32: another stage count or DP degree only changes the order in which the tied embedding's two
+    # gradients and the DP gradients are summed (~1e-7). bf16 (equal here): that order may change the
+    # rounding of those bf16 gradients, so allow bf16's resolution.
+    assert losses == pytest.approx(straight[SAVE_AT:], rel=1e-3 if "bf16" in source.flags else 1e-6)
     # Each stage's data-parallel group reads its layers once; the tied embedding once per stage.
     assert bytes_read(run) == stored_bytes(path) + (degree(target) - 1) * stored_bytes(path, [TIED])
 

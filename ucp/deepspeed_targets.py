@@ -4,8 +4,9 @@ One adapter per optimizer family, chosen from the engine before anything is touc
 
 * ZeRO-0 — the module owns full fp32 weights (plain torch optimizer), or fp32 masters sit in
   `FP16_UnfusedOptimizer.fp32_groups` (fp16/bf16); every rank wants every tensor whole.
-* ZeRO-1/2 (`DeepSpeedZeroOptimizer`) — each trainable parameter's `_hp_mapping` says which run
-  of its flattened elements lives in this rank's flat fp32 partition.
+* ZeRO-1/2 (`DeepSpeedZeroOptimizer`), and `BF16_Optimizer` (bf16 pipelines without ZeRO, bf16 with
+  fp32 gradient accumulation) — each trainable parameter's `_hp_mapping` says which run of its
+  flattened elements lives in this rank's flat fp32 partition.
 * ZeRO-3 (`DeepSpeedZeroOptimizer_Stage3`) — each parameter is partitioned on its own; rank r
   holds elements [r*pn, (r+1)*pn) (pn = ceil(numel / dp)), packed per sub-group in order.
 
@@ -136,7 +137,7 @@ def _family_target(engine) -> Target:
     """The adapter for `engine`'s optimizer family, or an error naming what ucp cannot serve."""
     optimizer = engine.optimizer
     name = type(optimizer).__name__
-    if name == "DeepSpeedZeroOptimizer":
+    if name in ("DeepSpeedZeroOptimizer", "BF16_Optimizer"):
         return Zero12Target(engine)
     if name == "DeepSpeedZeroOptimizer_Stage3":
         return Zero3Target(engine)
@@ -307,6 +308,9 @@ class _FlatPartitionTarget(Target):
 
 
 class Zero12Target(_FlatPartitionTarget):
+    """ZeRO-1/2 (`DeepSpeedZeroOptimizer`), and `BF16_Optimizer` (bf16 with fp32 gradient accumulation,
+    or a bf16 pipeline without ZeRO), which keeps the same flat fp32 partitions linked to each parameter."""
+
     family = "ZeRO-1/2"
 
     def __init__(self, engine):
@@ -315,7 +319,10 @@ class Zero12Target(_FlatPartitionTarget):
         self.zero = engine.optimizer
         if getattr(self.zero, "cpu_offload", False):
             raise UnsupportedLayoutError("ucp cannot load into a ZeRO-1/2 engine with optimizer offload yet")
-        self.flats, self.low_groups = self.zero.single_partition_of_fp32_groups, self.zero.bit16_groups
+        if type(self.zero).__name__ == "BF16_Optimizer":
+            self.flats, self.low_groups = self.zero.fp32_groups_flat_partition, self.zero.bf16_groups
+        else:
+            self.flats, self.low_groups = self.zero.single_partition_of_fp32_groups, self.zero.bit16_groups
         seen = set()
         for g, group in enumerate(self.low_groups):
             flat = self.flats[g]

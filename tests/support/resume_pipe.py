@@ -89,6 +89,7 @@ def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--stages", type=int, required=True)
     p.add_argument("--zero-stage", type=int, default=1)
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--start-step", type=int, default=0)
     p.add_argument("--save-at", type=int, default=None)
@@ -109,7 +110,7 @@ def main(argv=None):
     deepspeed.init_distributed(dist_backend="gloo")
     model = build(args.stages)
     initial_tied = dict(model.named_parameters())[TIED].detach().clone()
-    config = ds_config(argparse.Namespace(stage=args.zero_stage, dtype="fp32"))
+    config = ds_config(argparse.Namespace(stage=args.zero_stage, dtype=args.dtype))
     config["gradient_accumulation_steps"] = GLOBAL_BATCH // MICRO_BATCH // (dist.get_world_size() // args.stages)
     params = list(model.parameters())
     if args.ucp_load and not args.ucp_expect_error:
