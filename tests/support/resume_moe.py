@@ -27,7 +27,7 @@ import sys
 import torch
 
 from load_stats import write_stats
-from train_moe import EXPERTS, MICRO_BATCH, SEQ, VOCAB, MoEModel, _ep_rank, ds_config
+from train_moe import EXPERTS, MoEModel, _ep_rank, ds_config, train_step
 
 CLIENT_STATE = {"client_marker": 13}
 
@@ -126,14 +126,7 @@ def main(argv=None):
     for step in range(args.start_step, args.start_step + args.steps):
         if step == args.save_at:
             engine.save_checkpoint(args.save_dir, client_state=dict(CLIENT_STATE))
-        g = torch.Generator().manual_seed(step)
-        tokens = torch.randint(0, VOCAB, (MICRO_BATCH * world, SEQ), generator=g)
-        targets = (tokens * 5 + 2) % VOCAB
-        rows = slice(rank * MICRO_BATCH, (rank + 1) * MICRO_BATCH)
-        loss = engine(tokens[rows], targets[rows])
-        engine.backward(loss)
-        engine.step()
-        total = loss.detach().float().clone()
+        total = train_step(engine, step, rank, world).detach().float().clone()
         dist.all_reduce(total)
         losses.append(total.item() / world)
     if rank == 0:

@@ -92,6 +92,18 @@ def ds_config(args):
     return cfg
 
 
+def train_step(engine, step: int, rank: int, world: int) -> torch.Tensor:
+    """One optimizer step on global step `step`'s batch (the same global batch at any ep_size); this rank's loss."""
+    g = torch.Generator().manual_seed(step)
+    tokens = torch.randint(0, VOCAB, (MICRO_BATCH * world, SEQ), generator=g)
+    targets = (tokens * 5 + 2) % VOCAB
+    rows = slice(rank * MICRO_BATCH, (rank + 1) * MICRO_BATCH)
+    loss = engine(tokens[rows], targets[rows])
+    engine.backward(loss)
+    engine.step()
+    return loss
+
+
 def train_one(run: dict, args: argparse.Namespace) -> None:
     import deepspeed
     import torch.distributed as dist
@@ -110,13 +122,7 @@ def train_one(run: dict, args: argparse.Namespace) -> None:
     if _ep_rank(model) != rank % ep_size:
         raise RuntimeError(f"rank {rank}: DeepSpeed made EP rank {_ep_rank(model)}, expected {rank % ep_size}")
     for step in range(args.steps):
-        g = torch.Generator().manual_seed(step)
-        tokens = torch.randint(0, VOCAB, (MICRO_BATCH * world, SEQ), generator=g)
-        targets = (tokens * 5 + 2) % VOCAB
-        rows = slice(rank * MICRO_BATCH, (rank + 1) * MICRO_BATCH)
-        loss = engine(tokens[rows], targets[rows])
-        engine.backward(loss)
-        engine.step()
+        train_step(engine, step, rank, world)
     if run.get("dump_state"):
         ep_rank, local = _ep_rank(model), model.moe.num_local_experts
         state = local_state(engine, model.named_parameters())
