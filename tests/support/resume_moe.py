@@ -20,13 +20,12 @@ of a step is the mean over ranks of their losses.
   data parallelism only); rank 0 writes the error to F.
 """
 import argparse
-import json
 import os
 import sys
 
 import torch
 
-from load_stats import write_stats
+from load_stats import write_losses_and_close, write_stats
 from train_moe import EXPERTS, MoEModel, _ep_rank, ds_config, train_step
 
 CLIENT_STATE = {"client_marker": 13}
@@ -129,12 +128,7 @@ def main(argv=None):
         total = train_step(engine, step, rank, world).detach().float().clone()
         dist.all_reduce(total)
         losses.append(total.item() / world)
-    if rank == 0:
-        with open(args.losses_out, "w") as f:
-            json.dump(losses, f)
-    dist.barrier()
-    engine.destroy()
-    dist.destroy_process_group()
+    write_losses_and_close(engine, losses, args.losses_out)
     return 0
 
 

@@ -25,7 +25,7 @@ import sys
 
 import torch
 
-from load_stats import write_stats
+from load_stats import write_losses_and_close, write_stats
 from train_pipe import DIM, MICRO_BATCH, SEQ, VOCAB, Block, TiedEmbedding, ds_config, loss_fn
 
 TIED = "tied_modules.embed.weight"
@@ -138,12 +138,7 @@ def main(argv=None):
         if step == args.save_at:
             engine.save_checkpoint(args.save_dir, client_state=dict(CLIENT_STATE))
         losses.append(engine.train_batch(iter(batches(step, dp_rank, dp))).item())
-    if dist.get_rank() == 0:
-        with open(args.losses_out, "w") as f:
-            json.dump(losses, f)
-    dist.barrier()
-    engine.destroy()
-    dist.destroy_process_group()
+    write_losses_and_close(engine, losses, args.losses_out)
     return 0
 
 
