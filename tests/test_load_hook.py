@@ -7,12 +7,11 @@ batches.
 from __future__ import annotations
 
 import dataclasses
-import json
-import shutil
 
 import pytest
 
 import ucp
+from support.atomic import with_edited_index
 from support.checkpoints import TinySpec, ucp_load_errors, ucp_resume, ucp_stats, uninterrupted_losses
 from ucp.convert import convert
 
@@ -107,15 +106,6 @@ def test_without_bypass_every_rank_reads_everything(ucp_checkpoint, ckpt_root):
     assert resumed.losses == pytest.approx(straight[source.steps:source.steps + 1], rel=1e-6)
 
 
-def _edited(path, tmp_path, name, edit):
-    copy = tmp_path / name
-    shutil.copytree(path, copy)
-    index = json.loads((copy / "ucp_index.json").read_text())
-    edit(index)
-    (copy / "ucp_index.json").write_text(json.dumps(index))
-    return copy
-
-
 def test_bad_checkpoints_are_refused_before_the_engine_is_touched(ucp_checkpoint, ckpt_root, tmp_path):
     path = ucp_checkpoint(TinySpec(stage=1))
 
@@ -133,7 +123,7 @@ def test_bad_checkpoints_are_refused_before_the_engine_is_touched(ucp_checkpoint
 
     cases = {"missing": (drop, "l1.bias"), "extra": (extra, "extra.weight"),
              "shape": (reshape, "l2.weight"), "optimizer": (other_optimizer, "momentum_buffer")}
-    dirs = [_edited(path, tmp_path, label, edit) for label, (edit, _) in cases.items()]
+    dirs = [with_edited_index(path, tmp_path / label, edit) for label, (edit, _) in cases.items()]
     for target in (TinySpec(stage=2), TinySpec(stage=3)):
         results = ucp_load_errors(dirs, target, ckpt_root)
         for (label, (_, needle)), result in zip(cases.items(), results):

@@ -8,12 +8,12 @@ training after it saved).
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
 
 import ucp
+from support.atomic import with_edited_index
 from support.resume_3d import Layout, resume_run, source_run
 from ucp.convert import convert
 
@@ -106,15 +106,6 @@ def test_pipeline_negative_control_tied_copy_left_unloaded(converted, ckpt_root)
     assert losses != pytest.approx(straight[SAVE_AT:], rel=1e-3)
 
 
-def _edited(path, tmp_path, label, edit):
-    copy = tmp_path / label
-    shutil.copytree(path, copy)
-    index = json.loads((copy / "ucp_index.json").read_text())
-    edit(index)
-    (copy / "ucp_index.json").write_text(json.dumps(index))
-    return copy
-
-
 def test_pipeline_bad_checkpoints_are_refused_on_every_stage(converted, ckpt_root, tmp_path):
     """Stage 1's missing layer is an error on stage 0 too (which has all of its own), before any collective."""
     path, _ = converted(pipe(2, 2))
@@ -126,7 +117,7 @@ def test_pipeline_bad_checkpoints_are_refused_on_every_stage(converted, ckpt_roo
         index["params"]["5.weight"] = index["params"]["3.weight"]
 
     cases = {"missing": (drop, "'3.weight'"), "extra": (extra, "'5.weight'")}
-    dirs = [_edited(path, tmp_path, label, edit) for label, (edit, _) in cases.items()]
+    dirs = [with_edited_index(path, tmp_path / label, edit) for label, (edit, _) in cases.items()]
     run = resume_run(pipe(2, 2), ["--steps", 0, "--losses-out", "{run}/losses.json", "--ucp-load",
                                   ",".join(map(str, dirs)), "--ucp-expect-error", "{run}/errors.json"], ckpt_root)
     ranks = json.loads((run / "errors.json").read_text())

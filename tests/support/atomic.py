@@ -1,4 +1,5 @@
-"""Write ucp checkpoints from in-memory tensors through ucp's own writer (no DeepSpeed run needed).
+"""Write ucp checkpoints from in-memory tensors through ucp's own writer (no DeepSpeed run needed),
+and copies of a checkpoint with an edited index (bad input for loaders).
 
 Each state's bytes go to a raw source file; a `ConversionPlan` with one Unique fragment per state
 points at them, and `ucp.convert.write_atomic` converts it as it would a DeepSpeed checkpoint:
@@ -6,6 +7,9 @@ same bins, same split-major transform, same index.
 """
 from __future__ import annotations
 
+import json
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -50,3 +54,12 @@ def write_checkpoint(out: Path, tensors: dict[str, dict[str, torch.Tensor]], pol
         plan = apply_split_policy(plan, policy)
     write_atomic(plan, out, LocalExecutor(workers, progress=False))
     return out
+
+
+def with_edited_index(path: Path, copy: Path, edit: Callable[[dict], None]) -> Path:
+    """A copy of the ucp checkpoint at `path` at `copy`, its index changed in place by `edit`."""
+    shutil.copytree(path, copy)
+    index = json.loads((copy / "ucp_index.json").read_text())
+    edit(index)
+    (copy / "ucp_index.json").write_text(json.dumps(index))
+    return copy
