@@ -11,30 +11,26 @@
    RSS of the whole process tree (sampled every 20 ms with psutil), bytes and files written.
 3. Checks every state of every parameter ucp wrote against ds_to_universal's output (torch.equal).
 
-Kept apart from benchmarks/convert.py (the data-parallel ZeRO-1 case, maintained separately); it
-measures the same way so the two tables compare.
+Run by `benchmarks/convert.py --source autotp`; it measures with convert.py's own `measure` (wall
+time, peak RSS of the process tree, bytes and files written), so the two tables compare.
 """
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 
-import psutil
+from convert import ds_to_universal_script, free_port, measure, ucp_command
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN_SCRIPT = ROOT / "tests" / "support" / "train_llama_tp.py"
 LLAMA = {"vocab_size": 32000, "hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12,
          "num_attention_heads": 12, "num_key_value_heads": 4, "max_position_embeddings": 512}
 CKPT_NAME = "llama125m-autotp2-zero1-fp32"
-POLL_S = 0.02
 
 
 def env() -> dict[str, str]:
@@ -54,57 +50,13 @@ def build_checkpoint(cache: Path) -> Path:
     folder.mkdir(parents=True)
     runs = json.dumps([{"stage": 1, "save_dir": str(folder / "ckpt"), "llama": LLAMA}])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), str(TRAIN_SCRIPT), "--tp", "2", "--steps", "1", "--runs", runs]
+           "--master_port", str(free_port()), str(TRAIN_SCRIPT), "--tp", "2", "--steps", "1", "--runs", runs]
     print(f"building {folder} (one training step of a ~125M Llama with AutoTP=2 on 2 CPU ranks)...", flush=True)
     with open(folder / "train.log", "w") as log:
         if subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env()).returncode != 0:
             sys.exit(f"training failed; see {folder / 'train.log'}")
     (folder / ".done").touch()
     return folder / "ckpt"
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def measure(cmd: list[str], out: Path, log: Path) -> dict:
-    """Run `cmd`, polling its process tree's summed RSS; wall seconds, peak RSS, bytes and files under `out`."""
-    os.sync()
-    peak = [0]
-    with open(log, "a") as f:
-        t0 = time.perf_counter()
-        proc = psutil.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env())
-        done = threading.Event()
-
-        def poll() -> None:
-            while not done.is_set():
-                try:
-                    procs = [proc] + proc.children(recursive=True)
-                except psutil.NoSuchProcess:
-                    break
-                rss = 0
-                for p in procs:
-                    try:
-                        rss += p.memory_info().rss
-                    except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
-                        pass
-                peak[0] = max(peak[0], rss)
-                done.wait(POLL_S)
-
-        poller = threading.Thread(target=poll, daemon=True)
-        poller.start()
-        rc = proc.wait()
-        wall = time.perf_counter() - t0
-        done.set()
-        poller.join()
-    if rc != 0:
-        sys.exit(f"command failed (exit {rc}): {' '.join(cmd)}; see {log}")
-    files = [p for p in out.rglob("*") if p.is_file()]
-    return {"wall_s": wall, "peak_rss": peak[0], "bytes": sum(p.stat().st_size for p in files), "files": len(files)}
 
 
 def verify(ucp_out: Path, ds_out: Path) -> int:
@@ -139,26 +91,25 @@ def main(argv: list[str] | None = None) -> int:
     try:
         log = scratch / "bench.log"
         ucp_out, ds_out = scratch / "ucp", scratch / "ds" / tag
-        ucp_cmd = [sys.executable, "-m", "ucp.cli.main", "convert", "--input", str(save_dir), "--output", str(ucp_out),
+        ucp_cmd = [*ucp_command(), "convert", "--input", str(save_dir), "--output", str(ucp_out),
                    "--workers", str(args.workers), "--quiet"]
-        spec = importlib.util.find_spec("deepspeed")  # located, not imported
-        ds_script = Path(spec.origin).parent / "checkpoint" / "ds_to_universal.py"
-        ds_cmd = [sys.executable, str(ds_script), "--input_folder", str(save_dir / tag), "--output_folder",
-                  str(ds_out), "--num_extract_workers", str(args.workers), "--num_merge_workers", str(args.workers)]
+        ds_cmd = [sys.executable, str(ds_to_universal_script()), "--input_folder", str(save_dir / tag),
+                  "--output_folder", str(ds_out), "--num_extract_workers", str(args.workers),
+                  "--num_merge_workers", str(args.workers)]
         results = {"ucp convert": measure(ucp_cmd, ucp_out, log), "ds_to_universal": measure(ds_cmd, ds_out, log)}
         compared = verify(ucp_out, ds_out)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     source = sum(p.stat().st_size for p in (save_dir / tag).iterdir())
     rows = [["tool", "wall s", "peak RSS", "written", "files"]]
-    rows += [[k, f"{r['wall_s']:.1f}", f"{r['peak_rss'] / 2**30:.2f} GiB", f"{r['bytes'] / 2**30:.2f} GiB",
-              str(r["files"])] for k, r in results.items()]
+    rows += [[k, f"{r.wall:.1f}", f"{r.peak_rss / 2**30:.2f} GiB", f"{r.bytes_written / 2**30:.2f} GiB",
+              str(r.files_written)] for k, r in results.items()]
     u, d = results["ucp convert"], results["ds_to_universal"]
     lines = [f"AutoTP=2 ZeRO-1 fp32 Llama ~125M, checkpoint {source / 2**30:.2f} GiB, {args.workers} workers", ""]
     lines += ["| " + " | ".join(r) + " |" for r in rows[:1]] + ["|" + "---|" * len(rows[0])]
     lines += ["| " + " | ".join(r) + " |" for r in rows[1:]]
-    lines += ["", f"speed-up {d['wall_s'] / u['wall_s']:.2f}x, peak RSS ratio {u['peak_rss'] / d['peak_rss']:.2f}, "
-              f"files ratio {u['files'] / d['files']:.4f}; {compared} tensors equal to ds_to_universal's"]
+    lines += ["", f"speed-up {d.wall / u.wall:.2f}x, peak RSS ratio {u.peak_rss / d.peak_rss:.2f}, "
+              f"files ratio {u.files_written / d.files_written:.4f}; {compared} tensors equal to ds_to_universal's"]
     print("\n".join(lines))
     if args.markdown_out:
         Path(args.markdown_out).write_text("\n".join(lines) + "\n")
