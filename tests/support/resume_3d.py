@@ -36,7 +36,7 @@ class Layout:
 
 def _fingerprint(layout: Layout) -> str:
     h = hashlib.sha256()
-    for name in (layout.script, layout.script.replace("resume_", "train_"), "gather.py"):
+    for name in (layout.script, layout.script.replace("resume_", "train_"), "gather.py", "resume_common.py"):
         h.update((SUPPORT_DIR / name).read_bytes())
     h.update(f"{torch.__version__} {importlib.metadata.version('deepspeed')}".encode())
     return h.hexdigest()[:10]

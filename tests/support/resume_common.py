@@ -1,8 +1,23 @@
-"""What a resume run reports to its test, written by rank 0: every rank's ucp load statistics
-(ucp.deepspeed.LoadStats), and the run's losses."""
+"""What resume_pipe.py and resume_moe.py share: their common options, and what they report to their
+test, written by rank 0 (every rank's ucp load statistics, ucp.deepspeed.LoadStats, and the losses)."""
+import argparse
 import json
 
 import torch.distributed as dist
+
+
+def resume_arguments() -> argparse.ArgumentParser:
+    """The options of every resume script: what to train, when to save, what to load, where to report."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--zero-stage", type=int, default=1)
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--start-step", type=int, default=0)
+    p.add_argument("--save-at", type=int, default=None)
+    p.add_argument("--save-dir", default=None)
+    p.add_argument("--ucp-load", default=None)
+    p.add_argument("--ucp-stats-out", default=None, help="rank 0 writes every rank's ucp load statistics (JSON)")
+    p.add_argument("--losses-out", required=True)
+    return p
 
 
 def write_stats(engine, path: str) -> None:

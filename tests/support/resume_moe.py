@@ -25,7 +25,7 @@ import sys
 
 import torch
 
-from load_stats import write_losses_and_close, write_stats
+from resume_common import resume_arguments, write_losses_and_close, write_stats
 from train_moe import EXPERTS, MoEModel, _ep_rank, ds_config, train_step
 
 CLIENT_STATE = {"client_marker": 13}
@@ -63,20 +63,12 @@ def refuse_save(engine, out: str, rank: int) -> None:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser()
+    p = resume_arguments()
     p.add_argument("--ep-size", type=int, required=True)
-    p.add_argument("--zero-stage", type=int, default=1)
-    p.add_argument("--steps", type=int, required=True)
-    p.add_argument("--start-step", type=int, default=0)
-    p.add_argument("--save-at", type=int, default=None)
-    p.add_argument("--save-dir", default=None)
-    p.add_argument("--ucp-load", default=None)
-    p.add_argument("--ucp-stats-out", default=None, help="rank 0 writes every rank's ucp load statistics (JSON)")
     p.add_argument("--experts-out", default=None)
     p.add_argument("--experts-by-local-id", action="store_true")
     p.add_argument("--strict-error-out", default=None)
     p.add_argument("--save-refusal-out", default=None)
-    p.add_argument("--losses-out", required=True)
     args = p.parse_args(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed

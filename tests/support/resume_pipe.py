@@ -25,7 +25,7 @@ import sys
 
 import torch
 
-from load_stats import write_losses_and_close, write_stats
+from resume_common import resume_arguments, write_losses_and_close, write_stats
 from train_pipe import DIM, MICRO_BATCH, SEQ, VOCAB, Block, TiedEmbedding, ds_config, loss_fn
 
 TIED = "tied_modules.embed.weight"
@@ -86,19 +86,11 @@ def expect_errors(engine, paths: list[str], out: str) -> None:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser()
+    p = resume_arguments()
     p.add_argument("--stages", type=int, required=True)
-    p.add_argument("--zero-stage", type=int, default=1)
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
-    p.add_argument("--steps", type=int, required=True)
-    p.add_argument("--start-step", type=int, default=0)
-    p.add_argument("--save-at", type=int, default=None)
-    p.add_argument("--save-dir", default=None)
-    p.add_argument("--ucp-load", default=None)
-    p.add_argument("--ucp-stats-out", default=None, help="rank 0 writes every rank's ucp load statistics (JSON)")
     p.add_argument("--ucp-expect-error", default=None)
     p.add_argument("--reset-tied-on-last-stage", action="store_true")
-    p.add_argument("--losses-out", required=True)
     args = p.parse_args(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
