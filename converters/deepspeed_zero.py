@@ -19,6 +19,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from ucp import loss_scale
 from ucp.converters.deepspeed_slices import dtype_name, load_dict, read_slice, whole
 from ucp.converters.deepspeed_zero0 import zero0_trainable
 from ucp.converters.deepspeed_zero3 import read_zero3_slice, zero3_model_files
@@ -193,15 +194,6 @@ def _plan_zero0(where: TagDir, model_path: Path, model: dict, param_names: list[
     return finish_plan(where, model, params, hyper, moment_names, 0, dp, [model_path], model.get("optimizer"))
 
 
-_SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
-
-
-def _loss_scaler_state(scaler) -> dict:
-    """The dynamic fp16 loss-scaler fields, from a pickled LossScaler or a ZeRO-0 optimizer dict."""
-    state = as_python(scaler)
-    return {k: state[k] for k in _SCALER_FIELDS if isinstance(state, dict) and k in state}
-
-
 def _module_dtype(module: dict, name: str) -> str:
     t = module.get(name)
     return dtype_name(t) if isinstance(t, LazyTensor) else "float32"
@@ -258,7 +250,8 @@ def finish_plan(where: TagDir, model: dict, params: list[ParamPlan], hyper, mome
     training = {k: as_python(model.get(k)) for k in ("global_steps", "global_samples", "skipped_steps")
                 if model.get(k) is not None}
     if precision == "fp16" and scaler is not None:
-        training["loss_scaler"] = _loss_scaler_state(scaler)
+        state = as_python(scaler)  # a pickled LossScaler's attributes, or a ZeRO-0 optimizer dict
+        training["loss_scaler"] = loss_scale.record_of(state) if isinstance(state, dict) else {}
     client = {k: as_python(v) for k, v in model.items() if k not in _MODEL_KEYS}
     optimizer = {"type": optimizer_cfg.get("type", "unknown"), "states": moment_names, "param_groups": groups}
     return ConversionPlan(params=params, source=source, optimizer=optimizer, training=training,

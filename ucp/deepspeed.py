@@ -49,6 +49,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ucp import loss_scale
 from ucp.checkpoint import AtomicCheckpoint
 from ucp.deepspeed_save import SaveEvery, SaveStats, save, wait
 from ucp.deepspeed_targets import OPTIMIZER_STATES, Target, TargetTensor, target_for
@@ -400,13 +401,9 @@ def _restore_steps(ckpt: AtomicCheckpoint, target: Target) -> None:
 def _restore_loss_scale(ckpt: AtomicCheckpoint, engine) -> None:
     """fp16 only: the dynamic loss scale and its counters continue where training stopped."""
     saved = ckpt.index.get("training", {}).get("loss_scaler")
-    optimizer = engine.optimizer
-    scaler = getattr(optimizer, "loss_scaler", None) or getattr(optimizer, "loss_scale_config", None)
-    if not saved or scaler is None:
-        return
-    for key, value in saved.items():
-        if hasattr(scaler, key):
-            setattr(scaler, key, value)
+    scaler = loss_scale.live_scaler(engine.optimizer)
+    if saved and scaler is not None:
+        loss_scale.restore(saved, scaler)
 
 
 def _restore_optimizer_globals(ckpt: AtomicCheckpoint, target: Target) -> None:
