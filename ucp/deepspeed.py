@@ -38,6 +38,7 @@ expert-data-parallel group (`ucp.deepspeed_moe_target`); and an explicit `layout
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -51,6 +52,7 @@ import torch.distributed as dist
 
 from ucp import loss_scale
 from ucp.checkpoint import AtomicCheckpoint
+from ucp.config import load_options, ucp_options, without_ucp
 from ucp.deepspeed_save import SaveEvery, SaveStats, save, wait
 from ucp.deepspeed_targets import OPTIMIZER_STATES, Target, TargetTensor, target_for
 from ucp.deepspeed_layout import as_layout, place_by_layout
@@ -64,7 +66,6 @@ from ucp.safetensors_stream import TORCH_DTYPES
 from ucp.slice_read import SliceRead, plan_flat_read, plan_slice_read
 from ucp.splits import box_of_read
 
-CONFIG_KEY = "ucp"
 __all__ = ["CheckpointMismatchError", "LoadStats", "SaveStats", "initialize", "load", "save", "wait"]
 
 
@@ -86,7 +87,10 @@ class LoadStats:
 
 
 def initialize(*args, **kwargs):
-    """`deepspeed.initialize` with the same arguments and result, plus the `"ucp"` config section."""
+    """`deepspeed.initialize` with the same arguments and result, plus the `"ucp"` config section.
+
+    The section is checked before DeepSpeed runs, and the caller's config and `args` are left as given.
+    """
     import deepspeed
 
     config_key = "config" if kwargs.get("config") is not None else "config_params"
@@ -96,18 +100,16 @@ def initialize(*args, **kwargs):
     if isinstance(config, (str, os.PathLike)):
         with open(config) as f:
             config = json.load(f)
-    options = {}
-    if isinstance(config, dict) and CONFIG_KEY in config:
-        config = dict(config)
-        options = dict(config.pop(CONFIG_KEY))
-        kwargs[config_key] = config
+    options = ucp_options(config)
+    if options:
+        kwargs = {**kwargs, config_key: without_ucp(config)}
         if args and getattr(args[0], "deepspeed_config", None):
+            args = (copy.copy(args[0]), *args[1:])
             args[0].deepspeed_config = None
-    save_every = SaveEvery.from_config(options.pop("save")) if "save" in options else None
+    save_every = SaveEvery.from_config(options["save"]) if "save" in options else None
     result = deepspeed.initialize(*args, **kwargs)
     if options.get("load"):
-        path = options.pop("load")
-        load(result[0], path, **options)
+        load(result[0], options["load"], **load_options(options))
     if save_every is not None:
         save_every.install(result[0])
     return result
