@@ -13,7 +13,8 @@ import torch
 
 from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError
 from ucp.fileio import ReadCounter
-from ucp.format import INDEX_NAME, latest_checkpoint, load_index
+from ucp.format import INDEX_NAME, latest_checkpoint, read_index
+from ucp.index import StoredState, header_problems
 from ucp.safetensors_stream import read_stored
 from ucp.splits import from_split_major
 
@@ -36,7 +37,7 @@ class AtomicCheckpoint:
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
-        self.index = load_index(self.path)
+        self.index, self.model = read_index(self.path)  # the JSON, and its checked typed model
         self.counter = ReadCounter()
 
     @property
@@ -63,12 +64,11 @@ class AtomicCheckpoint:
             return torch.tensor(e["step"], dtype=torch.float32)
         if state not in e["states"]:
             raise KeyError(f"{name}: no state '{state}' (has {', '.join(self.states(name))})")
-        s = e["states"][state]
-        begin, end = s["offsets"]
-        stored = read_stored(str(self.path / s["file"]), begin, end, s["dtype"], s["shape"],
-                             s["crc32"] if verify else None, self.counter)
-        if "splits" in s:  # stored split-major: put the logical order back (a no-op along dim 0)
-            return from_split_major(stored, s["shape"], s["splits"]["dim"], s["splits"]["count"])
+        s = self.model.params[name].states[state]
+        stored = read_stored(str(self.path / s.file), s.begin, s.end, s.dtype, s.shape,
+                             s.crc32 if verify else None, self.counter)
+        if s.splits is not None:  # stored split-major: put the logical order back (a no-op along dim 0)
+            return from_split_major(stored, s.shape, *s.splits)
         return stored
 
     @property
@@ -92,32 +92,24 @@ class AtomicCheckpoint:
         return self.index.get("source", {})
 
     def verify(self) -> list[str]:
-        """Every problem found: missing or resized files, tensors out of bounds, checksum mismatches."""
+        """Every problem found: a safetensors header that disagrees with the index, a checksum mismatch.
+
+        Opening the checkpoint already checked the index itself (`ucp.index`): file sizes, byte
+        ranges, dtypes and shapes, no overlaps, plain regular files.
+        """
         problems = []
-        sizes = {}
-        for name, meta in self.index["files"].items():
-            path = self.path / name
-            if not path.is_file():
-                problems.append(f"{path}: missing")
-                continue
-            sizes[name] = path.stat().st_size
-            if sizes[name] != meta["bytes"]:
-                problems.append(f"{path}: {sizes[name]} bytes, the index records {meta['bytes']}")
-        for pname, e in self.index["params"].items():
-            for state, s in e["states"].items():
-                if s["file"] not in sizes:
-                    if s["file"] not in self.index["files"]:
-                        problems.append(f"{pname}:{state}: stored in unlisted file {s['file']}")
-                    continue
-                begin, end = s["offsets"]
-                if end > sizes[s["file"]]:
-                    problems.append(f"{pname}:{state}: bytes [{begin}, {end}) past the end of {s['file']}")
-                    continue
+        for data in self.model.files.values():
+            problems += header_problems(self.path / data.name, data, self._states_in(data.name))
+        for name, entry in self.model.params.items():
+            for state, s in entry.states.items():
                 try:
-                    read_stored(str(self.path / s["file"]), begin, end, s["dtype"], s["shape"], s["crc32"])
+                    read_stored(str(self.path / s.file), s.begin, s.end, s.dtype, s.shape, s.crc32)
                 except CorruptCheckpointError:
-                    problems.append(f"{pname}:{state}: checksum mismatch in {s['file']}")
+                    problems.append(f"{name}:{state}: checksum mismatch in {s.file}")
         return problems
+
+    def _states_in(self, file_name: str) -> list[StoredState]:
+        return [s for e in self.model.params.values() for s in e.states.values() if s.file == file_name]
 
     def _entry(self, name: str) -> dict:
         try:

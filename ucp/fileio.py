@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import os
+import stat
 
 import torch
 
-from ucp.errors import CorruptCheckpointError
+from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError
 
 
 class ReadCounter:
@@ -24,12 +25,31 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy())
 
 
+def open_regular(path: str) -> int:
+    """A read-only descriptor of `path`, which must be a regular file.
+
+    O_NONBLOCK: opening a FIFO planted where a data file belongs returns at once instead of waiting
+    for a writer forever; it is then refused as not a regular file.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"{path}: missing; restore the file from the checkpoint's copy") from None
+    except OSError as exc:
+        raise CorruptCheckpointError(f"{path}: cannot be opened ({exc.strerror})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CorruptCheckpointError(f"{path}: not a regular file; a special file stands where checkpoint data "
+                                     "belongs, restore the file from a copy")
+    return fd
+
+
 def pread_into(path: str, out: torch.Tensor, offset: int, counter: ReadCounter | None = None) -> torch.Tensor:
     """Fill contiguous `out` with the bytes of `path` starting at `offset`; returns `out`."""
     view = tensor_bytes(out)
     if len(view) == 0:
         return out
-    fd = os.open(path, os.O_RDONLY)
+    fd = open_regular(path)
     try:
         done = 0
         while done < len(view):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from ucp.index import DTYPE_SIZES
 from ucp.patterns.recognize import FragmentInfo
 from ucp.patterns.types import PatternSpec
 
@@ -106,9 +107,5 @@ class ConversionPlan:
         raise KeyError(name)
 
 
-_ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4,
-             "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
-
-
 def _itemsize(dtype: str) -> int:
-    return _ITEMSIZE[dtype]
+    return DTYPE_SIZES[dtype]

@@ -20,10 +20,9 @@ import torch
 
 from ucp.errors import CorruptCheckpointError
 from ucp.fileio import ReadCounter, pread_into, tensor_bytes
+from ucp.index import SAFETENSORS_DTYPES
 
-DTYPE_CODES = {"float32": "F32", "float64": "F64", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
-               "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
-TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPE_CODES}
+TORCH_DTYPES = {name: getattr(torch, name) for name in SAFETENSORS_DTYPES}
 _ALIGN = 8  # safetensors pads the header so the data section starts 8-byte aligned
 
 
@@ -56,7 +55,7 @@ def encode_header(slots: Sequence[TensorSlot], metadata: dict[str, str] | None =
     header: dict = {"__metadata__": metadata} if metadata else {}
     cursor = 0
     for slot in slots:
-        header[slot.key] = {"dtype": DTYPE_CODES[slot.dtype], "shape": list(slot.shape),
+        header[slot.key] = {"dtype": SAFETENSORS_DTYPES[slot.dtype], "shape": list(slot.shape),
                             "data_offsets": [cursor, cursor + slot.nbytes]}
         cursor += slot.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
