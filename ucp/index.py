@@ -111,7 +111,35 @@ def parse_index(raw, directory: str | os.PathLike, index_path: str | os.PathLike
     for name, entry in top.get("params", (dict,)).items():
         params[name] = _param(path, name, _Fields(f"params[{name!r}]", entry, path), files)
     _no_overlaps(path, params)
+    _training_state(top, path)
     return Index(version, files, params)
+
+
+def _training_state(top: _Fields, path: Path) -> None:
+    """The JSON records beside the tensors, in the shapes their readers (hook, inspect) rely on."""
+    for key in ("source", "client_state"):
+        top.get(key, (dict,), required=False)
+    splits = top.get("splits", (dict,), required=False)
+    if splits is not None:
+        _Fields("index.splits", splits, path).count("global_split", required=False)
+    top.get("lr_scheduler", (dict, type(None)), required=False)
+    training = top.get("training", (dict,), required=False)
+    if training is not None:
+        fields = _Fields("index.training", training, path)
+        for key in ("global_steps", "global_samples", "skipped_steps"):
+            fields.count(key, required=False)
+        fields.get("loss_scaler", (dict,), required=False)
+    optimizer = top.get("optimizer", (dict, type(None)), required=False)
+    if optimizer is not None:
+        fields = _Fields("index.optimizer", optimizer, path)
+        fields.get("type", (str,), required=False)
+        if not all(isinstance(s, str) for s in fields.get("states", (list,), required=False) or []):
+            raise _bad(path, "index.optimizer.states", "must be a list of state names")
+        for g, group in enumerate(fields.get("param_groups", (list,), required=False) or []):
+            group = _Fields(f"index.optimizer.param_groups[{g}]", group, path)
+            group.get("hyperparams", (dict,))
+            if not all(isinstance(n, str) for n in group.get("params", (list,))):
+                raise _bad(path, f"{group.where}.params", "must be a list of parameter names")
 
 
 def _data_file(directory: Path, path: Path, name: str, recorded: int) -> DataFile:
@@ -151,6 +179,12 @@ def _param(path: Path, name: str, entry: _Fields, files: dict[str, DataFile]) ->
     shape = _shape(path, f"{entry.where}.shape", entry.get("shape", (list,)))
     group = entry.count("group", required=False)
     step = entry.get("step", (int, float), required=False)
+    pattern = entry.get("pattern", (dict,), required=False)
+    if pattern is not None:
+        _Fields(f"{entry.where}.pattern", pattern, path).get("pattern", (str,))
+    model_dtype = entry.get("model_dtype", (str,), required=False)
+    if model_dtype is not None and model_dtype not in DTYPE_SIZES:
+        raise _bad(path, f"{entry.where}.model_dtype", f"unknown dtype {model_dtype!r}")
     states = {}
     for state, stored in entry.get("states", (dict,)).items():
         states[state] = _state(path, _Fields(f"{entry.where}.states[{state!r}]", stored, path), shape, files)
