@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
+import traceback
 
 DESCRIPTION = """\
 ucp: universal checkpoints for DeepSpeed.
@@ -25,6 +27,11 @@ examples:
   ucp verify ckpts_ucp/                                   checksums and completeness
   ucp plan --gpus 28 --gpu-memory 80 --model examples/models/llama2-7b.json   parallel plans for 28 GPUs
   ucp demo                                                train, save, convert, inspect, resume elsewhere
+
+exit status:
+  0  success            1  ucp verify found problems      2  bad input (a damaged, missing or mismatched
+  3  the system refused (no space, read-only, permission)    checkpoint, a bad option): one line says which
+  130 interrupted (nothing committed)                         file and the fix; --debug adds the traceback
 """
 
 
@@ -32,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ucp", description=DESCRIPTION, epilog=EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="store_true", help="print the version and exit")
+    parser.add_argument("--debug", action="store_true", help="on an error, print the full traceback too")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser("convert", help="convert a DeepSpeed checkpoint to the atomic format",
@@ -153,12 +161,39 @@ def main(argv: list[str] | None = None) -> int:
 
         return getattr(commands, f"cmd_{args.command}")(args)
     except UcpError as exc:
-        print(f"ucp {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+        return _fail(args, f"{exc}", 2)
+    except OSError as exc:
+        return _fail(args, os_error_line(exc, getattr(args, "output", None)), 3)
     except KeyboardInterrupt:
         print(f"ucp {args.command}: interrupted; no index was written, the output is not a checkpoint",
               file=sys.stderr)
         return 130
+
+
+_OS_FIXES = {
+    errno.ENOSPC: "free space there, or choose another --output",
+    errno.EDQUOT: "free space there, or choose another --output",
+    errno.EROFS: "the file system is read-only; choose another --output",
+    errno.EACCES: "check its permissions",
+    errno.EPERM: "check its permissions",
+    errno.ENOTDIR: "a file stands where a folder is expected; pass a folder",
+    errno.EISDIR: "a folder stands where a file is expected",
+    errno.ENOENT: "check the path",
+}
+
+
+def os_error_line(exc: OSError, output: str | None = None) -> str:
+    """An OSError as one line: the path (else the output being written), what the system said, the fix."""
+    where = exc.filename if exc.filename is not None else output or "?"
+    fix = _OS_FIXES.get(exc.errno, "check the path and the file system")
+    return f"{where}: {exc.strerror or exc}; {fix}"
+
+
+def _fail(args: argparse.Namespace, message: str, code: int) -> int:
+    if args.debug:
+        traceback.print_exc()
+    print(f"ucp {args.command}: error: {message}", file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":

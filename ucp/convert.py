@@ -27,6 +27,7 @@ from ucp.assemble import Arena, materialize
 from ucp.balance import lpt_bins
 from ucp.errors import OutputExistsError, UcpError
 from ucp.executor import Executor, LocalExecutor, Report, ShuffleExecutor
+from ucp.fileio import writing_alone
 from ucp.format import (FORMAT_NAME, FORMAT_VERSION, INDEX_NAME, PARTIAL_SUFFIX, commit_index, data_file_name,
                         fsync_dir, is_ucp_file, load_index, tensor_key)
 from ucp.manifest import MANIFEST_SUFFIX, BinCheck, manifest_name, remove_manifests, reusable_bin, write_manifest
@@ -144,6 +145,12 @@ def plan_bins(plan: ConversionPlan, workers: int) -> list[list[ParamPlan]]:
 
 def write_atomic(plan: ConversionPlan, output: Path, executor: Executor, *, strict: bool = False,
                  resume: bool = False) -> ConvertResult:
+    with writing_alone(output):
+        return _write_atomic(plan, output, executor, strict=strict, resume=resume)
+
+
+def _write_atomic(plan: ConversionPlan, output: Path, executor: Executor, *, strict: bool,
+                  resume: bool) -> ConvertResult:
     fingerprint = source_fingerprint(plan)
     if prepare_output(output, fingerprint, resume):
         remove_manifests(output)  # left behind when a run died between its commit and this cleanup
@@ -225,7 +232,8 @@ def stream_bin(task: WriteBin, report: Report,
         raise
     os.replace(partial, final)
     fsync_dir(Path(task.output))
-    result = {"file": task.file_name, "bytes": os.path.getsize(final),
+    # The size the writer planned and wrote, never read back: another process may own the path by now.
+    result = {"file": task.file_name, "bytes": writer.size,
               "tensors": {k: (s.begin, s.end, s.crc32) for k, s in stored.items()}}
     write_manifest(task.output, result, task.fingerprint)
     return result

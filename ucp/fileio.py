@@ -1,12 +1,36 @@
 """Positional reads into preallocated tensors, with a counter of what touched storage."""
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import stat
+from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
-from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError
+from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError, OutputExistsError
+
+
+@contextlib.contextmanager
+def writing_alone(folder: Path) -> Iterator[None]:
+    """Hold an exclusive lock on output `folder` (created if need be) while a conversion writes into it.
+
+    A second ucp process that wants to write there is refused at once instead of interleaving its
+    files with ours. The lock is the kernel's (flock on the folder itself): it goes with the process.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise OutputExistsError(f"{folder}: another ucp process is writing into it; wait for it to finish, "
+                                    "or choose another output folder") from None
+        yield
+    finally:
+        os.close(fd)
 
 
 class ReadCounter:

@@ -82,20 +82,32 @@ class StreamingWriter:
         if tuple(tensor.shape) != slot.shape or str(tensor.dtype).removeprefix("torch.") != slot.dtype:
             raise ValueError(f"{key}: got {tuple(tensor.shape)} {tensor.dtype}, the header says {slot.shape} {slot.dtype}")
         data = tensor_bytes(tensor.contiguous())
-        self._file.write(data)
+        try:
+            self._file.write(data)
+        except OSError as exc:  # no space, quota: name the file, which a bare write error does not
+            raise OSError(exc.errno, exc.strerror, self.path) from None
         begin = self._position
         self._position += len(data)
         self._next += 1
         return StoredTensor(key, begin, self._position, zlib.crc32(data))
+
+    @property
+    def size(self) -> int:
+        """The bytes written so far: the whole file's size once every tensor is in."""
+        return self._position
 
     def close(self) -> None:
         """Flush and fsync; the file is durable once this returns."""
         if self._next != len(self._slots):
             self._file.close()
             raise ValueError(f"{self.path}: closed after {self._next} of {len(self._slots)} tensors")
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
+        try:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+        except OSError as exc:
+            raise OSError(exc.errno, exc.strerror, self.path) from None
+        finally:
+            self._file.close()
 
     def abort(self) -> None:
         self._file.close()
