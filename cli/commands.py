@@ -90,6 +90,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     infos = [ckpt.info(n) for n in ckpt.names]
     if args.json:
         json.dump({"source": ckpt.source, "step": ckpt.step, "optimizer": ckpt.optimizer,
+                   "extra_files": ckpt.extra_files,
                    "params": [{"name": i.name, "kind": i.kind, "shape": list(i.shape), "pattern": i.pattern,
                                "states": list(i.states), "bytes": i.nbytes, "group": i.group} for i in infos]},
                   sys.stdout, indent=1)
@@ -109,6 +110,8 @@ def describe(ckpt, infos) -> str:
     total = sum(i.nbytes for i in infos)
     lines.append(f"step {ckpt.step} · optimizer {opt.get('type', 'none')} ({', '.join(opt.get('states', []))}) · "
                  f"{len(opt.get('param_groups', []))} param groups · {len(infos)} tensors · {human_bytes(total)}")
+    if ckpt.extra_files:
+        lines.append(f"extra files: {', '.join(ckpt.extra_files)}")
     rows = [("name", "kind", "shape", "pattern", "states", "size")]
     rows += [(i.name, i.kind, "x".join(map(str, i.shape)) or "scalar", i.pattern, " ".join(i.states),
               human_bytes(i.nbytes)) for i in infos]

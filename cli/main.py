@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 DESCRIPTION = """\
@@ -148,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from ucp.errors import UcpError
 
+    notes = _notes_to_stderr(args.command)
     try:
         from ucp.cli import commands
 
@@ -159,6 +161,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ucp {args.command}: interrupted; no index was written, the output is not a checkpoint",
               file=sys.stderr)
         return 130
+    finally:
+        logging.getLogger("ucp").removeHandler(notes)
+
+
+def _notes_to_stderr(command: str) -> logging.Handler:
+    """Show ucp's informational log lines (which checkpoint-N was picked, which files were left out)
+    on stderr, one line each; removed again when the command ends, so `main` can run many times."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"ucp {command}: %(message)s"))
+    handler.setLevel(logging.INFO)
+    logger = logging.getLogger("ucp")
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    return handler
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ names (`exp_avg`, `exp_avg_sq` for Adam), `step`; buffers hold one state, `value
 from __future__ import annotations
 
 import os
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,6 +92,25 @@ class AtomicCheckpoint:
     def source(self) -> dict:
         return self.index.get("source", {})
 
+    @property
+    def extra_files(self) -> list[str]:
+        """The small files carried along from the source (a Trainer's config, tokenizer, trainer_state)."""
+        return list(self.index.get("extra_files", {}))
+
+    def extra_file_path(self, name: str) -> Path:
+        self._extra(name)
+        return self.path / name
+
+    def extra_file(self, name: str) -> bytes:
+        """The bytes of an extra file, checked against the size and CRC-32 the index records."""
+        record = self._extra(name)
+        data = self.extra_file_path(name).read_bytes()
+        if len(data) != record["bytes"] or zlib.crc32(data) != record["crc32"]:
+            raise CorruptCheckpointError(f"{self.path / name}: differs from what {INDEX_NAME} records "
+                                         f"({record['bytes']} bytes, CRC-32 {record['crc32']}); convert the "
+                                         "checkpoint again")
+        return data
+
     def verify(self) -> list[str]:
         """Every problem found: missing or resized files, tensors out of bounds, checksum mismatches."""
         problems = []
@@ -117,7 +137,25 @@ class AtomicCheckpoint:
                     read_stored(str(self.path / s["file"]), begin, end, s["dtype"], s["shape"], s["crc32"])
                 except CorruptCheckpointError:
                     problems.append(f"{pname}:{state}: checksum mismatch in {s['file']}")
+        return problems + self._verify_extra_files()
+
+    def _verify_extra_files(self) -> list[str]:
+        problems = []
+        for name in self.extra_files:
+            try:
+                self.extra_file(name)
+            except FileNotFoundError:
+                problems.append(f"{self.path / name}: missing (an extra file the index records)")
+            except CorruptCheckpointError as exc:
+                problems.append(str(exc))
         return problems
+
+    def _extra(self, name: str) -> dict:
+        try:
+            return self.index.get("extra_files", {})[name]
+        except KeyError:
+            raise KeyError(f"{self.path}: no extra file '{name}' (has {', '.join(self.extra_files) or 'none'})") \
+                from None
 
     def _entry(self, name: str) -> dict:
         try:
@@ -182,6 +220,21 @@ class PlannedCheckpoint:
     @property
     def source(self) -> dict:
         return self.plan.source
+
+    @property
+    def extra_files(self) -> list[str]:
+        """The small files a conversion would carry along (a Trainer's config, tokenizer, trainer_state)."""
+        return list(self.plan.extra_files)
+
+    def extra_file_path(self, name: str) -> Path:
+        try:
+            return Path(self.plan.extra_files[name])
+        except KeyError:
+            raise KeyError(f"{self.path}: no extra file '{name}' (has {', '.join(self.extra_files) or 'none'})") \
+                from None
+
+    def extra_file(self, name: str) -> bytes:
+        return self.extra_file_path(name).read_bytes()
 
     def _param(self, name: str):
         try:
