@@ -99,6 +99,10 @@ def _trainer_checkpoint(folder: Path, folders: list[Path]) -> TagDir:
     return TagDir(folder, tag)
 
 
+def _tags(root: Path) -> str:
+    return ", ".join(sorted(p.name for p in root.iterdir() if p.is_dir() and any(p.glob("*model_states.pt"))))
+
+
 def plan_deepspeed(input_dir: str | os.PathLike, tag: str | None = None,
                    param_names: list[str] | None = None, patterns: dict[str, str] | None = None) -> ConversionPlan:
     """A conversion plan for the ZeRO checkpoint at `input_dir` (tag from `latest` unless given).
