@@ -122,22 +122,24 @@ def describe(ckpt, infos) -> str:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from ucp.checkpoint import AtomicCheckpoint
-    from ucp.format import INDEX_NAME, latest_checkpoint
+    from ucp.checkpoint import AtomicCheckpoint, open_checkpoint
 
-    path = Path(args.path)
-    if not (path / INDEX_NAME).is_file():
-        path = latest_checkpoint(path) or path  # a save directory (ucp.deepspeed.save): the checkpoint `latest` names
-    ckpt = AtomicCheckpoint(path)
+    ckpt = open_checkpoint(args.path, args.tag)
     problems = ckpt.verify()
-    tensors = sum(len(e["states"]) for e in ckpt.index["params"].values())
+    if isinstance(ckpt, AtomicCheckpoint):
+        tensors = sum(len(e["states"]) for e in ckpt.index["params"].values())
+        what = f"{tensors} tensors"
+        done = f"{tensors} tensors, {len(ckpt.index['files'])} files, every checksum matches"
+    else:
+        what = f"DeepSpeed checkpoint {ckpt.source['path']}"
+        done = (f"read whole from {ckpt.source['path']}; DeepSpeed's files carry no checksums, "
+                "ucp convert records them")
     if problems:
         for p in problems:
             print(p, file=sys.stderr)
-        print(f"{ckpt.path}: {len(problems)} problem(s) in {tensors} tensors", file=sys.stderr)
+        print(f"{ckpt.path}: {len(problems)} problem(s) in {what}", file=sys.stderr)
         return 1
-    print(f"{ckpt.path}: OK ({len(ckpt.names)} parameters, {tensors} tensors, {len(ckpt.index['files'])} files, "
-          "every checksum matches)")
+    print(f"{ckpt.path}: OK ({len(ckpt.names)} parameters, {done})")
     return 0
 
 

@@ -63,7 +63,8 @@ def test_no_command_runs_the_payload(crafted, tmp_path, capsys):
     assert str(source / tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt") in lines[0]
     assert "loss_scaler" in lines[0] and "posix.system" in lines[0]
 
-    for argv in (["inspect", str(source)], ["inspect", str(source), "--json"], ["inspect", str(out)]):
+    for argv in (["inspect", str(source)], ["inspect", str(source), "--json"], ["inspect", str(out)],
+                 ["verify", str(source)]):
         assert run_cli(capsys, *argv)[0] == 0
     ckpt = ucp.open_checkpoint(source)
     assert torch.equal(ckpt.tensor("emb.weight"), ucp.open_checkpoint(out).tensor("emb.weight"))

@@ -112,6 +112,9 @@ def test_convert_picks_the_last_checkpoint_and_says_so(output_dir, tmp_path, cap
     assert ucp.open_checkpoint(output_dir).source["path"] == str(picked.resolve())
     code, stdout, _ = run_cli(capsys, "inspect", str(output_dir))
     assert code == 0 and "ZeRO-1" in stdout and "tag global_step10" in stdout
+    assert f"extra files: {', '.join(sorted(SIDE_FILES))}" in stdout
+    code, stdout, _ = run_cli(capsys, "verify", str(output_dir))
+    assert code == 0 and str(picked.resolve()) in stdout
 
 
 def test_tag_and_folder_name_one_checkpoint(output_dir, tmp_path, capsys):

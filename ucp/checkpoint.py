@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError
+from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError, UcpError
 from ucp.fileio import ReadCounter
 from ucp.format import INDEX_NAME, latest_checkpoint, load_index
 from ucp.safetensors_stream import read_stored
@@ -235,6 +235,18 @@ class PlannedCheckpoint:
 
     def extra_file(self, name: str) -> bytes:
         return self.extra_file_path(name).read_bytes()
+
+    def verify(self) -> list[str]:
+        """Every problem found reading each state of each parameter whole, as a conversion would
+        (replicated copies compared): DeepSpeed's files carry no checksums to check."""
+        problems = []
+        for name, p in self._params.items():
+            for state in p.states:
+                try:
+                    self.tensor(name, state)
+                except UcpError as exc:
+                    problems.append(f"{name}:{state}: {exc}")
+        return problems
 
     def _param(self, name: str):
         try:

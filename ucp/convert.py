@@ -174,7 +174,7 @@ def write_atomic(plan: ConversionPlan, output: Path, executor: Executor, *, stri
     commit_index(output, index)
     remove_manifests(output)
     return ConvertResult(output, len(plan.params), tuple(index["files"]),
-                         sum(f["bytes"] for f in index["files"].values()), files_written=len(todo) + 1,
+                         sum(f["bytes"] for f in index["files"].values()), files_written=len(todo) + len(extra) + 1,
                          redone=sum(len(t.params) for t in todo))
 
 
