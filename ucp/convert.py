@@ -131,7 +131,8 @@ def prepare_output(output: Path, fingerprint: str, resume: bool = False,
                                 f"{existing.get('source', {}).get('path', 'elsewhere')}); choose another --output "
                                 "or delete it")
     if output.exists():
-        foreign = [n for n in os.listdir(output) if not is_ucp_file(n) and n.removesuffix(PARTIAL_SUFFIX) not in carried]
+        foreign = [n for n in os.listdir(output)
+                   if not is_ucp_file(n) and n.removesuffix(PARTIAL_SUFFIX) not in carried]
         if foreign:
             raise OutputExistsError(f"{output}: is not empty (holds '{foreign[0]}', which ucp did not write); "
                                     "choose an empty or new --output directory")
