@@ -175,6 +175,19 @@ def test_side_files_travel_and_pickles_stay(output_dir, tmp_path, capsys):
         ucp.open_checkpoint(out).extra_file("trainer_state.json")
 
 
+def test_a_lone_tag_folder_carries_nothing(output_dir, tmp_path, capsys):
+    # A tag folder given on its own may sit anywhere: the files beside it are not the checkpoint's.
+    home = tmp_path / "home"
+    shutil.copytree(output_dir / "checkpoint-10", home)
+    (home / "latest").unlink()
+    out = tmp_path / "ucp"
+    code, _, err = run_cli(capsys, "convert", "--input", str(home / "global_step10"), "--output", str(out),
+                           "--quiet")
+    assert code == 0, err
+    assert ucp.open_checkpoint(out).extra_files == [] and "left out" not in err
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith("data-")) == [INDEX_NAME]
+
+
 def test_interrupted_copy_is_redone(output_dir, tmp_path, capsys):
     out = tmp_path / "ucp"
     assert run_cli(capsys, "convert", "--input", str(output_dir), "--output", str(out), "--quiet")[0] == 0

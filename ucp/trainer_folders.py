@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ucp.format import is_ucp_file
+from ucp.format import LATEST_NAME, is_ucp_file
 
 # transformers.trainer_utils: PREFIX_CHECKPOINT_DIR and _re_checkpoint.
 CHECKPOINT_RE = re.compile(r"^checkpoint\-(\d+)$")
@@ -56,9 +56,15 @@ class SideFiles:
 
 
 def side_files(save_dir: str | os.PathLike) -> SideFiles:
-    """Sort the plain files of `save_dir` into carried and left behind."""
+    """Sort the plain files of `save_dir` into carried and left behind.
+
+    Only a DeepSpeed save directory (one holding `latest`) has side files: a tag folder given on its
+    own may sit anywhere, e.g. in a home directory whose files are none of the checkpoint's.
+    """
     root = Path(save_dir)
     out = SideFiles()
+    if not (root / LATEST_NAME).is_file():
+        return out
     for name in sorted(os.listdir(root)):
         path = root / name
         if not path.is_file():
