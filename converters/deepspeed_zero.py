@@ -81,8 +81,9 @@ def resolve_tag(input_dir: str | os.PathLike, tag: str | None = None) -> TagDir:
                                           f"folders here; pass --tag (tags present: {_tags(root) or 'none'})")
         tag = latest.read_text().strip()
     if not (root / tag).is_dir():
+        trainer = f"; checkpoint folders present: {folder_names(folders)}" if folders else ""
         raise CheckpointNotFoundError(f"{root / tag}: tag '{tag}' does not exist; "
-                                      f"tags present: {_tags(root) or 'none'}")
+                                      f"tags present: {_tags(root) or 'none'}{trainer}")
     return TagDir(root, tag)
 
 

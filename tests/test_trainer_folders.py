@@ -136,6 +136,10 @@ def test_errors_list_the_checkpoint_folders(output_dir, tmp_path, capsys):
                            "--output", str(tmp_path / "out"))
     line = one_line(err)
     assert code == 2 and str(output_dir / "checkpoint-7") in line and "checkpoint-2, checkpoint-10" in line
+    code, _, err = run_cli(capsys, "convert", "--input", str(output_dir), "--tag", "global_step10",
+                           "--output", str(tmp_path / "out"))
+    line = one_line(err)
+    assert code == 2 and "global_step10" in line and "checkpoint-2, checkpoint-10" in line
     (output_dir / "checkpoint-10" / "latest").unlink()  # a save that did not finish
     code, _, err = run_cli(capsys, "convert", "--input", str(output_dir), "--output", str(tmp_path / "out"))
     note, line = err.splitlines()
