@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import logging
 import sys
 import traceback
 
@@ -18,6 +19,7 @@ EPILOG = """\
 examples:
   ucp convert --input ckpts/ --output ckpts_ucp/          convert the tag named in ckpts/latest
   ucp convert --input ckpts/global_step100 --output out/ --workers 4
+  ucp convert --input trainer_out/ --output out/           the Trainer's last checkpoint-N, config and tokenizer
   ucp convert --input ckpts/ --output uc/global_step100 --format deepspeed   stock load_universal layout
   ucp convert --input ckpts/ --output ckpts_ucp/ --resume     finish an interrupted conversion
   ucp convert --input ckpts/ --output ckpts_ucp/ --splits 8   split-major, for split-driven loading
@@ -47,8 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
                                    "or one of its tag folders) into a ucp atomic checkpoint, or into DeepSpeed's own "
                                    "universal layout with --format deepspeed.")
     p.add_argument("--input", required=True, metavar="DIR",
-                   help="directory given to engine.save_checkpoint (tag read from its 'latest' file), or a tag folder")
-    p.add_argument("--tag", metavar="T", help="checkpoint tag to convert instead of the one in 'latest'")
+                   help="directory given to engine.save_checkpoint (tag read from its 'latest' file), or a tag folder; "
+                        "or a Hugging Face Trainer output_dir (its last checkpoint-N folder)")
+    p.add_argument("--tag", metavar="T", help="checkpoint tag to convert instead of the one in 'latest' (for a "
+                   "Trainer output_dir: a checkpoint-N folder)")
     p.add_argument("--output", required=True, metavar="DIR", help="output directory (created; must be empty or new)")
     p.add_argument("--workers", type=int, metavar="N", help="parallel worker processes (default: CPU count, max 8)")
     p.add_argument("--format", choices=["ucp", "deepspeed"], default="ucp",
@@ -93,9 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("verify", help="check completeness and every tensor's checksum",
                        description="Verify a ucp checkpoint: every file present at its recorded size, every tensor "
-                                   "in bounds and matching its CRC-32. Exits 1 on any problem.")
+                                   "in bounds and matching its CRC-32, every extra file matching its CRC-32. A "
+                                   "DeepSpeed checkpoint is read whole instead. Exits 1 on any problem.")
     p.add_argument("path", metavar="DIR", help="a ucp checkpoint, or a save folder of ucp.deepspeed.save (the "
-                   "checkpoint its `latest` names)")
+                   "checkpoint its `latest` names); or a DeepSpeed checkpoint, read whole as `ucp convert` reads it")
+    p.add_argument("--tag", metavar="T", help="for a DeepSpeed save directory: the tag to verify")
 
     p = sub.add_parser("submit", help="run a ucp command as a job on a Ray cluster and follow its logs",
                        description="Submit `ucp COMMAND ...` (convert, verify or inspect) to a Ray cluster's job server, "
@@ -156,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from ucp.errors import UcpError
 
+    notes = _notes_to_stderr(args.command)
     try:
         from ucp.cli import commands
 
@@ -168,6 +175,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ucp {args.command}: interrupted; no index was written, the output is not a checkpoint",
               file=sys.stderr)
         return 130
+    finally:
+        logging.getLogger("ucp").removeHandler(notes)
+
+
+def _notes_to_stderr(command: str) -> logging.Handler:
+    """Show ucp's informational log lines (which checkpoint-N was picked, which files were left out)
+    on stderr, one line each; removed again when the command ends, so `main` can run many times."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"ucp {command}: %(message)s"))
+    handler.setLevel(logging.INFO)
+    logger = logging.getLogger("ucp")
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    return handler
 
 
 _OS_FIXES = {

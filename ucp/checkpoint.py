@@ -6,13 +6,14 @@ names (`exp_avg`, `exp_avg_sq` for Adam), `step`; buffers hold one state, `value
 from __future__ import annotations
 
 import os
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError
-from ucp.fileio import ReadCounter
+from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError, UcpError
+from ucp.fileio import ReadCounter, read_regular
 from ucp.format import INDEX_NAME, latest_checkpoint, read_index
 from ucp.index import StoredState, header_problems
 from ucp.safetensors_stream import read_stored
@@ -91,6 +92,25 @@ class AtomicCheckpoint:
     def source(self) -> dict:
         return self.index.get("source", {})
 
+    @property
+    def extra_files(self) -> list[str]:
+        """The small files carried along from the source (a Trainer's config, tokenizer, trainer_state)."""
+        return list(self.index.get("extra_files", {}))
+
+    def extra_file_path(self, name: str) -> Path:
+        self._extra(name)
+        return self.path / name
+
+    def extra_file(self, name: str) -> bytes:
+        """The bytes of an extra file, checked against the size and CRC-32 the index records."""
+        record = self._extra(name)
+        data = read_regular(str(self.extra_file_path(name)))
+        if len(data) != record["bytes"] or zlib.crc32(data) != record["crc32"]:
+            raise CorruptCheckpointError(f"{self.path / name}: differs from what {INDEX_NAME} records "
+                                         f"({record['bytes']} bytes, CRC-32 {record['crc32']}); convert the "
+                                         "checkpoint again")
+        return data
+
     def verify(self) -> list[str]:
         """Every problem found: a safetensors header that disagrees with the index, a checksum mismatch.
 
@@ -106,10 +126,26 @@ class AtomicCheckpoint:
                     read_stored(str(self.path / s.file), s.begin, s.end, s.dtype, s.shape, s.crc32)
                 except CorruptCheckpointError:
                     problems.append(f"{name}:{state}: checksum mismatch in {s.file}")
-        return problems
+        return problems + self._verify_extra_files()
 
     def _states_in(self, file_name: str) -> list[StoredState]:
         return [s for e in self.model.params.values() for s in e.states.values() if s.file == file_name]
+
+    def _verify_extra_files(self) -> list[str]:
+        problems = []
+        for name in self.extra_files:
+            try:
+                self.extra_file(name)
+            except UcpError as exc:  # missing, not a regular file, or changed
+                problems.append(str(exc))
+        return problems
+
+    def _extra(self, name: str) -> dict:
+        try:
+            return self.index.get("extra_files", {})[name]
+        except KeyError:
+            raise KeyError(f"{self.path}: no extra file '{name}' (has {', '.join(self.extra_files) or 'none'})") \
+                from None
 
     def _entry(self, name: str) -> dict:
         try:
@@ -174,6 +210,33 @@ class PlannedCheckpoint:
     @property
     def source(self) -> dict:
         return self.plan.source
+
+    @property
+    def extra_files(self) -> list[str]:
+        """The small files a conversion would carry along (a Trainer's config, tokenizer, trainer_state)."""
+        return list(self.plan.extra_files)
+
+    def extra_file_path(self, name: str) -> Path:
+        try:
+            return Path(self.plan.extra_files[name])
+        except KeyError:
+            raise KeyError(f"{self.path}: no extra file '{name}' (has {', '.join(self.extra_files) or 'none'})") \
+                from None
+
+    def extra_file(self, name: str) -> bytes:
+        return self.extra_file_path(name).read_bytes()
+
+    def verify(self) -> list[str]:
+        """Every problem found reading each state of each parameter whole, as a conversion would
+        (replicated copies compared): DeepSpeed's files carry no checksums to check."""
+        problems = []
+        for name, p in self._params.items():
+            for state in p.states:
+                try:
+                    self.tensor(name, state)
+                except UcpError as exc:
+                    problems.append(f"{name}:{state}: {exc}")
+        return problems
 
     def _param(self, name: str):
         try:

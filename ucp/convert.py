@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 import shutil
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +36,7 @@ from ucp.manifest import MANIFEST_SUFFIX, BinCheck, manifest_name, remove_manife
 from ucp.plan import ConversionPlan, ParamPlan, StateSource
 from ucp.safetensors_stream import StreamingWriter, TensorSlot
 from ucp.splits import SplitPolicy, apply_split_policy, stored_shape, to_split_major
+from ucp.trainer_folders import left_out_summary
 
 if TYPE_CHECKING:
     import torch
@@ -41,6 +44,8 @@ if TYPE_CHECKING:
 # A data file grows to about this size before conversion opens another, so output stays a few
 # large files whatever the worker count.
 TARGET_FILE_BYTES = 4 << 30
+
+logger = logging.getLogger("ucp.convert")
 
 
 @dataclass(frozen=True)
@@ -103,7 +108,7 @@ def source_fingerprint(plan: ConversionPlan) -> str:
     converted' check nor --resume mixes files of another split layout.
     """
     h = hashlib.sha256()
-    for path in sorted(plan.source_files):
+    for path in sorted([*plan.source_files, *plan.extra_files.values()]):
         st = os.stat(path)
         h.update(f"{os.path.basename(path)}:{st.st_size}:{st.st_mtime_ns};".encode())
     for p in plan.params:
@@ -112,10 +117,12 @@ def source_fingerprint(plan: ConversionPlan) -> str:
     return h.hexdigest()[:32]
 
 
-def prepare_output(output: Path, fingerprint: str, resume: bool = False) -> bool:
+def prepare_output(output: Path, fingerprint: str, resume: bool = False,
+                   carried: frozenset[str] = frozenset()) -> bool:
     """Make `output` ready to receive a checkpoint; True when it already holds this very conversion.
 
-    Leftovers of an interrupted run are deleted, unless `resume` asks to keep them for `keep_finished`.
+    Leftovers of an interrupted run (ucp's files, and the `carried` extra files it copies) are
+    deleted, unless `resume` asks to keep them for `keep_finished`.
     """
     if (output / INDEX_NAME).is_file():
         existing = load_index(output)
@@ -125,7 +132,8 @@ def prepare_output(output: Path, fingerprint: str, resume: bool = False) -> bool
                                 f"{existing.get('source', {}).get('path', 'elsewhere')}); choose another --output "
                                 "or delete it")
     if output.exists():
-        foreign = [n for n in os.listdir(output) if not is_ucp_file(n)]
+        foreign = [n for n in os.listdir(output)
+                   if not is_ucp_file(n) and n.removesuffix(PARTIAL_SUFFIX) not in carried]
         if foreign:
             raise OutputExistsError(f"{output}: is not empty (holds '{foreign[0]}', which ucp did not write); "
                                     "choose an empty or new --output directory")
@@ -152,7 +160,7 @@ def write_atomic(plan: ConversionPlan, output: Path, executor: Executor, *, stri
 def _write_atomic(plan: ConversionPlan, output: Path, executor: Executor, *, strict: bool,
                   resume: bool) -> ConvertResult:
     fingerprint = source_fingerprint(plan)
-    if prepare_output(output, fingerprint, resume):
+    if prepare_output(output, fingerprint, resume, frozenset(plan.extra_files)):
         remove_manifests(output)  # left behind when a run died between its commit and this cleanup
         index = load_index(output)
         return ConvertResult(output, len(index["params"]), tuple(index["files"]), 0, already_done=True)
@@ -166,12 +174,15 @@ def _write_atomic(plan: ConversionPlan, output: Path, executor: Executor, *, str
         results = executor.write_bins(todo, total_bytes=total)
     else:
         results = executor.map(write_bin, todo, total_bytes=total, desc="convert")
+    extra = {name: copy_extra_file(Path(source), output / name) for name, source in plan.extra_files.items()}
+    if plan.left_out:
+        logger.info("left out of %s: %s", output, left_out_summary(plan.left_out))
     fsync_dir(output)
-    index = build_index(plan, fingerprint, [*kept.values(), *results])
+    index = build_index(plan, fingerprint, [*kept.values(), *results], extra)
     commit_index(output, index)
     remove_manifests(output)
     return ConvertResult(output, len(plan.params), tuple(index["files"]),
-                         sum(f["bytes"] for f in index["files"].values()), files_written=len(todo) + 1,
+                         sum(f["bytes"] for f in index["files"].values()), files_written=len(todo) + len(extra) + 1,
                          redone=sum(len(t.params) for t in todo))
 
 
@@ -257,7 +268,21 @@ def _hold_for_tests(file_name: str) -> None:
         time.sleep(0.05)
 
 
-def build_index(plan: ConversionPlan, fingerprint: str, results: list[dict]) -> dict:
+def copy_extra_file(source: Path, target: Path) -> dict:
+    """Copy a small side file (see `ucp.trainer_folders`) durably; its index record: size and CRC-32."""
+    data = source.read_bytes()
+    partial = target.with_name(target.name + PARTIAL_SUFFIX)
+    with open(partial, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(partial, target)
+    return {"bytes": len(data), "crc32": zlib.crc32(data)}
+
+
+def build_index(plan: ConversionPlan, fingerprint: str, results: list[dict],
+                extra: dict[str, dict] | None = None) -> dict:
+    """The index of a checkpoint of `plan`'s tensors, stored as `results` say, with the `extra` files copied."""
     where = {key: (r["file"], *span) for r in results for key, span in r["tensors"].items()}
     params = {}
     for p in plan.params:
@@ -286,6 +311,7 @@ def build_index(plan: ConversionPlan, fingerprint: str, results: list[dict]) -> 
         "client_state": _jsonable(plan.client_state),
         "splits": {"global_split": max((p.splits[1] for p in plan.params if p.splits), default=1)},
         "files": {r["file"]: {"bytes": r["bytes"]} for r in sorted(results, key=lambda r: r["file"])},
+        "extra_files": extra or {},
         "params": params,
     }
 

@@ -68,6 +68,16 @@ def open_regular(path: str) -> int:
     return fd
 
 
+def read_regular(path: str) -> bytes:
+    """The whole content of regular file `path` (a FIFO or device is refused, never waited on)."""
+    fd = open_regular(path)
+    try:
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read()
+    finally:
+        os.close(fd)
+
+
 def pread_into(path: str, out: torch.Tensor, offset: int, counter: ReadCounter | None = None) -> torch.Tensor:
     """Fill contiguous `out` with the bytes of `path` starting at `offset`; returns `out`."""
     view = tensor_bytes(out)

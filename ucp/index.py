@@ -112,6 +112,12 @@ def parse_index(raw, directory: str | os.PathLike, index_path: str | os.PathLike
         params[name] = _param(path, name, _Fields(f"params[{name!r}]", entry, path), files)
     _no_overlaps(path, params)
     _training_state(top, path)
+    for name, meta in (top.get("extra_files", (dict,), required=False) or {}).items():
+        fields = _Fields(f"extra_files[{name!r}]", meta, path)
+        fields.count("bytes")
+        fields.count("crc32", limit=0xFFFFFFFF)
+        if not _plain_name(name) or name in files:
+            raise _bad(path, f"extra_files[{name!r}]", "is not a plain file name of its own in the folder")
     return Index(version, files, params)
 
 
@@ -143,7 +149,7 @@ def _training_state(top: _Fields, path: Path) -> None:
 
 
 def _data_file(directory: Path, path: Path, name: str, recorded: int) -> DataFile:
-    if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
+    if not _plain_name(name):
         raise _bad(path, f"files[{name!r}]", "is not a plain file name inside the checkpoint folder")
     file_path = directory / name
     try:
@@ -170,6 +176,10 @@ def _data_file(directory: Path, path: Path, name: str, recorded: int) -> DataFil
         raise CorruptCheckpointError(f"{file_path}: its safetensors header claims {header_end} bytes of a "
                                      f"{recorded}-byte file; {_FIX}")
     return DataFile(name, recorded, header_end)
+
+
+def _plain_name(name) -> bool:
+    return isinstance(name, str) and name not in ("", ".", "..") and not any(c in name for c in "/\\\0")
 
 
 def _param(path: Path, name: str, entry: _Fields, files: dict[str, DataFile]) -> ParamEntry:

@@ -99,6 +99,10 @@ class ConversionPlan:
     lr_scheduler: object = None
     client_state: dict = field(default_factory=dict)
     source_files: list[str] = field(default_factory=list)
+    # Small files beside the tag folder that travel into the checkpoint (name -> source path), and
+    # those left behind (name -> why); see `ucp.trainer_folders`.
+    extra_files: dict[str, str] = field(default_factory=dict)
+    left_out: dict[str, str] = field(default_factory=dict)
 
     def param(self, name: str) -> ParamPlan:
         for p in self.params:
