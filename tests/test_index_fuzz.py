@@ -143,7 +143,7 @@ def test_the_undamaged_base_reads_and_verifies(base, capsys):
     assert ucp_cli(["verify", str(base)]) == 0
 
 
-HOOK_CASES = 24
+HOOK_CASES = 40
 
 
 def test_the_hook_refuses_damaged_checkpoints_on_every_rank_untouched(base, ckpt_root, tmp_path):

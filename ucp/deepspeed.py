@@ -191,8 +191,17 @@ def _check(ckpt: AtomicCheckpoint, target: Target, engine, load_optimizer_states
         if extra:
             raise CheckpointMismatchError(f"{ckpt.path}: holds parameter '{extra[0]}' ({len(extra)} in all) that "
                                           "the model does not have; pass strict=False to ignore them")
-    if not load_optimizer_states:
-        return []
+    saved_states = _optimizer_states(ckpt, target, engine) if load_optimizer_states else []
+    for t in target.tensors:
+        missing = [s for s in _states_of(t, saved_states) if s not in params[t.name]["states"]]
+        if missing:
+            raise CheckpointMismatchError(f"{ckpt.path}: parameter '{t.name}' has no state '{missing[0]}'; the "
+                                          "index is damaged, convert the checkpoint again")
+    return saved_states
+
+
+def _optimizer_states(ckpt: AtomicCheckpoint, target: Target, engine) -> list[str]:
+    """The optimizer states the checkpoint saved, if the engine's optimizer keeps the same ones."""
     saved_states = list((ckpt.optimizer or {}).get("states", []))
     basic = type(getattr(engine, "basic_optimizer", None) or target.engine.optimizer).__name__.lower()
     expected = OPTIMIZER_STATES.get(basic)
