@@ -1,0 +1,115 @@
+"""Export a checkpoint as a `torch.distributed.checkpoint` (DCP) folder, in the FQN-keyed layout of
+`get_model_state_dict` / `get_optimizer_state_dict`:
+
+    {"model": {fqn: tensor},
+     "optimizer": {"state": {fqn: {"exp_avg", "exp_avg_sq", "step"}},
+                   "param_groups": [{"lr": ..., "betas": ..., ..., "params": [fqn, ...]}]}}
+
+so a job of any world size (FSDP2, DDP, one process) loads it with `dcp.load` and then
+`set_model_state_dict` / `set_optimizer_state_dict`. It is written by DCP's own `FileSystemWriter`.
+DCP plans a save from tensor metadata and only then asks the planner for each tensor's data, so the
+state dict handed to it holds meta-device placeholders and `_ReadingPlanner` reads each tensor from
+the checkpoint when DCP's writer asks for it: memory stays about one tensor, as for `--to hf`.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint import FileSystemWriter, save
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+from ucp.checkpoint import STEP_STATE, open_checkpoint
+from ucp.errors import ExportError
+from ucp.executor import progress_bar
+from ucp.export.hf import DTYPES
+from ucp.export.model_config import find_config, model_keys
+from ucp.export.staging import staged_output
+from ucp.plan import BUFFER, BUFFER_STATE, TRAINABLE, WEIGHT_STATE
+from ucp.safetensors_stream import TORCH_DTYPES
+
+
+@dataclass(frozen=True)
+class Source:
+    name: str     # the checkpoint parameter
+    state: str
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class DcpExport:
+    output: Path
+    model_tensors: int
+    optimizer_params: int
+    bytes: int
+
+
+class _ReadingPlanner(DefaultSavePlanner):
+    """DCP's default planner, except that a placeholder's data is read from the checkpoint on demand."""
+
+    def __init__(self, ckpt, sources: dict[int, Source], bar) -> None:
+        super().__init__()
+        self._ckpt, self._sources, self._bar = ckpt, sources, bar
+
+    def lookup_object(self, index):
+        obj = super().lookup_object(index)
+        source = self._sources.get(id(obj))
+        if source is None:
+            return obj
+        tensor = self._ckpt.tensor(source.name, source.state).to(source.dtype)
+        self._bar.update(tensor.nbytes)
+        return tensor
+
+
+def to_dcp(input: str | os.PathLike, output: str | os.PathLike, *, dtype: str = "float32",
+           config: str | os.PathLike | None = None, workers: int = 1, tag: str | None = None,
+           progress: bool = True) -> DcpExport:
+    """Write `output` as a DCP checkpoint of the model weights (in `dtype`) and fp32 optimizer states.
+
+    With a model config (`config`, or the one beside the checkpoint), tied copies are written under
+    every name `get_model_state_dict` gives them, from the weight they copy.
+    """
+    if dtype not in DTYPES:
+        raise ExportError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
+    ckpt = open_checkpoint(input, tag)
+    model_config = find_config(ckpt, config)
+    tied = model_keys(model_config).tied if model_config is not None else {}
+    sources: dict[int, Source] = {}
+
+    def placeholder(name: str, state: str, target: torch.dtype) -> torch.Tensor:
+        t = torch.empty(ckpt.shape(name), dtype=target, device="meta")
+        sources[id(t)] = Source(name, state, target)
+        return t
+
+    model = {}
+    for name in ckpt.names:
+        state = BUFFER_STATE if ckpt.info(name).kind == BUFFER else WEIGHT_STATE
+        own = TORCH_DTYPES[ckpt.dtype(name, state)]
+        model[name] = placeholder(name, state, TORCH_DTYPES[dtype] if own.is_floating_point else own)
+    for copy, original in tied.items():
+        if original in ckpt.names:  # the copy may be missing (ZeRO-3) or a frozen duplicate: take the original's
+            model[copy] = placeholder(original, WEIGHT_STATE, TORCH_DTYPES[dtype])
+    state_dict: dict = {"model": model}
+    optimizer = ckpt.optimizer
+    trainable = [n for n in ckpt.names if ckpt.info(n).kind == TRAINABLE]
+    if optimizer is not None:
+        state_dict["optimizer"] = {
+            "state": {n: {**{s: placeholder(n, s, torch.float32) for s in optimizer["states"]},
+                          STEP_STATE: ckpt.tensor(n, STEP_STATE)} for n in trainable},
+            "param_groups": [{**g["hyperparams"], "params": list(g["params"])} for g in optimizer["param_groups"]],
+        }
+    total = sum(t.numel() * t.element_size() for t in _placeholders(state_dict))
+    with staged_output(output) as staging, progress_bar(total, "export", progress) as bar:
+        save(state_dict, storage_writer=FileSystemWriter(staging, thread_count=max(1, workers)),
+             planner=_ReadingPlanner(ckpt, sources, bar), no_dist=True)
+    return DcpExport(Path(output), len(model), len(trainable) if optimizer is not None else 0, total)
+
+
+def _placeholders(tree) -> list[torch.Tensor]:
+    if isinstance(tree, dict):
+        return [t for v in tree.values() for t in _placeholders(v)]
+    if isinstance(tree, list):
+        return [t for v in tree for t in _placeholders(v)]
+    return [tree] if isinstance(tree, torch.Tensor) and tree.is_meta else []
