@@ -23,7 +23,6 @@ import argparse
 import sys
 
 import torch
-from multi_run import run_all
 
 VOCAB, HIDDEN, LAYERS, HEADS, SEQ, GLOBAL_BATCH = 37, 16, 2, 4, 8, 4
 INIT_SEED = 5
@@ -110,4 +109,6 @@ def train_one(run: dict, args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
+    from multi_run import run_all
+
     sys.exit(run_all(train_one, "{model: llama|gpt2, stage, save_dir, dump_state, after}"))

@@ -14,11 +14,12 @@ the checkpoint when DCP's writer asks for it: memory stays about one tensor, as 
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint import FileSystemWriter, save
+from torch.distributed.checkpoint import CheckpointException, FileSystemWriter, save
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from ucp.checkpoint import STEP_STATE, open_checkpoint
@@ -101,9 +102,14 @@ def to_dcp(input: str | os.PathLike, output: str | os.PathLike, *, dtype: str = 
             "param_groups": [{**g["hyperparams"], "params": list(g["params"])} for g in optimizer["param_groups"]],
         }
     total = sum(t.numel() * t.element_size() for t in _placeholders(state_dict))
-    with staged_output(output) as staging, progress_bar(total, "export", progress) as bar:
-        save(state_dict, storage_writer=FileSystemWriter(staging, thread_count=max(1, workers)),
-             planner=_ReadingPlanner(ckpt, sources, bar), no_dist=True)
+    with staged_output(output) as staging, progress_bar(total, "export", progress) as bar, \
+            warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # no_dist is the intent
+        try:
+            save(state_dict, storage_writer=FileSystemWriter(staging, thread_count=max(1, workers)),
+                 planner=_ReadingPlanner(ckpt, sources, bar), no_dist=True)
+        except CheckpointException as exc:  # DCP wraps each rank's error: raise ours (a full disk, a bad read) as is
+            raise next(iter(exc.failures.values()))[0] from None
     return DcpExport(Path(output), len(model), len(trainable) if optimizer is not None else 0, total)
 
 

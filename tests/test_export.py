@@ -1,0 +1,252 @@
+"""`ucp export`: transformers folders and PyTorch DCP checkpoints from DeepSpeed ZeRO-2/3 checkpoints of tiny,
+tied Hugging Face models (Llama, GPT-2) trained on 2 CPU ranks (support/train_hf_model.py).
+
+The references are what the live DeepSpeed engine held at save time: its fp32 masters and Adam moments,
+its logits on a probe batch, and the losses of the steps it trained after saving.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from support.launch import run_torchrun
+from support.parallel import Family, build_family
+from support.train_hf_model import probe_ids
+from ucp.cli.main import main
+from ucp.convert import convert
+from ucp.errors import CheckpointNotFoundError, ExportError, OutputExistsError, UnsupportedLayoutError
+from ucp.export import to_dcp, to_hf
+
+pytestmark = pytest.mark.slow
+
+AFTER = 3  # steps the llama ZeRO-2 run trains after saving: the losses a resumed job must continue
+HF = Family.of("hf-tied", "train_hf_model.py", 2, {
+    "llama-z2": {"model": "llama", "stage": 2, "after": AFTER},
+    "llama-z3": {"model": "llama", "stage": 3},
+    "gpt2-z2": {"model": "gpt2", "stage": 2},
+}, steps=3)
+SUPPORT = Path(__file__).resolve().parent / "support"
+
+
+@pytest.fixture(scope="module")
+def runs(ckpt_root) -> Path:
+    return build_family(HF, ckpt_root)
+
+
+def live(run_dir: Path) -> dict:
+    return torch.load(run_dir / "state.pt", map_location="cpu", weights_only=False)
+
+
+def load_hf(folder: Path):
+    from transformers import AutoModelForCausalLM
+
+    # The runs trained with eager attention, which config.json does not record (from_pretrained would take sdpa,
+    # whose logits differ in the last bit).
+    return AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager")
+
+
+@pytest.mark.parametrize("run", ["llama-z2", "llama-z3", "gpt2-z2"])
+def test_hf_export_loads_the_live_masters_ties_and_logits(runs, run, tmp_path):
+    out = tmp_path / "hf"
+    assert main(["export", "--input", str(runs / run / "ckpt"), "--output", str(out), "--to", "hf", "--quiet"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    with safe_open(out / "model.safetensors", "pt") as f:
+        assert f.metadata() == {"format": "pt"}
+        assert "lm_head.weight" not in f.keys()  # the tied copy is stored once, as save_pretrained does
+    model = load_hf(out)
+    ref = live(runs / run)
+    params = dict(model.named_parameters())
+    assert set(params) == set(ref["params"])  # named_parameters lists a tied weight once
+    for name, states in ref["params"].items():
+        assert torch.equal(params[name], states["fp32"]), name
+    assert model.lm_head.weight is model.get_input_embeddings().weight
+    with torch.no_grad():
+        logits = model(input_ids=probe_ids(model.config.vocab_size)).logits
+    assert torch.equal(logits, ref["logits"])
+    # Negative control: one weight off by one ulp changes the logits, so the check above can fail.
+    with torch.no_grad():
+        w = model.get_input_embeddings().weight
+        w[0, 0] = torch.nextafter(w[0, 0], torch.tensor(float("inf")))
+        assert not torch.equal(model(input_ids=probe_ids(model.config.vocab_size)).logits, ref["logits"])
+
+
+def test_hf_export_of_a_ucp_checkpoint_in_bfloat16_shards(runs, tmp_path):
+    """A ucp checkpoint finds its config beside the DeepSpeed source; bf16 files hold the masters cast."""
+    atomic = tmp_path / "ucp"
+    convert(runs / "llama-z2" / "ckpt", atomic, workers=1, progress=False)
+    out = tmp_path / "hf"
+    result = to_hf(atomic, out, dtype="bfloat16", max_shard_size="4KB", progress=False)
+    assert len(result.files) > 1 and result.files[0] == f"model-00001-of-{len(result.files):05d}.safetensors"
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    ref = live(runs / "llama-z2")["params"]
+    assert set(index["weight_map"]) == set(ref)
+    assert index["metadata"]["total_size"] == sum(t["fp32"].numel() * 2 for t in ref.values())
+    for name, states in ref.items():
+        with safe_open(out / index["weight_map"][name], "pt") as f:
+            assert f.metadata() == {"format": "pt"}
+            assert torch.equal(f.get_tensor(name), states["fp32"].to(torch.bfloat16)), name
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    model = load_hf(out)
+    assert model.dtype == torch.bfloat16 and model.lm_head.weight is model.get_input_embeddings().weight
+    assert torch.equal(model.model.norm.weight, ref["model.norm.weight"]["fp32"].to(torch.bfloat16))
+
+
+def test_hf_export_copies_generation_config_and_tokenizer_files(runs, tmp_path):
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    shutil.copy(runs / "llama-z2" / "ckpt" / "config.json", model_dir)
+    (model_dir / "generation_config.json").write_text('{"max_new_tokens": 5}\n')
+    (model_dir / "tokenizer_config.json").write_text('{"model_max_length": 64}\n')
+    to_hf(runs / "llama-z2" / "ckpt" / "global_step3", tmp_path / "hf", config=model_dir, progress=False)
+    for name in ("generation_config.json", "tokenizer_config.json"):
+        assert (tmp_path / "hf" / name).read_bytes() == (model_dir / name).read_bytes()
+
+
+def dcp_state(model, optimizer, folder: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+
+    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+    dcp.load(state, checkpoint_id=folder)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optimizer, state["optimizer"])
+
+
+@pytest.mark.parametrize("run", ["llama-z2", "llama-z3"])
+def test_dcp_export_loads_every_parameter_and_moment_in_one_process(runs, run, tmp_path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out = tmp_path / "dcp"
+    assert main(["export", "--input", str(runs / run / "ckpt"), "--output", str(out), "--to", "dcp", "--quiet"]) == 0
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(runs / run / "ckpt"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1.0, betas=(0.5, 0.5), weight_decay=0.0)
+    ref = live(runs / run)["params"]
+    # Negative control: the fresh model does not hold the masters, so the comparison below can fail.
+    assert not torch.equal(model.model.embed_tokens.weight, ref["model.embed_tokens.weight"]["fp32"])
+    dcp_state(model, optimizer, out)
+    params = dict(model.named_parameters())
+    assert model.lm_head.weight is model.get_input_embeddings().weight
+    for name, states in ref.items():
+        assert torch.equal(params[name], states["fp32"]), name
+        held = optimizer.state[params[name]]
+        for moment in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(held[moment], states[moment]), (name, moment)
+        assert torch.equal(held["step"], torch.tensor(3.0)), name
+    (group,) = optimizer.param_groups
+    assert (group["lr"], list(group["betas"]), group["eps"], group["weight_decay"]) == (1e-2, [0.9, 0.95], 1e-8, 0.1)
+
+
+def test_fsdp2_job_resumes_a_dcp_export_with_the_losses_of_the_uninterrupted_run(runs, tmp_path):
+    out = tmp_path / "dcp"
+    to_dcp(runs / "llama-z2" / "ckpt", out, progress=False)
+    result = tmp_path / "fsdp2.json"
+    run_torchrun(SUPPORT / "fsdp2_resume.py", ["--dcp", str(out), "--config", str(runs / "llama-z2" / "ckpt"),
+                                               "--from-step", str(HF.steps), "--steps", str(AFTER),
+                                               "--out", str(result)], 2, tmp_path / "fsdp2.log")
+    got = json.loads(result.read_text())
+    expected = live(runs / "llama-z2")["losses_after"]
+    # The first step runs the exported weights forward on the same batch in fp32: the same loss, to the bit.
+    assert got["losses"][0] == expected[0]
+    # Later steps differ in the last bits and then more: FSDP2 and DeepSpeed ZeRO-2 reach the same fp32 update
+    # by different paths (DTensor shards vs one flat partition, other reduction order), and Adam's normalised
+    # step turns a last-bit difference in a near-zero gradient into one of size lr. Trained from scratch on
+    # these batches, FSDP2 drifts from DeepSpeed's losses by 2e-7 after one update and 5e-4 after two
+    # (2.5e-3 after five); 2e-3 covers AFTER - 1 = 2 updates.
+    assert got["losses"] == pytest.approx(expected, abs=2e-3, rel=0)
+    # Negative control: the same job without the export is off by far more than the tolerance at once.
+    assert abs(got["fresh_losses"][0] - expected[0]) > 1e-2
+
+
+# ---- bad input: one-line errors, and nothing that looks like a finished export -------------------------------
+
+
+def copy_checkpoint(runs: Path, tmp_path: Path, config: dict | None) -> Path:
+    """A copy of the llama ZeRO-2 save folder whose config.json is `config` (None: no config.json)."""
+    ckpt = tmp_path / "checkpoint-3"
+    shutil.copytree(runs / "llama-z2" / "ckpt", ckpt)
+    if config is None:
+        (ckpt / "config.json").unlink()
+    else:
+        (ckpt / "config.json").write_text(json.dumps(config))
+    return ckpt
+
+
+def assert_one_line_error(argv: list[str], capsys, *words: str) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("ucp export: error: "), err
+    for word in words:
+        assert word in err, err
+
+
+def test_missing_config_is_refused_naming_where_it_looked(runs, tmp_path, capsys):
+    ckpt = copy_checkpoint(runs, tmp_path, None)
+    out = tmp_path / "hf"
+    with pytest.raises(CheckpointNotFoundError, match="no config.json found .*pass --config"):
+        to_hf(ckpt, out, progress=False)
+    assert_one_line_error(["export", "--input", str(ckpt), "--output", str(out), "--to", "hf"], capsys,
+                          str(ckpt / "config.json"), "--config")
+    assert not out.exists()
+
+
+def test_unknown_architecture_without_config_is_refused(runs, tmp_path, capsys):
+    config = json.loads((runs / "llama-z2" / "ckpt" / "config.json").read_text())
+    ckpt = copy_checkpoint(runs, tmp_path, {**config, "architectures": ["NoSuchForCausalLM"]})
+    out = tmp_path / "hf"
+    with pytest.raises(UnsupportedLayoutError, match="unknown architecture 'NoSuchForCausalLM'.*--config"):
+        to_hf(ckpt, out, progress=False)
+    ckpt = copy_checkpoint(runs, tmp_path / "b", {**config, "model_type": "no-such-model", "architectures": []})
+    assert_one_line_error(["export", "--input", str(ckpt), "--output", str(out), "--to", "hf"], capsys,
+                          "unknown model_type 'no-such-model'", "--config")
+    assert not out.exists()
+
+
+def test_a_config_of_another_architecture_is_refused_naming_the_tensor(runs, tmp_path):
+    out = tmp_path / "hf"
+    with pytest.raises(ExportError, match="tensor 'model.embed_tokens.weight' is not in GPT2LMHeadModel's state dict"):
+        to_hf(runs / "llama-z2" / "ckpt", out, config=runs / "gpt2-z2" / "ckpt" / "config.json", progress=False)
+    config = json.loads((runs / "llama-z2" / "ckpt" / "config.json").read_text())
+    (tmp_path / "wide.json").write_text(json.dumps({**config, "intermediate_size": 32}))
+    with pytest.raises(ExportError, match=r"'model.layers.0.mlp.gate_proj.weight' has shape \[24, 16\], "
+                                          r"LlamaForCausalLM expects \[32, 16\]"):
+        to_hf(runs / "llama-z2" / "ckpt", out, config=tmp_path / "wide.json", progress=False)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("to", ["hf", "dcp"])
+def test_an_existing_output_is_refused_and_left_alone(runs, tmp_path, capsys, to):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(OutputExistsError):
+        (to_hf if to == "hf" else to_dcp)(runs / "llama-z2" / "ckpt", out, progress=False)
+    assert_one_line_error(["export", "--input", str(runs / "llama-z2" / "ckpt"), "--output", str(out), "--to", to],
+                          capsys, str(out), "already exists")
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A 16 KiB tmpfs: smaller than any export here (root only; skipped elsewhere)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+@pytest.mark.parametrize("to", ["hf", "dcp"])
+def test_a_full_disk_mid_export_leaves_nothing_that_looks_complete(runs, tiny_disk, capsys, to):
+    out = tiny_disk / "export"
+    assert_one_line_error(["export", "--input", str(runs / "llama-z2" / "ckpt"), "--output", str(out), "--to", to,
+                           "--quiet"], capsys, "no space left on device", "--output")
+    assert list(tiny_disk.iterdir()) == []  # no output, and the staging folder is gone
