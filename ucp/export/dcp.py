@@ -84,14 +84,16 @@ def to_dcp(input: str | os.PathLike, output: str | os.PathLike, *, dtype: str = 
         sources[id(t)] = Source(name, state, target)
         return t
 
+    copies = {copy for copy, original in tied.items() if original in ckpt.names}
     model = {}
     for name in ckpt.names:
+        if name in copies:  # a frozen duplicate or an alias of its original: written from the original below
+            continue
         state = BUFFER_STATE if ckpt.info(name).kind == BUFFER else WEIGHT_STATE
         own = TORCH_DTYPES[ckpt.dtype(name, state)]
         model[name] = placeholder(name, state, TORCH_DTYPES[dtype] if own.is_floating_point else own)
-    for copy, original in tied.items():
-        if original in ckpt.names:  # the copy may be missing (ZeRO-3) or a frozen duplicate: take the original's
-            model[copy] = placeholder(original, WEIGHT_STATE, TORCH_DTYPES[dtype])
+    for copy in copies:  # under the name get_model_state_dict gives it too, even where the checkpoint lacks it
+        model[copy] = placeholder(tied[copy], WEIGHT_STATE, TORCH_DTYPES[dtype])
     state_dict: dict = {"model": model}
     optimizer = ckpt.optimizer
     trainable = [n for n in ckpt.names if ckpt.info(n).kind == TRAINABLE]

@@ -81,7 +81,8 @@ def model_keys(config: ModelConfig) -> ModelKeys:
     try:
         import transformers
     except ImportError:
-        tied = {"lm_head.weight": None} if config.values.get("tie_word_embeddings", True) else {}
+        # Only an explicit tie: the default differs between model classes (GPT-2 ties, Llama does not).
+        tied = {"lm_head.weight": None} if config.values.get("tie_word_embeddings") is True else {}
         return ModelKeys(_architecture_name(config), None, tied)
     import torch
 
