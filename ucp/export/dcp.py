@@ -9,11 +9,14 @@ so a job of any world size (FSDP2, DDP, one process) loads it with `dcp.load` an
 `set_model_state_dict` / `set_optimizer_state_dict`. It is written by DCP's own `FileSystemWriter`.
 DCP plans a save from tensor metadata and only then asks the planner for each tensor's data, so the
 state dict handed to it holds meta-device placeholders and `_ReadingPlanner` reads each tensor from
-the checkpoint when DCP's writer asks for it: memory stays about one tensor, as for `--to hf`.
+the checkpoint when DCP's writer asks for it. DCP's writer keeps every tensor of a file alive until
+it closes the file, so `_BoundedFileWriter` starts a new file whenever the next tensor would take
+one past the size of the largest tensor: memory stays about one tensor (or two), as for `--to hf`.
 """
 from __future__ import annotations
 
 import os
+import queue
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +24,7 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint import CheckpointException, FileSystemWriter, save
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import WriteItemType
 
 from ucp.checkpoint import STEP_STATE, open_checkpoint
 from ucp.errors import ExportError
@@ -62,6 +66,32 @@ class _ReadingPlanner(DefaultSavePlanner):
         tensor = self._ckpt.tensor(source.name, source.state).to(source.dtype)
         self._bar.update(tensor.nbytes)
         return tensor
+
+
+class _BoundedFileWriter(FileSystemWriter):
+    """DCP's file-system writer, with each file (`__0_K.distcp`) holding at most `max_bytes` of tensors
+    (one larger tensor gets a file of its own) instead of all of them in one file."""
+
+    def __init__(self, path: Path, max_bytes: int, workers: int) -> None:
+        super().__init__(path, thread_count=workers)
+        self._max_bytes = max_bytes
+
+    def write_data(self, plan, planner):
+        files: list[list] = [[]]
+        size = 0
+        for item in sorted(plan.items, key=lambda i: i.type != WriteItemType.BYTE_IO):  # small pickles first
+            nbytes = 0 if item.type == WriteItemType.BYTE_IO else item.tensor_data.size.numel() * \
+                item.tensor_data.properties.dtype.itemsize
+            if files[-1] and size + nbytes > self._max_bytes:
+                files.append([])
+                size = 0
+            files[-1].append(item)
+            size += nbytes
+        file_queue: queue.Queue = queue.Queue()
+        for k, items in enumerate(files):
+            name = f"{plan.storage_data.prefix}{k}.distcp"
+            file_queue.put((self.fs.concat_path(self.path, name), name, items))
+        return self._write_data(planner, file_queue)
 
 
 def to_dcp(input: str | os.PathLike, output: str | os.PathLike, *, dtype: str = "float32",
@@ -108,7 +138,8 @@ def to_dcp(input: str | os.PathLike, output: str | os.PathLike, *, dtype: str = 
             warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # no_dist is the intent
         try:
-            save(state_dict, storage_writer=FileSystemWriter(staging, thread_count=max(1, workers)),
+            largest = max(t.numel() * t.element_size() for t in _placeholders(state_dict))
+            save(state_dict, storage_writer=_BoundedFileWriter(staging, largest, max(1, workers)),
                  planner=_ReadingPlanner(ckpt, sources, bar), no_dist=True)
         except CheckpointException as exc:  # DCP wraps each rank's error: raise ours (a full disk, a bad read) as is
             raise next(iter(exc.failures.values()))[0] from None
