@@ -80,8 +80,7 @@ class _BoundedFileWriter(FileSystemWriter):
         files: list[list] = [[]]
         size = 0
         for item in sorted(plan.items, key=lambda i: i.type != WriteItemType.BYTE_IO):  # small pickles first
-            nbytes = 0 if item.type == WriteItemType.BYTE_IO else item.tensor_data.size.numel() * \
-                item.tensor_data.properties.dtype.itemsize
+            nbytes = item.tensor_storage_size() or 0
             if files[-1] and size + nbytes > self._max_bytes:
                 files.append([])
                 size = 0
@@ -133,12 +132,12 @@ def to_dcp(input: str | os.PathLike, output: str | os.PathLike, *, dtype: str = 
                           STEP_STATE: ckpt.tensor(n, STEP_STATE)} for n in trainable},
             "param_groups": [{**g["hyperparams"], "params": list(g["params"])} for g in optimizer["param_groups"]],
         }
-    total = sum(t.numel() * t.element_size() for t in _placeholders(state_dict))
+    sizes = [t.numel() * t.element_size() for t in _placeholders(state_dict)]
+    total, largest = sum(sizes), max(sizes, default=1)
     with staged_output(output) as staging, progress_bar(total, "export", progress) as bar, \
             warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # no_dist is the intent
         try:
-            largest = max(t.numel() * t.element_size() for t in _placeholders(state_dict))
             save(state_dict, storage_writer=_BoundedFileWriter(staging, largest, max(1, workers)),
                  planner=_ReadingPlanner(ckpt, sources, bar), no_dist=True)
         except CheckpointException as exc:  # DCP wraps each rank's error: raise ours (a full disk, a bad read) as is
