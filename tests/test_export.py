@@ -97,6 +97,16 @@ def test_hf_export_of_a_ucp_checkpoint_in_bfloat16_shards(runs, tmp_path):
     assert torch.equal(model.model.norm.weight, ref["model.norm.weight"]["fp32"].to(torch.bfloat16))
 
 
+def test_hf_export_reading_ahead_on_threads_writes_the_same_bytes(runs, tmp_path):
+    for workers in (1, 3):
+        to_hf(runs / "gpt2-z2" / "ckpt", tmp_path / f"w{workers}", workers=workers, max_shard_size="8KB",
+              progress=False)
+    files = sorted(p.name for p in (tmp_path / "w1").iterdir())
+    assert len(files) > 3 and files == sorted(p.name for p in (tmp_path / "w3").iterdir())
+    for name in files:
+        assert (tmp_path / "w1" / name).read_bytes() == (tmp_path / "w3" / name).read_bytes(), name
+
+
 def test_hf_export_copies_generation_config_and_tokenizer_files(runs, tmp_path):
     model_dir = tmp_path / "model"
     model_dir.mkdir()
