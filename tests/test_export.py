@@ -15,6 +15,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+import ucp
 from support.launch import run_torchrun
 from support.parallel import Family, build_family
 from support.train_hf_model import probe_ids
@@ -23,13 +24,15 @@ from ucp.convert import convert
 from ucp.errors import CheckpointNotFoundError, ExportError, OutputExistsError, UnsupportedLayoutError
 from ucp.export import to_dcp, to_hf
 
-pytestmark = pytest.mark.slow
+# dcp.load outside a process group says it assumes one process, which is what these tests do.
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 
 AFTER = 3  # steps the llama ZeRO-2 run trains after saving: the losses a resumed job must continue
 HF = Family.of("hf-tied", "train_hf_model.py", 2, {
     "llama-z2": {"model": "llama", "stage": 2, "after": AFTER},
     "llama-z3": {"model": "llama", "stage": 3},
     "gpt2-z2": {"model": "gpt2", "stage": 2},
+    "llama-z2-bf16": {"model": "llama", "stage": 2, "dtype": "bf16"},
 }, steps=3)
 SUPPORT = Path(__file__).resolve().parent / "support"
 
@@ -129,7 +132,7 @@ def dcp_state(model, optimizer, folder: Path) -> None:
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
 
 
-@pytest.mark.parametrize("run", ["llama-z2", "llama-z3"])
+@pytest.mark.parametrize("run", ["llama-z2", "llama-z3", "llama-z2-bf16"])
 def test_dcp_export_loads_every_parameter_and_moment_in_one_process(runs, run, tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -151,6 +154,26 @@ def test_dcp_export_loads_every_parameter_and_moment_in_one_process(runs, run, t
         assert torch.equal(held["step"], torch.tensor(3.0)), name
     (group,) = optimizer.param_groups
     assert (group["lr"], list(group["betas"]), group["eps"], group["weight_decay"]) == (1e-2, [0.9, 0.95], 1e-8, 0.1)
+
+
+def test_exports_of_a_bf16_run_hold_the_fp32_masters_and_not_the_bf16_tied_copy(runs, tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    ckpt = runs / "llama-z2-bf16" / "ckpt"
+    ref = live(runs / "llama-z2-bf16")["params"]
+    model = load_hf(to_hf(ckpt, tmp_path / "hf", progress=False).output)
+    params = dict(model.named_parameters())
+    for name, states in ref.items():
+        assert torch.equal(params[name], states["fp32"]), name
+    assert model.lm_head.weight is model.get_input_embeddings().weight
+    to_dcp(ckpt, tmp_path / "dcp", progress=False)
+    master = ref["model.embed_tokens.weight"]["fp32"]
+    head = {"model": {"lm_head.weight": torch.empty_like(master)}}
+    dcp.load(head, checkpoint_id=tmp_path / "dcp")
+    assert torch.equal(head["model"]["lm_head.weight"], master)
+    # Negative control: the checkpoint's own lm_head.weight is the bf16 module's copy, not the master.
+    frozen = ucp.open_checkpoint(ckpt).tensor("lm_head.weight")
+    assert torch.equal(frozen, master.to(torch.bfloat16).float()) and not torch.equal(frozen, master)
 
 
 def test_fsdp2_job_resumes_a_dcp_export_with_the_losses_of_the_uninterrupted_run(runs, tmp_path):

@@ -2,7 +2,8 @@
 """Train a tiny, tied Hugging Face causal LM with bare `deepspeed.initialize` on CPU, for the export tests.
 
 Launched with ``torchrun --nproc_per_node 2 tests/support/train_hf_model.py --runs JSON --steps S``
-(see support/multi_run.py). Each run ({model: "llama"|"gpt2", stage, save_dir, dump_state, after})
+(see support/multi_run.py). Each run ({model: "llama"|"gpt2", stage, dtype: "fp32"|"bf16", save_dir,
+dump_state, after})
 builds its model from a config (no download; tied input and output embeddings, no dropout), trains
 S steps, saves with ``engine.save_checkpoint(save_dir)`` and writes ``config.json`` beside the tag
 folder with ``model.config.save_pretrained(save_dir)``, as the Hugging Face Trainer lays out
@@ -11,7 +12,7 @@ continue.
 
 ``dump_state`` (rank 0) gets ``{"params": {name: {"fp32", "exp_avg", "exp_avg_sq"}}`` (the live
 fp32 masters and Adam moments at save time, gathered over DP), ``"logits"`` (the live model's
-fp32 logits on ``probe_ids()`` at save time), ``"losses"`` (the S steps) and ``"losses_after"``.
+logits on ``probe_ids()`` at save time, as fp32), ``"losses"`` (the S steps) and ``"losses_after"``.
 
 Data: global step s trains on ``batch(s, vocab)``, GLOBAL_BATCH rows; DP rank r of dp takes rows
 ``[r * GLOBAL_BATCH / dp, (r + 1) * GLOBAL_BATCH / dp)``. A step's logged loss is the mean over
@@ -76,7 +77,7 @@ def train_steps(engine, vocab: int, start: int, count: int) -> list[float]:
         loss = engine(input_ids=ids, labels=ids).loss
         engine.backward(loss)
         engine.step()
-        total = loss.detach().clone()
+        total = loss.detach().float().clone()
         dist.all_reduce(total)
         losses.append(total.item() / world)
     return losses
@@ -92,6 +93,8 @@ def train_one(run: dict, args: argparse.Namespace) -> None:
     ds_config = {"train_micro_batch_size_per_gpu": GLOBAL_BATCH // dist.get_world_size(),
                  "gradient_accumulation_steps": 1, "optimizer": OPTIMIZER,
                  "zero_optimization": {"stage": run["stage"]}, "steps_per_print": 10**9}
+    if run.get("dtype", "fp32") == "bf16":
+        ds_config["bf16"] = {"enabled": True}
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
     losses = train_steps(engine, config.vocab_size, 0, args.steps)
     params = local_state(engine, model.named_parameters())
@@ -111,4 +114,4 @@ def train_one(run: dict, args: argparse.Namespace) -> None:
 if __name__ == "__main__":
     from multi_run import run_all
 
-    sys.exit(run_all(train_one, "{model: llama|gpt2, stage, save_dir, dump_state, after}"))
+    sys.exit(run_all(train_one, "{model: llama|gpt2, stage, dtype: fp32|bf16, save_dir, dump_state, after}"))
