@@ -107,6 +107,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     infos = [ckpt.info(n) for n in ckpt.names]
     if args.json:
         json.dump({"source": ckpt.source, "step": ckpt.step, "optimizer": ckpt.optimizer,
+                   "extra_files": ckpt.extra_files,
                    "params": [{"name": i.name, "kind": i.kind, "shape": list(i.shape), "pattern": i.pattern,
                                "states": list(i.states), "bytes": i.nbytes, "group": i.group} for i in infos]},
                   sys.stdout, indent=1)
@@ -126,6 +127,8 @@ def describe(ckpt, infos) -> str:
     total = sum(i.nbytes for i in infos)
     lines.append(f"step {ckpt.step} · optimizer {opt.get('type', 'none')} ({', '.join(opt.get('states', []))}) · "
                  f"{len(opt.get('param_groups', []))} param groups · {len(infos)} tensors · {human_bytes(total)}")
+    if ckpt.extra_files:
+        lines.append(f"extra files: {', '.join(ckpt.extra_files)}")
     rows = [("name", "kind", "shape", "pattern", "states", "size")]
     rows += [(i.name, i.kind, "x".join(map(str, i.shape)) or "scalar", i.pattern, " ".join(i.states),
               human_bytes(i.nbytes)) for i in infos]
@@ -136,22 +139,24 @@ def describe(ckpt, infos) -> str:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from ucp.checkpoint import AtomicCheckpoint
-    from ucp.format import INDEX_NAME, latest_checkpoint
+    from ucp.checkpoint import AtomicCheckpoint, open_checkpoint
 
-    path = Path(args.path)
-    if not (path / INDEX_NAME).is_file():
-        path = latest_checkpoint(path) or path  # a save directory (ucp.deepspeed.save): the checkpoint `latest` names
-    ckpt = AtomicCheckpoint(path)
+    ckpt = open_checkpoint(args.path, args.tag)
     problems = ckpt.verify()
-    tensors = sum(len(e["states"]) for e in ckpt.index["params"].values())
+    if isinstance(ckpt, AtomicCheckpoint):
+        tensors = sum(len(e["states"]) for e in ckpt.index["params"].values())
+        what = f"{tensors} tensors"
+        done = f"{tensors} tensors, {len(ckpt.index['files'])} files, every checksum matches"
+    else:
+        what = f"DeepSpeed checkpoint {ckpt.source['path']}"
+        done = (f"read whole from {ckpt.source['path']}; DeepSpeed's files carry no checksums, "
+                "ucp convert records them")
     if problems:
         for p in problems:
             print(p, file=sys.stderr)
-        print(f"{ckpt.path}: {len(problems)} problem(s) in {tensors} tensors", file=sys.stderr)
+        print(f"{ckpt.path}: {len(problems)} problem(s) in {what}", file=sys.stderr)
         return 1
-    print(f"{ckpt.path}: OK ({len(ckpt.names)} parameters, {tensors} tensors, {len(ckpt.index['files'])} files, "
-          "every checksum matches)")
+    print(f"{ckpt.path}: OK ({len(ckpt.names)} parameters, {done})")
     return 0
 
 

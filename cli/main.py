@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import argparse
+import errno
+import logging
 import sys
+import traceback
 
 DESCRIPTION = """\
 ucp: universal checkpoints for DeepSpeed.
@@ -16,6 +19,7 @@ EPILOG = """\
 examples:
   ucp convert --input ckpts/ --output ckpts_ucp/          convert the tag named in ckpts/latest
   ucp convert --input ckpts/global_step100 --output out/ --workers 4
+  ucp convert --input trainer_out/ --output out/           the Trainer's last checkpoint-N, config and tokenizer
   ucp convert --input ckpts/ --output uc/global_step100 --format deepspeed   stock load_universal layout
   ucp convert --input ckpts/ --output ckpts_ucp/ --resume     finish an interrupted conversion
   ucp convert --input ckpts/ --output ckpts_ucp/ --splits 8   split-major, for split-driven loading
@@ -27,6 +31,11 @@ examples:
   ucp verify ckpts_ucp/                                   checksums and completeness
   ucp plan --gpus 28 --gpu-memory 80 --model examples/models/llama2-7b.json   parallel plans for 28 GPUs
   ucp demo                                                train, save, convert, inspect, resume elsewhere
+
+exit status:
+  0  success            1  ucp verify found problems      2  bad input (a damaged, missing or mismatched
+  3  the system refused (no space, read-only, permission)    checkpoint, a bad option): one line says which
+  130 interrupted (nothing committed)                         file and the fix; --debug adds the traceback
 """
 
 
@@ -34,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ucp", description=DESCRIPTION, epilog=EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="store_true", help="print the version and exit")
+    parser.add_argument("--debug", action="store_true", help="on an error, print the full traceback too")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser("convert", help="convert a DeepSpeed checkpoint to the atomic format",
@@ -41,8 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
                                    "or one of its tag folders) into a ucp atomic checkpoint, or into DeepSpeed's own "
                                    "universal layout with --format deepspeed.")
     p.add_argument("--input", required=True, metavar="DIR",
-                   help="directory given to engine.save_checkpoint (tag read from its 'latest' file), or a tag folder")
-    p.add_argument("--tag", metavar="T", help="checkpoint tag to convert instead of the one in 'latest'")
+                   help="directory given to engine.save_checkpoint (tag read from its 'latest' file), or a tag folder; "
+                        "or a Hugging Face Trainer output_dir (its last checkpoint-N folder)")
+    p.add_argument("--tag", metavar="T", help="checkpoint tag to convert instead of the one in 'latest' (for a "
+                   "Trainer output_dir: a checkpoint-N folder)")
     p.add_argument("--output", required=True, metavar="DIR", help="output directory (created; must be empty or new)")
     p.add_argument("--workers", type=int, metavar="N", help="parallel worker processes (default: CPU count, max 8)")
     p.add_argument("--format", choices=["ucp", "deepspeed"], default="ucp",
@@ -111,9 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("verify", help="check completeness and every tensor's checksum",
                        description="Verify a ucp checkpoint: every file present at its recorded size, every tensor "
-                                   "in bounds and matching its CRC-32. Exits 1 on any problem.")
+                                   "in bounds and matching its CRC-32, every extra file matching its CRC-32. A "
+                                   "DeepSpeed checkpoint is read whole instead. Exits 1 on any problem.")
     p.add_argument("path", metavar="DIR", help="a ucp checkpoint, or a save folder of ucp.deepspeed.save (the "
-                   "checkpoint its `latest` names)")
+                   "checkpoint its `latest` names); or a DeepSpeed checkpoint, read whole as `ucp convert` reads it")
+    p.add_argument("--tag", metavar="T", help="for a DeepSpeed save directory: the tag to verify")
 
     p = sub.add_parser("submit", help="run a ucp command as a job on a Ray cluster and follow its logs",
                        description="Submit `ucp COMMAND ...` (convert, verify or inspect) to a Ray cluster's job server, "
@@ -174,17 +188,59 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from ucp.errors import UcpError
 
+    notes = _notes_to_stderr(args.command)
     try:
         from ucp.cli import commands
 
         return getattr(commands, f"cmd_{args.command}")(args)
     except UcpError as exc:
-        print(f"ucp {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+        return _fail(args, f"{exc}", 2)
+    except OSError as exc:
+        return _fail(args, os_error_line(exc, getattr(args, "output", None)), 3)
     except KeyboardInterrupt:
         print(f"ucp {args.command}: interrupted; no index was written, the output is not a checkpoint",
               file=sys.stderr)
         return 130
+    finally:
+        logging.getLogger("ucp").removeHandler(notes)
+
+
+def _notes_to_stderr(command: str) -> logging.Handler:
+    """Show ucp's informational log lines (which checkpoint-N was picked, which files were left out)
+    on stderr, one line each; removed again when the command ends, so `main` can run many times."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"ucp {command}: %(message)s"))
+    handler.setLevel(logging.INFO)
+    logger = logging.getLogger("ucp")
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    return handler
+
+
+_OS_FIXES = {
+    errno.ENOSPC: "free space there, or choose another --output",
+    errno.EDQUOT: "free space there, or choose another --output",
+    errno.EROFS: "the file system is read-only; choose another --output",
+    errno.EACCES: "check its permissions",
+    errno.EPERM: "check its permissions",
+    errno.ENOTDIR: "a file stands where a folder is expected; pass a folder",
+    errno.EISDIR: "a folder stands where a file is expected",
+    errno.ENOENT: "check the path",
+}
+
+
+def os_error_line(exc: OSError, output: str | None = None) -> str:
+    """An OSError as one line: the path (else the output being written), what the system said, the fix."""
+    where = exc.filename if exc.filename is not None else output or "?"
+    fix = _OS_FIXES.get(exc.errno, "check the path and the file system")
+    return f"{where}: {exc.strerror or exc}; {fix}"
+
+
+def _fail(args: argparse.Namespace, message: str, code: int) -> int:
+    if args.debug:
+        traceback.print_exc()
+    print(f"ucp {args.command}: error: {message}", file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":

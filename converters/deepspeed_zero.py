@@ -14,11 +14,13 @@ written by DeepSpeed 0.19:
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from ucp import loss_scale
 from ucp.converters.deepspeed_slices import dtype_name, load_dict, read_slice, whole
 from ucp.converters.deepspeed_zero0 import zero0_trainable
 from ucp.converters.deepspeed_zero3 import read_zero3_slice, zero3_model_files
@@ -27,6 +29,9 @@ from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError, Unsuppor
 from ucp.patterns.recognize import recognize
 from ucp.plan import (BUFFER, BUFFER_STATE, FROZEN, TRAINABLE, WEIGHT_STATE, ConversionPlan, Fragment, ParamPlan,
                       StateSource)
+from ucp.trainer_folders import CHECKPOINT_RE, checkpoint_folders, folder_names, side_files
+
+logger = logging.getLogger("ucp.input")
 
 _MODEL_KEYS = {
     "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "frozen_param_fragments",
@@ -49,23 +54,51 @@ class TagDir:
 
 
 def resolve_tag(input_dir: str | os.PathLike, tag: str | None = None) -> TagDir:
-    """The tag folder `engine.save_checkpoint` wrote: `input_dir/<tag or latest>`, or `input_dir` itself."""
+    """The tag folder `engine.save_checkpoint` wrote: `input_dir/<tag or latest>`, or `input_dir` itself.
+
+    A Hugging Face Trainer `output_dir` (`checkpoint-N` folders, no `latest`) stands for its last
+    `checkpoint-N`, picked as transformers' `get_last_checkpoint` picks it (logged), and a
+    `checkpoint-N` tag for that folder; each is a save directory with its own `latest`.
+    """
     root = Path(input_dir)
     if not root.is_dir():
         raise CheckpointNotFoundError(f"{root}: no such directory; pass the directory given to "
                                       "engine.save_checkpoint, or one of its tag folders")
     if tag is None and any(root.glob("*model_states.pt")):
         return TagDir(root.parent, root.name)
+    folders = checkpoint_folders(root)
+    if tag is not None and folders and CHECKPOINT_RE.search(tag):
+        if not (root / tag).is_dir():
+            raise CheckpointNotFoundError(f"{root / tag}: no such checkpoint folder; pass --tag with one of "
+                                          f"{folder_names(folders)}")
+        return _trainer_checkpoint(root / tag, folders)
     if tag is None:
         latest = root / "latest"
+        if folders and not latest.is_file():
+            logger.info("%s: using %s, the last of %s", root, folders[-1].name, folder_names(folders))
+            return _trainer_checkpoint(folders[-1], folders)
         if not latest.is_file():
-            raise CheckpointNotFoundError(f"{root}: no 'latest' file and no model-states files here; "
-                                          f"pass --tag (tags present: {_tags(root) or 'none'})")
+            raise CheckpointNotFoundError(f"{root}: no 'latest' file, no model-states files and no checkpoint-N "
+                                          f"folders here; pass --tag (tags present: {_tags(root) or 'none'})")
         tag = latest.read_text().strip()
     if not (root / tag).is_dir():
+        trainer = f"; checkpoint folders present: {folder_names(folders)}" if folders else ""
         raise CheckpointNotFoundError(f"{root / tag}: tag '{tag}' does not exist; "
-                                      f"tags present: {_tags(root) or 'none'}")
+                                      f"tags present: {_tags(root) or 'none'}{trainer}")
     return TagDir(root, tag)
+
+
+def _trainer_checkpoint(folder: Path, folders: list[Path]) -> TagDir:
+    """The DeepSpeed checkpoint inside a Trainer's `checkpoint-N` folder, through its `latest`."""
+    latest = folder / "latest"
+    if not latest.is_file():
+        raise CheckpointNotFoundError(f"{folder}: no 'latest' file, so no finished DeepSpeed checkpoint; pass --tag "
+                                      f"with another of {folder_names(folders)}")
+    tag = latest.read_text().strip()
+    if not (folder / tag).is_dir():
+        raise CheckpointNotFoundError(f"{folder / tag}: named by {latest} but missing; pass --tag with another "
+                                      f"of {folder_names(folders)}")
+    return TagDir(folder, tag)
 
 
 def _tags(root: Path) -> str:
@@ -193,15 +226,6 @@ def _plan_zero0(where: TagDir, model_path: Path, model: dict, param_names: list[
     return finish_plan(where, model, params, hyper, moment_names, 0, dp, [model_path], model.get("optimizer"))
 
 
-_SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
-
-
-def _loss_scaler_state(scaler) -> dict:
-    """The dynamic fp16 loss-scaler fields, from a pickled LossScaler or a ZeRO-0 optimizer dict."""
-    state = as_python(scaler)
-    return {k: state[k] for k in _SCALER_FIELDS if isinstance(state, dict) and k in state}
-
-
 def _module_dtype(module: dict, name: str) -> str:
     t = module.get(name)
     return dtype_name(t) if isinstance(t, LazyTensor) else "float32"
@@ -258,9 +282,12 @@ def finish_plan(where: TagDir, model: dict, params: list[ParamPlan], hyper, mome
     training = {k: as_python(model.get(k)) for k in ("global_steps", "global_samples", "skipped_steps")
                 if model.get(k) is not None}
     if precision == "fp16" and scaler is not None:
-        training["loss_scaler"] = _loss_scaler_state(scaler)
+        state = as_python(scaler)  # a pickled LossScaler's attributes, or a ZeRO-0 optimizer dict
+        training["loss_scaler"] = loss_scale.record_of(state) if isinstance(state, dict) else {}
     client = {k: as_python(v) for k, v in model.items() if k not in _MODEL_KEYS}
     optimizer = {"type": optimizer_cfg.get("type", "unknown"), "states": moment_names, "param_groups": groups}
+    side = side_files(where.save_dir)  # a Trainer's config, tokenizer and trainer_state files
     return ConversionPlan(params=params, source=source, optimizer=optimizer, training=training,
                           lr_scheduler=as_python(model.get("lr_scheduler")), client_state=client,
-                          source_files=[str(f) for f in files])
+                          source_files=[str(f) for f in files],
+                          extra_files={name: str(path) for name, path in side.carried.items()}, left_out=side.left)

@@ -174,6 +174,9 @@ class _Unpickler(pickle.Unpickler):
 
 
 _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
+# The largest data.pkl read: the metadata of a rank file (names, shapes, slice maps of ~10^6
+# parameters) is far smaller; the tensors themselves live outside the pickle.
+MAX_PICKLE_BYTES = 1 << 30
 
 
 def load_lazy(path: str | os.PathLike) -> object:
@@ -187,7 +190,7 @@ def load_lazy(path: str | os.PathLike) -> object:
             if len(pkl) != 1:
                 raise CorruptCheckpointError(f"{path}: not a torch.save zip archive (no data.pkl)")
             prefix = pkl[0].filename[: -len("data.pkl")]
-            data = archive.read(pkl[0])
+            data = _read_pickle(archive, pkl[0], path, size)
             offsets = {}
             with open(path, "rb") as raw:
                 for info in infos:
@@ -209,6 +212,19 @@ def load_lazy(path: str | os.PathLike) -> object:
         return _Unpickler(data, path, offsets).load()
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as exc:
         raise CorruptCheckpointError(f"{path}: its pickle is damaged ({exc}); copy the file again") from None
+
+
+def _read_pickle(archive: zipfile.ZipFile, info: zipfile.ZipInfo, path: str, file_size: int) -> bytes:
+    """The bytes of `data.pkl`, bounded: torch.save stores it uncompressed, so a compressed one (which
+    could inflate a small file into gigabytes) or one larger than its file is refused unread."""
+    if info.compress_type != zipfile.ZIP_STORED:
+        raise CorruptCheckpointError(f"{path}: its data.pkl is compressed, which torch.save never does; the file "
+                                     "was not written by torch.save, copy it again from the training job")
+    if info.file_size > min(file_size, MAX_PICKLE_BYTES):
+        raise CorruptCheckpointError(f"{path}: its data.pkl claims {info.file_size} bytes, more than "
+                                     f"{'the file holds' if info.file_size > file_size else 'a checkpoint pickle'}"
+                                     "; the file is damaged, copy it again")
+    return archive.read(info)
 
 
 def _data_start(raw, info: zipfile.ZipInfo, path: str) -> int:

@@ -139,3 +139,24 @@ def test_interrupted_conversion_is_not_a_checkpoint(source, tmp_path, capsys):
     # Converting again into the leftovers completes it.
     assert run_cli(capsys, "convert", "--input", str(source), "--output", str(out), "--quiet")[0] == 0
     assert ucp.open_checkpoint(out).verify() == []
+
+
+def test_compressed_pickle_bomb_is_refused_unread(source, tmp_path, capsys):
+    """A 1.5 MB rank file whose data.pkl would inflate to 1.5 GiB: refused without inflating it."""
+    import resource
+    import zipfile
+
+    shard = optim_file(source, 1)
+    shard.unlink()
+    with zipfile.ZipFile(shard, "w", compression=zipfile.ZIP_DEFLATED) as archive:
+        with archive.open("archive/data.pkl", "w", force_zip64=True) as f:
+            for _ in range(24):
+                f.write(bytes(64 << 20))
+    assert shard.stat().st_size < 4 << 20
+    peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    code, _, err = run_cli(capsys, "convert", "--input", str(source), "--output", str(tmp_path / "out"), "--quiet",
+                           "--workers", "1")
+    assert code == 2
+    assert_one_line_error(err, str(shard), "compressed")
+    # ru_maxrss is in KiB on Linux: the conversion grew this process by far less than the 1.5 GiB bomb.
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak_before < 256 << 10

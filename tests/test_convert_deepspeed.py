@@ -11,6 +11,7 @@ from safetensors import safe_open
 import ucp
 from support.checkpoints import (BUFFER_SHAPES, FROZEN_PARAM_SHAPES, PARAM_GROUPS, TRAINABLE_PARAM_SHAPES,
                                  TinySpec, load_ds_universal, trained_state)
+from support.fp16 import needs_cpu_fp16
 from ucp.convert import convert
 from ucp.plan import BUFFER, FROZEN, TRAINABLE
 
@@ -40,7 +41,7 @@ def converted(tiny_checkpoint, tmp_path_factory):
     return make
 
 
-@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", [needs_cpu_fp16(s) for s in SPECS], ids=lambda s: s.name)
 def test_equals_ds_to_universal(spec, converted, ds_universal):
     ckpt = converted(spec)
     reference = load_ds_universal(ds_universal(spec))
@@ -61,7 +62,7 @@ def test_equals_ds_to_universal(spec, converted, ds_universal):
     assert compared >= 3 * len(TRAINABLE_PARAM_SHAPES)
 
 
-@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", [needs_cpu_fp16(s) for s in SPECS], ids=lambda s: s.name)
 def test_equals_live_engine_state(spec, converted, ckpt_root):
     """Against the full fp32 state the engine itself gathered right before saving."""
     ckpt = converted(spec)

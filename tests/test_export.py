@@ -80,9 +80,10 @@ def test_hf_export_loads_the_live_masters_ties_and_logits(runs, run, tmp_path):
 
 
 def test_hf_export_of_a_ucp_checkpoint_in_bfloat16_shards(runs, tmp_path):
-    """A ucp checkpoint finds its config beside the DeepSpeed source; bf16 files hold the masters cast."""
+    """A ucp checkpoint carries the Trainer-style config.json as an extra file; bf16 files hold the masters cast."""
     atomic = tmp_path / "ucp"
     convert(runs / "llama-z2" / "ckpt", atomic, workers=1, progress=False)
+    assert "config.json" in ucp.open_checkpoint(atomic).extra_files
     out = tmp_path / "hf"
     result = to_hf(atomic, out, dtype="bfloat16", max_shard_size="4KB", progress=False)
     assert len(result.files) > 1 and result.files[0] == f"model-00001-of-{len(result.files):05d}.safetensors"
@@ -111,14 +112,22 @@ def test_hf_export_reading_ahead_on_threads_writes_the_same_bytes(runs, tmp_path
 
 
 def test_hf_export_copies_generation_config_and_tokenizer_files(runs, tmp_path):
+    """From the files a checkpoint carries (a Trainer's checkpoint-N, and its ucp conversion), or beside --config."""
+    extras = {"generation_config.json": b'{"max_new_tokens": 5}\n', "tokenizer_config.json": b'{"model_max_length": 64}\n'}
+    trainer_folder = tmp_path / "checkpoint-3"
+    shutil.copytree(runs / "llama-z2" / "ckpt", trainer_folder)
     model_dir = tmp_path / "model"
     model_dir.mkdir()
-    shutil.copy(runs / "llama-z2" / "ckpt" / "config.json", model_dir)
-    (model_dir / "generation_config.json").write_text('{"max_new_tokens": 5}\n')
-    (model_dir / "tokenizer_config.json").write_text('{"model_max_length": 64}\n')
-    to_hf(runs / "llama-z2" / "ckpt" / "global_step3", tmp_path / "hf", config=model_dir, progress=False)
-    for name in ("generation_config.json", "tokenizer_config.json"):
-        assert (tmp_path / "hf" / name).read_bytes() == (model_dir / name).read_bytes()
+    shutil.copy(trainer_folder / "config.json", model_dir)
+    for folder in (trainer_folder, model_dir):
+        for name, data in extras.items():
+            (folder / name).write_bytes(data)
+    convert(trainer_folder, tmp_path / "ucp", workers=1, progress=False)
+    to_hf(trainer_folder, tmp_path / "from-deepspeed", progress=False)
+    to_hf(tmp_path / "ucp", tmp_path / "from-ucp", progress=False)
+    to_hf(runs / "llama-z2" / "ckpt" / "global_step3", tmp_path / "from-config", config=model_dir, progress=False)
+    for out in ("from-deepspeed", "from-ucp", "from-config"):
+        assert {n: (tmp_path / out / n).read_bytes() for n in extras} == extras, out
 
 
 def dcp_state(model, optimizer, folder: Path) -> None:
@@ -219,13 +228,14 @@ def assert_one_line_error(argv: list[str], capsys, *words: str) -> None:
         assert word in err, err
 
 
-def test_missing_config_is_refused_naming_where_it_looked(runs, tmp_path, capsys):
+def test_missing_config_is_refused(runs, tmp_path, capsys):
     ckpt = copy_checkpoint(runs, tmp_path, None)
     out = tmp_path / "hf"
-    with pytest.raises(CheckpointNotFoundError, match="no config.json found .*pass --config"):
+    with pytest.raises(CheckpointNotFoundError, match="no config.json among the files the checkpoint carries; "
+                                                      "pass --config"):
         to_hf(ckpt, out, progress=False)
     assert_one_line_error(["export", "--input", str(ckpt), "--output", str(out), "--to", "hf"], capsys,
-                          str(ckpt / "config.json"), "--config")
+                          str(ckpt), "--config")
     assert not out.exists()
 
 

@@ -13,6 +13,7 @@ import pytest
 import ucp
 from support.atomic import with_edited_index
 from support.checkpoints import TinySpec, ucp_load_errors, ucp_resume, ucp_stats, uninterrupted_losses
+from support.fp16 import needs_cpu_fp16
 from ucp.convert import convert
 
 RESUME_STEPS = 2
@@ -71,7 +72,7 @@ def largest_layer_bytes(path) -> int:
     return max(layers.values())
 
 
-@pytest.mark.parametrize("source,target", CASES, ids=lambda s: s.name)
+@pytest.mark.parametrize("source,target", [needs_cpu_fp16(*c) for c in CASES], ids=lambda s: s.name)
 def test_resume_continues_the_uninterrupted_run(source, target, ucp_checkpoint, ckpt_root):
     path = ucp_checkpoint(source)
     resumed = ucp_resume(path, target, RESUME_STEPS, source.steps, ckpt_root)

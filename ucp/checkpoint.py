@@ -6,14 +6,16 @@ names (`exp_avg`, `exp_avg_sq` for Adam), `step`; buffers hold one state, `value
 from __future__ import annotations
 
 import os
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError
-from ucp.fileio import ReadCounter
-from ucp.format import INDEX_NAME, latest_checkpoint, load_index
+from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError, UcpError
+from ucp.fileio import ReadCounter, read_regular
+from ucp.format import INDEX_NAME, latest_checkpoint, read_index
+from ucp.index import StoredState, header_problems
 from ucp.safetensors_stream import read_stored
 from ucp.splits import from_split_major
 
@@ -36,7 +38,7 @@ class AtomicCheckpoint:
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
-        self.index = load_index(self.path)
+        self.index, self.model = read_index(self.path)  # the JSON, and its checked typed model
         self.counter = ReadCounter()
 
     @property
@@ -68,12 +70,11 @@ class AtomicCheckpoint:
             return torch.tensor(e["step"], dtype=torch.float32)
         if state not in e["states"]:
             raise KeyError(f"{name}: no state '{state}' (has {', '.join(self.states(name))})")
-        s = e["states"][state]
-        begin, end = s["offsets"]
-        stored = read_stored(str(self.path / s["file"]), begin, end, s["dtype"], s["shape"],
-                             s["crc32"] if verify else None, self.counter)
-        if "splits" in s:  # stored split-major: put the logical order back (a no-op along dim 0)
-            return from_split_major(stored, s["shape"], s["splits"]["dim"], s["splits"]["count"])
+        s = self.model.params[name].states[state]
+        stored = read_stored(str(self.path / s.file), s.begin, s.end, s.dtype, s.shape,
+                             s.crc32 if verify else None, self.counter)
+        if s.splits is not None:  # stored split-major: put the logical order back (a no-op along dim 0)
+            return from_split_major(stored, s.shape, *s.splits)
         return stored
 
     @property
@@ -96,33 +97,60 @@ class AtomicCheckpoint:
     def source(self) -> dict:
         return self.index.get("source", {})
 
+    @property
+    def extra_files(self) -> list[str]:
+        """The small files carried along from the source (a Trainer's config, tokenizer, trainer_state)."""
+        return list(self.index.get("extra_files", {}))
+
+    def extra_file_path(self, name: str) -> Path:
+        self._extra(name)
+        return self.path / name
+
+    def extra_file(self, name: str) -> bytes:
+        """The bytes of an extra file, checked against the size and CRC-32 the index records."""
+        record = self._extra(name)
+        data = read_regular(str(self.extra_file_path(name)))
+        if len(data) != record["bytes"] or zlib.crc32(data) != record["crc32"]:
+            raise CorruptCheckpointError(f"{self.path / name}: differs from what {INDEX_NAME} records "
+                                         f"({record['bytes']} bytes, CRC-32 {record['crc32']}); convert the "
+                                         "checkpoint again")
+        return data
+
     def verify(self) -> list[str]:
-        """Every problem found: missing or resized files, tensors out of bounds, checksum mismatches."""
+        """Every problem found: a safetensors header that disagrees with the index, a checksum mismatch.
+
+        Opening the checkpoint already checked the index itself (`ucp.index`): file sizes, byte
+        ranges, dtypes and shapes, no overlaps, plain regular files.
+        """
         problems = []
-        sizes = {}
-        for name, meta in self.index["files"].items():
-            path = self.path / name
-            if not path.is_file():
-                problems.append(f"{path}: missing")
-                continue
-            sizes[name] = path.stat().st_size
-            if sizes[name] != meta["bytes"]:
-                problems.append(f"{path}: {sizes[name]} bytes, the index records {meta['bytes']}")
-        for pname, e in self.index["params"].items():
-            for state, s in e["states"].items():
-                if s["file"] not in sizes:
-                    if s["file"] not in self.index["files"]:
-                        problems.append(f"{pname}:{state}: stored in unlisted file {s['file']}")
-                    continue
-                begin, end = s["offsets"]
-                if end > sizes[s["file"]]:
-                    problems.append(f"{pname}:{state}: bytes [{begin}, {end}) past the end of {s['file']}")
-                    continue
+        for data in self.model.files.values():
+            problems += header_problems(self.path / data.name, data, self._states_in(data.name))
+        for name, entry in self.model.params.items():
+            for state, s in entry.states.items():
                 try:
-                    read_stored(str(self.path / s["file"]), begin, end, s["dtype"], s["shape"], s["crc32"])
+                    read_stored(str(self.path / s.file), s.begin, s.end, s.dtype, s.shape, s.crc32)
                 except CorruptCheckpointError:
-                    problems.append(f"{pname}:{state}: checksum mismatch in {s['file']}")
+                    problems.append(f"{name}:{state}: checksum mismatch in {s.file}")
+        return problems + self._verify_extra_files()
+
+    def _states_in(self, file_name: str) -> list[StoredState]:
+        return [s for e in self.model.params.values() for s in e.states.values() if s.file == file_name]
+
+    def _verify_extra_files(self) -> list[str]:
+        problems = []
+        for name in self.extra_files:
+            try:
+                self.extra_file(name)
+            except UcpError as exc:  # missing, not a regular file, or changed
+                problems.append(str(exc))
         return problems
+
+    def _extra(self, name: str) -> dict:
+        try:
+            return self.index.get("extra_files", {})[name]
+        except KeyError:
+            raise KeyError(f"{self.path}: no extra file '{name}' (has {', '.join(self.extra_files) or 'none'})") \
+                from None
 
     def _entry(self, name: str) -> dict:
         try:
@@ -192,6 +220,33 @@ class PlannedCheckpoint:
     @property
     def source(self) -> dict:
         return self.plan.source
+
+    @property
+    def extra_files(self) -> list[str]:
+        """The small files a conversion would carry along (a Trainer's config, tokenizer, trainer_state)."""
+        return list(self.plan.extra_files)
+
+    def extra_file_path(self, name: str) -> Path:
+        try:
+            return Path(self.plan.extra_files[name])
+        except KeyError:
+            raise KeyError(f"{self.path}: no extra file '{name}' (has {', '.join(self.extra_files) or 'none'})") \
+                from None
+
+    def extra_file(self, name: str) -> bytes:
+        return self.extra_file_path(name).read_bytes()
+
+    def verify(self) -> list[str]:
+        """Every problem found reading each state of each parameter whole, as a conversion would
+        (replicated copies compared): DeepSpeed's files carry no checksums to check."""
+        problems = []
+        for name, p in self._params.items():
+            for state in p.states:
+                try:
+                    self.tensor(name, state)
+                except UcpError as exc:
+                    problems.append(f"{name}:{state}: {exc}")
+        return problems
 
     def _param(self, name: str):
         try:

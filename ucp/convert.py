@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 import shutil
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,12 +29,14 @@ from ucp.assemble import Arena, materialize
 from ucp.balance import lpt_bins
 from ucp.errors import OutputExistsError, UcpError
 from ucp.executor import Executor, LocalExecutor, Report, ShuffleExecutor
+from ucp.fileio import writing_alone
 from ucp.format import (FORMAT_NAME, FORMAT_VERSION, INDEX_NAME, PARTIAL_SUFFIX, commit_index, data_file_name,
                         fsync_dir, is_ucp_file, load_index, tensor_key)
 from ucp.manifest import MANIFEST_SUFFIX, BinCheck, manifest_name, remove_manifests, reusable_bin, write_manifest
 from ucp.plan import ConversionPlan, ParamPlan, StateSource
 from ucp.safetensors_stream import StreamingWriter, TensorSlot
 from ucp.splits import SplitPolicy, apply_split_policy, stored_shape, to_split_major
+from ucp.trainer_folders import left_out_summary
 
 if TYPE_CHECKING:
     import torch
@@ -40,6 +44,8 @@ if TYPE_CHECKING:
 # A data file grows to about this size before conversion opens another, so output stays a few
 # large files whatever the worker count.
 TARGET_FILE_BYTES = 4 << 30
+
+logger = logging.getLogger("ucp.convert")
 
 
 @dataclass(frozen=True)
@@ -102,7 +108,7 @@ def source_fingerprint(plan: ConversionPlan) -> str:
     converted' check nor --resume mixes files of another split layout.
     """
     h = hashlib.sha256()
-    for path in sorted(plan.source_files):
+    for path in sorted([*plan.source_files, *plan.extra_files.values()]):
         st = os.stat(path)
         h.update(f"{os.path.basename(path)}:{st.st_size}:{st.st_mtime_ns};".encode())
     for p in plan.params:
@@ -111,10 +117,12 @@ def source_fingerprint(plan: ConversionPlan) -> str:
     return h.hexdigest()[:32]
 
 
-def prepare_output(output: Path, fingerprint: str, resume: bool = False) -> bool:
+def prepare_output(output: Path, fingerprint: str, resume: bool = False,
+                   carried: frozenset[str] = frozenset()) -> bool:
     """Make `output` ready to receive a checkpoint; True when it already holds this very conversion.
 
-    Leftovers of an interrupted run are deleted, unless `resume` asks to keep them for `keep_finished`.
+    Leftovers of an interrupted run (ucp's files, and the `carried` extra files it copies) are
+    deleted, unless `resume` asks to keep them for `keep_finished`.
     """
     if (output / INDEX_NAME).is_file():
         existing = load_index(output)
@@ -124,7 +132,8 @@ def prepare_output(output: Path, fingerprint: str, resume: bool = False) -> bool
                                 f"{existing.get('source', {}).get('path', 'elsewhere')}); choose another --output "
                                 "or delete it")
     if output.exists():
-        foreign = [n for n in os.listdir(output) if not is_ucp_file(n)]
+        foreign = [n for n in os.listdir(output)
+                   if not is_ucp_file(n) and n.removesuffix(PARTIAL_SUFFIX) not in carried]
         if foreign:
             raise OutputExistsError(f"{output}: is not empty (holds '{foreign[0]}', which ucp did not write); "
                                     "choose an empty or new --output directory")
@@ -144,8 +153,14 @@ def plan_bins(plan: ConversionPlan, workers: int) -> list[list[ParamPlan]]:
 
 def write_atomic(plan: ConversionPlan, output: Path, executor: Executor, *, strict: bool = False,
                  resume: bool = False) -> ConvertResult:
+    with writing_alone(output):
+        return _write_atomic(plan, output, executor, strict=strict, resume=resume)
+
+
+def _write_atomic(plan: ConversionPlan, output: Path, executor: Executor, *, strict: bool,
+                  resume: bool) -> ConvertResult:
     fingerprint = source_fingerprint(plan)
-    if prepare_output(output, fingerprint, resume):
+    if prepare_output(output, fingerprint, resume, frozenset(plan.extra_files)):
         remove_manifests(output)  # left behind when a run died between its commit and this cleanup
         index = load_index(output)
         return ConvertResult(output, len(index["params"]), tuple(index["files"]), 0, already_done=True)
@@ -159,12 +174,15 @@ def write_atomic(plan: ConversionPlan, output: Path, executor: Executor, *, stri
         results = executor.write_bins(todo, total_bytes=total)
     else:
         results = executor.map(write_bin, todo, total_bytes=total, desc="convert")
+    extra = {name: copy_extra_file(Path(source), output / name) for name, source in plan.extra_files.items()}
+    if plan.left_out:
+        logger.info("left out of %s: %s", output, left_out_summary(plan.left_out))
     fsync_dir(output)
-    index = build_index(plan, fingerprint, [*kept.values(), *results])
+    index = build_index(plan, fingerprint, [*kept.values(), *results], extra)
     commit_index(output, index)
     remove_manifests(output)
     return ConvertResult(output, len(plan.params), tuple(index["files"]),
-                         sum(f["bytes"] for f in index["files"].values()), files_written=len(todo) + 1,
+                         sum(f["bytes"] for f in index["files"].values()), files_written=len(todo) + len(extra) + 1,
                          redone=sum(len(t.params) for t in todo))
 
 
@@ -225,7 +243,8 @@ def stream_bin(task: WriteBin, report: Report,
         raise
     os.replace(partial, final)
     fsync_dir(Path(task.output))
-    result = {"file": task.file_name, "bytes": os.path.getsize(final),
+    # The size the writer planned and wrote, never read back: another process may own the path by now.
+    result = {"file": task.file_name, "bytes": writer.size,
               "tensors": {k: (s.begin, s.end, s.crc32) for k, s in stored.items()}}
     write_manifest(task.output, result, task.fingerprint)
     return result
@@ -249,7 +268,21 @@ def _hold_for_tests(file_name: str) -> None:
         time.sleep(0.05)
 
 
-def build_index(plan: ConversionPlan, fingerprint: str, results: list[dict]) -> dict:
+def copy_extra_file(source: Path, target: Path) -> dict:
+    """Copy a small side file (see `ucp.trainer_folders`) durably; its index record: size and CRC-32."""
+    data = source.read_bytes()
+    partial = target.with_name(target.name + PARTIAL_SUFFIX)
+    with open(partial, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(partial, target)
+    return {"bytes": len(data), "crc32": zlib.crc32(data)}
+
+
+def build_index(plan: ConversionPlan, fingerprint: str, results: list[dict],
+                extra: dict[str, dict] | None = None) -> dict:
+    """The index of a checkpoint of `plan`'s tensors, stored as `results` say, with the `extra` files copied."""
     where = {key: (r["file"], *span) for r in results for key, span in r["tensors"].items()}
     params = {}
     for p in plan.params:
@@ -278,6 +311,7 @@ def build_index(plan: ConversionPlan, fingerprint: str, results: list[dict]) -> 
         "client_state": _jsonable(plan.client_state),
         "splits": {"global_split": max((p.splits[1] for p in plan.params if p.splits), default=1)},
         "files": {r["file"]: {"bytes": r["bytes"]} for r in sorted(results, key=lambda r: r["file"])},
+        "extra_files": extra or {},
         "params": params,
     }
 

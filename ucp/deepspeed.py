@@ -38,6 +38,7 @@ expert-data-parallel group (`ucp.deepspeed_moe_target`); and an explicit `layout
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -49,7 +50,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ucp import loss_scale
 from ucp.checkpoint import AtomicCheckpoint
+from ucp.config import load_options, ucp_options, without_ucp
 from ucp.deepspeed_save import SaveEvery, SaveStats, save, wait
 from ucp.deepspeed_targets import OPTIMIZER_STATES, Target, TargetTensor, target_for
 from ucp.deepspeed_layout import as_layout, place_by_layout
@@ -63,7 +66,6 @@ from ucp.safetensors_stream import TORCH_DTYPES
 from ucp.slice_read import SliceRead, plan_flat_read, plan_slice_read
 from ucp.splits import box_of_read
 
-CONFIG_KEY = "ucp"
 __all__ = ["CheckpointMismatchError", "LoadStats", "SaveStats", "initialize", "load", "save", "wait"]
 
 
@@ -85,7 +87,10 @@ class LoadStats:
 
 
 def initialize(*args, **kwargs):
-    """`deepspeed.initialize` with the same arguments and result, plus the `"ucp"` config section."""
+    """`deepspeed.initialize` with the same arguments and result, plus the `"ucp"` config section.
+
+    The section is checked before DeepSpeed runs, and the caller's config and `args` are left as given.
+    """
     import deepspeed
 
     config_key = "config" if kwargs.get("config") is not None else "config_params"
@@ -95,18 +100,16 @@ def initialize(*args, **kwargs):
     if isinstance(config, (str, os.PathLike)):
         with open(config) as f:
             config = json.load(f)
-    options = {}
-    if isinstance(config, dict) and CONFIG_KEY in config:
-        config = dict(config)
-        options = dict(config.pop(CONFIG_KEY))
-        kwargs[config_key] = config
+    options = ucp_options(config)
+    if options:
+        kwargs = {**kwargs, config_key: without_ucp(config)}
         if args and getattr(args[0], "deepspeed_config", None):
+            args = (copy.copy(args[0]), *args[1:])
             args[0].deepspeed_config = None
-    save_every = SaveEvery.from_config(options.pop("save")) if "save" in options else None
+    save_every = SaveEvery.from_config(options["save"]) if "save" in options else None
     result = deepspeed.initialize(*args, **kwargs)
     if options.get("load"):
-        path = options.pop("load")
-        load(result[0], path, **options)
+        load(result[0], options["load"], **load_options(options))
     if save_every is not None:
         save_every.install(result[0])
     return result
@@ -188,8 +191,17 @@ def _check(ckpt: AtomicCheckpoint, target: Target, engine, load_optimizer_states
         if extra:
             raise CheckpointMismatchError(f"{ckpt.path}: holds parameter '{extra[0]}' ({len(extra)} in all) that "
                                           "the model does not have; pass strict=False to ignore them")
-    if not load_optimizer_states:
-        return []
+    saved_states = _optimizer_states(ckpt, target, engine) if load_optimizer_states else []
+    for t in target.tensors:
+        missing = [s for s in _states_of(t, saved_states) if s not in params[t.name]["states"]]
+        if missing:
+            raise CheckpointMismatchError(f"{ckpt.path}: parameter '{t.name}' has no state '{missing[0]}'; the "
+                                          "index is damaged, convert the checkpoint again")
+    return saved_states
+
+
+def _optimizer_states(ckpt: AtomicCheckpoint, target: Target, engine) -> list[str]:
+    """The optimizer states the checkpoint saved, if the engine's optimizer keeps the same ones."""
     saved_states = list((ckpt.optimizer or {}).get("states", []))
     basic = type(getattr(engine, "basic_optimizer", None) or target.engine.optimizer).__name__.lower()
     expected = OPTIMIZER_STATES.get(basic)
@@ -400,13 +412,9 @@ def _restore_steps(ckpt: AtomicCheckpoint, target: Target) -> None:
 def _restore_loss_scale(ckpt: AtomicCheckpoint, engine) -> None:
     """fp16 only: the dynamic loss scale and its counters continue where training stopped."""
     saved = ckpt.index.get("training", {}).get("loss_scaler")
-    optimizer = engine.optimizer
-    scaler = getattr(optimizer, "loss_scaler", None) or getattr(optimizer, "loss_scale_config", None)
-    if not saved or scaler is None:
-        return
-    for key, value in saved.items():
-        if hasattr(scaler, key):
-            setattr(scaler, key, value)
+    scaler = loss_scale.live_scaler(engine.optimizer)
+    if saved and scaler is not None:
+        loss_scale.restore(saved, scaler)
 
 
 def _restore_optimizer_globals(ckpt: AtomicCheckpoint, target: Target) -> None:

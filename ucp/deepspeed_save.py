@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ucp import loss_scale
 from ucp.convert import TARGET_FILE_BYTES, build_index
 from ucp.deepspeed_targets import Target, TargetTensor, Zero3Target, target_for
 from ucp.deepspeed_tp_target import tp_size
@@ -48,7 +49,6 @@ from ucp.save_layout import SaveLayout, WrittenPiece, plan_layout, whole_crcs
 from ucp.save_writer import BackgroundSave, Piece, SnapshotBuffer, hold_for_tests, partial_path, write_pieces
 
 logger = logging.getLogger("ucp.save")
-_LOSS_SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
 
 
 @dataclass
@@ -239,9 +239,9 @@ def _metadata(saver: Saver, prepared: _Prepared, tag: str, tag_dir: Path, client
     precision = "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32"
     training = {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
                 "skipped_steps": engine.skipped_steps}
-    scaler = getattr(engine.optimizer, "loss_scaler", None) or getattr(engine.optimizer, "loss_scale_config", None)
+    scaler = loss_scale.live_scaler(engine.optimizer)
     if precision == "fp16" and scaler is not None:
-        training["loss_scaler"] = {k: _to_json(getattr(scaler, k)) for k in _LOSS_SCALER_FIELDS if hasattr(scaler, k)}
+        training["loss_scaler"] = loss_scale.record_live(scaler)
     import deepspeed
 
     return {

@@ -5,10 +5,12 @@ The layout mirrors what `ds_to_universal` (DeepSpeed 0.19) writes: `zero/<param>
 `zero/optimizer_state.pt` with the optimizer's global state, copies of the model-state files, and
 `latest_universal` beside the output folder, written last. The tensors come from the same
 Extract → Union → StripPad tasks as the atomic format; only the sink differs. This is the one
-module that writes pickles, because that is DeepSpeed's format.
+module that writes pickles, because that is DeepSpeed's format; it unpickles none (issue #11): the
+source's own pickles are parsed with the allow-list reader, so a crafted file cannot run code.
 """
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import shutil
@@ -19,13 +21,23 @@ import torch
 
 from ucp.assemble import materialize
 from ucp.convert import ConvertResult, plan_bins
-from ucp.errors import OutputExistsError, UnsupportedLayoutError
+from ucp.converters.deepspeed_slices import load_dict
+from ucp.converters.torch_zip import LazyTensor, Opaque, read_tensor
+from ucp.errors import CorruptCheckpointError, OutputExistsError, UnsupportedLayoutError
 from ucp.executor import Executor, Report
 from ucp.patterns import Pattern, PatternSpec
 from ucp.plan import BUFFER_STATE, TRAINABLE, WEIGHT_STATE, ConversionPlan, ParamPlan
 
 _EXPERT_FILE = re.compile(r"^layer_\d+_expert_\d+_.*model_states\.pt$")
-_SHARDED_OPTIM_KEYS = {"base_optimizer_state", "param_slice_mappings", "single_partition_of_fp32_groups"}
+# DeepSpeed's key names (deepspeed.checkpoint.constants), spelled out so that planning needs no deepspeed.
+OPTIMIZER_STATE_DICT = "optimizer_state_dict"
+BASE_OPTIMIZER_STATE = "base_optimizer_state"
+PARAM_GROUPS = "param_groups"
+LOSS_SCALER = "loss_scaler"
+# Read by `_load_global_state` (ZeRO-1/2; ZeRO-3 reads the first three) beside the loss scaler.
+_GLOBAL_KEYS = ("dynamic_loss_scale", "overflow", "clip_grad", "ds_version")
+_LOSS_SCALERS = frozenset({"deepspeed.runtime.fp16.loss_scaler.LossScaler",
+                           "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"})
 
 
 @dataclass(frozen=True)
@@ -104,20 +116,69 @@ def tp_keys(spec: PatternSpec) -> dict:
 
 
 def _save_optimizer_state(plan: ConversionPlan, path: Path, zero3: bool) -> None:
-    rank0 = next(f for f in plan.source_files if "optim_states" in os.path.basename(f))
-    # mmap keeps the shard's big flat tensors on disk: only the small global fields are kept.
-    sd = torch.load(rank0, map_location="cpu", mmap=True, weights_only=False)["optimizer_state_dict"]
+    """`zero/optimizer_state.pt`: exactly the global state stock `load_universal` reads back.
+
+    The rank-0 file is parsed with the allow-list reader (`torch_zip`), never unpickled: a crafted
+    file cannot run code here. ZeRO-1/2 and the bf16 optimizer read `param_groups` and the
+    `_load_global_state` fields; ZeRO-3 reads those fields and `optimizer_state_dict` (its
+    `param_groups` and each sub-group's `step`).
+    """
+    rank0 = Path(next(f for f in plan.source_files if "optim_states" in os.path.basename(f)))
+    sd = load_dict(rank0).get(OPTIMIZER_STATE_DICT)
+    if not isinstance(sd, dict):
+        raise CorruptCheckpointError(f"{rank0}: holds no {OPTIMIZER_STATE_DICT}; copy the file again from the "
+                                     "training job")
+    out = {k: _plain(sd[k], rank0, k) for k in _GLOBAL_KEYS if k in sd}
+    if LOSS_SCALER in sd:
+        out[LOSS_SCALER] = _loss_scaler(sd[LOSS_SCALER], rank0)
     if zero3:
-        inner = sd["optimizer_state_dict"]
-        steps = {i: {"step": s["step"].clone() if torch.is_tensor(s.get("step")) else s.get("step")}
-                 for i, s in inner["state"].items()}
-        out = {k: v for k, v in sd.items() if k != "fp32_flat_groups"}
-        out["optimizer_state_dict"] = {"state": steps, "param_groups": inner["param_groups"]}
-        out["param_groups"] = inner["param_groups"]
+        inner = _field(sd, OPTIMIZER_STATE_DICT, rank0)
+        state = _field(inner, "state", rank0)
+        out[OPTIMIZER_STATE_DICT] = {
+            "state": {i: {"step": _plain(s.get("step"), rank0, "step")} for i, s in state.items()},
+            PARAM_GROUPS: _plain(_field(inner, PARAM_GROUPS, rank0), rank0, PARAM_GROUPS)}
     else:
-        out = {k: v for k, v in sd.items() if k not in _SHARDED_OPTIM_KEYS}
-        out["param_groups"] = sd["base_optimizer_state"]["param_groups"]
+        base = _field(sd, BASE_OPTIMIZER_STATE, rank0)
+        out[PARAM_GROUPS] = _plain(_field(base, PARAM_GROUPS, rank0), rank0, PARAM_GROUPS)
     torch.save(out, path)
+
+
+def _field(sd: dict, key: str, path: Path) -> dict | list:
+    value = sd.get(key)
+    if not isinstance(value, (dict, list)):
+        raise CorruptCheckpointError(f"{path}: optimizer state has no {key}; copy the file again from the "
+                                     "training job")
+    return value
+
+
+def _plain(value, path: Path, key: str):
+    """`value` as plain Python and real tensors (tiny ones: steps, hyper-parameters); any other object
+    is refused, so nothing the file names is ever built."""
+    if isinstance(value, dict):
+        return {k: _plain(v, path, key) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(v, path, key) for v in value)
+    if value is None or isinstance(value, (str, int, float, bool, torch.dtype)):
+        return value
+    if isinstance(value, LazyTensor):
+        return read_tensor(value)
+    raise CorruptCheckpointError(f"{path}: optimizer state '{key}' holds {value!r}, which --format deepspeed does "
+                                 "not rebuild; convert with --format ucp and resume through ucp.deepspeed")
+
+
+def _loss_scaler(value, path: Path) -> object:
+    """The loss scaler stock `load_universal` installs as is: rebuilt from its pickled fields, for
+    DeepSpeed's own scaler classes only (imported from the installed deepspeed)."""
+    qualname = getattr(value, "_qualname", None)
+    if not isinstance(value, Opaque) or qualname not in _LOSS_SCALERS or not isinstance(value.state, dict):
+        raise CorruptCheckpointError(f"{path}: optimizer state '{LOSS_SCALER}' holds {value!r}, not one of "
+                                     f"DeepSpeed's loss scalers ({', '.join(sorted(_LOSS_SCALERS))}); copy the "
+                                     "file again from the training job")
+    module, _, name = qualname.rpartition(".")
+    cls = getattr(importlib.import_module(module), name)
+    scaler = cls.__new__(cls)
+    scaler.__dict__.update(_plain(value.state, path, LOSS_SCALER))
+    return scaler
 
 
 def _copy_model_files(plan: ConversionPlan, output: Path, zero3: bool) -> int:

@@ -5,8 +5,11 @@ bar. Backends return results in task order and re-raise a task's error in the dr
 """
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
 import os
+import signal
+import sys
 import queue as queue_module
 import threading
 from collections.abc import Callable, Sequence
@@ -51,14 +54,26 @@ def progress_bar(total_bytes: int, desc: str, enabled: bool) -> tqdm:
 
 
 _progress_queue = None
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
-def _init_worker(q) -> None:
+def _init_worker(q, parent: int) -> None:
     global _progress_queue
     _progress_queue = q
+    _die_with_parent(parent)
     import torch
 
     torch.set_num_threads(1)  # the pool supplies the parallelism; keep workers from oversubscribing cores
+
+
+def _die_with_parent(parent: int) -> None:
+    """Ask Linux to SIGKILL this worker when the process that forked it dies (even by SIGKILL), so no
+    orphan goes on writing into the output; a parent already gone means exit now."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 def _report_to_queue(nbytes: int) -> None:
@@ -98,7 +113,7 @@ class LocalExecutor:
         drainer.start()
         try:
             with ProcessPoolExecutor(max_workers=min(self.workers, len(tasks)), mp_context=ctx,
-                                     initializer=_init_worker, initargs=(progress_queue,)) as pool:
+                                     initializer=_init_worker, initargs=(progress_queue, os.getpid())) as pool:
                 futures = [pool.submit(_run_in_worker, fn, task) for task in tasks]
                 done, pending = wait(futures, return_when=FIRST_EXCEPTION)
                 for f in pending:

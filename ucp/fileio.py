@@ -1,11 +1,36 @@
 """Positional reads into preallocated tensors, with a counter of what touched storage."""
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
+import stat
+from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
-from ucp.errors import CorruptCheckpointError
+from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError, OutputExistsError
+
+
+@contextlib.contextmanager
+def writing_alone(folder: Path) -> Iterator[None]:
+    """Hold an exclusive lock on output `folder` (created if need be) while a conversion writes into it.
+
+    A second ucp process that wants to write there is refused at once instead of interleaving its
+    files with ours. The lock is the kernel's (flock on the folder itself): it goes with the process.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise OutputExistsError(f"{folder}: another ucp process is writing into it; wait for it to finish, "
+                                    "or choose another output folder") from None
+        yield
+    finally:
+        os.close(fd)
 
 
 class ReadCounter:
@@ -24,12 +49,41 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy())
 
 
+def open_regular(path: str) -> int:
+    """A read-only descriptor of `path`, which must be a regular file.
+
+    O_NONBLOCK: opening a FIFO planted where a data file belongs returns at once instead of waiting
+    for a writer forever; it is then refused as not a regular file.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"{path}: missing; restore the file from the checkpoint's copy") from None
+    except OSError as exc:
+        raise CorruptCheckpointError(f"{path}: cannot be opened ({exc.strerror})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CorruptCheckpointError(f"{path}: not a regular file; a special file stands where checkpoint data "
+                                     "belongs, restore the file from a copy")
+    return fd
+
+
+def read_regular(path: str) -> bytes:
+    """The whole content of regular file `path` (a FIFO or device is refused, never waited on)."""
+    fd = open_regular(path)
+    try:
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read()
+    finally:
+        os.close(fd)
+
+
 def pread_into(path: str, out: torch.Tensor, offset: int, counter: ReadCounter | None = None) -> torch.Tensor:
     """Fill contiguous `out` with the bytes of `path` starting at `offset`; returns `out`."""
     view = tensor_bytes(out)
     if len(view) == 0:
         return out
-    fd = os.open(path, os.O_RDONLY)
+    fd = open_regular(path)
     try:
         done = 0
         while done < len(view):

@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
+from ucp.index import Index, parse_index
 
 FORMAT_NAME = "ucp-atomic"
 FORMAT_VERSION = 1
@@ -80,7 +81,12 @@ def fsync_dir(directory: Path) -> None:
 
 
 def load_index(directory: str | os.PathLike) -> dict:
-    """The committed index of a ucp checkpoint, or a clear error saying why there is none."""
+    """The committed index of a ucp checkpoint, checked in full, or a clear error saying why there is none."""
+    return read_index(directory)[0]
+
+
+def read_index(directory: str | os.PathLike) -> tuple[dict, Index]:
+    """The committed index as JSON and as its checked, typed model (see `ucp.index`)."""
     directory = Path(directory)
     path = directory / INDEX_NAME
     if not path.is_file():
@@ -92,12 +98,15 @@ def load_index(directory: str | os.PathLike) -> dict:
     try:
         with open(path) as f:
             index = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, over-long integers
         raise CorruptCheckpointError(f"{path}: damaged index ({exc}); convert the checkpoint again") from None
-    if index.get("format") != FORMAT_NAME:
-        raise CorruptCheckpointError(f"{path}: not a {FORMAT_NAME} index")
+    if not isinstance(index, dict) or index.get("format") != FORMAT_NAME:
+        raise CorruptCheckpointError(f"{path}: not a {FORMAT_NAME} index; convert the checkpoint again")
     version = index.get("format_version")
-    if not isinstance(version, int) or version > FORMAT_VERSION:
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise CorruptCheckpointError(f"{path}: format_version {version!r} is not a version number; the index is "
+                                     "damaged, convert the checkpoint again")
+    if version > FORMAT_VERSION:
         raise CorruptCheckpointError(f"{path}: format version {version} is newer than this ucp reads "
                                      f"({FORMAT_VERSION}); upgrade ucp")
-    return index
+    return index, parse_index(index, directory, path)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from ucp.index import DTYPE_SIZES
 from ucp.patterns.recognize import FragmentInfo
 from ucp.patterns.types import PatternSpec
 
@@ -98,6 +99,10 @@ class ConversionPlan:
     lr_scheduler: object = None
     client_state: dict = field(default_factory=dict)
     source_files: list[str] = field(default_factory=list)
+    # Small files beside the tag folder that travel into the checkpoint (name -> source path), and
+    # those left behind (name -> why); see `ucp.trainer_folders`.
+    extra_files: dict[str, str] = field(default_factory=dict)
+    left_out: dict[str, str] = field(default_factory=dict)
 
     def param(self, name: str) -> ParamPlan:
         for p in self.params:
@@ -106,9 +111,5 @@ class ConversionPlan:
         raise KeyError(name)
 
 
-_ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4,
-             "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
-
-
 def _itemsize(dtype: str) -> int:
-    return _ITEMSIZE[dtype]
+    return DTYPE_SIZES[dtype]

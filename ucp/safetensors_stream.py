@@ -20,10 +20,9 @@ import torch
 
 from ucp.errors import CorruptCheckpointError
 from ucp.fileio import ReadCounter, pread_into, tensor_bytes
+from ucp.index import SAFETENSORS_DTYPES
 
-DTYPE_CODES = {"float32": "F32", "float64": "F64", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
-               "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
-TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPE_CODES}
+TORCH_DTYPES = {name: getattr(torch, name) for name in SAFETENSORS_DTYPES}
 _ALIGN = 8  # safetensors pads the header so the data section starts 8-byte aligned
 
 
@@ -56,7 +55,7 @@ def encode_header(slots: Sequence[TensorSlot], metadata: dict[str, str] | None =
     header: dict = {"__metadata__": metadata} if metadata else {}
     cursor = 0
     for slot in slots:
-        header[slot.key] = {"dtype": DTYPE_CODES[slot.dtype], "shape": list(slot.shape),
+        header[slot.key] = {"dtype": SAFETENSORS_DTYPES[slot.dtype], "shape": list(slot.shape),
                             "data_offsets": [cursor, cursor + slot.nbytes]}
         cursor += slot.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
@@ -83,20 +82,32 @@ class StreamingWriter:
         if tuple(tensor.shape) != slot.shape or str(tensor.dtype).removeprefix("torch.") != slot.dtype:
             raise ValueError(f"{key}: got {tuple(tensor.shape)} {tensor.dtype}, the header says {slot.shape} {slot.dtype}")
         data = tensor_bytes(tensor.contiguous())
-        self._file.write(data)
+        try:
+            self._file.write(data)
+        except OSError as exc:  # no space, quota: name the file, which a bare write error does not
+            raise OSError(exc.errno, exc.strerror, self.path) from None
         begin = self._position
         self._position += len(data)
         self._next += 1
         return StoredTensor(key, begin, self._position, zlib.crc32(data))
+
+    @property
+    def size(self) -> int:
+        """The bytes written so far: the whole file's size once every tensor is in."""
+        return self._position
 
     def close(self) -> None:
         """Flush and fsync; the file is durable once this returns."""
         if self._next != len(self._slots):
             self._file.close()
             raise ValueError(f"{self.path}: closed after {self._next} of {len(self._slots)} tensors")
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
+        try:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+        except OSError as exc:
+            raise OSError(exc.errno, exc.strerror, self.path) from None
+        finally:
+            self._file.close()
 
     def abort(self) -> None:
         self._file.close()

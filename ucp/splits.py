@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ucp.errors import UcpError
+from ucp.index import stored_shape
 from ucp.layout import split_bounds
 from ucp.plan import ConversionPlan
 
@@ -84,13 +85,6 @@ def apply_split_policy(plan: ConversionPlan, policy: SplitPolicy) -> ConversionP
         dim = policy.dim_for(p.name, p.shape) if policy.global_split > 1 else None
         params.append(dataclasses.replace(p, splits=(dim, policy.global_split)) if dim is not None else p)
     return dataclasses.replace(plan, params=params)
-
-
-def stored_shape(shape: Sequence[int], split: tuple[int, int] | None) -> tuple[int, ...]:
-    """The shape a state's safetensors header gives: flat when split-major differs from row-major."""
-    if split is None or split[0] == 0 or split[1] == 1:
-        return tuple(shape)
-    return (math.prod(shape),)
 
 
 def to_split_major(tensor: torch.Tensor, dim: int, count: int) -> torch.Tensor:

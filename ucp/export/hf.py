@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,8 +98,7 @@ def to_hf(input: str | os.PathLike, output: str | os.PathLike, *, dtype: str = "
     total = sum(t.slot.nbytes for t in tensors)
     with staged_output(output) as staging:
         _write_config(staging, model_config, dtype)
-        with progress_bar(total, "export", progress) as bar:
-            loaded = read_ahead(ckpt, tensors, workers)
+        with progress_bar(total, "export", progress) as bar, closing(read_ahead(ckpt, tensors, workers)) as loaded:
             for name, shard in zip(files, shards):
                 write_shard(staging / name, shard, loaded, bar)
         if len(shards) > 1:
@@ -131,7 +130,7 @@ def write_shard(path: Path, shard: list[ExportTensor], loaded: Iterator[torch.Te
             tensor = next(loaded)
             writer.write(t.name, tensor)
             bar.update(t.slot.nbytes)
-            del tensor
+            del tensor  # before the next one is taken: one tensor at a time
         writer.close()
     except OSError as exc:
         writer.abort()
@@ -144,8 +143,11 @@ def _write_config(staging: Path, config: ModelConfig, dtype: str) -> None:
     if "torch_dtype" in values:  # transformers 4.x's name for it
         values["torch_dtype"] = dtype
     _write_json(staging / CONFIG_NAME, values)
-    for path in config.companions:
-        shutil.copy2(path, staging / path.name)
+    for name, data in config.companions.items():
+        with open(staging / name, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
 
 
 def _write_json(path: Path, value: dict) -> None:

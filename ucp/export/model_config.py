@@ -1,15 +1,15 @@
 """The Hugging Face model behind a checkpoint: its `config.json`, the files that travel with it, its tied
 weights, and (where transformers is installed) the state-dict keys and shapes its architecture loads.
 
-A DeepSpeed checkpoint does not record the model's config. The Hugging Face Trainer writes it beside
-the DeepSpeed tag folder (`checkpoint-N/config.json` next to `checkpoint-N/global_stepN/`), so that
-is where it is looked for, unless `--config` names it.
+The config comes from `--config`, else from the checkpoint's extra files: `ucp convert` carries a
+Trainer's `checkpoint-N/config.json` (and tokenizer files) into the ucp checkpoint, and a DeepSpeed
+save folder read directly offers the same files (see docs/FORMAT.md, "Extra files").
 """
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ucp.errors import CheckpointNotFoundError, ExportError, UnsupportedLayoutError
@@ -23,12 +23,9 @@ COMPANION_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config
 
 @dataclass(frozen=True)
 class ModelConfig:
-    path: Path      # the config.json
-    values: dict    # its contents
-
-    @property
-    def companions(self) -> list[Path]:
-        return [self.path.parent / n for n in COMPANION_FILES if (self.path.parent / n).is_file()]
+    path: Path                    # where the config.json was read, for messages
+    values: dict                  # its contents
+    companions: dict[str, bytes] = field(default_factory=dict)   # generation config, tokenizer files
 
 
 @dataclass(frozen=True)
@@ -42,36 +39,30 @@ class ModelKeys:
     tied: dict[str, str | None]
 
 
-def candidate_configs(ckpt) -> list[Path]:
-    """Where a checkpoint's config.json may lie: in the checkpoint folder, or beside its DeepSpeed tag folder."""
-    places = [Path(ckpt.path)]
-    source = ckpt.source.get("path")
-    if source:
-        places += [Path(source), Path(source).parent]
-    return list(dict.fromkeys(p / CONFIG_NAME for p in places))
-
-
 def find_config(ckpt, given: str | os.PathLike | None = None) -> ModelConfig | None:
-    """The config `given` (a config.json or a folder holding one), else the checkpoint's own, else None."""
+    """The config `given` (a config.json or a folder holding one, with the companion files beside it),
+    else the one among the checkpoint's extra files (with theirs), else None."""
     if given is not None:
         path = Path(given)
         path = path / CONFIG_NAME if path.is_dir() else path
         if not path.is_file():
             raise CheckpointNotFoundError(f"{path}: no such file; --config takes a config.json or the folder "
                                           "holding one")
-        return ModelConfig(path, _read_json(path))
-    for path in candidate_configs(ckpt):
-        if path.is_file():
-            return ModelConfig(path, _read_json(path))
-    return None
+        companions = {n: (path.parent / n).read_bytes() for n in COMPANION_FILES if (path.parent / n).is_file()}
+        return ModelConfig(path, _parse(path.read_bytes(), path), companions)
+    carried = set(ckpt.extra_files)
+    if CONFIG_NAME not in carried:
+        return None
+    path = ckpt.extra_file_path(CONFIG_NAME)
+    companions = {n: ckpt.extra_file(n) for n in COMPANION_FILES if n in carried}  # checked against the index
+    return ModelConfig(path, _parse(ckpt.extra_file(CONFIG_NAME), path), companions)
 
 
 def require_config(ckpt, given: str | os.PathLike | None = None) -> ModelConfig:
     found = find_config(ckpt, given)
     if found is None:
-        looked = ", ".join(str(p) for p in candidate_configs(ckpt))
-        raise CheckpointNotFoundError(f"{ckpt.path}: no {CONFIG_NAME} found (looked for {looked}); pass --config "
-                                      "with the model's config.json or the folder holding it")
+        raise CheckpointNotFoundError(f"{ckpt.path}: no {CONFIG_NAME} among the files the checkpoint carries; pass "
+                                      "--config with the model's config.json or the folder holding it")
     return found
 
 
@@ -151,10 +142,9 @@ def _hf_config(config: ModelConfig, transformers):
     return transformers.CONFIG_MAPPING[model_type].from_dict(config.values)
 
 
-def _read_json(path: Path) -> dict:
+def _parse(raw: bytes, path: Path) -> dict:
     try:
-        with open(path) as f:
-            values = json.load(f)
+        values = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ExportError(f"{path}: not a JSON config ({exc}); pass --config with the model's config.json") from None
     if not isinstance(values, dict):

@@ -1,0 +1,118 @@
+"""Resume the Hugging Face Trainer and Accelerate at another world size and ZeRO stage, through ucp.
+
+The real programs run: transformers' `Trainer` (a subclass, as users and TRL write them) and
+Accelerate's `Accelerator` with DeepSpeed on CPU ranks (torchrun, gloo), on tiny tied Llama and
+GPT-2 models. A source run trains 5 steps on 2 processes with ZeRO-2 and saves `checkpoint-3`;
+each resume trains steps 4 and 5 from it at another layout, and its losses must be those of the
+source run's own steps 4 and 5.
+"""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from support.hf_runs import (SAVE_STEP, SOURCE_WORLD, TOTAL_STEPS, accelerate_resume, accelerate_source, losses,
+                             trainer_resume, trainer_source)
+from ucp.convert import convert
+
+# fp32 throughout: another world size or ZeRO stage reduces gradients in another order, ~1e-7 apart.
+REL = 1e-6
+CHECKPOINT = f"checkpoint-{SAVE_STEP}"
+CASES = [  # model, what resume_from_checkpoint names, processes, ZeRO stage at resume
+    ("llama", "last", 1, 2),      # True: the last checkpoint-N of output_dir, read directly
+    ("llama", "raw", 1, 3),       # the checkpoint-N folder, read directly
+    ("llama", "raw", 2, 3),
+    ("llama", "ucp", 2, 3),       # its ucp conversion
+    ("gpt2", "raw", 1, 3),
+    ("gpt2", "ucp", 1, 2),
+]
+
+
+@pytest.fixture(scope="session")
+def trainer_run(ckpt_root):
+    return lambda model: trainer_source(model, ckpt_root)
+
+
+@pytest.fixture(scope="session")
+def converted_trainer_checkpoint(trainer_run, tmp_path_factory):
+    memo = {}
+
+    def make(model: str):
+        if model not in memo:
+            memo[model] = tmp_path_factory.mktemp("hf-ucp") / model
+            convert(trainer_run(model) / "out" / CHECKPOINT, memo[model], workers=2, progress=False)
+        return memo[model]
+
+    return make
+
+
+def uninterrupted(source) -> list[float]:
+    return losses(source / "losses.json")["losses"][SAVE_STEP:]
+
+
+@pytest.mark.parametrize("model,kind,world,stage", CASES)
+def test_trainer_resume_continues_the_uninterrupted_run(model, kind, world, stage, trainer_run,
+                                                        converted_trainer_checkpoint, ckpt_root, tmp_path):
+    source = trainer_run(model)
+    output_dir = None
+    if kind == "last":
+        output_dir = tmp_path / "out"
+        output_dir.mkdir()
+        (output_dir / CHECKPOINT).symlink_to(source / "out" / CHECKPOINT)
+        (output_dir / "checkpoint-1-unfinished").mkdir()  # not a checkpoint-N name: ignored, as by transformers
+        resume = "last"
+    elif kind == "raw":
+        resume = source / "out" / CHECKPOINT
+    else:
+        resume = converted_trainer_checkpoint(model)
+    run = trainer_resume(model, resume, world, stage, ckpt_root, output_dir=output_dir)
+    resumed = losses(run / "losses.json")
+    assert resumed["first_step"] == SAVE_STEP + 1 and resumed["global_step"] == TOTAL_STEPS
+    assert resumed["losses"] == pytest.approx(uninterrupted(source), rel=REL)
+    log = (run / "train.log").read_text()
+    if world != SOURCE_WORLD:
+        assert log.count("RNG states were saved by 2 processes and cannot be mapped") == 1
+
+
+def test_ucp_conversion_carries_the_trainer_files(trainer_run, converted_trainer_checkpoint):
+    converted = converted_trainer_checkpoint("llama")
+    for name in ("trainer_state.json", "config.json"):
+        assert (converted / name).read_bytes() == (trainer_run("llama") / "out" / CHECKPOINT / name).read_bytes()
+    assert not list(converted.glob("rng_state*")) and not (converted / "training_args.bin").exists()
+
+
+def test_negative_control_without_optimizer_states_differs(trainer_run, ckpt_root):
+    source = trainer_run("llama")
+    run = trainer_resume("llama", source / "out" / CHECKPOINT, 1, 2, ckpt_root,
+                         ucp_options={"load_optimizer_states": False})
+    resumed = losses(run / "losses.json")["losses"]
+    expected = uninterrupted(source)
+    assert resumed[0] == pytest.approx(expected[0], rel=REL)      # the weights are the checkpoint's
+    assert resumed[1] != pytest.approx(expected[1], rel=1e-4)     # fresh Adam moments take another step
+
+
+def test_checkpoint_with_a_missing_rank_file_is_refused_on_every_rank(trainer_run, ckpt_root, tmp_path):
+    broken = tmp_path / CHECKPOINT
+    shutil.copytree(trainer_run("llama") / "out" / CHECKPOINT, broken)
+    missing = broken / f"global_step{SAVE_STEP}" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    missing.unlink()
+    run = trainer_resume("llama", broken, 2, 2, ckpt_root, check=False)
+    log = (run / "train.log").read_text()
+    assert not (run / "losses.json").exists()
+    for rank in range(2):
+        errors = [line for line in log.splitlines() if line.startswith(f"[rank{rank}]:") and "Error: " in line]
+        assert errors and "zero_pp_rank_1_mp_rank_00_optim_states.pt" in errors[-1], (rank, errors)
+
+
+@pytest.mark.parametrize("engine_from", ["raw", "ucp"])
+def test_accelerate_load_state_at_one_process(engine_from, ckpt_root, tmp_path):
+    source = accelerate_source(ckpt_root)
+    checkpoint = None
+    if engine_from == "ucp":
+        checkpoint = tmp_path / "ucp"
+        convert(source / "state", checkpoint, workers=2, progress=False)
+    run = accelerate_resume(source / "state", 1, 3 if engine_from == "ucp" else 2, ckpt_root, checkpoint)
+    resumed = losses(run / "losses.json")
+    assert resumed["first_step"] == SAVE_STEP + 1
+    assert resumed["losses"] == pytest.approx(uninterrupted(source), rel=REL)

@@ -1,0 +1,84 @@
+"""`accelerator.load_state(path)` at another number of processes, for Accelerate runs with DeepSpeed.
+
+    accelerator.load_state(path)                    # stock: the world size that saved it
+    ucp.accelerate.load_state(accelerator, path)    # any world size and ZeRO stage
+
+Accelerate itself runs `load_state`; only the engine's `load_checkpoint` is replaced, for this call,
+by `ucp.deepspeed.load` of the DeepSpeed checkpoint Accelerate saved under `path` (read directly,
+resharded for this run's layout: weights, fp32 masters, moments, step, the engine's scheduler).
+Accelerate's own files are read where they still apply: a scheduler it keeps outside the engine
+(`scheduler.bin`), samplers, custom objects. RNG states saved by another number of processes cannot
+be mapped to these ranks: they are left as this run has them, and a warning says so once.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import random
+from pathlib import Path
+
+from ucp.config import load_options, ucp_options
+from ucp.errors import ConfigError
+
+logger = logging.getLogger("ucp.accelerate")
+
+
+def load_state(accelerator, input_dir: str | os.PathLike, checkpoint: str | os.PathLike | None = None,
+               **load_model_func_kwargs) -> None:
+    """Restore `accelerator`'s prepared objects from `input_dir` (written by `accelerator.save_state`).
+
+    `checkpoint` overrides where the engine's state is read from (e.g. a ucp conversion of the
+    DeepSpeed checkpoint inside `input_dir`). Options of `ucp.deepspeed.load` come from the `"ucp"`
+    section of the DeepSpeed config, as with `ucp.deepspeed.initialize`.
+    """
+    from accelerate.utils import DistributedType
+
+    from ucp import deepspeed as ucp_deepspeed
+    from ucp.transformers import saved_world_size
+
+    if accelerator.distributed_type != DistributedType.DEEPSPEED:
+        raise ConfigError("ucp.accelerate.load_state resumes DeepSpeed runs; this Accelerator has no DeepSpeed "
+                          "plugin, so use accelerator.load_state")
+    options = load_options(ucp_options(accelerator.state.deepspeed_plugin.deepspeed_config))
+    engines = accelerator._models
+    source = Path(checkpoint) if checkpoint is not None else None
+
+    def ucp_load_checkpoint(engine):
+        def load_checkpoint(load_dir, tag=None, **_):
+            path = source or (Path(load_dir) / tag if tag else Path(load_dir))
+            client_state = ucp_deepspeed.load(engine, path, **options)
+            return str(path), client_state
+        return load_checkpoint
+
+    for engine in engines:
+        engine.load_checkpoint = ucp_load_checkpoint(engine)  # an instance attribute: this call only
+    saved = saved_world_size(Path(checkpoint) if checkpoint is not None else Path(input_dir))
+    keep_rng = saved != accelerator.num_processes
+    try:
+        with _rng_kept() if keep_rng else contextlib.nullcontext():
+            accelerator.load_state(os.fspath(input_dir), **load_model_func_kwargs)
+    finally:
+        for engine in engines:
+            del engine.load_checkpoint
+    if keep_rng and accelerator.is_main_process:
+        logger.warning("RNG states were saved by %d processes and cannot be mapped to %d; this run keeps its own",
+                       saved, accelerator.num_processes)
+
+
+@contextlib.contextmanager
+def _rng_kept():
+    """Python, numpy and torch (CPU and CUDA) RNG states as they were before the block."""
+    import numpy as np
+    import torch
+
+    states = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.set_rng_state(states[2])
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)

@@ -1,0 +1,53 @@
+"""The `"ucp"` section of a DeepSpeed config: parsed and checked before any engine is built.
+
+Every ucp entry point that takes a DeepSpeed config (`ucp.deepspeed.initialize`,
+`ucp.transformers.train`, `ucp.accelerate.load_state`) reads the section through `ucp_options`, so a
+typo is one clear `ConfigError` before `deepspeed.initialize` runs, never a `TypeError` after it.
+"""
+from __future__ import annotations
+
+import difflib
+import os
+
+from ucp.errors import ConfigError
+
+CONFIG_KEY = "ucp"
+# Keys that `ucp.deepspeed.load` takes, with the types each accepts.
+LOAD_OPTIONS: dict[str, tuple[type, ...]] = {
+    "bypass": (bool,),
+    "load_optimizer_states": (bool,),
+    "load_lr_scheduler_states": (bool,),
+    "strict": (bool,),
+    "layout": (dict, str, os.PathLike),
+}
+KNOWN_KEYS = ("load", "save", *LOAD_OPTIONS)
+
+
+def ucp_options(config: dict | None) -> dict:
+    """A checked copy of `config["ucp"]` ({} when there is none)."""
+    if not isinstance(config, dict) or CONFIG_KEY not in config:
+        return {}
+    section = config[CONFIG_KEY]
+    if not isinstance(section, dict):
+        raise ConfigError(f'"ucp": {section!r}: must be an object such as {{"load": "/ckpt/ucp"}}')
+    for key, value in section.items():
+        if key not in KNOWN_KEYS:
+            close = difflib.get_close_matches(key, KNOWN_KEYS, n=1)
+            hint = f'did you mean "{close[0]}"? ' if close else ""
+            raise ConfigError(f'"ucp": unknown key "{key}"; {hint}known keys: {", ".join(KNOWN_KEYS)}')
+        if key == "load" and not isinstance(value, (str, os.PathLike)):
+            raise ConfigError(f'"ucp": {{"load": {value!r}}}: must be the path of a checkpoint')
+        if key in LOAD_OPTIONS and not isinstance(value, LOAD_OPTIONS[key]):
+            kinds = " or ".join(t.__name__ for t in LOAD_OPTIONS[key])
+            raise ConfigError(f'"ucp": {{"{key}": {value!r}}}: must be {kinds}')
+    return dict(section)
+
+
+def without_ucp(config: dict) -> dict:
+    """A copy of `config` without its `"ucp"` section (DeepSpeed never sees ucp's keys)."""
+    return {k: v for k, v in config.items() if k != CONFIG_KEY}
+
+
+def load_options(options: dict) -> dict:
+    """The keyword arguments of `ucp.deepspeed.load` among checked `options`."""
+    return {k: v for k, v in options.items() if k in LOAD_OPTIONS}

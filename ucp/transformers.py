@@ -1,0 +1,148 @@
+"""Resume a Hugging Face `Trainer` at any world size and ZeRO stage, straight from `checkpoint-N`.
+
+    trainer.train(resume_from_checkpoint=path)        # stock: same world size, same ZeRO stage
+    ucp.transformers.train(trainer, resume_from_checkpoint=path)   # any
+
+`path` is a `checkpoint-N` folder the Trainer wrote with DeepSpeed (read directly, no conversion),
+or its ucp conversion (`ucp convert` carries `trainer_state.json` and `config.json` along); `True`
+means the last `checkpoint-N` in `output_dir`, as in transformers. Works for `Trainer` and its
+subclasses (TRL's `SFTTrainer`, ...).
+
+The Trainer itself runs: its own state comes from `trainer_state.json` (global step, epoch, data
+skipping, callbacks). For this call only, three of its resume steps are done by ucp instead:
+
+* the engine is restored by `ucp.deepspeed.load` instead of `engine.load_checkpoint`: model
+  weights, fp32 masters, optimizer moments, step and the engine's LR scheduler, resharded for this
+  run's layout;
+* the LR scheduler is not read again from `scheduler.pt` when the engine owns it (the usual case:
+  an `"optimizer"` in the DeepSpeed config); the Trainer's own scheduler still comes from there;
+* RNG states saved at another world size are not loaded, since they cannot be mapped to other
+  ranks; a warning says so once.
+
+A `"ucp"` section in the Trainer's DeepSpeed config is read here: its load options (`bypass`,
+`strict`, `load_optimizer_states`, ...) apply, and its `"load"` is the checkpoint when
+`resume_from_checkpoint` is not given.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import types
+from pathlib import Path
+
+from ucp.config import load_options, ucp_options
+from ucp.errors import CheckpointNotFoundError, ConfigError
+
+TRAINER_STATE = "trainer_state.json"
+SCHEDULER_FILE = "scheduler.pt"
+logger = logging.getLogger("ucp.transformers")
+
+
+def train(trainer, resume_from_checkpoint: str | os.PathLike | bool | None = None, **kwargs):
+    """`trainer.train(resume_from_checkpoint=..., **kwargs)`, resuming through ucp at any layout."""
+    options = _trainer_options(trainer)
+    if resume_from_checkpoint is None or resume_from_checkpoint is False:
+        resume_from_checkpoint = options.get("load")
+    if resume_from_checkpoint is None:
+        return trainer.train(**kwargs)
+    if not getattr(trainer, "is_deepspeed_enabled", False):
+        raise ConfigError("ucp.transformers.train resumes DeepSpeed runs, and this Trainer has no DeepSpeed config; "
+                          "pass TrainingArguments(deepspeed=...) as in the run that saved the checkpoint")
+    folder = trainer_folder(resume_from_checkpoint, trainer.args.output_dir)
+    with _resuming_through_ucp(trainer, folder, options):
+        return trainer.train(resume_from_checkpoint=str(folder), **kwargs)
+
+
+def trainer_folder(path: str | os.PathLike | bool, output_dir: str | os.PathLike) -> Path:
+    """The folder to resume from: `path`, the last `checkpoint-N` of `output_dir` for True, or the
+    committed checkpoint a ucp save directory's `latest` names. It must hold `trainer_state.json`."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    from ucp.format import latest_checkpoint
+
+    if path is True:
+        last = get_last_checkpoint(output_dir) if Path(output_dir).is_dir() else None
+        if last is None:
+            raise CheckpointNotFoundError(f"{output_dir}: no checkpoint-N folder to resume from; pass "
+                                          "resume_from_checkpoint=PATH")
+        path = last
+    folder = Path(path)
+    if not folder.is_dir():
+        raise CheckpointNotFoundError(f"{folder}: no such directory; pass a checkpoint-N folder the Trainer wrote, "
+                                      "or its ucp conversion")
+    folder = latest_checkpoint(folder) or folder
+    if not (folder / TRAINER_STATE).is_file():
+        raise CheckpointNotFoundError(
+            f"{folder}: no {TRAINER_STATE}, which holds the Trainer's step, epoch and data position; pass the "
+            "checkpoint-N folder the Trainer wrote, or a ucp conversion of it (ucp convert --input checkpoint-N)")
+    return folder
+
+
+def saved_world_size(folder: Path) -> int:
+    """How many processes trained the checkpoint in `folder` (data x tensor x pipeline parallel)."""
+    import ucp
+
+    source = ucp.open_checkpoint(folder).source
+    return int(source.get("dp", 1)) * int(source.get("tp", 1)) * int(source.get("pp", 1))
+
+
+def _trainer_options(trainer) -> dict:
+    """The checked `"ucp"` section of the Trainer's DeepSpeed config ({} when there is none)."""
+    plugin = getattr(getattr(getattr(trainer, "accelerator", None), "state", None), "deepspeed_plugin", None)
+    options = ucp_options(getattr(plugin, "deepspeed_config", None))
+    if "save" in options:
+        raise ConfigError('"ucp": {"save": ...} is not used under the Trainer, which writes its own checkpoint-N '
+                          "folders; ucp resumes from those directly. Remove the key, or save with "
+                          "ucp.deepspeed.save(trainer.model_wrapped, DIR) from a callback")
+    return options
+
+
+@contextlib.contextmanager
+def _resuming_through_ucp(trainer, folder: Path, options: dict):
+    """Within the block, `trainer` restores its engine, scheduler and RNG through ucp (see the module doc)."""
+    import transformers.trainer as trainer_module
+
+    from ucp import deepspeed as ucp_deepspeed
+
+    world = trainer.args.world_size
+    saved = saved_world_size(folder)
+    stock_engine_load = trainer_module.deepspeed_load_checkpoint
+    stock_scheduler_load = trainer._load_optimizer_and_scheduler
+    stock_rng_load = trainer._load_rng_state
+
+    def load_engine(engine, checkpoint_path, load_module_strict=True):
+        ucp_deepspeed.load(engine, folder, **{"strict": load_module_strict, **load_options(options)})
+
+    def load_scheduler(self, checkpoint):
+        from accelerate.utils import DeepSpeedSchedulerWrapper
+
+        if isinstance(self.lr_scheduler, DeepSpeedSchedulerWrapper):
+            return  # the engine's scheduler, restored with the engine
+        if not (Path(checkpoint) / SCHEDULER_FILE).is_file():
+            raise CheckpointNotFoundError(
+                f"{checkpoint}: the Trainer's own LR scheduler is saved only in checkpoint-N/{SCHEDULER_FILE}, "
+                "which a ucp checkpoint does not carry; resume from the checkpoint-N folder, or give the DeepSpeed "
+                'config an "optimizer" so that the engine owns the scheduler')
+        stock_scheduler_load(checkpoint)
+
+    warned = []
+
+    def load_rng(self, checkpoint):
+        if saved == world:
+            return stock_rng_load(checkpoint)
+        if not warned and self.args.process_index == 0:
+            logger.warning("RNG states were saved by %d processes and cannot be mapped to %d; training continues "
+                           "with this run's own RNG (dropout and sampling draws differ from the uninterrupted run)",
+                           saved, world)
+        warned.append(True)
+
+    trainer_module.deepspeed_load_checkpoint = load_engine
+    trainer._load_optimizer_and_scheduler = types.MethodType(load_scheduler, trainer)
+    trainer._load_rng_state = types.MethodType(load_rng, trainer)
+    try:
+        yield
+    finally:
+        trainer_module.deepspeed_load_checkpoint = stock_engine_load
+        del trainer._load_optimizer_and_scheduler
+        del trainer._load_rng_state
