@@ -92,7 +92,8 @@ def train_one(run: dict, args: argparse.Namespace) -> None:
     model = build_model(config)
     ds_config = {"train_micro_batch_size_per_gpu": GLOBAL_BATCH // dist.get_world_size(),
                  "gradient_accumulation_steps": 1, "optimizer": OPTIMIZER,
-                 "zero_optimization": {"stage": run["stage"]}, "steps_per_print": 10**9}
+                 "zero_optimization": {"stage": run["stage"]}, "steps_per_print": 10**9,
+                 "gradient_clipping": 0.0}  # DeepSpeed clips at 1.0 unless told; the FSDP2 resume does not clip
     if run.get("dtype", "fp32") == "bf16":
         ds_config["bf16"] = {"enabled": True}
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
