@@ -141,12 +141,17 @@ def dcp_state(model, optimizer, folder: Path) -> None:
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
 
 
-@pytest.mark.parametrize("run", ["llama-z2", "llama-z3", "llama-z2-bf16"])
-def test_dcp_export_loads_every_parameter_and_moment_in_one_process(runs, run, tmp_path):
+@pytest.mark.parametrize("run, via_ucp", [("llama-z2", False), ("llama-z3", False), ("llama-z2-bf16", False),
+                                          ("llama-z3", True)])
+def test_dcp_export_loads_every_parameter_and_moment_in_one_process(runs, run, via_ucp, tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    source = runs / run / "ckpt"
+    if via_ucp:  # from a ucp checkpoint instead of the DeepSpeed one
+        convert(source, tmp_path / "ucp", workers=1, progress=False)
+        source = tmp_path / "ucp"
     out = tmp_path / "dcp"
-    assert main(["export", "--input", str(runs / run / "ckpt"), "--output", str(out), "--to", "dcp", "--quiet"]) == 0
+    assert main(["export", "--input", str(source), "--output", str(out), "--to", "dcp", "--quiet"]) == 0
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(runs / run / "ckpt"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1.0, betas=(0.5, 0.5), weight_decay=0.0)
     ref = live(runs / run)["params"]
