@@ -70,7 +70,9 @@ class _ReadingPlanner(DefaultSavePlanner):
 
 class _BoundedFileWriter(FileSystemWriter):
     """DCP's file-system writer, with each file (`__0_K.distcp`) holding at most `max_bytes` of tensors
-    (one larger tensor gets a file of its own) instead of all of them in one file."""
+    (one larger tensor gets a file of its own) instead of all of them in one file. Only the grouping of
+    write items into files is ours; the files are written by FileSystemWriter's own `_write_data`, and
+    DCP's metadata records which file holds each item, so `dcp.load` reads any grouping."""
 
     def __init__(self, path: Path, max_bytes: int, workers: int) -> None:
         super().__init__(path, thread_count=workers)
