@@ -76,6 +76,23 @@ def executor_for(args: argparse.Namespace) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext(None)  # convert() builds the local process pool from --workers
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from ucp.export import to_dcp, to_hf
+
+    start = time.perf_counter()
+    options = dict(dtype=args.dtype, config=args.config, workers=args.workers, tag=args.tag, progress=not args.quiet)
+    if args.to == "hf":
+        hf = to_hf(args.input, args.output, max_shard_size=args.max_shard_size, **options)
+        tied = f"; tied copies stored once: {', '.join(hf.dropped)}" if hf.dropped else ""
+        print(f"exported {hf.tensors} tensors into {hf.output} ({human_bytes(hf.bytes)} in {len(hf.files)} "
+              f"safetensors files, {time.perf_counter() - start:.1f} s{tied})")
+    else:
+        dcp = to_dcp(args.input, args.output, **options)
+        print(f"exported {dcp.model_tensors} model tensors and the optimizer state of {dcp.optimizer_params} "
+              f"parameters into {dcp.output} ({human_bytes(dcp.bytes)}, {time.perf_counter() - start:.1f} s)")
+    return 0
+
+
 def cmd_submit(args: argparse.Namespace) -> int:
     from ucp.ray_executor import submit_job
 

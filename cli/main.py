@@ -25,6 +25,8 @@ examples:
   ucp convert --input ckpts/ --output ckpts_ucp/ --splits 8   split-major, for split-driven loading
   ucp convert --input /shared/ckpts --output /shared/ucp --executor ray --ray-address auto
   ucp submit --address http://HEAD:8265 -- convert --input /shared/ckpts --output /shared/ucp
+  ucp export --input ckpts/checkpoint-500 --output hf_model/ --to hf --dtype bfloat16
+  ucp export --input ckpts_ucp/ --output dcp_ckpt/ --to dcp       for FSDP2 / torch.distributed.checkpoint
   ucp inspect ckpts_ucp/                                  parameters, shapes, patterns, sizes
   ucp verify ckpts_ucp/                                   checksums and completeness
   ucp plan --gpus 28 --gpu-memory 80 --model examples/models/llama2-7b.json   parallel plans for 28 GPUs
@@ -87,6 +89,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--split-rules", metavar="FILE",
                    help="with --splits: a JSON object mapping a regex of parameter names to its TP dim (or null "
                         "for tensors stored whole), first match wins")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    p = sub.add_parser("export", help="export a checkpoint as a transformers folder or a PyTorch DCP checkpoint",
+                       description="Export a ucp checkpoint, or any DeepSpeed checkpoint ucp reads, as a "
+                                   "save_pretrained folder for transformers (--to hf: config.json, safetensors "
+                                   "shards, tied weights stored once, checked against the architecture), or as a "
+                                   "torch.distributed.checkpoint folder of FQN-keyed model and optimizer state "
+                                   "(--to dcp, for dcp.load + set_model_state_dict / set_optimizer_state_dict at "
+                                   "any world size). Streams tensor by tensor; OUTPUT appears only once complete.")
+    p.add_argument("--input", required=True, metavar="CKPT", help="a ucp checkpoint, or a DeepSpeed checkpoint "
+                   "(the directory given to engine.save_checkpoint, or a tag folder)")
+    p.add_argument("--output", required=True, metavar="DIR", help="output directory (must not exist, or be empty)")
+    p.add_argument("--to", required=True, choices=["hf", "dcp"], help="hf: a transformers folder; dcp: a PyTorch "
+                   "distributed checkpoint")
+    p.add_argument("--tag", metavar="T", help="for a DeepSpeed save directory: the tag to export")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                   help="dtype of the exported weights (default float32); DCP optimizer states stay float32")
+    p.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                   help="--to hf: largest safetensors shard, e.g. 5GB, 500MB, 2GiB (default 5GB)")
+    p.add_argument("--config", metavar="PATH", help="the model's config.json, or the folder holding it (default: "
+                   "the one in the checkpoint folder or beside its DeepSpeed tag folder, as the HF Trainer "
+                   "saves it); needed by --to hf, used by --to dcp for tied weights")
+    p.add_argument("--workers", type=int, default=1, metavar="N",
+                   help="threads reading tensors ahead of the writer (default 1)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
     p = sub.add_parser("inspect", help="table of parameters, shapes, patterns and sizes",

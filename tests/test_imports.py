@@ -24,3 +24,10 @@ def test_generic_folder_names_are_not_installed_top_level(tmp_path):
             "print([s.origin for s in specs if s and s.origin and str(root) in str(s.origin)])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path)
     assert out.stdout.strip() == "[]"
+
+
+def test_export_pulls_in_neither_transformers_nor_deepspeed_until_it_checks_an_architecture():
+    code = ("import sys, ucp.export, ucp.export.hf, ucp.export.dcp, ucp.export.model_config;"
+            "bad = [m for m in ('ray', 'deepspeed', 'transformers') if m in sys.modules]; print(','.join(bad))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""

@@ -58,6 +58,11 @@ class AtomicCheckpoint:
     def states(self, name: str) -> tuple[str, ...]:
         return self.info(name).states
 
+    def dtype(self, name: str, state: str = "fp32") -> str:
+        """The dtype `tensor(name, state)` returns ("float32" but for buffers), without reading it."""
+        e = self._entry(name)
+        return "float32" if state == STEP_STATE and "step" in e else e["states"][state]["dtype"]
+
     def tensor(self, name: str, state: str = "fp32", *, verify: bool = True) -> torch.Tensor:
         """One state of one parameter in its full, unsharded shape (checksum-verified by default)."""
         e = self._entry(name)
@@ -180,6 +185,11 @@ class PlannedCheckpoint:
 
     def states(self, name: str) -> tuple[str, ...]:
         return self.info(name).states
+
+    def dtype(self, name: str, state: str = "fp32") -> str:
+        """The dtype `tensor(name, state)` returns ("float32" but for buffers), without reading it."""
+        p = self._param(name)
+        return "float32" if state == STEP_STATE and p.step is not None else p.states[state].dtype
 
     def tensor(self, name: str, state: str = "fp32", *, verify: bool = True) -> torch.Tensor:
         from ucp.assemble import materialize

@@ -35,3 +35,7 @@ class SaveError(UcpError):
 
 class ConfigError(UcpError):
     """The "ucp" section of a DeepSpeed config has a missing or bad key."""
+
+
+class ExportError(UcpError):
+    """An export cannot be written: its tensors do not fit the model, or the output's disk filled up."""

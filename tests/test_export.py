@@ -1,0 +1,295 @@
+"""`ucp export`: transformers folders and PyTorch DCP checkpoints from DeepSpeed ZeRO-2/3 checkpoints of tiny,
+tied Hugging Face models (Llama, GPT-2) trained on 2 CPU ranks (support/train_hf_model.py).
+
+The references are what the live DeepSpeed engine held at save time: its fp32 masters and Adam moments,
+its logits on a probe batch, and the losses of the steps it trained after saving.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import ucp
+from support.launch import run_torchrun
+from support.parallel import Family, build_family
+from support.train_hf_model import probe_ids
+from ucp.cli.main import main
+from ucp.convert import convert
+from ucp.errors import CheckpointNotFoundError, ExportError, OutputExistsError, UnsupportedLayoutError
+from ucp.export import to_dcp, to_hf
+
+# dcp.load outside a process group says it assumes one process, which is what these tests do.
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
+
+AFTER = 3  # steps the llama ZeRO-2 run trains after saving: the losses a resumed job must continue
+HF = Family.of("hf-tied", "train_hf_model.py", 2, {
+    "llama-z2": {"model": "llama", "stage": 2, "after": AFTER},
+    "llama-z3": {"model": "llama", "stage": 3},
+    "gpt2-z2": {"model": "gpt2", "stage": 2},
+    "llama-z2-bf16": {"model": "llama", "stage": 2, "dtype": "bf16"},
+}, steps=3)
+SUPPORT = Path(__file__).resolve().parent / "support"
+
+
+@pytest.fixture(scope="module")
+def runs(ckpt_root) -> Path:
+    return build_family(HF, ckpt_root)
+
+
+def live(run_dir: Path) -> dict:
+    return torch.load(run_dir / "state.pt", map_location="cpu", weights_only=False)
+
+
+def load_hf(folder: Path):
+    from transformers import AutoModelForCausalLM
+
+    # The runs trained with eager attention, which config.json does not record (from_pretrained would take sdpa,
+    # whose logits differ in the last bit).
+    return AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager")
+
+
+@pytest.mark.parametrize("run", ["llama-z2", "llama-z3", "gpt2-z2"])
+def test_hf_export_loads_the_live_masters_ties_and_logits(runs, run, tmp_path):
+    out = tmp_path / "hf"
+    assert main(["export", "--input", str(runs / run / "ckpt"), "--output", str(out), "--to", "hf", "--quiet"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    with safe_open(out / "model.safetensors", "pt") as f:
+        assert f.metadata() == {"format": "pt"}
+        assert "lm_head.weight" not in f.keys()  # the tied copy is stored once, as save_pretrained does
+    model = load_hf(out)
+    ref = live(runs / run)
+    params = dict(model.named_parameters())
+    assert set(params) == set(ref["params"])  # named_parameters lists a tied weight once
+    for name, states in ref["params"].items():
+        assert torch.equal(params[name], states["fp32"]), name
+    assert model.lm_head.weight is model.get_input_embeddings().weight
+    with torch.no_grad():
+        logits = model(input_ids=probe_ids(model.config.vocab_size)).logits
+    assert torch.equal(logits, ref["logits"])
+    # Negative control: one weight off by one ulp changes the logits, so the check above can fail.
+    with torch.no_grad():
+        w = model.get_input_embeddings().weight
+        w[0, 0] = torch.nextafter(w[0, 0], torch.tensor(float("inf")))
+        assert not torch.equal(model(input_ids=probe_ids(model.config.vocab_size)).logits, ref["logits"])
+
+
+def test_hf_export_of_a_ucp_checkpoint_in_bfloat16_shards(runs, tmp_path):
+    """A ucp checkpoint carries the Trainer-style config.json as an extra file; bf16 files hold the masters cast."""
+    atomic = tmp_path / "ucp"
+    convert(runs / "llama-z2" / "ckpt", atomic, workers=1, progress=False)
+    assert "config.json" in ucp.open_checkpoint(atomic).extra_files
+    out = tmp_path / "hf"
+    result = to_hf(atomic, out, dtype="bfloat16", max_shard_size="4KB", progress=False)
+    assert len(result.files) > 1 and result.files[0] == f"model-00001-of-{len(result.files):05d}.safetensors"
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    ref = live(runs / "llama-z2")["params"]
+    assert set(index["weight_map"]) == set(ref)
+    assert index["metadata"]["total_size"] == sum(t["fp32"].numel() * 2 for t in ref.values())
+    for name, states in ref.items():
+        with safe_open(out / index["weight_map"][name], "pt") as f:
+            assert f.metadata() == {"format": "pt"}
+            assert torch.equal(f.get_tensor(name), states["fp32"].to(torch.bfloat16)), name
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    model = load_hf(out)
+    assert model.dtype == torch.bfloat16 and model.lm_head.weight is model.get_input_embeddings().weight
+    assert torch.equal(model.model.norm.weight, ref["model.norm.weight"]["fp32"].to(torch.bfloat16))
+
+
+def test_hf_export_reading_ahead_on_threads_writes_the_same_bytes(runs, tmp_path):
+    for workers in (1, 3):
+        to_hf(runs / "gpt2-z2" / "ckpt", tmp_path / f"w{workers}", workers=workers, max_shard_size="8KB",
+              progress=False)
+    files = sorted(p.name for p in (tmp_path / "w1").iterdir())
+    assert len(files) > 3 and files == sorted(p.name for p in (tmp_path / "w3").iterdir())
+    for name in files:
+        assert (tmp_path / "w1" / name).read_bytes() == (tmp_path / "w3" / name).read_bytes(), name
+
+
+def test_hf_export_copies_generation_config_and_tokenizer_files(runs, tmp_path):
+    """From the files a checkpoint carries (a Trainer's checkpoint-N, and its ucp conversion), or beside --config."""
+    extras = {"generation_config.json": b'{"max_new_tokens": 5}\n', "tokenizer_config.json": b'{"model_max_length": 64}\n'}
+    trainer_folder = tmp_path / "checkpoint-3"
+    shutil.copytree(runs / "llama-z2" / "ckpt", trainer_folder)
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    shutil.copy(trainer_folder / "config.json", model_dir)
+    for folder in (trainer_folder, model_dir):
+        for name, data in extras.items():
+            (folder / name).write_bytes(data)
+    convert(trainer_folder, tmp_path / "ucp", workers=1, progress=False)
+    to_hf(trainer_folder, tmp_path / "from-deepspeed", progress=False)
+    to_hf(tmp_path / "ucp", tmp_path / "from-ucp", progress=False)
+    to_hf(runs / "llama-z2" / "ckpt" / "global_step3", tmp_path / "from-config", config=model_dir, progress=False)
+    for out in ("from-deepspeed", "from-ucp", "from-config"):
+        assert {n: (tmp_path / out / n).read_bytes() for n in extras} == extras, out
+
+
+def dcp_state(model, optimizer, folder: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+
+    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+    dcp.load(state, checkpoint_id=folder)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optimizer, state["optimizer"])
+
+
+@pytest.mark.parametrize("run, via_ucp", [("llama-z2", False), ("llama-z3", False), ("llama-z2-bf16", False),
+                                          ("llama-z3", True)])
+def test_dcp_export_loads_every_parameter_and_moment_in_one_process(runs, run, via_ucp, tmp_path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    source = runs / run / "ckpt"
+    if via_ucp:  # from a ucp checkpoint instead of the DeepSpeed one
+        convert(source, tmp_path / "ucp", workers=1, progress=False)
+        source = tmp_path / "ucp"
+    out = tmp_path / "dcp"
+    assert main(["export", "--input", str(source), "--output", str(out), "--to", "dcp", "--quiet"]) == 0
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(runs / run / "ckpt"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1.0, betas=(0.5, 0.5), weight_decay=0.0)
+    ref = live(runs / run)["params"]
+    # Negative control: the fresh model does not hold the masters, so the comparison below can fail.
+    assert not torch.equal(model.model.embed_tokens.weight, ref["model.embed_tokens.weight"]["fp32"])
+    dcp_state(model, optimizer, out)
+    params = dict(model.named_parameters())
+    assert model.lm_head.weight is model.get_input_embeddings().weight
+    for name, states in ref.items():
+        assert torch.equal(params[name], states["fp32"]), name
+        held = optimizer.state[params[name]]
+        for moment in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(held[moment], states[moment]), (name, moment)
+        assert torch.equal(held["step"], torch.tensor(3.0)), name
+    (group,) = optimizer.param_groups
+    assert (group["lr"], list(group["betas"]), group["eps"], group["weight_decay"]) == (1e-2, [0.9, 0.95], 1e-8, 0.1)
+
+
+def test_exports_of_a_bf16_run_hold_the_fp32_masters_and_not_the_bf16_tied_copy(runs, tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    ckpt = runs / "llama-z2-bf16" / "ckpt"
+    ref = live(runs / "llama-z2-bf16")["params"]
+    model = load_hf(to_hf(ckpt, tmp_path / "hf", progress=False).output)
+    params = dict(model.named_parameters())
+    for name, states in ref.items():
+        assert torch.equal(params[name], states["fp32"]), name
+    assert model.lm_head.weight is model.get_input_embeddings().weight
+    to_dcp(ckpt, tmp_path / "dcp", progress=False)
+    master = ref["model.embed_tokens.weight"]["fp32"]
+    head = {"model": {"lm_head.weight": torch.empty_like(master)}}
+    dcp.load(head, checkpoint_id=tmp_path / "dcp")
+    assert torch.equal(head["model"]["lm_head.weight"], master)
+    # Negative control: the checkpoint's own lm_head.weight is the bf16 module's copy, not the master.
+    frozen = ucp.open_checkpoint(ckpt).tensor("lm_head.weight")
+    assert torch.equal(frozen, master.to(torch.bfloat16).float()) and not torch.equal(frozen, master)
+
+
+def test_fsdp2_job_resumes_a_dcp_export_with_the_losses_of_the_uninterrupted_run(runs, tmp_path):
+    out = tmp_path / "dcp"
+    to_dcp(runs / "llama-z2" / "ckpt", out, progress=False)
+    result = tmp_path / "fsdp2.json"
+    run_torchrun(SUPPORT / "fsdp2_resume.py", ["--dcp", str(out), "--config", str(runs / "llama-z2" / "ckpt"),
+                                               "--from-step", str(HF.steps), "--steps", str(AFTER),
+                                               "--out", str(result)], 2, tmp_path / "fsdp2.log")
+    got = json.loads(result.read_text())
+    expected = live(runs / "llama-z2")["losses_after"]
+    # Equal to the bit: FSDP2 computes what DeepSpeed ZeRO-2 did (fp32, same batches, torch's AdamW, no gradient
+    # clipping, two ranks' gradients averaged, which is exact), from the exported weights, moments and steps.
+    assert got["losses"] == expected
+    # Negative control: the same job without the export trains to other losses from the first step.
+    assert abs(got["fresh_losses"][0] - expected[0]) > 1e-2
+
+
+# ---- bad input: one-line errors, and nothing that looks like a finished export -------------------------------
+
+
+def copy_checkpoint(runs: Path, tmp_path: Path, config: dict | None) -> Path:
+    """A copy of the llama ZeRO-2 save folder whose config.json is `config` (None: no config.json)."""
+    ckpt = tmp_path / "checkpoint-3"
+    shutil.copytree(runs / "llama-z2" / "ckpt", ckpt)
+    if config is None:
+        (ckpt / "config.json").unlink()
+    else:
+        (ckpt / "config.json").write_text(json.dumps(config))
+    return ckpt
+
+
+def assert_one_line_error(argv: list[str], capsys, *words: str) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("ucp export: error: "), err
+    for word in words:
+        assert word in err, err
+
+
+def test_missing_config_is_refused(runs, tmp_path, capsys):
+    ckpt = copy_checkpoint(runs, tmp_path, None)
+    out = tmp_path / "hf"
+    with pytest.raises(CheckpointNotFoundError, match="no config.json among the files the checkpoint carries; "
+                                                      "pass --config"):
+        to_hf(ckpt, out, progress=False)
+    assert_one_line_error(["export", "--input", str(ckpt), "--output", str(out), "--to", "hf"], capsys,
+                          str(ckpt), "--config")
+    assert not out.exists()
+
+
+def test_unknown_architecture_without_config_is_refused(runs, tmp_path, capsys):
+    config = json.loads((runs / "llama-z2" / "ckpt" / "config.json").read_text())
+    ckpt = copy_checkpoint(runs, tmp_path, {**config, "architectures": ["NoSuchForCausalLM"]})
+    out = tmp_path / "hf"
+    with pytest.raises(UnsupportedLayoutError, match="unknown architecture 'NoSuchForCausalLM'.*--config"):
+        to_hf(ckpt, out, progress=False)
+    ckpt = copy_checkpoint(runs, tmp_path / "b", {**config, "model_type": "no-such-model", "architectures": []})
+    assert_one_line_error(["export", "--input", str(ckpt), "--output", str(out), "--to", "hf"], capsys,
+                          "unknown model_type 'no-such-model'", "--config")
+    assert not out.exists()
+
+
+def test_a_config_of_another_architecture_is_refused_naming_the_tensor(runs, tmp_path):
+    out = tmp_path / "hf"
+    with pytest.raises(ExportError, match="tensor 'model.embed_tokens.weight' is not in GPT2LMHeadModel's state dict"):
+        to_hf(runs / "llama-z2" / "ckpt", out, config=runs / "gpt2-z2" / "ckpt" / "config.json", progress=False)
+    config = json.loads((runs / "llama-z2" / "ckpt" / "config.json").read_text())
+    (tmp_path / "wide.json").write_text(json.dumps({**config, "intermediate_size": 32}))
+    with pytest.raises(ExportError, match=r"'model.layers.0.mlp.gate_proj.weight' has shape \[24, 16\], "
+                                          r"LlamaForCausalLM expects \[32, 16\]"):
+        to_hf(runs / "llama-z2" / "ckpt", out, config=tmp_path / "wide.json", progress=False)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("to", ["hf", "dcp"])
+def test_an_existing_output_is_refused_and_left_alone(runs, tmp_path, capsys, to):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(OutputExistsError):
+        (to_hf if to == "hf" else to_dcp)(runs / "llama-z2" / "ckpt", out, progress=False)
+    assert_one_line_error(["export", "--input", str(runs / "llama-z2" / "ckpt"), "--output", str(out), "--to", to],
+                          capsys, str(out), "already exists")
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A 16 KiB tmpfs: smaller than any export here (root only; skipped elsewhere)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+@pytest.mark.parametrize("to", ["hf", "dcp"])
+def test_a_full_disk_mid_export_leaves_nothing_that_looks_complete(runs, tiny_disk, capsys, to):
+    out = tiny_disk / "export"
+    assert_one_line_error(["export", "--input", str(runs / "llama-z2" / "ckpt"), "--output", str(out), "--to", to,
+                           "--quiet"], capsys, "no space left on device", "--output")
+    assert list(tiny_disk.iterdir()) == []  # no output, and the staging folder is gone

@@ -1,0 +1,152 @@
+"""The Hugging Face model behind a checkpoint: its `config.json`, the files that travel with it, its tied
+weights, and (where transformers is installed) the state-dict keys and shapes its architecture loads.
+
+The config comes from `--config`, else from the checkpoint's extra files: `ucp convert` carries a
+Trainer's `checkpoint-N/config.json` (and tokenizer files) into the ucp checkpoint, and a DeepSpeed
+save folder read directly offers the same files (see docs/FORMAT.md, "Extra files").
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ucp.errors import CheckpointNotFoundError, ExportError, UnsupportedLayoutError
+
+CONFIG_NAME = "config.json"
+# Files `save_pretrained` and tokenizers write beside config.json, copied into an export when present.
+COMPANION_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "added_tokens.json", "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model",
+                   "chat_template.jinja", "chat_template.json")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: Path                    # where the config.json was read, for messages
+    values: dict                  # its contents
+    companions: dict[str, bytes] = field(default_factory=dict)   # generation config, tokenizer files
+
+
+@dataclass(frozen=True)
+class ModelKeys:
+    """What the architecture loads: `expected` state-dict keys and shapes (tied copies left out; None
+    where transformers is not installed), and `tied`, each tied copy's name -> the name it copies (None
+    where it cannot be known without transformers)."""
+
+    architecture: str
+    expected: dict[str, tuple[int, ...]] | None
+    tied: dict[str, str | None]
+
+
+def find_config(ckpt, given: str | os.PathLike | None = None) -> ModelConfig | None:
+    """The config `given` (a config.json or a folder holding one, with the companion files beside it),
+    else the one among the checkpoint's extra files (with theirs), else None."""
+    if given is not None:
+        path = Path(given)
+        path = path / CONFIG_NAME if path.is_dir() else path
+        if not path.is_file():
+            raise CheckpointNotFoundError(f"{path}: no such file; --config takes a config.json or the folder "
+                                          "holding one")
+        companions = {n: (path.parent / n).read_bytes() for n in COMPANION_FILES if (path.parent / n).is_file()}
+        return ModelConfig(path, _parse(path.read_bytes(), path), companions)
+    carried = set(ckpt.extra_files)
+    if CONFIG_NAME not in carried:
+        return None
+    path = ckpt.extra_file_path(CONFIG_NAME)
+    companions = {n: ckpt.extra_file(n) for n in COMPANION_FILES if n in carried}  # checked against the index
+    return ModelConfig(path, _parse(ckpt.extra_file(CONFIG_NAME), path), companions)
+
+
+def require_config(ckpt, given: str | os.PathLike | None = None) -> ModelConfig:
+    found = find_config(ckpt, given)
+    if found is None:
+        raise CheckpointNotFoundError(f"{ckpt.path}: no {CONFIG_NAME} among the files the checkpoint carries; pass "
+                                      "--config with the model's config.json or the folder holding it")
+    return found
+
+
+def model_keys(config: ModelConfig) -> ModelKeys:
+    """The keys the config's architecture loads, from a model built on the meta device (no memory, no
+    weights), or, without transformers, the config's word-embedding tie alone."""
+    try:
+        import transformers
+    except ImportError:
+        # Only an explicit tie: the default differs between model classes (GPT-2 ties, Llama does not).
+        tied = {"lm_head.weight": None} if config.values.get("tie_word_embeddings") is True else {}
+        return ModelKeys(_architecture_name(config), None, tied)
+    import torch
+
+    hf_config, build = _hf_config(config, transformers), _model_class(config, transformers)
+    with torch.device("meta"):
+        model = build(hf_config)
+    first: dict[int, str] = {}
+    tied, expected = {}, {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        source = first.setdefault(id(tensor), name)
+        if source != name:  # a second name for the same tensor: save_pretrained stores it once
+            tied[name] = source
+        else:
+            expected[name] = tuple(tensor.shape)
+    return ModelKeys(type(model).__name__, expected, tied)
+
+
+def check_tensors(ckpt_path, shapes: dict[str, tuple[int, ...]], keys: ModelKeys, config: ModelConfig) -> None:
+    """Refuse tensors that `from_pretrained` would not load into the architecture, naming the first."""
+    if keys.expected is None:
+        return
+    fix = f"is {config.path} the config of this model? Pass the right one with --config"
+    for name, shape in shapes.items():
+        if name not in keys.expected:
+            raise ExportError(f"{ckpt_path}: tensor '{name}' is not in {keys.architecture}'s state dict "
+                              f"(from_pretrained would drop it); {fix}")
+        if keys.expected[name] != shape:
+            raise ExportError(f"{ckpt_path}: tensor '{name}' has shape {list(shape)}, {keys.architecture} expects "
+                              f"{list(keys.expected[name])} (from_pretrained refuses it); {fix}")
+    for name in keys.expected:
+        if name not in shapes:
+            raise ExportError(f"{ckpt_path}: no tensor '{name}', which {keys.architecture} needs (from_pretrained "
+                              f"would leave it uninitialised); {fix}")
+
+
+def _architecture_name(config: ModelConfig) -> str:
+    return (config.values.get("architectures") or [config.values.get("model_type", "?")])[0]
+
+
+def _model_class(config: ModelConfig, transformers):
+    """A callable building the model from its config: the class `architectures` names, else AutoModelForCausalLM."""
+    archs = config.values.get("architectures") or []
+    if not archs:
+        def build(hf_config):
+            try:
+                return transformers.AutoModelForCausalLM.from_config(hf_config)
+            except ValueError:
+                raise UnsupportedLayoutError(f"{config.path}: no 'architectures' and no causal LM for model_type "
+                                             f"'{hf_config.model_type}'; add \"architectures\" to it or pass "
+                                             "--config with the model's config.json") from None
+        return build
+    cls = getattr(transformers, archs[0], None)
+    if cls is None:
+        raise UnsupportedLayoutError(f"{config.path}: unknown architecture '{archs[0]}' (transformers "
+                                     f"{transformers.__version__} has no such class); pass --config with the "
+                                     "config.json of a model transformers knows")
+    return cls._from_config
+
+
+def _hf_config(config: ModelConfig, transformers):
+    model_type = config.values.get("model_type")
+    if model_type not in transformers.CONFIG_MAPPING:
+        raise UnsupportedLayoutError(f"{config.path}: unknown model_type '{model_type}' (transformers "
+                                     f"{transformers.__version__} does not know it); pass --config with the "
+                                     "config.json of a model transformers knows")
+    return transformers.CONFIG_MAPPING[model_type].from_dict(config.values)
+
+
+def _parse(raw: bytes, path: Path) -> dict:
+    try:
+        values = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ExportError(f"{path}: not a JSON config ({exc}); pass --config with the model's config.json") from None
+    if not isinstance(values, dict):
+        raise ExportError(f"{path}: not a JSON object; pass --config with the model's config.json")
+    return values

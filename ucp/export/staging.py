@@ -1,0 +1,65 @@
+"""Where an export is written: a hidden folder beside the output, renamed onto it as the last step.
+
+The rename is the commit point (as DCP's metadata rename and Orbax's finalize are): an export
+that fails, fills the disk or is interrupted leaves no folder under the output's name, only the
+hidden `.<name>.partial` (removed on failure, and by the next export to the same output).
+"""
+from __future__ import annotations
+
+import errno
+import os
+import re
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from ucp.errors import ExportError, OutputExistsError
+from ucp.format import fsync_dir
+
+_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes in `size`: an int, or "5GB" / "500MB" / "2GiB" (GB = 10**9 bytes, as transformers reads it)."""
+    if isinstance(size, int):
+        return size
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*", size, re.IGNORECASE)
+    if m is None or float(m.group(1)) <= 0:
+        raise ExportError(f"--max-shard-size {size!r}: expected a positive size such as 5GB, 500MB or 2GiB")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
+
+
+def check_output(output: Path) -> None:
+    """Refuse an output that exists, unless it is an empty folder."""
+    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+        raise OutputExistsError(f"{output}: already exists; choose a new --output or remove it first")
+
+
+@contextmanager
+def staged_output(output: str | os.PathLike) -> Iterator[Path]:
+    """A fresh hidden folder beside `output` to write into; renamed to `output` when the body returns."""
+    output = Path(output)
+    check_output(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    staging = output.parent / f".{output.name}.partial"
+    if staging.exists():  # left by an export that was killed
+        shutil.rmtree(staging)
+    staging.mkdir()
+    try:
+        yield staging
+        fsync_dir(staging)
+        os.replace(staging, output)  # replaces an empty folder too
+        fsync_dir(output.parent)
+    except OSError as exc:
+        shutil.rmtree(staging, ignore_errors=True)
+        if exc.errno in _FULL:
+            raise ExportError(f"{output}: {os.strerror(exc.errno).lower()} while writing "
+                              f"{exc.filename or 'the export'}; free space there or pass another --output "
+                              "(nothing was exported)") from None
+        raise
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
