@@ -43,22 +43,27 @@ class AtomicCheckpoint:
     def names(self) -> list[str]:
         return list(self.index["params"])
 
+    @property
+    def aliases(self) -> dict[str, str]:
+        """alias -> source: the second names of tied weights, each stored once under its source's name."""
+        return dict(self.index.get("aliases", {}))
+
     def info(self, name: str) -> ParamInfo:
-        e = self._entry(name)
+        e = self.entry(name)
         states = tuple(e["states"]) + ((STEP_STATE,) if "step" in e else ())
         nbytes = sum(s["offsets"][1] - s["offsets"][0] for s in e["states"].values())
         return ParamInfo(name, tuple(e["shape"]), e["kind"], states, e.get("pattern", {}).get("pattern", "?"),
                          nbytes, e.get("group"))
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._entry(name)["shape"])
+        return tuple(self.entry(name)["shape"])
 
     def states(self, name: str) -> tuple[str, ...]:
         return self.info(name).states
 
     def tensor(self, name: str, state: str = "fp32", *, verify: bool = True) -> torch.Tensor:
         """One state of one parameter in its full, unsharded shape (checksum-verified by default)."""
-        e = self._entry(name)
+        e = self.entry(name)
         if state == STEP_STATE and "step" in e:
             return torch.tensor(e["step"], dtype=torch.float32)
         if state not in e["states"]:
@@ -103,6 +108,9 @@ class AtomicCheckpoint:
             sizes[name] = path.stat().st_size
             if sizes[name] != meta["bytes"]:
                 problems.append(f"{path}: {sizes[name]} bytes, the index records {meta['bytes']}")
+        for alias, source in self.aliases.items():
+            if source not in self.index["params"]:
+                problems.append(f"{alias}: a tied alias of '{source}', which the index does not hold")
         for pname, e in self.index["params"].items():
             for state, s in e["states"].items():
                 if s["file"] not in sizes:
@@ -119,9 +127,10 @@ class AtomicCheckpoint:
                     problems.append(f"{pname}:{state}: checksum mismatch in {s['file']}")
         return problems
 
-    def _entry(self, name: str) -> dict:
+    def entry(self, name: str) -> dict:
+        """The index entry of parameter `name`, or of the source of `name` when it is a tied alias."""
         try:
-            return self.index["params"][name]
+            return self.index["params"][self.index.get("aliases", {}).get(name, name)]
         except KeyError:
             raise KeyError(f"{self.path}: no parameter '{name}'") from None
 
@@ -140,6 +149,11 @@ class PlannedCheckpoint:
     @property
     def names(self) -> list[str]:
         return list(self._params)
+
+    @property
+    def aliases(self) -> dict[str, str]:
+        """alias -> source: the second names of tied weights, read as their source."""
+        return dict(self.plan.aliases)
 
     def info(self, name: str) -> ParamInfo:
         p = self._param(name)
@@ -185,7 +199,7 @@ class PlannedCheckpoint:
 
     def _param(self, name: str):
         try:
-            return self._params[name]
+            return self._params[self.plan.aliases.get(name, name)]
         except KeyError:
             raise KeyError(f"{self.path}: no parameter '{name}'") from None
 

@@ -51,7 +51,7 @@ import torch.distributed as dist
 
 from ucp.checkpoint import AtomicCheckpoint
 from ucp.deepspeed_save import SaveEvery, SaveStats, save, wait
-from ucp.deepspeed_targets import OPTIMIZER_STATES, Target, TargetTensor, target_for
+from ucp.deepspeed_targets import OPTIMIZER_STATES, Target, TargetTensor, module_aliases, target_for
 from ucp.deepspeed_layout import as_layout, place_by_layout
 from ucp.deepspeed_tp_target import with_tensor_parallel
 from ucp.errors import CorruptCheckpointError, UcpError, UnsupportedLayoutError
@@ -172,19 +172,24 @@ def _check(ckpt: AtomicCheckpoint, target: Target, engine, load_optimizer_states
            model_names: set[str] | None = None) -> list[str]:
     params = ckpt.index["params"]
     for t in target.tensors:
-        if t.name not in params:
+        if t.name not in params and t.name not in ckpt.aliases:
             raise CheckpointMismatchError(f"{ckpt.path}: has no parameter '{t.name}', which the model has; "
                                           "was it saved from another model?")
-        saved = tuple(params[t.name]["shape"])
+        entry = ckpt.entry(t.name)  # a tied alias the model keeps untied gets its source's weight and states
+        saved = tuple(entry["shape"])
         if saved != t.shape:
             raise CheckpointMismatchError(f"{t.name}: the checkpoint holds shape {saved}, the model {t.shape}")
-        if t.kind == "param" and load_optimizer_states and params[t.name]["kind"] != "param":
-            raise CheckpointMismatchError(f"{t.name}: trainable in the model but {params[t.name]['kind']} in the "
+        if t.kind == "param" and load_optimizer_states and entry["kind"] != "param":
+            raise CheckpointMismatchError(f"{t.name}: trainable in the model but {entry['kind']} in the "
                                           "checkpoint, which has no optimizer state for it; pass "
                                           "load_optimizer_states=False to load weights only")
+    tied = module_aliases(engine.module)
     if strict:
-        known = model_names if model_names is not None else target.model_names()
-        extra = [n for n in params if n not in known]
+        for alias, source in tied.items():
+            if alias in params:
+                _check_untied_copy(ckpt, alias, source)
+        known = (model_names if model_names is not None else target.model_names()) | set(tied)
+        extra = [n for n in [*params, *ckpt.aliases] if n not in known]
         if extra:
             raise CheckpointMismatchError(f"{ckpt.path}: holds parameter '{extra[0]}' ({len(extra)} in all) that "
                                           "the model does not have; pass strict=False to ignore them")
@@ -199,6 +204,19 @@ def _check(ckpt: AtomicCheckpoint, target: Target, engine, load_optimizer_states
             f"{type(engine.basic_optimizer).__name__} keeps {list(expected)}; use the same optimizer or pass "
             "load_optimizer_states=False")
     return saved_states
+
+
+def _check_untied_copy(ckpt: AtomicCheckpoint, alias: str, source: str) -> None:
+    """The model ties `alias` to `source`, the checkpoint holds both: only equal copies make one parameter."""
+    if source not in ckpt.index["params"] and source not in ckpt.aliases:
+        return  # reported as a missing parameter
+    mine, theirs = ckpt.entry(alias), ckpt.entry(source)
+    for state in mine["states"]:
+        if (state not in theirs["states"] or mine["shape"] != theirs["shape"]
+                or not torch.equal(ckpt.tensor(alias, state), ckpt.tensor(source, state))):
+            raise CheckpointMismatchError(
+                f"{alias}: the model ties it to '{source}', but the checkpoint holds it untied with another "
+                f"'{state}'; pass strict=False to load '{source}' for both, or untie it in the model")
 
 
 def _agree(error: UcpError | None) -> None:
@@ -313,11 +331,11 @@ def _whole_owners(ckpt, target: Target, state_names: list[str], groups: dict) ->
 
 def _entry(ckpt: AtomicCheckpoint, key: tuple[str, str]) -> dict:
     name, state = key
-    return ckpt.index["params"][name]["states"][state]
+    return ckpt.entry(name)["states"][state]
 
 
 def _itemsize(ckpt: AtomicCheckpoint, name: str, state: str) -> int:
-    return TORCH_DTYPES[ckpt.index["params"][name]["states"][state]["dtype"]].itemsize
+    return TORCH_DTYPES[_entry(ckpt, (name, state))["dtype"]].itemsize
 
 
 def _full_box(shape) -> Box:
@@ -385,11 +403,10 @@ def _broadcast(ckpt, key: tuple[str, str], t: TargetTensor, value, owner: int, g
 
 
 def _restore_steps(ckpt: AtomicCheckpoint, target: Target) -> None:
-    params = ckpt.index["params"]
     groups: dict[int, set] = {}
     for t in target.tensors:
-        if t.kind == "param" and t.group is not None and "step" in params[t.name]:
-            groups.setdefault(t.group, set()).add(params[t.name]["step"])
+        if t.kind == "param" and t.group is not None and "step" in ckpt.entry(t.name):
+            groups.setdefault(t.group, set()).add(ckpt.entry(t.name)["step"])
     for group, steps in groups.items():
         if len(steps) != 1:
             raise CheckpointMismatchError(f"{ckpt.path}: parameters of optimizer group {group} were saved at "

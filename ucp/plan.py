@@ -98,6 +98,8 @@ class ConversionPlan:
     lr_scheduler: object = None
     client_state: dict = field(default_factory=dict)
     source_files: list[str] = field(default_factory=list)
+    # alias -> source: a tied weight's second name (e.g. lm_head.weight -> embed_tokens.weight), stored once
+    aliases: dict[str, str] = field(default_factory=dict)
 
     def param(self, name: str) -> ParamPlan:
         for p in self.params:
