@@ -19,7 +19,8 @@ committed, and runs at exit too; see `ucp.deepspeed_save`). The `"ucp"` config s
   bytes, and broadcast. False makes every rank read every tensor it touches whole, as stock
   `load_universal` does (for comparison).
 * `load_optimizer_states` (bool, default true), `load_lr_scheduler_states` (bool, default true).
-* `strict` (bool, default true): a checkpoint parameter the model lacks is an error.
+* `strict` (bool, default true): a checkpoint parameter the model lacks is an error (tied weights:
+  see below).
 * `layout` (dict, or path to its JSON): an explicit `ucp.layout.Layout`, for heterogeneous model
   parallelism (Elastor's HMP: TP sizes that differ between replicas), which DeepSpeed itself cannot
   describe. Each rank's module holds the slices the layout gives it (shapes of those slices) and
@@ -27,6 +28,17 @@ committed, and runs at exit too; see `ucp.deepspeed_save`). The `"ucp"` config s
   (`ucp.deepspeed_layout`).
 
 Loading is layer by layer: a rank holds its own shard plus one layer's states at a time.
+
+Tied weights (one Parameter under two names, e.g. `lm_head.weight` and `model.embed_tokens.weight`)
+are one parameter: the checkpoint records the second name as an alias of the first (its index's
+`aliases`), the model's `named_parameters` lists it once, so a tied model loads a tied checkpoint
+strictly. When only one side ties them:
+
+* tied checkpoint, untied model: the model's own copy of the alias gets the source's weight and
+  optimizer states (both copies start equal and train apart from there);
+* untied checkpoint, tied model: loads when the checkpoint's two copies are equal (every state the
+  alias holds); otherwise `CheckpointMismatchError` names the alias, and `strict=False` loads the
+  source's values for both (the checkpoint's other copy is ignored).
 
 Target layouts: ZeRO stage 0-3 at any data-parallel degree, fp32/fp16/bf16 (`ucp.deepspeed_targets`);
 DeepSpeed AutoTP tensor parallelism with ZeRO 0-3, where each TP rank loads the box of every full
@@ -118,8 +130,10 @@ def load(engine, path: str | os.PathLike, *, bypass: bool = True, load_optimizer
          param_table: Sequence[ParamSpec] | None = None) -> dict:
     """Restore `engine` from the ucp checkpoint at `path`; returns the saved client state.
 
-    Everything is checked before the engine is touched: a missing, extra or reshaped parameter, or
-    an optimizer whose states differ from the checkpoint's, raises `CheckpointMismatchError`.
+    Everything is checked before the engine is touched: a missing, extra or reshaped parameter, an
+    optimizer whose states differ from the checkpoint's, or (strict) a weight the model ties that the
+    checkpoint holds as two different copies, raises `CheckpointMismatchError`. A tied alias of the
+    checkpoint that the model keeps untied loads its source's weight and states (module docstring).
     With `layout` (HMP included, see `ucp.deepspeed_layout`) each module tensor is the slice the
     layout gives this rank; `param_table` (default: the module's `ucp_param_table`) describes the
     full model.
@@ -210,9 +224,9 @@ def _check_untied_copy(ckpt: AtomicCheckpoint, alias: str, source: str) -> None:
     """The model ties `alias` to `source`, the checkpoint holds both: only equal copies make one parameter."""
     if source not in ckpt.index["params"] and source not in ckpt.aliases:
         return  # reported as a missing parameter
-    mine, theirs = ckpt.entry(alias), ckpt.entry(source)
-    for state in mine["states"]:
-        if (state not in theirs["states"] or mine["shape"] != theirs["shape"]
+    copy, kept = ckpt.entry(alias), ckpt.entry(source)
+    for state in copy["states"]:
+        if (state not in kept["states"] or copy["shape"] != kept["shape"]
                 or not torch.equal(ckpt.tensor(alias, state), ckpt.tensor(source, state))):
             raise CheckpointMismatchError(
                 f"{alias}: the model ties it to '{source}', but the checkpoint holds it untied with another "
