@@ -137,12 +137,16 @@ def test_strict_resume_of_the_tied_model_continues_the_uninterrupted_run(source,
     assert sum(s["bytes_read"] for s in ucp_stats(resumed)) == stored
 
 
-def test_an_async_save_of_the_tied_model_equals_converting_deepspeeds_save(async_run, converted, ckpt_root):
+def test_an_async_save_of_the_tied_model_equals_converting_deepspeeds_save(async_run, converted, ckpt_root, tmp_path):
     # Saving does not disturb training: the first steps are DeepSpeed's own run's, to the bit.
     assert async_run.losses[:SAVED.steps] == trained_losses(SAVED, ckpt_root)
     saved = ucp.open_checkpoint(async_run.save_dir / f"global_step{SAVED.steps}")
     assert saved.aliases == ALIASES and saved.verify() == []
     assert_same_checkpoint(saved, ucp.open_checkpoint(converted(SAVED)))
+    # Negative control: the same conversion without its alias must fail the same comparison.
+    bare = with_edited_index(converted(SAVED), tmp_path / "bare", lambda index: index.update(aliases={}))
+    with pytest.raises(AssertionError, match="aliases"):
+        assert_same_checkpoint(saved, ucp.open_checkpoint(bare))
 
 
 def _untied(index: dict) -> None:
