@@ -278,8 +278,8 @@ def build_index(plan: ConversionPlan, fingerprint: str, results: list[dict]) -> 
         "client_state": _jsonable(plan.client_state),
         "splits": {"global_split": max((p.splits[1] for p in plan.params if p.splits), default=1)},
         "files": {r["file"]: {"bytes": r["bytes"]} for r in sorted(results, key=lambda r: r["file"])},
-        "params": params,
         "aliases": dict(plan.aliases),
+        "params": params,
     }
 
 
