@@ -21,6 +21,8 @@ from support.checkpoints import (TinySpec, load_ds_universal, read_tag, trained_
                                  ucp_load_errors, ucp_resume, ucp_save_run, ucp_stats, uninterrupted_losses)
 from ucp.cli.main import main as cli_main
 from ucp.convert import convert
+from ucp.converters.deepspeed_slices import load_dict, tied_aliases
+from ucp.deepspeed_targets import module_aliases
 
 ALIASES = {"head.weight": "emb.weight"}
 TRAINABLE = {"emb.weight", "l1.weight", "l1.bias", "l2.weight", "l2.bias", "head.bias", "gain"}
@@ -34,6 +36,26 @@ RESUMED_AT = {  # source stage -> where it resumes (another ZeRO family, or DP d
 RESUME_STEPS, SAVE_EVERY = 2, 3
 SAVED = TinySpec(stage=2, tie="tied")  # saved asynchronously too; its run is the uninterrupted fp32 run
 
+
+# -- finding aliases, without DeepSpeed ---------------------------------------------------------------
+
+def test_aliases_come_from_shared_params_and_from_storage_the_module_shares(tmp_path):
+    weight, placeholder = torch.randn(3, 2), torch.empty(0)
+    torch.save({"module": {"emb": weight, "head": weight, "other": weight.clone(), "z3.a": placeholder,
+                           "z3.b": placeholder}, "shared_params": {"listed": "emb"}}, tmp_path / "model.pt")
+    # "head" shares emb's bytes (torch.save keeps the sharing, as ZeRO-0 files do, which list no shared_params);
+    # equal values are no alias, and ZeRO-3's empty placeholders share nothing.
+    assert tied_aliases(load_dict(tmp_path / "model.pt")) == {"listed": "emb", "head": "emb"}
+
+
+def test_module_aliases_name_each_parameter_held_twice_as_deepspeed_does():
+    module = torch.nn.Sequential(torch.nn.Embedding(4, 3), torch.nn.Linear(3, 4, bias=False))
+    assert module_aliases(module) == {}
+    module[1].weight = module[0].weight
+    assert module_aliases(module) == {"1.weight": "0.weight"}
+
+
+# -- real DeepSpeed runs --------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def converted(tiny_checkpoint, tmp_path_factory):
