@@ -109,7 +109,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         json.dump({"source": ckpt.source, "step": ckpt.step, "optimizer": ckpt.optimizer,
                    "extra_files": ckpt.extra_files,
                    "params": [{"name": i.name, "kind": i.kind, "shape": list(i.shape), "pattern": i.pattern,
-                               "states": list(i.states), "bytes": i.nbytes, "group": i.group} for i in infos]},
+                               "states": list(i.states), "bytes": i.nbytes, "group": i.group} for i in infos],
+                   "aliases": ckpt.aliases},
                   sys.stdout, indent=1)
         print()
         return 0
@@ -135,6 +136,7 @@ def describe(ckpt, infos) -> str:
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     lines.append("")
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
+    lines += [f"alias  {alias} -> {source} (tied: stored once, as {source})" for alias, source in ckpt.aliases.items()]
     return "\n".join(lines)
 
 

@@ -26,7 +26,7 @@ from ucp.converters.deepspeed_declared import affine_params, declared_layout
 from ucp.converters.deepspeed_lists import declares_lists, list_layout
 from ucp.converters.deepspeed_pipe import LAYER_FILE, layer_tensors
 from ucp.converters.deepspeed_slices import (SliceState, combined_source, dtype_name, load_dict, model_files,
-                                             optim_files, read_slice)
+                                             optim_files, read_slice, tied_aliases)
 from ucp.converters.deepspeed_tp import Layouts, fp32_shard, untrained_shards
 from ucp.converters.deepspeed_zero import TagDir, finish_plan
 from ucp.converters.torch_zip import LazyTensor
@@ -77,7 +77,8 @@ def plan_megatron(where: TagDir, names: list[str], patterns: dict[str, str] | No
     buffers = {b for c in contents for b in (c.get("buffer_names") or [])}
     layers = [_layer_tensors_of(folder, names, rank, trainable | buffers) for rank in range(tp)]
     params = [_trainable(name, by_tp, layers, layouts) for name in _in_order(slices)]
-    params += untrained_shards(layers, layouts, trainable, buffers,
+    aliases = {alias for c in contents for alias in tied_aliases(c)}
+    params += untrained_shards(layers, layouts, trainable | aliases, buffers,
                                "copy every layer_*-model_*-model_states.pt of the checkpoint")
     layouts.check_used(folder)
     files = [p for st in slices for p in [*st.optim_paths, st.model_path]]

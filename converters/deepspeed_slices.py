@@ -162,17 +162,23 @@ def check_partitions(count, dp: int, hyper: list, path: Path) -> None:
                                          f"file says dp_world_size={dp}; files from different runs are mixed")
 
 
-def aliases(module: dict) -> set[str]:
-    """Module entries that are another entry under a second name (tied weights): torch.save keeps
-    the sharing, so they point at the same stored bytes as an earlier entry."""
-    seen, out = set(), set()
-    for name, t in module.items():
-        if isinstance(t, LazyTensor):
+def tied_aliases(model: dict) -> dict[str, str]:
+    """alias -> source: the names under which a model-states file holds a tied weight a second time.
+
+    DeepSpeed lists them in `shared_params` (`{'lm_head.weight': 'model.embed_tokens.weight'}`;
+    written on rank 0 only, and not at all by ZeRO-0), and `torch.save` keeps the sharing, so the
+    module state dict holds the alias over the same stored bytes as its source. An alias is one
+    parameter under two names: it holds no optimizer state and is recorded once, as an alias.
+    """
+    found = {str(alias): str(source) for alias, source in (model.get("shared_params") or {}).items()}
+    first: dict[tuple, str] = {}
+    for name, t in (model.get("module") or {}).items():
+        if isinstance(t, LazyTensor) and t.numel:  # ZeRO-3 placeholders hold nothing
             where = (t.path, t.storage.key, t.storage_offset, t.shape, t.stride)  # keys are per file
-            if where in seen:
-                out.add(name)
-            seen.add(where)
-    return out
+            if where in first and name not in found:
+                found[name] = first[where]
+            first.setdefault(where, name)
+    return found
 
 
 def shape_of(value) -> tuple[int, ...]:

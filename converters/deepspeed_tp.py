@@ -26,8 +26,9 @@ import torch
 
 from ucp.assemble import materialize
 from ucp.converters.deepspeed_declared import affine_params, declared_layout
-from ucp.converters.deepspeed_slices import (MODEL_FILE, SliceState, aliases, combined_source, dtype_name,
-                                             load_dict, model_files, optim_files, read_slice, whole)
+from ucp.converters.deepspeed_slices import (MODEL_FILE, SliceState, combined_source, dtype_name,
+                                             load_dict, model_files, optim_files, read_slice, tied_aliases,
+                                             whole)
 from ucp.converters.deepspeed_zero0 import zero0_slice
 from ucp.converters.deepspeed_zero3 import ZERO3_MODEL_FILE, read_zero3_slice, zero3_model_files
 from ucp.converters.deepspeed_zero import TagDir, finish_plan
@@ -72,7 +73,7 @@ def plan_tp(where: TagDir, names: list[str], patterns: dict[str, str] | None = N
                  else zero0_slice(t, models[t], contents[t]) for t in range(tp)]
     entries = affine_params(first.get("universal_checkpoint_info"), str(models[0]))
     layouts = Layouts(lambda name, shapes: declared_layout(name, entries), patterns or {})
-    tied = {str(k) for r in ranks for k in (r.model.get("shared_params") or {})} | aliases(first.get("module") or {})
+    tied = {alias for r in ranks for alias in tied_aliases(r.model)}
     params = [_trainable(name, ranks, layouts) for name in ranks[0].shapes]
     params += [_frozen_zero3(name, ranks, layouts) for name in ranks[0].frozen]
     params += untrained_shards([r.model.get("module") or {} for r in ranks], layouts,

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ucp import loss_scale
-from ucp.converters.deepspeed_slices import dtype_name, load_dict, read_slice, whole
+from ucp.converters.deepspeed_slices import dtype_name, load_dict, read_slice, tied_aliases, whole
 from ucp.converters.deepspeed_zero0 import zero0_trainable
 from ucp.converters.deepspeed_zero3 import read_zero3_slice, zero3_model_files
 from ucp.converters.torch_zip import LazyTensor, as_python
@@ -240,11 +240,12 @@ def _module_state(name: str, shape: tuple[int, ...], module: dict, path: Path) -
 
 
 def frozen_and_buffers(model: dict, path: Path, trainable: set[str]) -> list[ParamPlan]:
+    """The module's other tensors: frozen parameters and buffers (a tied weight's alias is neither)."""
     module = model.get("module") or {}
-    buffers = set(model.get("buffer_names") or [])
+    skip = trainable | set(model.get("buffer_names") or []) | set(tied_aliases(model))
     frozen = []
     for name, t in module.items():
-        if name in trainable or name in buffers or not isinstance(t, LazyTensor):
+        if name in skip or not isinstance(t, LazyTensor):
             continue
         frozen.append(ParamPlan(name, t.shape, FROZEN, {WEIGHT_STATE: _state_source(name, t.shape, [whole(t)])},
                                 model_dtype=dtype_name(t)))
@@ -290,4 +291,19 @@ def finish_plan(where: TagDir, model: dict, params: list[ParamPlan], hyper, mome
     return ConversionPlan(params=params, source=source, optimizer=optimizer, training=training,
                           lr_scheduler=as_python(model.get("lr_scheduler")), client_state=client,
                           source_files=[str(f) for f in files],
-                          extra_files={name: str(path) for name, path in side.carried.items()}, left_out=side.left)
+                          extra_files={name: str(path) for name, path in side.carried.items()}, left_out=side.left,
+                          aliases=plan_aliases(model, params, where.path))
+
+
+def plan_aliases(model: dict, params: list[ParamPlan], folder: Path) -> dict[str, str]:
+    """The tied aliases of `model` (see `tied_aliases`), each naming a parameter of the plan, none one itself."""
+    names = {p.name for p in params}
+    found = tied_aliases(model)
+    for alias, source in found.items():
+        if alias in names:
+            raise CorruptCheckpointError(f"{folder}: '{alias}' is a tied alias of '{source}' (shared_params) but also "
+                                         "a parameter of its own; files from different runs are mixed")
+        if source not in names:
+            raise CorruptCheckpointError(f"{folder}: the tied alias '{alias}' names '{source}', which the checkpoint "
+                                         "does not hold; files from different runs are mixed")
+    return found

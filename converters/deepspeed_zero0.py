@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ucp.converters.deepspeed_slices import SliceState, aliases
+from ucp.converters.deepspeed_slices import SliceState, tied_aliases
 from ucp.converters.torch_zip import LazyTensor, read_tensor
 from ucp.errors import AmbiguousPatternError, CorruptCheckpointError
 from ucp.fileio import tensor_bytes
@@ -38,7 +38,7 @@ def zero0_trainable(model: dict, path: Path, param_names: list[str] | None) -> t
     slots = [(g, i, idx) for g, group in enumerate(groups) for i, idx in enumerate(group["params"])]
     module = model.get("module") or {}
     buffers = set(model.get("buffer_names") or [])
-    tied = aliases(module)  # a tied weight's second name holds no optimizer slot of its own
+    tied = tied_aliases(model)  # a tied weight's second name holds no optimizer slot of its own
     candidates = [n for n, t in module.items() if n not in buffers and n not in tied and isinstance(t, LazyTensor)]
 
     def master(g: int, i: int) -> LazyTensor | None:

@@ -21,6 +21,7 @@ import torch
 from safetensors import safe_open
 
 import ucp
+from support.atomic import assert_same_checkpoint
 from support.checkpoints import (TinySpec, read_tag, start_ucp_save_run, trained_losses, ucp_resume, ucp_save_run,
                                  uninterrupted_losses)
 from ucp.cli.main import main as cli_main
@@ -183,27 +184,6 @@ CASES = [  # (trained and saved at, resumed at)
     (TinySpec(stage=3), TinySpec(stage=1, world_size=1)),   # ZeRO-3 DP 2 -> ZeRO-1 DP 1
     (TinySpec(stage=0), TinySpec(stage=2, world_size=1)),   # ZeRO-0 DP 2 -> ZeRO-2 DP 1
 ]
-
-
-def _entry(e: dict) -> dict:
-    # ZeRO-3 files keep each parameter's tail padding, which the live ranks' runs exclude, so the
-    # informational pattern's `padded_size` may differ; what the pattern is may not.
-    return {k: v for k, v in e.items() if k not in ("states", "pattern")} | {
-        "pattern": {k: v for k, v in e["pattern"].items() if k != "padded_size"}}
-
-
-def assert_same_checkpoint(saved, converted):
-    """Every state of every parameter torch.equal, and the same metadata, but for where it came from."""
-    assert saved.names == converted.names
-    for name in converted.names:
-        a, b = saved.index["params"][name], converted.index["params"][name]
-        assert _entry(a) == _entry(b), name
-        assert list(a["states"]) == list(b["states"]), name
-        for state in b["states"]:
-            x, y = saved.tensor(name, state), converted.tensor(name, state)
-            assert x.dtype == y.dtype and torch.equal(x, y), (name, state)
-    for key in ("training", "optimizer", "lr_scheduler", "client_state", "splits"):
-        assert saved.index[key] == converted.index[key], key
 
 
 @pytest.mark.parametrize("source,target", CASES, ids=lambda s: s.name)

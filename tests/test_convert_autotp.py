@@ -135,6 +135,7 @@ def test_patterns_and_metadata(run, converted):
     q, o = pattern["model.layers.0.self_attn.q_proj.weight"], pattern["model.layers.1.mlp.down_proj.weight"]
     assert (q["dim"], o["dim"]) == (0, 1)
     assert ("lm_head.weight" in ckpt.names) != tied  # a tied head is an alias, not a parameter
+    assert ckpt.aliases == ({"lm_head.weight": "model.embed_tokens.weight"} if tied else {})
     assert (ckpt.source["tp"], ckpt.source["dp"], ckpt.source["zero_stage"]) == (2, 2, int(run[1]))
     assert ckpt.client_state["client_marker"] == 17
     if run.endswith("frozen"):  # read from every TP rank's module state, declared replicated, checked equal

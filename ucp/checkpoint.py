@@ -45,32 +45,37 @@ class AtomicCheckpoint:
     def names(self) -> list[str]:
         return list(self.index["params"])
 
+    @property
+    def aliases(self) -> dict[str, str]:
+        """alias -> source: the second names of tied weights, each stored once under its source's name."""
+        return dict(self.index.get("aliases", {}))
+
     def info(self, name: str) -> ParamInfo:
-        e = self._entry(name)
+        e = self.entry(name)
         states = tuple(e["states"]) + ((STEP_STATE,) if "step" in e else ())
         nbytes = sum(s["offsets"][1] - s["offsets"][0] for s in e["states"].values())
         return ParamInfo(name, tuple(e["shape"]), e["kind"], states, e.get("pattern", {}).get("pattern", "?"),
                          nbytes, e.get("group"))
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._entry(name)["shape"])
+        return tuple(self.entry(name)["shape"])
 
     def states(self, name: str) -> tuple[str, ...]:
         return self.info(name).states
 
     def dtype(self, name: str, state: str = "fp32") -> str:
         """The dtype `tensor(name, state)` returns ("float32" but for buffers), without reading it."""
-        e = self._entry(name)
+        e = self.entry(name)
         return "float32" if state == STEP_STATE and "step" in e else e["states"][state]["dtype"]
 
     def tensor(self, name: str, state: str = "fp32", *, verify: bool = True) -> torch.Tensor:
         """One state of one parameter in its full, unsharded shape (checksum-verified by default)."""
-        e = self._entry(name)
+        e = self.entry(name)
         if state == STEP_STATE and "step" in e:
             return torch.tensor(e["step"], dtype=torch.float32)
         if state not in e["states"]:
             raise KeyError(f"{name}: no state '{state}' (has {', '.join(self.states(name))})")
-        s = self.model.params[name].states[state]
+        s = self.model.params[self.model.aliases.get(name, name)].states[state]
         stored = read_stored(str(self.path / s.file), s.begin, s.end, s.dtype, s.shape,
                              s.crc32 if verify else None, self.counter)
         if s.splits is not None:  # stored split-major: put the logical order back (a no-op along dim 0)
@@ -152,9 +157,10 @@ class AtomicCheckpoint:
             raise KeyError(f"{self.path}: no extra file '{name}' (has {', '.join(self.extra_files) or 'none'})") \
                 from None
 
-    def _entry(self, name: str) -> dict:
+    def entry(self, name: str) -> dict:
+        """The index entry of parameter `name`, or of the source of `name` when it is a tied alias."""
         try:
-            return self.index["params"][name]
+            return self.index["params"][self.index.get("aliases", {}).get(name, name)]
         except KeyError:
             raise KeyError(f"{self.path}: no parameter '{name}'") from None
 
@@ -173,6 +179,11 @@ class PlannedCheckpoint:
     @property
     def names(self) -> list[str]:
         return list(self._params)
+
+    @property
+    def aliases(self) -> dict[str, str]:
+        """alias -> source: the second names of tied weights, read as their source."""
+        return dict(self.plan.aliases)
 
     def info(self, name: str) -> ParamInfo:
         p = self._param(name)
@@ -250,7 +261,7 @@ class PlannedCheckpoint:
 
     def _param(self, name: str):
         try:
-            return self._params[name]
+            return self._params[self.plan.aliases.get(name, name)]
         except KeyError:
             raise KeyError(f"{self.path}: no parameter '{name}'") from None
 

@@ -312,6 +312,7 @@ def build_index(plan: ConversionPlan, fingerprint: str, results: list[dict],
         "splits": {"global_split": max((p.splits[1] for p in plan.params if p.splits), default=1)},
         "files": {r["file"]: {"bytes": r["bytes"]} for r in sorted(results, key=lambda r: r["file"])},
         "extra_files": extra or {},
+        "aliases": dict(plan.aliases),
         "params": params,
     }
 

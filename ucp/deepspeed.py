@@ -19,7 +19,8 @@ committed, and runs at exit too; see `ucp.deepspeed_save`). The `"ucp"` config s
   bytes, and broadcast. False makes every rank read every tensor it touches whole, as stock
   `load_universal` does (for comparison).
 * `load_optimizer_states` (bool, default true), `load_lr_scheduler_states` (bool, default true).
-* `strict` (bool, default true): a checkpoint parameter the model lacks is an error.
+* `strict` (bool, default true): a checkpoint parameter the model lacks is an error (tied weights:
+  see below).
 * `layout` (dict, or path to its JSON): an explicit `ucp.layout.Layout`, for heterogeneous model
   parallelism (Elastor's HMP: TP sizes that differ between replicas), which DeepSpeed itself cannot
   describe. Each rank's module holds the slices the layout gives it (shapes of those slices) and
@@ -27,6 +28,17 @@ committed, and runs at exit too; see `ucp.deepspeed_save`). The `"ucp"` config s
   (`ucp.deepspeed_layout`).
 
 Loading is layer by layer: a rank holds its own shard plus one layer's states at a time.
+
+Tied weights (one Parameter under two names, e.g. `lm_head.weight` and `model.embed_tokens.weight`)
+are one parameter: the checkpoint records the second name as an alias of the first (its index's
+`aliases`), the model's `named_parameters` lists it once, so a tied model loads a tied checkpoint
+strictly. When only one side ties them:
+
+* tied checkpoint, untied model: the model's own copy of the alias gets the source's weight and
+  optimizer states (both copies start equal and train apart from there);
+* untied checkpoint, tied model: loads when the checkpoint's two copies are equal (every state the
+  alias holds); otherwise `CheckpointMismatchError` names the alias, and `strict=False` loads the
+  source's values for both (the checkpoint's other copy is ignored).
 
 Target layouts: ZeRO stage 0-3 at any data-parallel degree, fp32/fp16/bf16 (`ucp.deepspeed_targets`);
 DeepSpeed AutoTP tensor parallelism with ZeRO 0-3, where each TP rank loads the box of every full
@@ -54,7 +66,7 @@ from ucp import loss_scale
 from ucp.checkpoint import AtomicCheckpoint
 from ucp.config import load_options, ucp_options, without_ucp
 from ucp.deepspeed_save import SaveEvery, SaveStats, save, wait
-from ucp.deepspeed_targets import OPTIMIZER_STATES, Target, TargetTensor, target_for
+from ucp.deepspeed_targets import OPTIMIZER_STATES, Target, TargetTensor, module_aliases, target_for
 from ucp.deepspeed_layout import as_layout, place_by_layout
 from ucp.deepspeed_tp_target import with_tensor_parallel
 from ucp.errors import CorruptCheckpointError, UcpError, UnsupportedLayoutError
@@ -121,8 +133,10 @@ def load(engine, path: str | os.PathLike, *, bypass: bool = True, load_optimizer
          param_table: Sequence[ParamSpec] | None = None) -> dict:
     """Restore `engine` from the ucp checkpoint at `path`; returns the saved client state.
 
-    Everything is checked before the engine is touched: a missing, extra or reshaped parameter, or
-    an optimizer whose states differ from the checkpoint's, raises `CheckpointMismatchError`.
+    Everything is checked before the engine is touched: a missing, extra or reshaped parameter, an
+    optimizer whose states differ from the checkpoint's, or (strict) a weight the model ties that the
+    checkpoint holds as two different copies, raises `CheckpointMismatchError`. A tied alias of the
+    checkpoint that the model keeps untied loads its source's weight and states (module docstring).
     With `layout` (HMP included, see `ucp.deepspeed_layout`) each module tensor is the slice the
     layout gives this rank; `param_table` (default: the module's `ucp_param_table`) describes the
     full model.
@@ -175,25 +189,30 @@ def _check(ckpt: AtomicCheckpoint, target: Target, engine, load_optimizer_states
            model_names: set[str] | None = None) -> list[str]:
     params = ckpt.index["params"]
     for t in target.tensors:
-        if t.name not in params:
+        if t.name not in params and t.name not in ckpt.aliases:
             raise CheckpointMismatchError(f"{ckpt.path}: has no parameter '{t.name}', which the model has; "
                                           "was it saved from another model?")
-        saved = tuple(params[t.name]["shape"])
+        entry = ckpt.entry(t.name)  # a tied alias the model keeps untied gets its source's weight and states
+        saved = tuple(entry["shape"])
         if saved != t.shape:
             raise CheckpointMismatchError(f"{t.name}: the checkpoint holds shape {saved}, the model {t.shape}")
-        if t.kind == "param" and load_optimizer_states and params[t.name]["kind"] != "param":
-            raise CheckpointMismatchError(f"{t.name}: trainable in the model but {params[t.name]['kind']} in the "
+        if t.kind == "param" and load_optimizer_states and entry["kind"] != "param":
+            raise CheckpointMismatchError(f"{t.name}: trainable in the model but {entry['kind']} in the "
                                           "checkpoint, which has no optimizer state for it; pass "
                                           "load_optimizer_states=False to load weights only")
+    tied = module_aliases(engine.module)
     if strict:
-        known = model_names if model_names is not None else target.model_names()
-        extra = [n for n in params if n not in known]
+        for alias, source in tied.items():
+            if alias in params:
+                _check_untied_copy(ckpt, alias, source)
+        known = (model_names if model_names is not None else target.model_names()) | set(tied)
+        extra = [n for n in [*params, *ckpt.aliases] if n not in known]
         if extra:
             raise CheckpointMismatchError(f"{ckpt.path}: holds parameter '{extra[0]}' ({len(extra)} in all) that "
                                           "the model does not have; pass strict=False to ignore them")
     saved_states = _optimizer_states(ckpt, target, engine) if load_optimizer_states else []
     for t in target.tensors:
-        missing = [s for s in _states_of(t, saved_states) if s not in params[t.name]["states"]]
+        missing = [s for s in _states_of(t, saved_states) if s not in ckpt.entry(t.name)["states"]]
         if missing:
             raise CheckpointMismatchError(f"{ckpt.path}: parameter '{t.name}' has no state '{missing[0]}'; the "
                                           "index is damaged, convert the checkpoint again")
@@ -211,6 +230,19 @@ def _optimizer_states(ckpt: AtomicCheckpoint, target: Target, engine) -> list[st
             f"{type(engine.basic_optimizer).__name__} keeps {list(expected)}; use the same optimizer or pass "
             "load_optimizer_states=False")
     return saved_states
+
+
+def _check_untied_copy(ckpt: AtomicCheckpoint, alias: str, source: str) -> None:
+    """The model ties `alias` to `source`, the checkpoint holds both: only equal copies make one parameter."""
+    if source not in ckpt.index["params"] and source not in ckpt.aliases:
+        return  # reported as a missing parameter
+    copy, kept = ckpt.entry(alias), ckpt.entry(source)
+    for state in copy["states"]:
+        if (state not in kept["states"] or copy["shape"] != kept["shape"]
+                or not torch.equal(ckpt.tensor(alias, state), ckpt.tensor(source, state))):
+            raise CheckpointMismatchError(
+                f"{alias}: the model ties it to '{source}', but the checkpoint holds it untied with another "
+                f"'{state}'; pass strict=False to load '{source}' for both, or untie it in the model")
 
 
 def _agree(error: UcpError | None) -> None:
@@ -325,11 +357,11 @@ def _whole_owners(ckpt, target: Target, state_names: list[str], groups: dict) ->
 
 def _entry(ckpt: AtomicCheckpoint, key: tuple[str, str]) -> dict:
     name, state = key
-    return ckpt.index["params"][name]["states"][state]
+    return ckpt.entry(name)["states"][state]
 
 
 def _itemsize(ckpt: AtomicCheckpoint, name: str, state: str) -> int:
-    return TORCH_DTYPES[ckpt.index["params"][name]["states"][state]["dtype"]].itemsize
+    return TORCH_DTYPES[_entry(ckpt, (name, state))["dtype"]].itemsize
 
 
 def _full_box(shape) -> Box:
@@ -397,11 +429,10 @@ def _broadcast(ckpt, key: tuple[str, str], t: TargetTensor, value, owner: int, g
 
 
 def _restore_steps(ckpt: AtomicCheckpoint, target: Target) -> None:
-    params = ckpt.index["params"]
     groups: dict[int, set] = {}
     for t in target.tensors:
-        if t.kind == "param" and t.group is not None and "step" in params[t.name]:
-            groups.setdefault(t.group, set()).add(params[t.name]["step"])
+        if t.kind == "param" and t.group is not None and "step" in ckpt.entry(t.name):
+            groups.setdefault(t.group, set()).add(ckpt.entry(t.name)["step"])
     for group, steps in groups.items():
         if len(steps) != 1:
             raise CheckpointMismatchError(f"{ckpt.path}: parameters of optimizer group {group} were saved at "

@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from ucp import loss_scale
 from ucp.convert import TARGET_FILE_BYTES, build_index
-from ucp.deepspeed_targets import Target, TargetTensor, Zero3Target, target_for
+from ucp.deepspeed_targets import Target, TargetTensor, Zero3Target, module_aliases, target_for
 from ucp.deepspeed_tp_target import tp_size
 from ucp.errors import ConfigError, OutputExistsError, SaveError, UnsupportedLayoutError
 from ucp.format import FORMAT_NAME, INDEX_NAME, commit_index, commit_latest, fsync_dir, tensor_key
@@ -254,6 +254,7 @@ def _metadata(saver: Saver, prepared: _Prepared, tag: str, tag_dir: Path, client
                       "states": list(prepared.moments), "param_groups": groups},
         "lr_scheduler": _to_json(engine.lr_scheduler.state_dict()) if engine.lr_scheduler is not None else None,
         "client_state": _to_json(client_state or {}),
+        "aliases": module_aliases(engine.module),  # what DeepSpeed's own save lists in shared_params
     }
 
 
@@ -304,7 +305,7 @@ def _commit(prepared: _Prepared, save_dir: Path, tag: str, reports: list, meta: 
     fingerprint = hashlib.sha256(f"{tag_dir}:{time.time_ns()}".encode()).hexdigest()[:32]
     plan = ConversionPlan(params=params, source=meta["source"], optimizer=meta["optimizer"],
                           training=meta["training"], lr_scheduler=meta["lr_scheduler"],
-                          client_state=meta["client_state"])
+                          client_state=meta["client_state"], aliases=meta["aliases"])
     results = [{"file": f.name, "bytes": f.size,
                 "tensors": {k: (s.begin, s.end, crcs[k]) for k, s in prepared.layout.spans.items() if s.file == f.name}}
                for f in prepared.layout.files]

@@ -155,6 +155,19 @@ def _names(engine) -> dict:
     return {p: checkpoint_name(experts, n) for p, n in engine.param_names.items()}
 
 
+def module_aliases(module: torch.nn.Module) -> dict[str, str]:
+    """alias -> source for each parameter `module` holds under several names (a tied weight), as DeepSpeed's
+    engine lists them in a checkpoint's `shared_params`: the first name, in module order, is the source."""
+    first: dict[int, str] = {}
+    found = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            found[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return found
+
+
 def _buffers_and_frozen(target: Target, skip: set[int], zero3: bool) -> None:
     module = target.engine.module
     experts = local_expert_tensors(module)

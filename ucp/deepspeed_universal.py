@@ -63,11 +63,12 @@ def write_deepspeed_universal(plan: ConversionPlan, output: Path, executor: Exec
     bins = plan_bins(plan, executor.workers)
     tasks = [SaveBin(str(zero_dir), tuple(b), zero3, strict) for b in bins]
     written = executor.map(save_bin, tasks, total_bytes=sum(p.nbytes for p in plan.params), desc="convert")
+    aliases = 0 if zero3 else _save_aliases(plan, zero_dir)
     _save_optimizer_state(plan, zero_dir / "optimizer_state.pt", zero3)
     copied = _copy_model_files(plan, output, zero3)
     # `latest_universal` names the folder stock DeepSpeed loads; written last, it is the commit point.
     (output.parent / "latest_universal").write_text(output.name)
-    files = sum(w["files"] for w in written) + copied + 2
+    files = sum(w["files"] for w in written) + aliases + copied + 2
     return ConvertResult(output, len(plan.params), tuple(), sum(w["bytes"] for w in written), files_written=files)
 
 
@@ -91,6 +92,17 @@ def save_bin(task: SaveBin, report: Report) -> dict:
             torch.save(torch.tensor(p.step, dtype=torch.float32), folder / "step.pt")
             files += 1
     return {"files": files, "bytes": nbytes}
+
+
+def _save_aliases(plan: ConversionPlan, zero_dir: Path) -> int:
+    """ZeRO-1/2: `zero/<alias>/fp32.pt` holding its source's weight, as `ds_to_universal` writes one for every
+    module tensor without a folder (from the module's copy: under bf16 the rounded one, here the fp32 master).
+    Stock `load_universal` never reads it (an alias is no optimizer parameter); ZeRO-3 output has none."""
+    for alias, source in plan.aliases.items():
+        weight = torch.load(zero_dir / source / f"{WEIGHT_STATE}.pt", weights_only=True)["param"]
+        (zero_dir / alias).mkdir(parents=True, exist_ok=True)
+        torch.save({"param": weight}, zero_dir / alias / f"{WEIGHT_STATE}.pt")
+    return len(plan.aliases)
 
 
 def tp_keys(spec: PatternSpec) -> dict:

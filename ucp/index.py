@@ -69,6 +69,7 @@ class Index:
     version: int
     files: dict[str, DataFile]
     params: dict[str, ParamEntry]
+    aliases: dict[str, str]  # a tied weight's second name -> the parameter stored
 
 
 class _Fields:
@@ -118,7 +119,16 @@ def parse_index(raw, directory: str | os.PathLike, index_path: str | os.PathLike
         fields.count("crc32", limit=0xFFFFFFFF)
         if not _plain_name(name) or name in files:
             raise _bad(path, f"extra_files[{name!r}]", "is not a plain file name of its own in the folder")
-    return Index(version, files, params)
+    return Index(version, files, params, _aliases(top, path, params))
+
+
+def _aliases(top: _Fields, path: Path, params: dict[str, ParamEntry]) -> dict[str, str]:
+    aliases = top.get("aliases", (dict,), required=False) or {}
+    for alias, source in aliases.items():
+        if alias in params or not isinstance(source, str) or source not in params:
+            raise _bad(path, f"aliases[{alias!r}]", f"must name a stored parameter ({source!r} is none) and not be "
+                       "one itself")
+    return dict(aliases)
 
 
 def _training_state(top: _Fields, path: Path) -> None:

@@ -103,6 +103,8 @@ class ConversionPlan:
     # those left behind (name -> why); see `ucp.trainer_folders`.
     extra_files: dict[str, str] = field(default_factory=dict)
     left_out: dict[str, str] = field(default_factory=dict)
+    # alias -> source: a tied weight's second name (e.g. lm_head.weight -> embed_tokens.weight), stored once
+    aliases: dict[str, str] = field(default_factory=dict)
 
     def param(self, name: str) -> ParamPlan:
         for p in self.params:

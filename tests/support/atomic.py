@@ -1,5 +1,6 @@
 """Write ucp checkpoints from in-memory tensors through ucp's own writer (no DeepSpeed run needed),
-and copies of a checkpoint with an edited index (bad input for loaders).
+copies of a checkpoint with an edited index (bad input for loaders), and the comparison of two
+checkpoints tensor for tensor (an asynchronous save against `ucp convert` of the same step).
 
 Each state's bytes go to a raw source file; a `ConversionPlan` with one Unique fragment per state
 points at them, and `ucp.convert.write_atomic` converts it as it would a DeepSpeed checkpoint:
@@ -63,3 +64,24 @@ def with_edited_index(path: Path, copy: Path, edit: Callable[[dict], None]) -> P
     edit(index)
     (copy / "ucp_index.json").write_text(json.dumps(index))
     return copy
+
+
+def _entry(e: dict) -> dict:
+    # ZeRO-3 files keep each parameter's tail padding, which the live ranks' runs exclude, so the
+    # informational pattern's `padded_size` may differ; what the pattern is may not.
+    return {k: v for k, v in e.items() if k not in ("states", "pattern")} | {
+        "pattern": {k: v for k, v in e["pattern"].items() if k != "padded_size"}}
+
+
+def assert_same_checkpoint(saved, converted):
+    """Every state of every parameter torch.equal, and the same metadata, but for where it came from."""
+    assert saved.names == converted.names
+    for name in converted.names:
+        a, b = saved.index["params"][name], converted.index["params"][name]
+        assert _entry(a) == _entry(b), name
+        assert list(a["states"]) == list(b["states"]), name
+        for state in b["states"]:
+            x, y = saved.tensor(name, state), converted.tensor(name, state)
+            assert x.dtype == y.dtype and torch.equal(x, y), (name, state)
+    for key in ("training", "optimizer", "lr_scheduler", "client_state", "splits", "aliases"):
+        assert saved.index[key] == converted.index[key], key

@@ -83,6 +83,7 @@ class TinySpec:
     optimizer: str = "AdamW"
     steps: int = 3
     uc_info: bool = False  # model declares universal_checkpoint_info (Megatron-DeepSpeed style)
+    tie: str = ""  # "tied": head.weight is emb.weight; "untied": the same shapes, head.weight its own (train_tiny --tie)
 
     def __post_init__(self):
         if self.stage not in (0, 1, 2, 3):
@@ -95,15 +96,17 @@ class TinySpec:
             raise ValueError(f"world_size must divide {GLOBAL_BATCH}, got {self.world_size}")
         if self.steps < 0:
             raise ValueError(f"steps must be >= 0, got {self.steps}")
+        if self.tie not in ("", "tied", "untied"):
+            raise ValueError(f"tie must be '', 'tied' or 'untied', got {self.tie!r}")
 
     @property
     def name(self) -> str:
         s = f"z{self.stage}-{self.dtype}-dp{self.world_size}-{self.optimizer.lower()}-s{self.steps}"
-        return s + ("-ucinfo" if self.uc_info else "")
+        return s + ("-ucinfo" if self.uc_info else "") + (f"-{self.tie}" if self.tie else "")
 
     def train_args(self) -> list[str]:
         args = ["--stage", str(self.stage), "--dtype", self.dtype, "--optimizer", self.optimizer]
-        return args + (["--uc-info"] if self.uc_info else [])
+        return args + (["--uc-info"] if self.uc_info else []) + (["--tie", self.tie] if self.tie else [])
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,11 @@ The model is deliberately awkward for checkpoint conversion:
 * a frozen parameter ``proj.weight`` (``requires_grad=False``, not given to the optimizer);
 * a registered (persistent) buffer ``pos_scale``.
 
+With ``--tie tied`` the head reads DIM-wide features (``l2`` 9->7, ``proj`` 7x7, ``gain`` 7) and
+``head.weight`` is the very Parameter ``emb.weight`` (a tied embedding, as GPT-2 or Llama with
+``tie_word_embeddings``): the optimizer holds it once, DeepSpeed lists ``head.weight`` in
+``shared_params``. ``--tie untied`` is the same model with ``head.weight`` a parameter of its own.
+
 Data: global step ``s`` (0-based) always trains on the same global batch of 6 sequences drawn
 from ``torch.Generator().manual_seed(s)``; data-parallel rank ``r`` of ``dp`` takes the
 contiguous slice ``[r*6/dp, (r+1)*6/dp)``. Runs at DP 1, 2 and 3 therefore see identical
@@ -58,35 +63,38 @@ UC_INFO = {
 
 class TinyModel(torch.nn.Module):
 
-    def __init__(self):
+    def __init__(self, tie: str = ""):
         super().__init__()
         g = torch.Generator().manual_seed(INIT_SEED)
+        narrow = DIM if tie else NARROW  # the head's input width: a tied head is the embedding, VOCAB x DIM
+        self.tied = tie == "tied"
 
         def rnd(*shape, scale=0.5):
             return torch.nn.Parameter(torch.randn(*shape, generator=g) * scale)
 
         self.emb = torch.nn.Embedding(VOCAB, DIM)
         self.l1 = torch.nn.Linear(DIM, HIDDEN)
-        self.l2 = torch.nn.Linear(HIDDEN, NARROW)
-        self.proj = torch.nn.Linear(NARROW, NARROW, bias=False)
-        self.head = torch.nn.Linear(NARROW, VOCAB)
+        self.l2 = torch.nn.Linear(HIDDEN, narrow)
+        self.proj = torch.nn.Linear(narrow, narrow, bias=False)
+        self.head = torch.nn.Linear(narrow, VOCAB)
         # Replace default (global-RNG) init by a fixed-seed init, independent of torch.manual_seed.
         self.emb.weight = rnd(VOCAB, DIM, scale=1.0)
         self.l1.weight = rnd(HIDDEN, DIM)
         self.l1.bias = rnd(HIDDEN, scale=0.1)
-        self.l2.weight = rnd(NARROW, HIDDEN)
-        self.l2.bias = rnd(NARROW, scale=0.1)
-        self.proj.weight = rnd(NARROW, NARROW)
+        self.l2.weight = rnd(narrow, HIDDEN)
+        self.l2.bias = rnd(narrow, scale=0.1)
+        self.proj.weight = rnd(narrow, narrow)
         self.proj.weight.requires_grad_(False)
-        self.head.weight = rnd(VOCAB, NARROW)
+        self.head.weight = self.emb.weight if self.tied else rnd(VOCAB, narrow)
         self.head.bias = rnd(VOCAB, scale=0.1)
-        self.gain = torch.nn.Parameter(torch.ones(NARROW) + 0.1 * torch.randn(NARROW, generator=g))
+        self.gain = torch.nn.Parameter(torch.ones(narrow) + 0.1 * torch.randn(narrow, generator=g))
         self.register_buffer("pos_scale", torch.linspace(1.0, 0.5, SEQ_LEN))
 
     def param_groups(self):
+        head = [] if self.tied else [self.head.weight]  # a tied head is emb.weight, already in the group
         return [
             {
-                "params": [self.emb.weight, self.l1.weight, self.l2.weight, self.head.weight, self.gain],
+                "params": [self.emb.weight, self.l1.weight, self.l2.weight, *head, self.gain],
                 "weight_decay": GROUP_WEIGHT_DECAY[0],
             },
             {
@@ -117,6 +125,8 @@ def parse_args(argv=None):
     p.add_argument("--stage", type=int, choices=[0, 1, 2, 3], required=True)
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
     p.add_argument("--optimizer", choices=["Adam", "AdamW"], default="AdamW")
+    p.add_argument("--tie", choices=["", "tied", "untied"], default="",
+                   help="tied: head.weight is emb.weight (wider head input); untied: the same shapes, untied")
     p.add_argument("--steps", type=int, default=3, help="training steps to run (after a resume, if any)")
     p.add_argument("--save-dir", type=str, default=None)
     p.add_argument("--no-save", action="store_true")
@@ -313,7 +323,7 @@ def main(argv=None):
     rank = dist.get_rank()
     world_size = dist.get_world_size()
 
-    model = TinyModel()
+    model = TinyModel(args.tie)
     if args.uc_info:
         model.universal_checkpoint_info = dict(UC_INFO)
     config = ds_config(args, world_size)
