@@ -6,7 +6,6 @@ import contextlib
 import json
 import sys
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:

@@ -9,14 +9,14 @@ model, untied checkpoint into a tied one) hold, each with a negative control.
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
 
 import ucp
-from support.atomic import assert_same_checkpoint, with_edited_index
+from support.atomic import assert_same_checkpoint, with_added_param, with_edited_index
 from support.checkpoints import (TinySpec, load_ds_universal, read_tag, trained_losses, trained_state,
                                  ucp_load_errors, ucp_resume, ucp_save_run, ucp_stats, uninterrupted_losses)
 from ucp.cli.main import main as cli_main
@@ -171,27 +171,27 @@ def test_an_async_save_of_the_tied_model_equals_converting_deepspeeds_save(async
         assert_same_checkpoint(saved, ucp.open_checkpoint(bare))
 
 
-def _untied(index: dict) -> None:
-    """The index of an untied checkpoint whose two copies are equal: `head.weight` a parameter of its own,
-    its entry a copy of `emb.weight`'s (the same stored bytes)."""
-    index["params"]["head.weight"] = copy.deepcopy(index["params"]["emb.weight"])
+def _untie(index: dict) -> None:
+    """`head.weight` a parameter of its own: in the optimizer's group, no longer an alias."""
     index["optimizer"]["param_groups"][0]["params"].append("head.weight")
     del index["aliases"]
 
 
-def _untied_other(index: dict) -> None:
-    """An untied checkpoint whose `head.weight` is another weight of the same shape: the bytes of
-    `emb.weight`'s first moment, with their own checksum."""
-    _untied(index)
-    moment = index["params"]["emb.weight"]["states"]["exp_avg"]
-    index["params"]["head.weight"]["states"]["fp32"] = {**moment, "key": "emb.weight:exp_avg"}
+def untied_copy(path: Path, copy: Path, other: bool) -> Path:
+    """An untied checkpoint: `head.weight` stored on its own, a copy of every state of `emb.weight`, or
+    (`other`) another weight of the same shape, `emb.weight`'s first moment."""
+    ckpt = ucp.open_checkpoint(path)
+    states = {s: ckpt.tensor("emb.weight", s) for s in ("fp32", *MOMENTS)}
+    if other:
+        states["fp32"] = states["exp_avg"].clone()
+    return with_added_param(path, copy, "head.weight", "emb.weight", states, _untie)
 
 
 def test_an_untied_checkpoint_loads_into_the_tied_model_only_when_both_copies_are_equal(converted, ckpt_root,
                                                                                         tmp_path):
     path = converted(SAVED)
-    equal = with_edited_index(path, tmp_path / "equal", _untied)
-    other = with_edited_index(path, tmp_path / "other", _untied_other)
+    equal = untied_copy(path, tmp_path / "equal", other=False)
+    other = untied_copy(path, tmp_path / "other", other=True)
     results = ucp_load_errors([equal, other], SAVED, ckpt_root)
     assert results[0]["error"] is None and not results[0]["untouched"]
     assert "head.weight: the model ties it to 'emb.weight'" in results[1]["error"]

@@ -30,12 +30,13 @@ from ucp.balance import lpt_bins
 from ucp.errors import OutputExistsError, UcpError
 from ucp.executor import Executor, LocalExecutor, Report, ShuffleExecutor
 from ucp.fileio import writing_alone
+from ucp.index import stored_shape
 from ucp.format import (FORMAT_NAME, FORMAT_VERSION, INDEX_NAME, PARTIAL_SUFFIX, commit_index, data_file_name,
                         fsync_dir, is_ucp_file, load_index, tensor_key)
 from ucp.manifest import MANIFEST_SUFFIX, BinCheck, manifest_name, remove_manifests, reusable_bin, write_manifest
 from ucp.plan import ConversionPlan, ParamPlan, StateSource
 from ucp.safetensors_stream import StreamingWriter, TensorSlot
-from ucp.splits import SplitPolicy, apply_split_policy, stored_shape, to_split_major
+from ucp.splits import SplitPolicy, apply_split_policy, to_split_major
 from ucp.trainer_folders import left_out_summary
 
 if TYPE_CHECKING:

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 import torch
 
 from ucp.errors import UcpError
-from ucp.index import stored_shape
 from ucp.layout import split_bounds
 from ucp.plan import ConversionPlan
 

@@ -17,9 +17,11 @@ import torch
 
 from ucp.convert import write_atomic
 from ucp.executor import LocalExecutor
+from ucp.format import tensor_key
 from ucp.fileio import tensor_bytes
 from ucp.patterns import FragmentInfo, Pattern, PatternSpec
 from ucp.plan import ConversionPlan, Fragment, ParamPlan, Piece, StateSource
+from ucp.safetensors_stream import StreamingWriter, TensorSlot
 from ucp.splits import SplitPolicy, apply_split_policy
 
 ADAM_STATES = ("fp32", "exp_avg", "exp_avg_sq")
@@ -62,6 +64,31 @@ def with_edited_index(path: Path, copy: Path, edit: Callable[[dict], None]) -> P
     shutil.copytree(path, copy)
     index = json.loads((copy / "ucp_index.json").read_text())
     edit(index)
+    (copy / "ucp_index.json").write_text(json.dumps(index))
+    return copy
+
+
+def with_added_param(path: Path, copy: Path, name: str, like: str, states: dict[str, torch.Tensor],
+                     edit: Callable[[dict], None] | None = None) -> Path:
+    """A copy of the ucp checkpoint at `path` at `copy` that also holds parameter `name`: an entry like
+    `like`'s, its `states` stored in a data file of their own (through ucp's writer), then `edit`."""
+    shutil.copytree(path, copy)
+    index = json.loads((copy / "ucp_index.json").read_text())
+    file_name = "data-added.safetensors"
+    slots = [TensorSlot(tensor_key(name, state), str(t.dtype).removeprefix("torch."), tuple(t.shape))
+             for state, t in states.items()]
+    writer = StreamingWriter(str(copy / file_name), slots)
+    entry = dict(index["params"][like], states={})
+    for slot, t in zip(slots, states.values()):
+        stored = writer.write(slot.key, t.contiguous())
+        entry["states"][slot.key.rsplit(":", 1)[1]] = {"file": file_name, "key": slot.key, "dtype": slot.dtype,
+                                                       "shape": list(slot.shape), "offsets": [stored.begin, stored.end],
+                                                       "crc32": stored.crc32}
+    writer.close()
+    index["files"][file_name] = {"bytes": writer.size}
+    index["params"][name] = entry
+    if edit is not None:
+        edit(index)
     (copy / "ucp_index.json").write_text(json.dumps(index))
     return copy
 

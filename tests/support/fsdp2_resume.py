@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
 import torch
 from train_hf_model import OPTIMIZER, build_model, rows
@@ -90,4 +89,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from script_exit import exit_without_finalizing
+    exit_without_finalizing(main())

@@ -127,5 +127,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from script_exit import exit_without_finalizing
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    main()
+    exit_without_finalizing(main())

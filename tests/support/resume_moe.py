@@ -21,7 +21,6 @@ of a step is the mean over ranks of their losses.
 """
 import argparse
 import os
-import sys
 
 import torch
 
@@ -125,4 +124,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from script_exit import exit_without_finalizing
+    exit_without_finalizing(main())

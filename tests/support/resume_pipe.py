@@ -21,7 +21,6 @@ import argparse
 import hashlib
 import json
 import os
-import sys
 
 import torch
 
@@ -135,4 +134,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from script_exit import exit_without_finalizing
+    exit_without_finalizing(main())

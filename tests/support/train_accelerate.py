@@ -84,4 +84,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from script_exit import exit_without_finalizing
+    exit_without_finalizing(main())

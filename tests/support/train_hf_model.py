@@ -21,7 +21,6 @@ ranks of each rank's mean loss (which is what DeepSpeed's averaged gradients dif
 from __future__ import annotations
 
 import argparse
-import sys
 
 import torch
 
@@ -113,6 +112,8 @@ def train_one(run: dict, args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
+    from script_exit import exit_without_finalizing
     from multi_run import run_all
 
-    sys.exit(run_all(train_one, "{model: llama|gpt2, stage, dtype: fp32|bf16, save_dir, dump_state, after}"))
+    exit_without_finalizing(run_all(train_one,
+                                    "{model: llama|gpt2, stage, dtype: fp32|bf16, save_dir, dump_state, after}"))

@@ -27,7 +27,6 @@ record its error and whether the engine was left untouched.
 """
 import argparse
 import json
-import sys
 
 import torch
 from multi_run import run_all, save_and_close
@@ -200,5 +199,6 @@ def swap_row_parallel_blocks() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(run_all(train_one, "{stage, dtype, tied, save_dir, dump_state, frozen, llama, resume options}",
-                     add_arguments=lambda p: p.add_argument("--tp", type=int, default=2)))
+    from script_exit import exit_without_finalizing
+    exit_without_finalizing(run_all(train_one, "{stage, dtype, tied, save_dir, dump_state, frozen, llama, resume options}",
+                                    add_arguments=lambda p: p.add_argument("--tp", type=int, default=2)))

@@ -41,7 +41,6 @@ client state, which lands under the same key).
 import argparse
 import json
 import os
-import sys
 from dataclasses import asdict
 
 import torch
@@ -398,4 +397,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from script_exit import exit_without_finalizing
+    exit_without_finalizing(main())

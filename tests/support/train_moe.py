@@ -16,7 +16,6 @@ rank's local expert ids mapped to global ones from DeepSpeed's own expert-parall
 """
 import argparse
 import re
-import sys
 
 import torch
 import torch.nn.functional as F
@@ -133,4 +132,5 @@ def train_one(run: dict, args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(run_all(train_one, "{stage, dtype, ep_size, save_dir, dump_state}"))
+    from script_exit import exit_without_finalizing
+    exit_without_finalizing(run_all(train_one, "{stage, dtype, ep_size, save_dir, dump_state}"))

@@ -20,7 +20,6 @@ sync by all-reducing its gradient between the two stages, so both copies stay id
 which changes the layer file names to ``layer_XX-model_00-model_states.pt``.
 """
 import argparse
-import sys
 
 import torch
 import torch.nn.functional as F
@@ -128,4 +127,5 @@ def train_one(run: dict, args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(run_all(train_one, "{stage, dtype, topology, save_dir, dump_state}"))
+    from script_exit import exit_without_finalizing
+    exit_without_finalizing(run_all(train_one, "{stage, dtype, topology, save_dir, dump_state}"))

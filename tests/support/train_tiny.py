@@ -30,7 +30,6 @@ fp32 from the forward pass of that step (i.e. before the optimizer update of tha
 import argparse
 import json
 import os
-import sys
 
 import torch
 import torch.nn.functional as F
@@ -391,4 +390,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from script_exit import exit_without_finalizing
+    exit_without_finalizing(main())
