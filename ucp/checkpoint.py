@@ -5,6 +5,7 @@ names (`exp_avg`, `exp_avg_sq` for Adam), `step`; buffers hold one state, `value
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -162,6 +163,19 @@ class PlannedCheckpoint:
         if state not in p.states:
             raise KeyError(f"{name}: no state '{state}' (has {', '.join(self.states(name))})")
         return materialize(p.states[state], name=name, strict=verify, counter=self.counter)
+
+    @functools.cached_property
+    def index(self) -> dict:
+        """The index `ucp convert` would write for this checkpoint, less where its states would be stored:
+        each state's entry gives its dtype and shape only."""
+        from ucp.convert import param_entry
+
+        params = {}
+        for p in self.plan.params:
+            params[p.name] = param_entry(p, {s: {"dtype": src.dtype, "shape": list(p.shape)}
+                                             for s, src in p.states.items()})
+        return {"source": self.plan.source, "training": self.plan.training, "optimizer": self.plan.optimizer,
+                "lr_scheduler": self.plan.lr_scheduler, "client_state": self.plan.client_state, "params": params}
 
     @property
     def step(self) -> int | None:

@@ -1,0 +1,130 @@
+"""The hook's two read sources agree: a DeepSpeed checkpoint read through its plan gives, for any run or
+box a rank wants, exactly what the converted checkpoint gives, from exactly the bytes that hold it.
+
+In-process (no engine): `TargetTensor`s stand in for the partitions ZeRO targets want.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import ucp
+from support.checkpoints import TinySpec
+from ucp.convert import convert
+from ucp.deepspeed import LoadStats
+from ucp.deepspeed_targets import TargetTensor
+from ucp.load_plan import ByteRange
+from ucp.load_source import AtomicSource, PlannedSource, box_numel
+from ucp.patterns import FragmentInfo, Pattern, PatternSpec
+from ucp.plan import Fragment, Piece, StateSource
+from ucp.slice_read import FlatRun, flat_runs, run_reads
+
+SOURCES = [TinySpec(stage=2), TinySpec(stage=3, dtype="bf16", world_size=3)]
+
+
+def _flat_source(runs: list[tuple[int, int]], shape: tuple[int, ...]) -> StateSource:
+    """ZeRO-style partitions: (byte offset in "f", numel) per rank, tiling the padded flat tensor in rank order."""
+    fragments, offset = [], 0
+    for rank, (byte_offset, numel) in enumerate(runs):
+        fragments.append(Fragment(FragmentInfo(rank, (numel,), offset), Piece("f", byte_offset, numel, "float32")))
+        offset += numel
+    return StateSource(PatternSpec(Pattern.SHARD_V, shape, flat=True, padded_size=offset), tuple(fragments))
+
+
+def test_a_run_of_elements_maps_to_the_overlapping_bytes_of_each_partition():
+    runs = flat_runs(_flat_source([(100, 4), (500, 4), (900, 4)], (11,)))
+    assert runs == (FlatRun(0, Piece("f", 100, 4, "float32")), FlatRun(4, Piece("f", 500, 4, "float32")),
+                    FlatRun(8, Piece("f", 900, 4, "float32")))
+    assert run_reads(runs, 3, 9, 4) == [ByteRange("f", 112, 116), ByteRange("f", 500, 516), ByteRange("f", 900, 904)]
+    assert run_reads(runs, 5, 7, 4) == [ByteRange("f", 504, 512)]
+    assert run_reads(runs, 4, 4, 4) == []
+    with pytest.raises(ValueError):
+        run_reads(runs, 10, 13, 4)  # past the padded tensor
+
+
+def test_only_flat_runs_and_whole_tensors_are_read_by_range():
+    one = Fragment(FragmentInfo(0, (2, 3)), Piece("m", 8, 6, "bfloat16"))
+    whole = StateSource(PatternSpec(Pattern.UNIQUE, (2, 3)), (one,))
+    assert flat_runs(whole) == (FlatRun(0, Piece("m", 8, 6, "bfloat16")),)
+    copies = StateSource(PatternSpec(Pattern.REPLICATE, (2, 3)),
+                         tuple(Fragment(FragmentInfo(r, (2, 3)), Piece("m", 100 * r, 6, "float32")) for r in (0, 1)))
+    assert flat_runs(copies) is None  # copies must be compared: materialised whole
+    rows = StateSource(PatternSpec(Pattern.SHARD_V, (4, 3), dim=0),
+                       tuple(Fragment(FragmentInfo(r, (2, 3)), Piece("m", 100 * r, 6, "float32")) for r in (0, 1)))
+    assert flat_runs(rows) is None
+
+
+@pytest.fixture(scope="module")
+def sources(tiny_checkpoint, tmp_path_factory):
+    """spec -> (planned source of the DeepSpeed checkpoint, atomic source of its conversion)."""
+    out = {}
+    for spec in SOURCES:
+        raw = tiny_checkpoint(spec)
+        converted = tmp_path_factory.mktemp("atomic") / spec.name
+        convert(raw, converted, workers=1, progress=False)
+        out[spec] = (PlannedSource(ucp.open_checkpoint(raw)), AtomicSource(ucp.open_checkpoint(converted)))
+    return out
+
+
+def _partitions(name: str, shape: tuple[int, ...], kind: str, dp: int) -> list[TargetTensor]:
+    """What ZeRO-3 ranks 0..dp-1 want of a tensor: ceil(numel / dp) elements each, the last one fewer."""
+    numel = math.prod(shape)
+    per = -(-numel // dp)
+    return [TargetTensor(name, kind, shape, r * per, max(0, min(per, numel - r * per)), False, lambda s: None)
+            for r in range(dp)]
+
+
+def _read(source, key, t: TargetTensor, *, bypass: bool = True) -> tuple[torch.Tensor, LoadStats]:
+    stats = LoadStats()
+    return source.read({key: t}, [key], bypass, stats)[key], stats
+
+
+@pytest.mark.parametrize("spec", SOURCES, ids=lambda s: s.name)
+def test_every_partition_equals_the_converted_one_and_reads_only_its_bytes(spec, sources):
+    planned, atomic = sources[spec]
+    for name, entry in atomic.ckpt.index["params"].items():
+        shape = tuple(entry["shape"])
+        for state in entry["states"]:
+            key = (name, state)
+            stored = planned.ckpt.plan.param(name).states[state].fragments[0].piece.dtype
+            itemsize = torch.empty(0, dtype=getattr(torch, stored)).element_size()
+            for dp in (1, 2, 3):
+                for t in _partitions(name, shape, entry["kind"], dp):
+                    if t.numel == 0:
+                        continue
+                    got, stats = _read(planned, key, t)
+                    want, _ = _read(atomic, key, t)
+                    assert got.dtype == want.dtype and torch.equal(got, want), (key, dp, t.start)
+                    assert stats.bytes_read == t.numel * itemsize, (key, dp, t.start)
+
+
+@pytest.mark.parametrize("spec", SOURCES, ids=lambda s: s.name)
+def test_boxes_and_whole_tensors_equal_the_converted_ones(spec, sources):
+    planned, atomic = sources[spec]
+    for name, entry in atomic.ckpt.index["params"].items():
+        shape = tuple(entry["shape"])
+        cuts = [((1, shape[0]), (0, shape[1])), ((0, shape[0]), (1, shape[1] - 1))]  # rows; columns
+        boxes = [None] + (cuts if len(shape) == 2 else [])
+        for state in entry["states"]:
+            key = (name, state)
+            for box in boxes:
+                n = math.prod(hi - lo for lo, hi in box) if box else math.prod(shape)
+                whole = TargetTensor(name, entry["kind"], shape, 0, n, True, lambda s: None, box=box)
+                part = TargetTensor(name, entry["kind"], shape, 1, n - 2, False, lambda s: None, box=box)
+                for t in (whole, part):
+                    for bypass in (True, False):
+                        got, _ = _read(planned, key, t, bypass=bypass)
+                        want, _ = _read(atomic, key, t, bypass=bypass)
+                        if bypass and planned.shared(key, t) and not t.whole:
+                            got = got.narrow(0, t.start, t.numel)  # a shared key's reader gets the whole box
+                        assert box_numel(t) == n and torch.equal(got, want), (key, box, t.whole, bypass)
+
+
+def test_negative_control_another_partition_differs(sources):
+    planned, atomic = sources[SOURCES[0]]
+    first, second = _partitions("l1.weight", (9, 7), "param", 2)
+    second.numel = first.numel
+    assert not torch.equal(_read(planned, ("l1.weight", "fp32"), first)[0],
+                           _read(atomic, ("l1.weight", "fp32"), second)[0])

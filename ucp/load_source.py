@@ -1,0 +1,206 @@
+"""Where the DeepSpeed hook's bytes come from: a ucp checkpoint's index, or a DeepSpeed checkpoint's plan.
+
+Both sources answer the same question for one layer: the elements each `TargetTensor` wants of
+each state, read by byte offset. A key (parameter, state) is *shared* when one rank of the
+data-parallel group reads the target's whole box and broadcasts it (`ucp.deepspeed` assigns the
+readers and broadcasts); every other key is read by the rank that wants it, exactly its bytes
+where storage allows.
+
+* `AtomicSource` — a ucp checkpoint: states are whole, logical tensors at known offsets
+  (`ucp.slice_read`); shared keys are those the whole group wants (ZeRO-0 models, frozen
+  parameters, buffers). A read that covers a whole stored state checks its CRC-32.
+* `PlannedSource` — a DeepSpeed checkpoint, resharded on the fly through its `ConversionPlan`. A
+  state stored as runs of its flattened tensor (ZeRO-1/2/3 partitions, or one whole tensor in the
+  module) serves any run of wanted elements from just the overlapping bytes of the rank files
+  (`ucp.slice_read.run_reads`), cast to the state's dtype as `ucp convert` would; a TP box reads
+  the rows that cover it. Any other state (TP shards, pipeline-tied copies, experts' replicas) is
+  materialised whole by one rank of the group (`ucp.assemble.materialize`: Union with replicas
+  compared, StripPad) and broadcast, so it is shared even when each rank wants a part of it.
+
+What is verified on the planned path: the plan itself (every rank file present, partitions tiling
+every tensor, partition counts and groups agreeing across files, see `ucp.converters`), every read
+lying inside its file (a truncated file fails the read), and replicas agreeing where a state is
+materialised. Not verified: the bytes of ZeRO partitions. A torch zip entry carries a CRC-32 of the
+whole entry only (a rank's flat partition of a whole param group), and a rank reads parts of it;
+run `ucp convert` and `ucp verify` where the source's integrity is in doubt.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+from pathlib import Path
+
+import torch
+
+from ucp.assemble import materialize
+from ucp.checkpoint import AtomicCheckpoint, PlannedCheckpoint
+from ucp.deepspeed_targets import TargetTensor
+from ucp.errors import CorruptCheckpointError
+from ucp.fileio import ReadCounter, pread_into, tensor_bytes
+from ucp.layout import Box
+from ucp.load_plan import ByteRange, coalesce
+from ucp.plan import StateSource
+from ucp.safetensors_stream import TORCH_DTYPES
+from ucp.slice_read import FlatRun, SliceRead, flat_runs, plan_flat_read, plan_slice_read, run_reads
+from ucp.splits import box_of_read
+
+Key = tuple[str, str]
+
+
+def source_for(ckpt: AtomicCheckpoint | PlannedCheckpoint) -> AtomicSource | PlannedSource:
+    return AtomicSource(ckpt) if isinstance(ckpt, AtomicCheckpoint) else PlannedSource(ckpt)
+
+
+def fetch(root: Path, ranges: list[ByteRange], counter: ReadCounter) -> dict[ByteRange, torch.Tensor]:
+    """The bytes of every range (relative to `root` unless absolute), touching ranges of a file read at once."""
+    chunks = {}
+    for merged, parts in coalesce(ranges):
+        buf = torch.empty(merged.nbytes, dtype=torch.uint8)
+        pread_into(str(root / merged.file), buf, merged.begin, counter)
+        for part in parts:
+            chunks[part] = buf.narrow(0, part.begin - merged.begin, part.nbytes)
+    return chunks
+
+
+def box_numel(t: TargetTensor) -> int:
+    """Elements of the part of the full tensor `t`'s module holds (what a shared key broadcasts)."""
+    return math.prod(hi - lo for lo, hi in t.box) if t.box is not None else math.prod(t.shape)
+
+
+def _full_box(shape) -> Box:
+    return tuple((0, n) for n in shape)
+
+
+def _of_box(full: torch.Tensor, box: Box | None) -> torch.Tensor:
+    """`box` of a full tensor, flat."""
+    for dim, (lo, hi) in enumerate(box or ()):
+        full = full.narrow(dim, lo, hi - lo)
+    return full.reshape(-1)
+
+
+def _count(stats, counter: ReadCounter) -> None:
+    stats.bytes_read += counter.bytes
+    stats.read_calls += counter.calls
+
+
+class AtomicSource:
+    """A ucp checkpoint, read through its index."""
+
+    def __init__(self, ckpt: AtomicCheckpoint):
+        self.ckpt = ckpt
+
+    def _entry(self, key: Key) -> dict:
+        name, state = key
+        return self.ckpt.index["params"][name]["states"][state]
+
+    def dtype(self, key: Key) -> torch.dtype:
+        return TORCH_DTYPES[self._entry(key)["dtype"]]
+
+    def shared(self, key: Key, t: TargetTensor) -> bool:
+        return t.whole
+
+    def read(self, wants: dict[Key, TargetTensor], readers: list[Key], bypass: bool, stats) -> dict:
+        """This rank's reads for one layer, coalesced: key -> wanted elements (flat), for `readers` the box.
+
+        With bypass a rank reads exactly its elements when they are contiguous in storage, else the
+        covering part of its box (`ucp.slice_read`); without, every tensor it touches whole.
+        """
+        plan: dict[Key, SliceRead] = {}
+        for key in readers:
+            t = wants[key]
+            e = self._entry(key)
+            itemsize = TORCH_DTYPES[e["dtype"]].itemsize
+            box = t.box or _full_box(e["shape"])
+            exact = plan_flat_read(key, e, box, t.start, t.numel, itemsize) if bypass else None
+            plan[key] = exact or plan_slice_read(key, e, box if bypass else _full_box(e["shape"]), itemsize)
+        counter = ReadCounter()
+        chunks = fetch(self.ckpt.path, [r.range for r in plan.values()], counter)
+        _count(stats, counter)
+        values = {}
+        for key, read in plan.items():
+            e, t = self._entry(key), wants[key]
+            raw = chunks[read.range]
+            if read.whole and zlib.crc32(tensor_bytes(raw)) != e["crc32"]:
+                raise CorruptCheckpointError(f"{self.ckpt.path / e['file']}: {key[0]}:{key[1]} fails its checksum; "
+                                             "the file is damaged, convert again or restore it from a copy")
+            flat = raw.view(TORCH_DTYPES[e["dtype"]])
+            if read.range.nbytes != t.numel * flat.element_size() or read.narrow or read.dim is not None:
+                values[key] = _elements(flat, e, t, read, bypass)
+            else:
+                values[key] = flat
+        return values
+
+
+def _elements(flat: torch.Tensor, e: dict, t: TargetTensor, read: SliceRead, bypass: bool) -> torch.Tensor:
+    """`t`'s elements [start, start + numel) of its box, from a read of (a cover of) the box or the whole tensor."""
+    shape = tuple(e["shape"])
+    read_box = (t.box or _full_box(shape)) if bypass else _full_box(shape)
+    tensor = box_of_read(flat, shape, read, tuple(hi - lo for lo, hi in read_box))
+    if t.box is not None and not bypass:
+        for dim, (lo, hi) in enumerate(t.box):
+            tensor = tensor.narrow(dim, lo, hi - lo)
+    return tensor.reshape(-1).narrow(0, t.start, t.numel)
+
+
+class PlannedSource:
+    """A DeepSpeed checkpoint, read through its conversion plan (see the module docstring)."""
+
+    def __init__(self, ckpt: PlannedCheckpoint):
+        self.ckpt = ckpt
+        self._params = {p.name: p for p in ckpt.plan.params}
+        self._runs: dict[Key, tuple[FlatRun, ...] | None] = {}
+
+    def _state(self, key: Key) -> StateSource:
+        return self._params[key[0]].states[key[1]]
+
+    def _flat(self, key: Key) -> tuple[FlatRun, ...] | None:
+        if key not in self._runs:
+            self._runs[key] = flat_runs(self._state(key))
+        return self._runs[key]
+
+    def dtype(self, key: Key) -> torch.dtype:
+        return TORCH_DTYPES[self._state(key).dtype]
+
+    def shared(self, key: Key, t: TargetTensor) -> bool:
+        return t.whole or self._flat(key) is None
+
+    def read(self, wants: dict[Key, TargetTensor], readers: list[Key], bypass: bool, stats) -> dict:
+        """This rank's reads for one layer: key -> wanted elements (flat, in the state's dtype); for
+        shared keys the whole box. Runs of flat-stored states are read exactly (rows covering a TP
+        box), touching ranges coalesced; other states, and all of them without bypass, whole."""
+        counter = ReadCounter()
+        ranges: dict[Key, tuple[int, list[ByteRange]]] = {}
+        values = {}
+        for key in readers:
+            t, runs = wants[key], self._flat(key)
+            if not bypass or runs is None:
+                full = materialize(self._state(key), name=key[0], strict=True, counter=counter)
+                values[key] = self._wanted(_of_box(full, t.box), key, t, bypass)
+                continue
+            lo, hi = self._span(key, t)
+            ranges[key] = (lo, run_reads(runs, lo, hi, TORCH_DTYPES[runs[0].piece.dtype].itemsize))
+        chunks = fetch(Path("/"), [r for _, rs in ranges.values() for r in rs], counter)
+        _count(stats, counter)
+        for key, (lo, parts) in ranges.items():
+            t, runs = wants[key], self._flat(key)
+            stored = torch.cat([chunks[r] for r in parts]).view(TORCH_DTYPES[runs[0].piece.dtype])
+            values[key] = self._from_span(stored.to(self.dtype(key)), lo, key, t)
+        return values
+
+    def _wanted(self, box: torch.Tensor, key: Key, t: TargetTensor, bypass: bool) -> torch.Tensor:
+        """A shared key's whole box; else the target's run of it."""
+        return box if bypass and self.shared(key, t) else box.narrow(0, t.start, t.numel)
+
+    def _span(self, key: Key, t: TargetTensor) -> tuple[int, int]:
+        """The elements [lo, hi) of the flattened tensor to read: the target's run, or the rows covering its box."""
+        if t.box is None or t.box == _full_box(t.shape):
+            return (0, box_numel(t)) if self.shared(key, t) else (t.start, t.start + t.numel)
+        row = math.prod(t.shape[1:])
+        return t.box[0][0] * row, t.box[0][1] * row
+
+    def _from_span(self, span: torch.Tensor, lo: int, key: Key, t: TargetTensor) -> torch.Tensor:
+        if t.box is None or t.box == _full_box(t.shape):
+            return span
+        rows = span.reshape(-1, *t.shape[1:])
+        box = ((0, rows.shape[0]),) + tuple(t.box[1:])
+        return self._wanted(_of_box(rows, box), key, t, True)
