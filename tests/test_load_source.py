@@ -105,8 +105,9 @@ def test_boxes_and_whole_tensors_equal_the_converted_ones(spec, sources):
     planned, atomic = sources[spec]
     for name, entry in atomic.ckpt.index["params"].items():
         shape = tuple(entry["shape"])
-        cuts = [((1, shape[0]), (0, shape[1])), ((0, shape[0]), (1, shape[1] - 1))]  # rows; columns
-        boxes = [None] + (cuts if len(shape) == 2 else [])
+        boxes = [None]
+        if len(shape) == 2:  # cut along rows; along columns
+            boxes += [((1, shape[0]), (0, shape[1])), ((0, shape[0]), (1, shape[1] - 1))]
         for state in entry["states"]:
             key = (name, state)
             for box in boxes:
