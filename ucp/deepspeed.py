@@ -7,7 +7,9 @@ or, after `deepspeed.initialize`, `ucp.deepspeed.load(engine, path)` and
 `ucp.deepspeed.save(engine, dir)` (asynchronous; `ucp.deepspeed.wait(engine)` blocks until it is
 committed, and runs at exit too; see `ucp.deepspeed_save`). The `"ucp"` config section:
 
-* `load` (str): the atomic checkpoint to restore, or a save directory (its `latest` is restored).
+* `load` (str): the atomic checkpoint to restore, or a save directory (its `latest` is restored);
+  or a DeepSpeed checkpoint (save directory with `latest`, or a tag folder), resharded on the fly
+  without conversion (`ucp.load_source`).
 * `save` (dict): `{"dir": str, "every": int}` saves asynchronously into `<dir>/global_step<N>`
   after every `every`-th optimizer step (`engine.step` is wrapped; nothing else to call), and
   moves `<dir>/latest` once each is committed. A save that finds the previous one still writing
@@ -55,10 +57,9 @@ from ucp.deepspeed_tp_target import with_tensor_parallel
 from ucp.errors import UcpError, UnsupportedLayoutError
 from ucp.layout import Layout, ParamSpec
 from ucp.load_plan import assign_readers
-from ucp.load_source import AtomicSource, PlannedSource, box_numel, source_for
+from ucp.load_source import Source, box_numel, source_for
 
 CONFIG_KEY = "ucp"
-Source = AtomicSource | PlannedSource
 Checkpoint = AtomicCheckpoint | PlannedCheckpoint
 __all__ = ["CheckpointMismatchError", "LoadStats", "SaveStats", "initialize", "load", "save", "wait"]
 
@@ -269,8 +270,11 @@ def _load_tensors(source: Source, target: Target, state_names: list[str], bypass
 
 def _mine(wants: dict[tuple, TargetTensor], owners: dict, me: int) -> list[tuple]:
     """The keys this rank reads: shared ones it was assigned (their whole box), the rest where it holds elements."""
-    return [key for key, t in wants.items()
-            if (owners[key] == me and box_numel(t) > 0 if key in owners else t.numel > 0)]
+    mine = []
+    for key, t in wants.items():
+        if (owners[key] == me and box_numel(t) > 0) if key in owners else t.numel > 0:
+            mine.append(key)
+    return mine
 
 
 def _dp_groups(target: Target) -> dict[int, tuple[tuple[int, ...], object]]:

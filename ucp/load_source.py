@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 import zlib
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -47,7 +48,23 @@ from ucp.splits import box_of_read
 Key = tuple[str, str]
 
 
-def source_for(ckpt: AtomicCheckpoint | PlannedCheckpoint) -> AtomicSource | PlannedSource:
+class Source(Protocol):
+    """What the hook reads through; `ckpt` answers the checks (its `index`, optimizer, training state)."""
+
+    ckpt: AtomicCheckpoint | PlannedCheckpoint
+
+    def dtype(self, key: Key) -> torch.dtype:
+        """The dtype the state's values come in (what the atomic format stores)."""
+
+    def shared(self, key: Key, t: TargetTensor) -> bool:
+        """Whether one rank of `t`'s data-parallel group reads `t`'s whole box for the group."""
+
+    def read(self, wants: dict[Key, TargetTensor], readers: list[Key], bypass: bool, stats) -> dict:
+        """Read `readers` (keys of `wants`, one layer's): key -> the target's elements, flat; the whole box
+        for a shared key (with `bypass`). Adds to `stats.bytes_read` and `stats.read_calls`."""
+
+
+def source_for(ckpt: AtomicCheckpoint | PlannedCheckpoint) -> Source:
     return AtomicSource(ckpt) if isinstance(ckpt, AtomicCheckpoint) else PlannedSource(ckpt)
 
 
@@ -100,7 +117,7 @@ class AtomicSource:
         return t.whole
 
     def read(self, wants: dict[Key, TargetTensor], readers: list[Key], bypass: bool, stats) -> dict:
-        """This rank's reads for one layer, coalesced: key -> wanted elements (flat), for `readers` the box.
+        """This rank's reads for one layer, coalesced (see `Source.read`).
 
         With bypass a rank reads exactly its elements when they are contiguous in storage, else the
         covering part of its box (`ucp.slice_read`); without, every tensor it touches whole.
@@ -165,11 +182,11 @@ class PlannedSource:
         return t.whole or self._flat(key) is None
 
     def read(self, wants: dict[Key, TargetTensor], readers: list[Key], bypass: bool, stats) -> dict:
-        """This rank's reads for one layer: key -> wanted elements (flat, in the state's dtype); for
-        shared keys the whole box. Runs of flat-stored states are read exactly (rows covering a TP
-        box), touching ranges coalesced; other states, and all of them without bypass, whole."""
+        """This rank's reads for one layer (see `Source.read`), in the states' dtypes. Runs of flat-stored
+        states are read exactly (the rows covering a TP box), touching ranges coalesced; other states,
+        and all of them without bypass, whole."""
         counter = ReadCounter()
-        ranges: dict[Key, tuple[int, list[ByteRange]]] = {}
+        ranges: dict[Key, list[ByteRange]] = {}
         values = {}
         for key in readers:
             t, runs = wants[key], self._flat(key)
@@ -177,14 +194,12 @@ class PlannedSource:
                 full = materialize(self._state(key), name=key[0], strict=True, counter=counter)
                 values[key] = self._wanted(_of_box(full, t.box), key, t, bypass)
                 continue
-            lo, hi = self._span(key, t)
-            ranges[key] = (lo, run_reads(runs, lo, hi, TORCH_DTYPES[runs[0].piece.dtype].itemsize))
-        chunks = fetch(Path("/"), [r for _, rs in ranges.values() for r in rs], counter)
+            ranges[key] = run_reads(runs, *self._span(key, t), TORCH_DTYPES[runs[0].piece.dtype].itemsize)
+        chunks = fetch(Path(), [r for rs in ranges.values() for r in rs], counter)  # pieces name their files
         _count(stats, counter)
-        for key, (lo, parts) in ranges.items():
-            t, runs = wants[key], self._flat(key)
-            stored = torch.cat([chunks[r] for r in parts]).view(TORCH_DTYPES[runs[0].piece.dtype])
-            values[key] = self._from_span(stored.to(self.dtype(key)), lo, key, t)
+        for key, parts in ranges.items():
+            stored = torch.cat([chunks[r] for r in parts]).view(TORCH_DTYPES[self._flat(key)[0].piece.dtype])
+            values[key] = self._from_span(stored.to(self.dtype(key)), key, wants[key])
         return values
 
     def _wanted(self, box: torch.Tensor, key: Key, t: TargetTensor, bypass: bool) -> torch.Tensor:
@@ -198,7 +213,8 @@ class PlannedSource:
         row = math.prod(t.shape[1:])
         return t.box[0][0] * row, t.box[0][1] * row
 
-    def _from_span(self, span: torch.Tensor, lo: int, key: Key, t: TargetTensor) -> torch.Tensor:
+    def _from_span(self, span: torch.Tensor, key: Key, t: TargetTensor) -> torch.Tensor:
+        """What `read` returns for `t`, from the elements `_span` gave."""
         if t.box is None or t.box == _full_box(t.shape):
             return span
         rows = span.reshape(-1, *t.shape[1:])
