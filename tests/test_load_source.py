@@ -15,10 +15,11 @@ from support.checkpoints import TinySpec
 from ucp.convert import convert
 from ucp.deepspeed import LoadStats
 from ucp.deepspeed_targets import TargetTensor
+from ucp.fileio import tensor_bytes
 from ucp.load_plan import ByteRange
 from ucp.load_source import AtomicSource, PlannedSource, box_numel
 from ucp.patterns import FragmentInfo, Pattern, PatternSpec
-from ucp.plan import Fragment, Piece, StateSource
+from ucp.plan import ConversionPlan, Fragment, ParamPlan, Piece, StateSource
 from ucp.slice_read import FlatRun, flat_runs, run_reads
 
 SOURCES = [TinySpec(stage=2), TinySpec(stage=3, dtype="bf16", world_size=3)]
@@ -31,6 +32,11 @@ def _flat_source(runs: list[tuple[int, int]], shape: tuple[int, ...]) -> StateSo
         fragments.append(Fragment(FragmentInfo(rank, (numel,), offset), Piece("f", byte_offset, numel, "float32")))
         offset += numel
     return StateSource(PatternSpec(Pattern.SHARD_V, shape, flat=True, padded_size=offset), tuple(fragments))
+
+
+def _read(source, key, t: TargetTensor, *, bypass: bool = True) -> tuple[torch.Tensor, LoadStats]:
+    stats = LoadStats()
+    return source.read({key: t}, [key], bypass, stats)[key], stats
 
 
 def test_a_run_of_elements_maps_to_the_overlapping_bytes_of_each_partition():
@@ -56,15 +62,37 @@ def test_only_flat_runs_and_whole_tensors_are_read_by_range():
     assert flat_runs(rows) is None
 
 
+def test_states_not_stored_as_flat_runs_are_read_whole_by_one_rank_for_its_group(tmp_path):
+    copy, rows = torch.arange(12, dtype=torch.float32).reshape(4, 3), torch.arange(100, 112, dtype=torch.float32)
+    raw = tmp_path / "ranks.bin"
+    raw.write_bytes(bytes(tensor_bytes(torch.cat([copy.reshape(-1), copy.reshape(-1), rows]))))
+
+    def fragments(shape: tuple[int, ...], first: int) -> tuple[Fragment, ...]:  # rank r's at byte first + r * size
+        n = math.prod(shape)
+        return tuple(Fragment(FragmentInfo(r, shape), Piece(str(raw), first + 4 * n * r, n, "float32")) for r in (0, 1))
+
+    replicated = StateSource(PatternSpec(Pattern.REPLICATE, (4, 3)), fragments((4, 3), 0))
+    split = StateSource(PatternSpec(Pattern.SHARD_V, (4, 3), dim=0), fragments((2, 3), 96))  # TP shards of rows
+    source = PlannedSource(ConversionPlan([ParamPlan("w", (4, 3), "param", {"fp32": replicated, "exp_avg": split},
+                                                     group=0)], {}, None))
+    t = TargetTensor("w", "param", (4, 3), 6, 6, False, lambda s: None)  # ZeRO-3 rank 1 of 2
+    for key, full, nbytes in ((("w", "fp32"), copy, 96), (("w", "exp_avg"), rows, 48)):
+        assert source.shared(key, t)
+        got, stats = _read(source, key, t)  # the whole tensor, for the group: every fragment read
+        assert torch.equal(got, full.reshape(-1)) and stats.bytes_read == nbytes
+        assert torch.equal(_read(source, key, t, bypass=False)[0], full.reshape(-1)[6:])
+
+
 @pytest.fixture(scope="module")
 def sources(tiny_checkpoint, tmp_path_factory):
-    """spec -> (planned source of the DeepSpeed checkpoint, atomic source of its conversion)."""
+    """spec -> (planned source of the DeepSpeed checkpoint, atomic source of its conversion, the plan)."""
     out = {}
     for spec in SOURCES:
         raw = tiny_checkpoint(spec)
         converted = tmp_path_factory.mktemp("atomic") / spec.name
         convert(raw, converted, workers=1, progress=False)
-        out[spec] = (PlannedSource(ucp.open_checkpoint(raw)), AtomicSource(ucp.open_checkpoint(converted)))
+        plan = ucp.open_checkpoint(raw).plan
+        out[spec] = (PlannedSource(plan), AtomicSource(ucp.open_checkpoint(converted)), plan)
     return out
 
 
@@ -76,19 +104,14 @@ def _partitions(name: str, shape: tuple[int, ...], kind: str, dp: int) -> list[T
             for r in range(dp)]
 
 
-def _read(source, key, t: TargetTensor, *, bypass: bool = True) -> tuple[torch.Tensor, LoadStats]:
-    stats = LoadStats()
-    return source.read({key: t}, [key], bypass, stats)[key], stats
-
-
 @pytest.mark.parametrize("spec", SOURCES, ids=lambda s: s.name)
 def test_every_partition_equals_the_converted_one_and_reads_only_its_bytes(spec, sources):
-    planned, atomic = sources[spec]
+    planned, atomic, plan = sources[spec]
     for name, entry in atomic.ckpt.index["params"].items():
         shape = tuple(entry["shape"])
         for state in entry["states"]:
             key = (name, state)
-            stored = planned.ckpt.plan.param(name).states[state].fragments[0].piece.dtype
+            stored = plan.param(name).states[state].fragments[0].piece.dtype
             itemsize = torch.empty(0, dtype=getattr(torch, stored)).element_size()
             for dp in (1, 2, 3):
                 for t in _partitions(name, shape, entry["kind"], dp):
@@ -102,7 +125,7 @@ def test_every_partition_equals_the_converted_one_and_reads_only_its_bytes(spec,
 
 @pytest.mark.parametrize("spec", SOURCES, ids=lambda s: s.name)
 def test_boxes_and_whole_tensors_equal_the_converted_ones(spec, sources):
-    planned, atomic = sources[spec]
+    planned, atomic, _ = sources[spec]
     for name, entry in atomic.ckpt.index["params"].items():
         shape = tuple(entry["shape"])
         boxes = [None]
@@ -124,7 +147,7 @@ def test_boxes_and_whole_tensors_equal_the_converted_ones(spec, sources):
 
 
 def test_negative_control_another_partition_differs(sources):
-    planned, atomic = sources[SOURCES[0]]
+    planned, atomic, _ = sources[SOURCES[0]]
     first, second = _partitions("l1.weight", (9, 7), "param", 2)
     second.numel = first.numel
     assert not torch.equal(_read(planned, ("l1.weight", "fp32"), first)[0],

@@ -14,13 +14,13 @@ where storage allows.
   module) serves any run of wanted elements from just the overlapping bytes of the rank files
   (`ucp.slice_read.run_reads`), cast to the state's dtype as `ucp convert` would; a TP box reads
   the rows that cover it. Any other state (TP shards, pipeline-tied copies, experts' replicas) is
-  materialised whole by one rank of the group (`ucp.assemble.materialize`: Union with replicas
-  compared, StripPad) and broadcast, so it is shared even when each rank wants a part of it.
+  materialised whole by one rank of the group (`ucp.assemble.materialize`: Union, taking rank 0's
+  copy of a replicated state as `ucp convert` does, then StripPad) and broadcast, so it is shared
+  even when each rank wants a part of it.
 
 What is verified on the planned path: the plan itself (every rank file present, partitions tiling
-every tensor, partition counts and groups agreeing across files, see `ucp.converters`), every read
-lying inside its file (a truncated file fails the read), and replicas agreeing where a state is
-materialised. Not verified: the bytes of ZeRO partitions. A torch zip entry carries a CRC-32 of the
+every tensor, partition counts and groups agreeing across files, see `ucp.converters`) and every
+read lying inside its file (a truncated file fails the read). Not verified: the bytes of ZeRO partitions. A torch zip entry carries a CRC-32 of the
 whole entry only (a rank's flat partition of a whole param group), and a rank reads parts of it;
 run `ucp convert` and `ucp verify` where the source's integrity is in doubt.
 """
@@ -40,7 +40,7 @@ from ucp.errors import CorruptCheckpointError
 from ucp.fileio import ReadCounter, pread_into, tensor_bytes
 from ucp.layout import Box
 from ucp.load_plan import ByteRange, coalesce
-from ucp.plan import StateSource
+from ucp.plan import ConversionPlan, StateSource
 from ucp.safetensors_stream import TORCH_DTYPES
 from ucp.slice_read import FlatRun, SliceRead, flat_runs, plan_flat_read, plan_slice_read, run_reads
 from ucp.splits import box_of_read
@@ -49,9 +49,7 @@ Key = tuple[str, str]
 
 
 class Source(Protocol):
-    """What the hook reads through; `ckpt` answers the checks (its `index`, optimizer, training state)."""
-
-    ckpt: AtomicCheckpoint | PlannedCheckpoint
+    """What the hook reads tensors through (the checkpoint itself answers its checks: index, optimizer, training)."""
 
     def dtype(self, key: Key) -> torch.dtype:
         """The dtype the state's values come in (what the atomic format stores)."""
@@ -65,7 +63,7 @@ class Source(Protocol):
 
 
 def source_for(ckpt: AtomicCheckpoint | PlannedCheckpoint) -> Source:
-    return AtomicSource(ckpt) if isinstance(ckpt, AtomicCheckpoint) else PlannedSource(ckpt)
+    return AtomicSource(ckpt) if isinstance(ckpt, AtomicCheckpoint) else PlannedSource(ckpt.plan)
 
 
 def fetch(root: Path, ranges: list[ByteRange], counter: ReadCounter) -> dict[ByteRange, torch.Tensor]:
@@ -162,9 +160,8 @@ def _elements(flat: torch.Tensor, e: dict, t: TargetTensor, read: SliceRead, byp
 class PlannedSource:
     """A DeepSpeed checkpoint, read through its conversion plan (see the module docstring)."""
 
-    def __init__(self, ckpt: PlannedCheckpoint):
-        self.ckpt = ckpt
-        self._params = {p.name: p for p in ckpt.plan.params}
+    def __init__(self, plan: ConversionPlan):
+        self._params = {p.name: p for p in plan.params}
         self._runs: dict[Key, tuple[FlatRun, ...] | None] = {}
 
     def _state(self, key: Key) -> StateSource:
@@ -191,7 +188,7 @@ class PlannedSource:
         for key in readers:
             t, runs = wants[key], self._flat(key)
             if not bypass or runs is None:
-                full = materialize(self._state(key), name=key[0], strict=True, counter=counter)
+                full = materialize(self._state(key), name=key[0], counter=counter)
                 values[key] = self._wanted(_of_box(full, t.box), key, t, bypass)
                 continue
             ranges[key] = run_reads(runs, *self._span(key, t), TORCH_DTYPES[runs[0].piece.dtype].itemsize)
