@@ -56,7 +56,7 @@ def test_only_flat_runs_and_whole_tensors_are_read_by_range():
     assert flat_runs(whole) == (FlatRun(0, Piece("m", 8, 6, "bfloat16")),)
     copies = StateSource(PatternSpec(Pattern.REPLICATE, (2, 3)),
                          tuple(Fragment(FragmentInfo(r, (2, 3)), Piece("m", 100 * r, 6, "float32")) for r in (0, 1)))
-    assert flat_runs(copies) is None  # copies must be compared: materialised whole
+    assert flat_runs(copies) is None  # materialised whole (rank 0's copy), as ucp convert does
     rows = StateSource(PatternSpec(Pattern.SHARD_V, (4, 3), dim=0),
                        tuple(Fragment(FragmentInfo(r, (2, 3)), Piece("m", 100 * r, 6, "float32")) for r in (0, 1)))
     assert flat_runs(rows) is None

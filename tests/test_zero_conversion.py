@@ -21,6 +21,7 @@ from support.checkpoints import (SUPPORT_DIR, TinySpec, read_tag, tag_dir, ucp_l
                                  uninterrupted_losses)
 from support.launch import run_torchrun
 from ucp.convert import convert
+from ucp.plan import BUFFER
 from ucp.safetensors_stream import TORCH_DTYPES
 
 CASES = [  # (saved at, loaded at)
@@ -65,6 +66,25 @@ def needed_source_bytes(save_dir: Path) -> int:
                for p in plan.params for s in p.states.values())
 
 
+def zero3_partition_bytes(save_dir: Path, rank: int, dp: int) -> int:
+    """Stored bytes of ZeRO-3 rank `rank`'s partitions (ceil(numel / dp) elements, the last fewer) of every
+    trainable and frozen parameter's states."""
+    total = 0
+    for p in ucp.open_checkpoint(save_dir).plan.params:
+        numel = math.prod(p.shape)
+        per = -(-numel // dp)
+        mine = max(0, min(per, numel - rank * per))
+        if p.kind != BUFFER:
+            total += sum(mine * TORCH_DTYPES[s.fragments[0].piece.dtype].itemsize for s in p.states.values())
+    return total
+
+
+def buffer_bytes(save_dir: Path) -> int:
+    plan = ucp.open_checkpoint(save_dir).plan
+    return sum(math.prod(p.shape) * TORCH_DTYPES[s.dtype].itemsize for p in plan.params if p.kind == BUFFER
+               for s in p.states.values())
+
+
 def converted_bytes(path: Path) -> int:
     index = ucp.open_checkpoint(path).index
     return sum(s["offsets"][1] - s["offsets"][0] for e in index["params"].values() for s in e["states"].values())
@@ -88,6 +108,10 @@ def test_loads_equal_loads_of_the_converted_checkpoint(source, target, tiny_chec
     assert all(reads) or target.world_size == 1
     if source.dtype == "fp32":  # the same bytes the converted checkpoint stores, and its load reads
         assert sum(reads) == converted_bytes(converted(source)) == sum(r["stats"][0]["bytes_read"] for r in ranks)
+    if target.stage == 3:  # each rank exactly its own partitions, plus its share of the replicated buffers
+        own = [zero3_partition_bytes(raw, rank, target.world_size) for rank in range(target.world_size)]
+        assert all(read >= mine for read, mine in zip(reads, own))
+        assert sum(reads) - sum(own) == buffer_bytes(raw) > 0
 
 
 def test_resume_from_the_deepspeed_checkpoint_continues_the_uninterrupted_run(tiny_checkpoint, ckpt_root):

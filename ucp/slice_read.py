@@ -133,7 +133,7 @@ class FlatRun:
 
 def flat_runs(source: StateSource) -> tuple[FlatRun, ...] | None:
     """The runs that tile the flattened tensor of a planned state, in order, all of one dtype; None
-    when the state is stored otherwise (TP shards, copies to compare, nested pieces): read it whole."""
+    when the state is stored otherwise (TP shards, replicated copies, nested pieces): read it whole."""
     spec, fragments = source.spec, source.fragments
     if source.groups is not None or len({f.piece.dtype for f in fragments}) != 1:
         return None
@@ -156,5 +156,5 @@ def run_reads(runs: tuple[FlatRun, ...], lo: int, hi: int, itemsize: int) -> lis
             first = run.piece.byte_offset + (a - run.start) * itemsize
             out.append(ByteRange(run.piece.path, first, first + (b - a) * itemsize))
     if sum(r.nbytes for r in out) != (hi - lo) * itemsize:
-        raise ValueError(f"elements [{lo}, {hi}) are not covered by the runs of {runs[0].piece.path if runs else '?'}")
+        raise ValueError(f"elements [{lo}, {hi}) are not covered by the runs in {runs[0].piece.path}")
     return out
