@@ -1,5 +1,6 @@
 """The hook's two read sources agree: a DeepSpeed checkpoint read through its plan gives, for any run or
-box a rank wants, exactly what the converted checkpoint gives, from exactly the bytes that hold it.
+box a rank wants, exactly what the converted checkpoint gives, from exactly the bytes that hold it
+(ZeRO partitions), or from the whole state read once for the group (AutoTP shards).
 
 In-process (no engine): `TargetTensor`s stand in for the partitions ZeRO targets want.
 """
@@ -12,6 +13,8 @@ import torch
 
 import ucp
 from support.checkpoints import TinySpec
+from support.llama_tp_runs import build_sources
+from test_load_hook_tp import TRAIN
 from ucp.convert import convert
 from ucp.deepspeed import LoadStats
 from ucp.deepspeed_targets import TargetTensor
@@ -20,9 +23,10 @@ from ucp.load_plan import ByteRange
 from ucp.load_source import AtomicSource, PlannedSource, box_numel
 from ucp.patterns import FragmentInfo, Pattern, PatternSpec
 from ucp.plan import ConversionPlan, Fragment, ParamPlan, Piece, StateSource
+from ucp.safetensors_stream import TORCH_DTYPES
 from ucp.slice_read import FlatRun, flat_runs, run_reads
 
-SOURCES = [TinySpec(stage=2), TinySpec(stage=3, dtype="bf16", world_size=3)]
+SOURCES = ["z2-fp32-dp2", "z3-bf16-dp3", "autotp2-z1"]  # ZeRO partitions; bf16 frozen fragments; TP shards
 
 
 def _flat_source(runs: list[tuple[int, int]], shape: tuple[int, ...]) -> StateSource:
@@ -84,16 +88,24 @@ def test_states_not_stored_as_flat_runs_are_read_whole_by_one_rank_for_its_group
 
 
 @pytest.fixture(scope="module")
-def sources(tiny_checkpoint, tmp_path_factory):
-    """spec -> (planned source of the DeepSpeed checkpoint, atomic source of its conversion, the plan)."""
+def sources(tiny_checkpoint, ckpt_root, tmp_path_factory):
+    """name -> (planned source of the DeepSpeed checkpoint, atomic source of its conversion, the plan)."""
+    tp2 = build_sources("tp-resume-tp2", 2, 2, {"tied-z1": {**TRAIN, "stage": 1, "tied": True}}, ckpt_root)
+    raws = {"z2-fp32-dp2": tiny_checkpoint(TinySpec(stage=2)),
+            "z3-bf16-dp3": tiny_checkpoint(TinySpec(stage=3, dtype="bf16", world_size=3)),
+            "autotp2-z1": tp2 / "tied-z1" / "ckpt"}  # the one test_load_hook_tp resumes: AutoTP 2, ZeRO-1
     out = {}
-    for spec in SOURCES:
-        raw = tiny_checkpoint(spec)
-        converted = tmp_path_factory.mktemp("atomic") / spec.name
+    for name, raw in raws.items():
+        converted = tmp_path_factory.mktemp("atomic") / name
         convert(raw, converted, workers=1, progress=False)
         plan = ucp.open_checkpoint(raw).plan
-        out[spec] = (PlannedSource(plan), AtomicSource(ucp.open_checkpoint(converted)), plan)
+        out[name] = (PlannedSource(plan), AtomicSource(ucp.open_checkpoint(converted)), plan)
     return out
+
+
+def _fragment_bytes(plan: ConversionPlan, key: tuple[str, str]) -> int:
+    fragments = plan.param(key[0]).states[key[1]].fragments
+    return sum(f.piece.numel * TORCH_DTYPES[f.piece.dtype].itemsize for f in fragments)
 
 
 def _partitions(name: str, shape: tuple[int, ...], kind: str, dp: int) -> list[TargetTensor]:
@@ -104,26 +116,29 @@ def _partitions(name: str, shape: tuple[int, ...], kind: str, dp: int) -> list[T
             for r in range(dp)]
 
 
-@pytest.mark.parametrize("spec", SOURCES, ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", SOURCES)
 def test_every_partition_equals_the_converted_one_and_reads_only_its_bytes(spec, sources):
     planned, atomic, plan = sources[spec]
     for name, entry in atomic.ckpt.index["params"].items():
         shape = tuple(entry["shape"])
         for state in entry["states"]:
             key = (name, state)
-            stored = plan.param(name).states[state].fragments[0].piece.dtype
-            itemsize = torch.empty(0, dtype=getattr(torch, stored)).element_size()
+            itemsize = TORCH_DTYPES[plan.param(name).states[state].fragments[0].piece.dtype].itemsize
             for dp in (1, 2, 3):
                 for t in _partitions(name, shape, entry["kind"], dp):
                     if t.numel == 0:
                         continue
                     got, stats = _read(planned, key, t)
                     want, _ = _read(atomic, key, t)
+                    if planned.shared(key, t):  # read whole for the group: every fragment once
+                        got, nbytes = got.narrow(0, t.start, t.numel), _fragment_bytes(plan, key)
+                    else:
+                        nbytes = t.numel * itemsize
                     assert got.dtype == want.dtype and torch.equal(got, want), (key, dp, t.start)
-                    assert stats.bytes_read == t.numel * itemsize, (key, dp, t.start)
+                    assert stats.bytes_read == nbytes, (key, dp, t.start)
 
 
-@pytest.mark.parametrize("spec", SOURCES, ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", SOURCES)
 def test_boxes_and_whole_tensors_equal_the_converted_ones(spec, sources):
     planned, atomic, _ = sources[spec]
     for name, entry in atomic.ckpt.index["params"].items():
