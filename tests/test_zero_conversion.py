@@ -2,7 +2,8 @@
 
 Each loaded rank equals, tensor for tensor, a load of the same checkpoint converted by `ucp convert`;
 the data-parallel group reads each needed source byte once; training continues the uninterrupted
-run; a DeepSpeed checkpoint with a missing or stray rank file is refused on every rank before the
+run, from ZeRO checkpoints and from an AutoTP one (its TP shards read whole by one rank of the group
+and broadcast); a DeepSpeed checkpoint with a missing or stray rank file is refused on every rank before the
 engine is touched.
 """
 from __future__ import annotations
@@ -15,11 +16,14 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 
 import ucp
 from support.checkpoints import (SUPPORT_DIR, TinySpec, read_tag, tag_dir, ucp_load_errors, ucp_resume, ucp_stats,
                                  uninterrupted_losses)
 from support.launch import run_torchrun
+from support.llama_tp_runs import build_sources, load_stats, losses, resume
+from test_load_hook_tp import RESUME, SAVED_AT, TRAIN
 from ucp.convert import convert
 from ucp.plan import BUFFER
 from ucp.safetensors_stream import TORCH_DTYPES
@@ -122,6 +126,28 @@ def test_resume_from_the_deepspeed_checkpoint_continues_the_uninterrupted_run(ti
     # Another DP degree and ZeRO stage sum gradients in another order: ~1e-7 apart (as test_load_hook).
     assert resumed.losses == pytest.approx(straight[source.steps:], rel=1e-6)
     assert sum(s["bytes_read"] for s in ucp_stats(resumed)) == needed_source_bytes(raw)
+
+
+def test_autotp_checkpoint_resumes_without_conversion_at_tp1(ckpt_root):
+    """AutoTP 2 x DP 1, ZeRO-1, tied (test_load_hook_tp's source) -> DP 2, ZeRO-2: no state is stored as flat
+    runs (TP shards, norms replicated over TP), so one rank of the group reads each whole and broadcasts it."""
+    tp2 = build_sources("tp-resume-tp2", 2, 2, {"tied-z1": {**TRAIN, "stage": 1, "tied": True}}, ckpt_root)
+    raw = tp2 / "tied-z1" / "ckpt"
+    run = resume("raw-tp2-to-dp2", 1, 2, {"z2": {**RESUME, "stage": 2, "tied": True, "ucp_load": str(raw),
+                                                 "dump_loaded": True}}, ckpt_root)
+    ckpt = ucp.open_checkpoint(raw)
+    for rank in torch.load(run / "z2" / "loaded.pt", weights_only=False)["ranks"]:
+        assert set(rank["params"]) == set(ckpt.names)
+        for name, states in rank["params"].items():
+            for state, loaded in states.items():
+                assert torch.equal(loaded, ckpt.tensor(name, state)), (name, state)
+    # TP sums row-parallel products in another order than DP 2 does (~1e-7 apart in fp32), as in test_load_hook_tp.
+    assert losses(run / "z2") == pytest.approx(losses(tp2 / "tied-z1")[SAVED_AT:], rel=1e-6)
+    stats = load_stats(run / "z2")
+    fragments = sum(f.piece.numel * TORCH_DTYPES[f.piece.dtype].itemsize
+                    for p in ckpt.plan.params for s in p.states.values() for f in s.fragments)
+    assert sum(s["bytes_read"] for s in stats) == fragments  # every fragment once, replicas included
+    assert all(s["bytes_read"] and s["bytes_broadcast"] for s in stats)  # the reads are shared out
 
 
 def test_broken_deepspeed_checkpoints_are_refused_before_the_engine_is_touched(tiny_checkpoint, ckpt_root, tmp_path):
