@@ -20,9 +20,10 @@ where storage allows.
 
 What is verified on the planned path: the plan itself (every rank file present, partitions tiling
 every tensor, partition counts and groups agreeing across files, see `ucp.converters`) and every
-read lying inside its file (a truncated file fails the read). Not verified: the bytes of ZeRO partitions. A torch zip entry carries a CRC-32 of the
-whole entry only (a rank's flat partition of a whole param group), and a rank reads parts of it;
-run `ucp convert` and `ucp verify` where the source's integrity is in doubt.
+read lying inside its file (a truncated file fails the read). Not verified: the bytes themselves.
+A torch zip entry carries a CRC-32 of the whole entry only (e.g. a rank's flat partition of a whole
+param group), and a rank reads parts of it; run `ucp convert` and `ucp verify` where the source's
+integrity is in doubt.
 """
 from __future__ import annotations
 
@@ -49,7 +50,8 @@ Key = tuple[str, str]
 
 
 class Source(Protocol):
-    """What the hook reads tensors through (the checkpoint itself answers its checks: index, optimizer, training)."""
+    """What the hook reads tensors through (the checkpoint itself answers the checks: its index,
+    optimizer and training state)."""
 
     def dtype(self, key: Key) -> torch.dtype:
         """The dtype the state's values come in (what the atomic format stores)."""
@@ -195,7 +197,8 @@ class PlannedSource:
         chunks = fetch(Path(), [r for rs in ranges.values() for r in rs], counter)  # pieces name their files
         _count(stats, counter)
         for key, parts in ranges.items():
-            stored = torch.cat([chunks[r] for r in parts]).view(TORCH_DTYPES[self._flat(key)[0].piece.dtype])
+            raw = chunks[parts[0]] if len(parts) == 1 else torch.cat([chunks[r] for r in parts])  # no copy for one
+            stored = raw.view(TORCH_DTYPES[self._flat(key)[0].piece.dtype])
             values[key] = self._from_span(stored.to(self.dtype(key)), key, wants[key])
         return values
 
