@@ -127,7 +127,7 @@ def load(engine, path: str | os.PathLike, *, bypass: bool = True, load_optimizer
     """
     target = target_for(engine)
     try:
-        ckpt = _open(path)
+        ckpt = open_checkpoint(path)
         with_tensor_parallel(target)
         model_names = None
         if layout is not None:
@@ -157,24 +157,6 @@ def load(engine, path: str | os.PathLike, *, bypass: bool = True, load_optimizer
 
 
 # -- checks, before anything is written ---------------------------------------------------------------
-
-def _open(path: str | os.PathLike) -> Checkpoint:
-    """The checkpoint at `path`, opened by rank 0 and sent to the others: planning a DeepSpeed checkpoint
-    parses every rank file's metadata, which every rank would otherwise do over again. Any error opening
-    it is raised on every rank."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return open_checkpoint(path)
-    opened: list = [None]
-    if dist.get_rank() == 0:
-        try:
-            opened = [open_checkpoint(path)]
-        except Exception as e:  # noqa: BLE001 - raised below, on every rank alike
-            opened = [e]
-    dist.broadcast_object_list(opened, src=0)
-    if isinstance(opened[0], Exception):
-        raise opened[0]
-    return opened[0]
-
 
 def _place(engine, target: Target, layout, param_table) -> set[str]:
     table = param_table if param_table is not None else getattr(engine.module, "ucp_param_table", None)
