@@ -1,11 +1,12 @@
 #!/usr/bin/env python
 """One load of the benchmark Llama under torchrun, timed and counted on every rank.
 
-    torchrun --nproc_per_node N benchmarks/_load_llama.py --mode {stock,ucp,ucp-no-bypass} --path P --out F
+    torchrun --nproc_per_node N benchmarks/_load_llama.py --mode MODE --path P --out F
 
-`stock` loads DeepSpeed's universal layout with `load_universal`; the ucp modes load the atomic
-checkpoint through `ucp.deepspeed.load`. Bytes and read calls come from /proc/self/io (rchar,
-syscr), so both tools are measured the same way, page-cache hits included.
+`stock` loads DeepSpeed's universal layout with `load_universal`; the ucp modes (`ucp`,
+`ucp-no-bypass`) load the atomic checkpoint through `ucp.deepspeed.load`, and `ucp-no-conversion`
+the DeepSpeed checkpoint itself. Bytes and read calls come from /proc/self/io (rchar, syscr), so
+all tools are measured the same way, page-cache hits included.
 """
 import argparse
 import json
@@ -28,8 +29,9 @@ def proc_io() -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=["stock", "ucp", "ucp-no-bypass"], required=True)
-    parser.add_argument("--path", required=True, help="stock: the universal tag folder; ucp: the atomic dir")
+    parser.add_argument("--mode", choices=["stock", "ucp", "ucp-no-bypass", "ucp-no-conversion"], required=True)
+    parser.add_argument("--path", required=True, help="stock: the universal tag folder; ucp: the atomic dir; "
+                        "ucp-no-conversion: DeepSpeed's save dir")
     parser.add_argument("--stage", type=int, default=3)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -58,7 +60,7 @@ def main() -> None:
         path = Path(args.path)
         engine.load_checkpoint(str(path.parent), tag=path.name)
     else:
-        ucp.deepspeed.load(engine, args.path, bypass=args.mode == "ucp")
+        ucp.deepspeed.load(engine, args.path, bypass=args.mode != "ucp-no-bypass")
     dist.barrier()
     wall = time.perf_counter() - start
     io_after = proc_io()

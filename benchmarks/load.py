@@ -5,7 +5,8 @@
 
 Builds (once, cached) a ZeRO-3 checkpoint of the ~112M-parameter benchmark Llama on 2 ranks,
 converts it with `ucp convert` (atomic format) and `ucp convert --format deepspeed` (DeepSpeed's
-universal layout), then loads it into a ZeRO-3 engine on N ranks with each tool. ZeRO-3 is the
+universal layout), then loads it into a ZeRO-3 engine on N ranks with each tool, and with ucp
+straight from the DeepSpeed checkpoint (no conversion). ZeRO-3 is the
 target because there every rank holds a part of every parameter, which is where stock
 `load_universal` makes each rank read every file whole. Prints wall time of the load (barrier to
 barrier), bytes read and read calls summed over ranks (/proc/self/io: rchar, syscr), and peak RSS
@@ -47,12 +48,12 @@ def torchrun(script: Path, args: list[str], nproc: int, log: Path) -> None:
         sys.exit(f"{script.name} failed (exit {rc}); see {log}")
 
 
-def build(cache: Path) -> tuple[Path, Path]:
-    """The ZeRO-3 source checkpoint, converted to both formats (cached)."""
+def build(cache: Path) -> tuple[Path, Path, Path]:
+    """The ZeRO-3 source checkpoint (DeepSpeed's save dir) and its conversions to both formats (cached)."""
     root = cache / "load-zero3"
     atomic, universal = root / "atomic", root / "universal" / "global_step1"
     if (root / ".done").exists():
-        return atomic, universal
+        return atomic, universal, root / "deepspeed"
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     print("building a ZeRO-3 checkpoint of the benchmark Llama on 2 ranks (once) ...", flush=True)
@@ -61,7 +62,7 @@ def build(cache: Path) -> tuple[Path, Path]:
         subprocess.run(["ucp", "convert", "--input", str(root / "deepspeed"), "--output", str(out),
                         "--format", fmt, "--quiet"], check=True, env=env())
     (root / ".done").touch()
-    return atomic, universal
+    return atomic, universal, root / "deepspeed"
 
 
 def run(mode: str, path: Path, nproc: int, work: Path) -> list[dict]:
@@ -84,12 +85,13 @@ def main() -> None:
         import load_splits
 
         sys.exit(load_splits.main(["--markdown-out", str(args.markdown_out)] if args.markdown_out else []))
-    atomic, universal = build(args.cache)
+    atomic, universal, source = build(args.cache)
     work = Path(tempfile.mkdtemp(prefix="ucp-load-bench-"))
     rows = []
     for n in args.ranks:
         results = {}
-        for mode, path in (("stock", universal), ("ucp-no-bypass", atomic), ("ucp", atomic)):
+        for mode, path in (("stock", universal), ("ucp-no-bypass", atomic), ("ucp", atomic),
+                           ("ucp-no-conversion", source)):
             ranks = run(mode, path, n, work)
             results[mode] = {"wall_s": max(r["wall_s"] for r in ranks),
                              "bytes_read": sum(r["bytes_read"] for r in ranks),
@@ -107,10 +109,11 @@ def main() -> None:
                      f"{r['peak_rss_mib']:.0f} | {bytes_ratio:.2f} | {wall_ratio:.2f} |")
     verdicts = []
     for n in args.ranks:
-        ucp_row = next(r for r in rows if r[0] == n and r[1] == "ucp")
-        verdicts.append(f"N={n}: ucp bytes / stock = {ucp_row[3]:.3f} (target 1/{n} = {1 / n:.3f}: "
-                        f"{'PASS' if ucp_row[3] <= 1 / n * 1.05 else 'MISS'}); wall / stock = {ucp_row[4]:.2f} "
-                        f"(target ≤ 1: {'PASS' if ucp_row[4] <= 1 else 'MISS'})")
+        for mode in ("ucp", "ucp-no-conversion"):
+            ucp_row = next(r for r in rows if r[0] == n and r[1] == mode)
+            verdicts.append(f"N={n}: {mode} bytes / stock = {ucp_row[3]:.3f} (target 1/{n} = {1 / n:.3f}: "
+                            f"{'PASS' if ucp_row[3] <= 1 / n * 1.05 else 'MISS'}); wall / stock = "
+                            f"{ucp_row[4]:.2f} (target ≤ 1: {'PASS' if ucp_row[4] <= 1 else 'MISS'})")
     import deepspeed
     import torch
 

@@ -5,6 +5,7 @@ names (`exp_avg`, `exp_avg_sq` for Adam), `step`; buffers hold one state, `value
 """
 from __future__ import annotations
 
+import functools
 import os
 import zlib
 from dataclasses import dataclass
@@ -211,6 +212,27 @@ class PlannedCheckpoint:
         if state not in p.states:
             raise KeyError(f"{name}: no state '{state}' (has {', '.join(self.states(name))})")
         return materialize(p.states[state], name=name, strict=verify, counter=self.counter)
+
+    @functools.cached_property
+    def index(self) -> dict:
+        """The index `ucp convert` would write for this checkpoint, less where its states would be stored:
+        each state's entry gives its dtype and shape only."""
+        from ucp.convert import param_entry
+
+        params = {}
+        for p in self.plan.params:
+            params[p.name] = param_entry(p, {s: {"dtype": src.dtype, "shape": list(p.shape)}
+                                             for s, src in p.states.items()})
+        return {"source": self.plan.source, "training": self.plan.training, "optimizer": self.plan.optimizer,
+                "lr_scheduler": self.plan.lr_scheduler, "client_state": self.plan.client_state, "params": params,
+                "aliases": dict(self.plan.aliases)}
+
+    def entry(self, name: str) -> dict:
+        """The index entry of parameter `name`, or of the source of `name` when it is a tied alias."""
+        try:
+            return self.index["params"][self.plan.aliases.get(name, name)]
+        except KeyError:
+            raise KeyError(f"{self.path}: no parameter '{name}'") from None
 
     @property
     def step(self) -> int | None:

@@ -294,13 +294,7 @@ def build_index(plan: ConversionPlan, fingerprint: str, results: list[dict],
                              "shape": list(p.shape), "offsets": [begin, end], "crc32": crc}
             if p.splits is not None:
                 states[state]["splits"] = {"dim": p.splits[0], "count": p.splits[1]}
-        entry = {"kind": p.kind, "shape": list(p.shape), "model_dtype": p.model_dtype,
-                 "pattern": next(iter(p.states.values())).spec.to_json(), "states": states}
-        if p.group is not None:
-            entry["group"] = p.group
-        if p.step is not None:
-            entry["step"] = p.step
-        params[p.name] = entry
+        params[p.name] = param_entry(p, states)
     return {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
@@ -316,6 +310,17 @@ def build_index(plan: ConversionPlan, fingerprint: str, results: list[dict],
         "aliases": dict(plan.aliases),
         "params": params,
     }
+
+
+def param_entry(p: ParamPlan, states: dict[str, dict]) -> dict:
+    """A parameter's index entry (docs/FORMAT.md), with `states` its states' entries."""
+    entry = {"kind": p.kind, "shape": list(p.shape), "model_dtype": p.model_dtype,
+             "pattern": next(iter(p.states.values())).spec.to_json(), "states": states}
+    if p.group is not None:
+        entry["group"] = p.group
+    if p.step is not None:
+        entry["step"] = p.step
+    return entry
 
 
 def _jsonable(value):

@@ -7,7 +7,9 @@ or, after `deepspeed.initialize`, `ucp.deepspeed.load(engine, path)` and
 `ucp.deepspeed.save(engine, dir)` (asynchronous; `ucp.deepspeed.wait(engine)` blocks until it is
 committed, and runs at exit too; see `ucp.deepspeed_save`). The `"ucp"` config section:
 
-* `load` (str): the atomic checkpoint to restore, or a save directory (its `latest` is restored).
+* `load` (str): the atomic checkpoint to restore, or a save directory (its `latest` is restored);
+  or a DeepSpeed checkpoint (save directory with `latest`, or a tag folder), resharded on the fly
+  without conversion (`ucp.load_source`).
 * `save` (dict): `{"dir": str, "every": int}` saves asynchronously into `<dir>/global_step<N>`
   after every `every`-th optimizer step (`engine.step` is wrapped; nothing else to call), and
   moves `<dir>/latest` once each is committed. A save that finds the previous one still writing
@@ -54,30 +56,25 @@ import copy
 import json
 import os
 import re
-import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from ucp import loss_scale
-from ucp.checkpoint import AtomicCheckpoint
+from ucp.checkpoint import AtomicCheckpoint, PlannedCheckpoint, open_checkpoint
 from ucp.config import load_options, ucp_options, without_ucp
 from ucp.deepspeed_save import SaveEvery, SaveStats, save, wait
 from ucp.deepspeed_targets import OPTIMIZER_STATES, Target, TargetTensor, module_aliases, target_for
 from ucp.deepspeed_layout import as_layout, place_by_layout
 from ucp.deepspeed_tp_target import with_tensor_parallel
-from ucp.errors import CorruptCheckpointError, UcpError, UnsupportedLayoutError
-from ucp.fileio import ReadCounter, pread_into, tensor_bytes
-from ucp.format import INDEX_NAME, latest_checkpoint
-from ucp.layout import Box, Layout, ParamSpec
-from ucp.load_plan import assign_readers, coalesce
-from ucp.safetensors_stream import TORCH_DTYPES
-from ucp.slice_read import SliceRead, plan_flat_read, plan_slice_read
-from ucp.splits import box_of_read
+from ucp.errors import UcpError, UnsupportedLayoutError
+from ucp.layout import Layout, ParamSpec
+from ucp.load_plan import assign_readers
+from ucp.load_source import Source, box_numel, source_for
 
+Checkpoint = AtomicCheckpoint | PlannedCheckpoint
 __all__ = ["CheckpointMismatchError", "LoadStats", "SaveStats", "initialize", "load", "save", "wait"]
 
 
@@ -131,21 +128,23 @@ def load(engine, path: str | os.PathLike, *, bypass: bool = True, load_optimizer
          load_lr_scheduler_states: bool = True, strict: bool = True,
          layout: Layout | dict | str | os.PathLike | None = None,
          param_table: Sequence[ParamSpec] | None = None) -> dict:
-    """Restore `engine` from the ucp checkpoint at `path`; returns the saved client state.
+    """Restore `engine` from the checkpoint at `path`; returns the saved client state.
 
-    Everything is checked before the engine is touched: a missing, extra or reshaped parameter, an
-    optimizer whose states differ from the checkpoint's, or (strict) a weight the model ties that the
-    checkpoint holds as two different copies, raises `CheckpointMismatchError`. A tied alias of the
-    checkpoint that the model keeps untied loads its source's weight and states (module docstring).
+    `path` is a ucp checkpoint (or a save directory: its `latest`), or a DeepSpeed checkpoint (a
+    save directory with `latest`, or a tag folder) of any layout `ucp convert` reads, resharded on
+    the fly without conversion (`ucp.load_source`). Everything is checked before the engine is
+    touched: a missing, extra or reshaped parameter, an optimizer whose states differ from the
+    checkpoint's, or (strict) a weight the model ties that the checkpoint holds as two different
+    copies, raises `CheckpointMismatchError`; an unreadable DeepSpeed checkpoint (a missing rank
+    file, files of mixed runs) raises its `UcpError` on every rank. A tied alias of the checkpoint
+    that the model keeps untied loads its source's weight and states (module docstring).
     With `layout` (HMP included, see `ucp.deepspeed_layout`) each module tensor is the slice the
     layout gives this rank; `param_table` (default: the module's `ucp_param_table`) describes the
     full model.
     """
-    if not (Path(path) / INDEX_NAME).is_file():
-        path = latest_checkpoint(path) or path  # a save directory: its latest committed checkpoint
-    ckpt = AtomicCheckpoint(path)
     target = target_for(engine)
     try:
+        ckpt = open_checkpoint(path)
         with_tensor_parallel(target)
         model_names = None
         if layout is not None:
@@ -157,7 +156,7 @@ def load(engine, path: str | os.PathLike, *, bypass: bool = True, load_optimizer
     _agree(error)
     stats = LoadStats(client_state=dict(ckpt.client_state))
     with torch.no_grad():
-        _load_tensors(ckpt, target, state_names, bypass, stats)
+        _load_tensors(source_for(ckpt), target, state_names, bypass, stats)
     if load_optimizer_states:
         _restore_steps(ckpt, target)
         _restore_optimizer_globals(ckpt, target)
@@ -185,7 +184,7 @@ def _place(engine, target: Target, layout, param_table) -> set[str]:
     return place_by_layout(target, as_layout(layout), table, rank)
 
 
-def _check(ckpt: AtomicCheckpoint, target: Target, engine, load_optimizer_states: bool, strict: bool,
+def _check(ckpt: Checkpoint, target: Target, engine, load_optimizer_states: bool, strict: bool,
            model_names: set[str] | None = None) -> list[str]:
     params = ckpt.index["params"]
     for t in target.tensors:
@@ -289,25 +288,37 @@ def _states_of(t: TargetTensor, state_names: list[str]) -> list[str]:
     return ["fp32"] + (state_names if t.kind == "param" else [])
 
 
-def _load_tensors(ckpt: AtomicCheckpoint, target: Target, state_names: list[str], bypass: bool,
-                  stats: LoadStats) -> None:
+def _load_tensors(source: Source, target: Target, state_names: list[str], bypass: bool, stats: LoadStats) -> None:
     target.prepare_states(state_names)
     me = dist.get_rank() if dist.is_initialized() else 0
     groups = _dp_groups(target)
-    owners = _whole_owners(ckpt, target, state_names, groups) if bypass else {}
+    owners = _shared_owners(source, target, state_names, groups) if bypass else {}
     for layer in _layers(target.tensors):
         wants = {(t.name, s): t for t in layer for s in _states_of(t, state_names)}
-        values = _read(ckpt, wants, owners, me, bypass, stats)
-        for key, t in wants.items():
+        values = source.read(wants, _mine(wants, owners, me), bypass, stats)
+        for key, t in wants.items():  # in the same order on every rank of a group
+            if key not in owners:
+                continue
             ranks, group = groups[id(t)]
-            if t.whole and bypass and len(ranks) > 1:
-                values[key] = _broadcast(ckpt, key, t, values.get(key), owners[key], group, stats)
+            if len(ranks) > 1:
+                values[key] = _broadcast(source, key, t, values.get(key), owners[key], group, stats)
+            if not t.whole:
+                values[key] = values[key].narrow(0, t.start, t.numel)
         for key, t in wants.items():
             if t.numel:
                 t.install(key[1], values[key])
                 stats.tensors += 1
         stats.layers += 1
         stats.peak_layer_bytes = max(stats.peak_layer_bytes, sum(v.numel() * v.element_size() for v in values.values()))
+
+
+def _mine(wants: dict[tuple, TargetTensor], owners: dict, me: int) -> list[tuple]:
+    """The keys this rank reads: shared ones it was assigned (their whole box), the rest where it holds elements."""
+    mine = []
+    for key, t in wants.items():
+        if (owners[key] == me and box_numel(t) > 0) if key in owners else t.numel > 0:
+            mine.append(key)
+    return mine
 
 
 def _dp_groups(target: Target) -> dict[int, tuple[tuple[int, ...], object]]:
@@ -325,8 +336,9 @@ def _group_ranks(group) -> list[int]:
     return dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
 
 
-def _whole_owners(ckpt, target: Target, state_names: list[str], groups: dict) -> dict:
-    """Who reads each replicated tensor: balanced over its group, counting the slices each rank reads anyway.
+def _shared_owners(source: Source, target: Target, state_names: list[str], groups: dict) -> dict:
+    """Who reads each shared key (`ucp.load_source`): balanced over its group, counting the slices each
+    rank reads anyway.
 
     Groups are visited in one global order (by their ranks), so ranks that belong to several (expert
     and non-expert data-parallel groups) meet in their collectives without deadlock.
@@ -339,11 +351,11 @@ def _whole_owners(ckpt, target: Target, state_names: list[str], groups: dict) ->
         handles[ranks] = group
         sizes.setdefault(ranks, {})
         for s in _states_of(t, state_names):
-            nbytes = t.numel * _itemsize(ckpt, t.name, s)
-            if t.whole:
-                sizes[ranks][(t.name, s)] = nbytes
+            itemsize = source.dtype((t.name, s)).itemsize
+            if source.shared((t.name, s), t):
+                sizes[ranks][(t.name, s)] = box_numel(t) * itemsize
             else:
-                own[ranks] = own.get(ranks, 0) + nbytes
+                own[ranks] = own.get(ranks, 0) + t.numel * itemsize
     owners = {}
     for ranks in sorted(sizes):
         loads = [None] * len(ranks)
@@ -355,80 +367,15 @@ def _whole_owners(ckpt, target: Target, state_names: list[str], groups: dict) ->
     return owners
 
 
-def _entry(ckpt: AtomicCheckpoint, key: tuple[str, str]) -> dict:
-    name, state = key
-    return ckpt.entry(name)["states"][state]
-
-
-def _itemsize(ckpt: AtomicCheckpoint, name: str, state: str) -> int:
-    return TORCH_DTYPES[_entry(ckpt, (name, state))["dtype"]].itemsize
-
-
-def _full_box(shape) -> Box:
-    return tuple((0, n) for n in shape)
-
-
-def _read(ckpt: AtomicCheckpoint, wants: dict[tuple, TargetTensor], owners: dict, me: int, bypass: bool,
-          stats: LoadStats) -> dict:
-    """This rank's reads for one layer, coalesced; returns key -> wanted elements (flat).
-
-    With bypass a rank reads exactly its elements when they are contiguous in storage, else the
-    covering part of its box (`ucp.slice_read`); without, every tensor it touches whole.
-    """
-    plan: dict[tuple, SliceRead] = {}
-    for key, t in wants.items():
-        if t.numel == 0 or (bypass and t.whole and owners.get(key, me) != me):
-            continue
-        e = _entry(ckpt, key)
-        itemsize = TORCH_DTYPES[e["dtype"]].itemsize
-        box = t.box or _full_box(e["shape"])
-        exact = plan_flat_read(key, e, box, t.start, t.numel, itemsize) if bypass else None
-        plan[key] = exact or plan_slice_read(key, e, box if bypass else _full_box(e["shape"]), itemsize)
-    counter = ReadCounter()
-    chunks = {}
-    for merged, parts in coalesce(r.range for r in plan.values()):
-        buf = torch.empty(merged.nbytes, dtype=torch.uint8)
-        pread_into(str(ckpt.path / merged.file), buf, merged.begin, counter)
-        for part in parts:
-            chunks[part] = buf.narrow(0, part.begin - merged.begin, part.nbytes)
-    stats.bytes_read += counter.bytes
-    stats.read_calls += counter.calls
-    values = {}
-    for key, read in plan.items():
-        e, t = _entry(ckpt, key), wants[key]
-        raw = chunks[read.range]
-        if read.whole and zlib.crc32(tensor_bytes(raw)) != e["crc32"]:
-            raise CorruptCheckpointError(f"{ckpt.path / e['file']}: {key[0]}:{key[1]} fails its checksum; the file "
-                                         "is damaged, convert again or restore it from a copy")
-        flat = raw.view(TORCH_DTYPES[e["dtype"]])
-        if plan[key].range.nbytes != t.numel * flat.element_size() or read.narrow or read.dim is not None:
-            values[key] = _elements(flat, e, t, read, bypass)
-        else:
-            values[key] = flat
-    return values
-
-
-def _elements(flat: torch.Tensor, e: dict, t: TargetTensor, read: SliceRead, bypass: bool) -> torch.Tensor:
-    """`t`'s elements [start, start + numel) of its box, from a read of (a cover of) the box or the whole tensor."""
-    shape = tuple(e["shape"])
-    read_box = (t.box or _full_box(shape)) if bypass else _full_box(shape)
-    tensor = box_of_read(flat, shape, read, tuple(hi - lo for lo, hi in read_box))
-    if t.box is not None and not bypass:
-        for dim, (lo, hi) in enumerate(t.box):
-            tensor = tensor.narrow(dim, lo, hi - lo)
-    return tensor.reshape(-1).narrow(0, t.start, t.numel)
-
-
-def _broadcast(ckpt, key: tuple[str, str], t: TargetTensor, value, owner: int, group,
+def _broadcast(source: Source, key: tuple[str, str], t: TargetTensor, value, owner: int, group,
                stats: LoadStats) -> torch.Tensor:
-    e = _entry(ckpt, key)
-    buf = value.clone() if value is not None else torch.empty(t.numel, dtype=TORCH_DTYPES[e["dtype"]])
+    buf = value.clone() if value is not None else torch.empty(box_numel(t), dtype=source.dtype(key))
     dist.broadcast(buf, src=owner, group=group)
     stats.bytes_broadcast += buf.numel() * buf.element_size()
     return buf
 
 
-def _restore_steps(ckpt: AtomicCheckpoint, target: Target) -> None:
+def _restore_steps(ckpt: Checkpoint, target: Target) -> None:
     groups: dict[int, set] = {}
     for t in target.tensors:
         if t.kind == "param" and t.group is not None and "step" in ckpt.entry(t.name):
@@ -440,7 +387,7 @@ def _restore_steps(ckpt: AtomicCheckpoint, target: Target) -> None:
         target.set_step(group, steps.pop())
 
 
-def _restore_loss_scale(ckpt: AtomicCheckpoint, engine) -> None:
+def _restore_loss_scale(ckpt: Checkpoint, engine) -> None:
     """fp16 only: the dynamic loss scale and its counters continue where training stopped."""
     saved = ckpt.index.get("training", {}).get("loss_scaler")
     scaler = loss_scale.live_scaler(engine.optimizer)
@@ -448,7 +395,7 @@ def _restore_loss_scale(ckpt: AtomicCheckpoint, engine) -> None:
         loss_scale.restore(saved, scaler)
 
 
-def _restore_optimizer_globals(ckpt: AtomicCheckpoint, target: Target) -> None:
+def _restore_optimizer_globals(ckpt: Checkpoint, target: Target) -> None:
     """Hyper-parameters of each engine param group, from the checkpoint group its members came from."""
     saved = (ckpt.optimizer or {}).get("param_groups", [])
     group_of = {n: i for i, g in enumerate(saved) for n in g["params"]}

@@ -1,0 +1,169 @@
+"""The hook's two read sources agree: a DeepSpeed checkpoint read through its plan gives, for any run or
+box a rank wants, exactly what the converted checkpoint gives, from exactly the bytes that hold it
+(ZeRO partitions), or from the whole state read once for the group (AutoTP shards).
+
+In-process (no engine): `TargetTensor`s stand in for the partitions ZeRO targets want.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import ucp
+from support.checkpoints import TinySpec
+from support.llama_tp_runs import build_sources
+from test_load_hook_tp import TRAIN
+from ucp.convert import convert
+from ucp.deepspeed import LoadStats
+from ucp.deepspeed_targets import TargetTensor
+from ucp.fileio import tensor_bytes
+from ucp.load_plan import ByteRange
+from ucp.load_source import AtomicSource, PlannedSource, box_numel
+from ucp.patterns import FragmentInfo, Pattern, PatternSpec
+from ucp.plan import ConversionPlan, Fragment, ParamPlan, Piece, StateSource
+from ucp.safetensors_stream import TORCH_DTYPES
+from ucp.slice_read import FlatRun, flat_runs, run_reads
+
+SOURCES = ["z2-fp32-dp2", "z3-bf16-dp3", "autotp2-z1"]  # ZeRO partitions; bf16 frozen fragments; TP shards
+
+
+def _flat_source(runs: list[tuple[int, int]], shape: tuple[int, ...]) -> StateSource:
+    """ZeRO-style partitions: (byte offset in "f", numel) per rank, tiling the padded flat tensor in rank order."""
+    fragments, offset = [], 0
+    for rank, (byte_offset, numel) in enumerate(runs):
+        fragments.append(Fragment(FragmentInfo(rank, (numel,), offset), Piece("f", byte_offset, numel, "float32")))
+        offset += numel
+    return StateSource(PatternSpec(Pattern.SHARD_V, shape, flat=True, padded_size=offset), tuple(fragments))
+
+
+def _read(source, key, t: TargetTensor, *, bypass: bool = True) -> tuple[torch.Tensor, LoadStats]:
+    stats = LoadStats()
+    return source.read({key: t}, [key], bypass, stats)[key], stats
+
+
+def test_a_run_of_elements_maps_to_the_overlapping_bytes_of_each_partition():
+    runs = flat_runs(_flat_source([(100, 4), (500, 4), (900, 4)], (11,)))
+    assert runs == (FlatRun(0, Piece("f", 100, 4, "float32")), FlatRun(4, Piece("f", 500, 4, "float32")),
+                    FlatRun(8, Piece("f", 900, 4, "float32")))
+    assert run_reads(runs, 3, 9, 4) == [ByteRange("f", 112, 116), ByteRange("f", 500, 516), ByteRange("f", 900, 904)]
+    assert run_reads(runs, 5, 7, 4) == [ByteRange("f", 504, 512)]
+    assert run_reads(runs, 4, 4, 4) == []
+    with pytest.raises(ValueError):
+        run_reads(runs, 10, 13, 4)  # past the padded tensor
+
+
+def test_only_flat_runs_and_whole_tensors_are_read_by_range():
+    one = Fragment(FragmentInfo(0, (2, 3)), Piece("m", 8, 6, "bfloat16"))
+    whole = StateSource(PatternSpec(Pattern.UNIQUE, (2, 3)), (one,))
+    assert flat_runs(whole) == (FlatRun(0, Piece("m", 8, 6, "bfloat16")),)
+    copies = StateSource(PatternSpec(Pattern.REPLICATE, (2, 3)),
+                         tuple(Fragment(FragmentInfo(r, (2, 3)), Piece("m", 100 * r, 6, "float32")) for r in (0, 1)))
+    assert flat_runs(copies) is None  # materialised whole (rank 0's copy), as ucp convert does
+    rows = StateSource(PatternSpec(Pattern.SHARD_V, (4, 3), dim=0),
+                       tuple(Fragment(FragmentInfo(r, (2, 3)), Piece("m", 100 * r, 6, "float32")) for r in (0, 1)))
+    assert flat_runs(rows) is None
+
+
+def test_states_not_stored_as_flat_runs_are_read_whole_by_one_rank_for_its_group(tmp_path):
+    copy, rows = torch.arange(12, dtype=torch.float32).reshape(4, 3), torch.arange(100, 112, dtype=torch.float32)
+    raw = tmp_path / "ranks.bin"
+    raw.write_bytes(bytes(tensor_bytes(torch.cat([copy.reshape(-1), copy.reshape(-1), rows]))))
+
+    def fragments(shape: tuple[int, ...], first: int) -> tuple[Fragment, ...]:  # rank r's at byte first + r * size
+        n = math.prod(shape)
+        return tuple(Fragment(FragmentInfo(r, shape), Piece(str(raw), first + 4 * n * r, n, "float32")) for r in (0, 1))
+
+    replicated = StateSource(PatternSpec(Pattern.REPLICATE, (4, 3)), fragments((4, 3), 0))
+    split = StateSource(PatternSpec(Pattern.SHARD_V, (4, 3), dim=0), fragments((2, 3), 96))  # TP shards of rows
+    source = PlannedSource(ConversionPlan([ParamPlan("w", (4, 3), "param", {"fp32": replicated, "exp_avg": split},
+                                                     group=0)], {}, None))
+    t = TargetTensor("w", "param", (4, 3), 6, 6, False, lambda s: None)  # ZeRO-3 rank 1 of 2
+    for key, full, nbytes in ((("w", "fp32"), copy, 96), (("w", "exp_avg"), rows, 48)):
+        assert source.shared(key, t)
+        got, stats = _read(source, key, t)  # the whole tensor, for the group: every fragment read
+        assert torch.equal(got, full.reshape(-1)) and stats.bytes_read == nbytes
+        assert torch.equal(_read(source, key, t, bypass=False)[0], full.reshape(-1)[6:])
+
+
+@pytest.fixture(scope="module")
+def sources(tiny_checkpoint, ckpt_root, tmp_path_factory):
+    """name -> (planned source of the DeepSpeed checkpoint, atomic source of its conversion, the plan)."""
+    tp2 = build_sources("tp-resume-tp2", 2, 2, {"tied-z1": {**TRAIN, "stage": 1, "tied": True}}, ckpt_root)
+    raws = {"z2-fp32-dp2": tiny_checkpoint(TinySpec(stage=2)),
+            "z3-bf16-dp3": tiny_checkpoint(TinySpec(stage=3, dtype="bf16", world_size=3)),
+            "autotp2-z1": tp2 / "tied-z1" / "ckpt"}  # the one test_load_hook_tp resumes: AutoTP 2, ZeRO-1
+    out = {}
+    for name, raw in raws.items():
+        converted = tmp_path_factory.mktemp("atomic") / name
+        convert(raw, converted, workers=1, progress=False)
+        plan = ucp.open_checkpoint(raw).plan
+        out[name] = (PlannedSource(plan), AtomicSource(ucp.open_checkpoint(converted)), plan)
+    return out
+
+
+def _fragment_bytes(plan: ConversionPlan, key: tuple[str, str]) -> int:
+    fragments = plan.param(key[0]).states[key[1]].fragments
+    return sum(f.piece.numel * TORCH_DTYPES[f.piece.dtype].itemsize for f in fragments)
+
+
+def _partitions(name: str, shape: tuple[int, ...], kind: str, dp: int) -> list[TargetTensor]:
+    """What ZeRO-3 ranks 0..dp-1 want of a tensor: ceil(numel / dp) elements each, the last one fewer."""
+    numel = math.prod(shape)
+    per = -(-numel // dp)
+    return [TargetTensor(name, kind, shape, r * per, max(0, min(per, numel - r * per)), False, lambda s: None)
+            for r in range(dp)]
+
+
+@pytest.mark.parametrize("spec", SOURCES)
+def test_every_partition_equals_the_converted_one_and_reads_only_its_bytes(spec, sources):
+    planned, atomic, plan = sources[spec]
+    for name, entry in atomic.ckpt.index["params"].items():
+        shape = tuple(entry["shape"])
+        for state in entry["states"]:
+            key = (name, state)
+            itemsize = TORCH_DTYPES[plan.param(name).states[state].fragments[0].piece.dtype].itemsize
+            for dp in (1, 2, 3):
+                for t in _partitions(name, shape, entry["kind"], dp):
+                    if t.numel == 0:
+                        continue
+                    got, stats = _read(planned, key, t)
+                    want, _ = _read(atomic, key, t)
+                    if planned.shared(key, t):  # read whole for the group: every fragment once
+                        got, nbytes = got.narrow(0, t.start, t.numel), _fragment_bytes(plan, key)
+                    else:
+                        nbytes = t.numel * itemsize
+                    assert got.dtype == want.dtype and torch.equal(got, want), (key, dp, t.start)
+                    assert stats.bytes_read == nbytes, (key, dp, t.start)
+
+
+@pytest.mark.parametrize("spec", SOURCES)
+def test_boxes_and_whole_tensors_equal_the_converted_ones(spec, sources):
+    planned, atomic, _ = sources[spec]
+    for name, entry in atomic.ckpt.index["params"].items():
+        shape = tuple(entry["shape"])
+        boxes = [None]
+        if len(shape) == 2:  # cut along rows; along columns
+            boxes += [((1, shape[0]), (0, shape[1])), ((0, shape[0]), (1, shape[1] - 1))]
+        for state in entry["states"]:
+            key = (name, state)
+            for box in boxes:
+                n = math.prod(hi - lo for lo, hi in box) if box else math.prod(shape)
+                whole = TargetTensor(name, entry["kind"], shape, 0, n, True, lambda s: None, box=box)
+                part = TargetTensor(name, entry["kind"], shape, 1, n - 2, False, lambda s: None, box=box)
+                for t in (whole, part):
+                    for bypass in (True, False):
+                        got, _ = _read(planned, key, t, bypass=bypass)
+                        want, _ = _read(atomic, key, t, bypass=bypass)
+                        if bypass and planned.shared(key, t) and not t.whole:
+                            got = got.narrow(0, t.start, t.numel)  # a shared key's reader gets the whole box
+                        assert box_numel(t) == n and torch.equal(got, want), (key, box, t.whole, bypass)
+
+
+def test_negative_control_another_partition_differs(sources):
+    planned, atomic, _ = sources[SOURCES[0]]
+    first, second = _partitions("l1.weight", (9, 7), "param", 2)
+    second.numel = first.numel
+    assert not torch.equal(_read(planned, ("l1.weight", "fp32"), first)[0],
+                           _read(atomic, ("l1.weight", "fp32"), second)[0])
