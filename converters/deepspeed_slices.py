@@ -116,7 +116,7 @@ def read_slice(folder: Path, mp: int, model_path: Path, model: dict, files: dict
                                          f"{len(param_shapes)}; files from different runs are mixed")
         for g, mapping in enumerate(mappings):
             flats, step = group_states(out, base["state"].get(g, {}), flat_fp32[g], path)
-            out.steps.setdefault(g, step)
+            agree_step(out.steps, g, step, path, paths[0])
             for local, address in mapping.items():
                 if local not in out.shapes:
                     raise CorruptCheckpointError(f"{path}: partition holds '{local}', which {model_path.name} "
@@ -129,6 +129,7 @@ def read_slice(folder: Path, mp: int, model_path: Path, model: dict, files: dict
                         Fragment(FragmentInfo(rank, (numel,), offset), piece(flat, start, numel)))
                 covered[name] = offset + numel
                 out.group_of[name] = g
+    agree_with_model(out.steps, model, model_path)
     return out
 
 
@@ -210,6 +211,29 @@ def group_states(out: SliceState, state: dict, fp32: LazyTensor, path: Path) -> 
 
 def moment_keys(state: dict) -> list[str]:
     return [k for k, v in state.items() if k != "step" and isinstance(v, LazyTensor)]
+
+
+def agree_step(steps: dict[int, float | None], group: int, step: float | None, path: Path, first: Path) -> None:
+    """Record `group`'s optimizer step, which every rank file of one save records alike."""
+    if group in steps and step != steps[group]:
+        raise CorruptCheckpointError(f"{path}: records optimizer step {step} for param group {group}, {first.name} "
+                                     f"records {steps[group]}; files from different saves are mixed, copy the whole "
+                                     "tag folder again from the training job")
+    steps[group] = step
+
+
+def agree_with_model(steps: dict[int, float | None], model: dict, model_path: Path) -> None:
+    """Without fp16 (whose overflowing steps the optimizer skips) every optimizer step is a global step:
+    the model-states file must record as many as the optimizer files."""
+    config = model.get("ds_config") or {}
+    global_steps = model.get("global_steps")
+    if (config.get("fp16") or {}).get("enabled") or not isinstance(global_steps, int):
+        return
+    for group, step in steps.items():
+        if step is not None and step != global_steps:
+            raise CorruptCheckpointError(f"{model_path}: records {global_steps} global steps, the optimizer files "
+                                         f"{step} for param group {group}; files from different saves are mixed, "
+                                         "copy the whole tag folder again from the training job")
 
 
 def step_value(state: dict, path: Path) -> float | None:

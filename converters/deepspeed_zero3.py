@@ -18,8 +18,8 @@ import math
 import re
 from pathlib import Path
 
-from ucp.converters.deepspeed_slices import (SliceState, check_partitions, dp_paths, group_states, load_dict, piece,
-                                             shape_of, zero_stage)
+from ucp.converters.deepspeed_slices import (SliceState, agree_step, agree_with_model, check_partitions, dp_paths,
+                                             group_states, load_dict, piece, shape_of, zero_stage)
 from ucp.converters.torch_zip import LazyTensor
 from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedLayoutError
 from ucp.patterns.recognize import FragmentInfo
@@ -75,7 +75,7 @@ def read_zero3_slice(folder: Path, mp: int, model_files: dict[tuple[int, int], P
                                          f"{len(param_shapes)}; files from different runs are mixed")
         for i, group in enumerate(param_shapes):
             flats, step = group_states(out, inner["state"].get(i, {}), flat_fp32[i], path)
-            sub_steps.setdefault(i, step)
+            agree_step(sub_steps, i, step, path, optim_paths[0])
             offset = 0
             for name, shape in group.items():
                 per_rank = math.ceil(math.prod(shape_of(shape)) / dp)
@@ -91,6 +91,7 @@ def read_zero3_slice(folder: Path, mp: int, model_files: dict[tuple[int, int], P
                                          f"{out.steps[group]} and {step}; the optimizer file is damaged")
         if out.steps.get(group) is None:
             out.steps[group] = step
+    agree_with_model(out.steps, first_model, model_paths[0])
     out.frozen = _frozen(first_model, model_paths, dp)
     return out
 

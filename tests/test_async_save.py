@@ -26,13 +26,13 @@ from support.checkpoints import (TinySpec, read_tag, start_ucp_save_run, trained
                                  uninterrupted_losses)
 from ucp.cli.main import main as cli_main
 from ucp.convert import convert
-from ucp.crc import crc32_combine
+from ucp.crc import chunk_bounds, crc32_combine
 from ucp.errors import IncompleteCheckpointError, SaveError
 from ucp.fileio import tensor_bytes
 from ucp.format import FORMAT_NAME
 from ucp.safetensors_stream import TORCH_DTYPES, StreamingWriter, TensorSlot
 from ucp.save_layout import plan_layout, whole_crcs
-from ucp import save_writer
+from ucp import save_layout, save_writer
 from ucp.save_writer import BackgroundSave, Piece, SnapshotBuffer, write_pieces
 
 META = {"format": FORMAT_NAME}
@@ -124,6 +124,9 @@ def _rank_pieces(layout, tensors, rank: int, ranks: int):
 @pytest.mark.parametrize("chunk", [7, 4 << 20])  # 7 bytes: pieces span chunks and chunks span pieces
 def test_ranks_writing_disjoint_pieces_make_the_file_and_its_checksums(chunk, tmp_path, monkeypatch):
     monkeypatch.setattr(save_writer, "_CHUNK", chunk)
+    # Checksum chunks of 16 bytes, so that the ranks' pieces start and end inside chunks.
+    monkeypatch.setattr(save_writer, "CHUNK_BYTES", 16)
+    monkeypatch.setattr(save_layout, "CHUNK_BYTES", 16)
     tensors = _tensors()
     layout = plan_layout(SLOTS, 1 << 30, META)
     reports = []
@@ -135,7 +138,10 @@ def test_ranks_writing_disjoint_pieces_make_the_file_and_its_checksums(chunk, tm
     written = (tmp_path / "data-00000-of-00001.safetensors.partial").read_bytes()
     assert written == _reference_file(tmp_path, tensors)
     crcs = whole_crcs(layout, reports)
-    assert crcs == {key: zlib.crc32(tensor_bytes(t)) for key, t in tensors.items()}
+    spans = layout.spans
+    assert crcs == {key: (zlib.crc32(tensor_bytes(t)),
+                          [zlib.crc32(written[lo:hi]) for lo, hi in chunk_bounds(spans[key].begin, spans[key].end, 16)])
+                    for key, t in tensors.items()}
     os.replace(tmp_path / "data-00000-of-00001.safetensors.partial", tmp_path / "data.safetensors")
     with safe_open(str(tmp_path / "data.safetensors"), framework="pt") as f:
         assert all(torch.equal(f.get_tensor(k), t) for k, t in tensors.items())

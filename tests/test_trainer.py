@@ -116,3 +116,33 @@ def test_accelerate_load_state_at_one_process(engine_from, ckpt_root, tmp_path):
     resumed = losses(run / "losses.json")
     assert resumed["first_step"] == SAVE_STEP + 1
     assert resumed["losses"] == pytest.approx(uninterrupted(source), rel=REL)
+
+
+@pytest.mark.parametrize("mixed", ["zero_pp_rank_1_mp_rank_00_optim_states.pt", "mp_rank_00_model_states.pt"])
+def test_files_of_another_save_are_refused_naming_the_file(mixed, trainer_run, tmp_path, capsys):
+    """checkpoint-3 with one file taken from checkpoint-5 of the same run (same world size, same model)."""
+    from ucp.cli.main import main as cli
+
+    out = trainer_run("llama") / "out"
+    broken = tmp_path / CHECKPOINT
+    shutil.copytree(out / CHECKPOINT, broken)
+    shutil.copy(out / f"checkpoint-{TOTAL_STEPS}" / f"global_step{TOTAL_STEPS}" / mixed,
+                broken / f"global_step{SAVE_STEP}" / mixed)
+    assert cli(["convert", "--input", str(broken), "--output", str(tmp_path / "ucp"), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "files from different saves are mixed" in err and mixed in err, err
+
+
+def test_a_mixed_checkpoint_is_refused_on_every_rank_before_training(trainer_run, ckpt_root, tmp_path):
+    out = trainer_run("llama") / "out"
+    broken = tmp_path / CHECKPOINT
+    shutil.copytree(out / CHECKPOINT, broken)
+    mixed = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    shutil.copy(out / f"checkpoint-{TOTAL_STEPS}" / f"global_step{TOTAL_STEPS}" / mixed,
+                broken / f"global_step{SAVE_STEP}" / mixed)
+    run = trainer_resume("llama", broken, 2, 3, ckpt_root, check=False)
+    log = (run / "train.log").read_text()
+    assert not (run / "losses.json").exists()
+    for rank in range(2):
+        errors = [line for line in log.splitlines() if line.startswith(f"[rank{rank}]:") and "Error: " in line]
+        assert errors and "files from different saves are mixed" in errors[-1], (rank, errors)

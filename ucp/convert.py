@@ -28,6 +28,7 @@ from ucp import __version__
 from ucp.assemble import Arena, materialize
 from ucp.balance import lpt_bins
 from ucp.errors import OutputExistsError, UcpError
+from ucp.crc import CHUNK_BYTES
 from ucp.executor import Executor, LocalExecutor, Report, ShuffleExecutor
 from ucp.fileio import writing_alone
 from ucp.index import stored_shape
@@ -56,6 +57,7 @@ class WriteBin:
     params: tuple[ParamPlan, ...]
     strict: bool
     fingerprint: str  # of the source, recorded in the bin's manifest so --resume keeps only this conversion's files
+    chunk_bytes: int = CHUNK_BYTES  # the states' chunk checksums cover runs of this many bytes
 
 
 @dataclass(frozen=True)
@@ -73,7 +75,8 @@ def convert(input_dir: str | os.PathLike, output_dir: str | os.PathLike, *, tag:
             workers: int | None = None, fmt: str = "ucp", strict: bool = False,
             executor: Executor | None = None, progress: bool = True,
             param_names: list[str] | None = None, resume: bool = False,
-            splits: SplitPolicy | None = None, patterns: dict[str, str] | None = None) -> ConvertResult:
+            splits: SplitPolicy | None = None, patterns: dict[str, str] | None = None,
+            chunk_bytes: int = CHUNK_BYTES) -> ConvertResult:
     """Convert the DeepSpeed checkpoint at `input_dir` into `output_dir` (format `ucp` or `deepspeed`).
 
     With `resume`, data files that an interrupted conversion of the same source finished are kept
@@ -99,10 +102,10 @@ def convert(input_dir: str | os.PathLike, output_dir: str | os.PathLike, *, tag:
         from ucp.deepspeed_universal import write_deepspeed_universal
 
         return write_deepspeed_universal(plan, Path(output_dir), executor, strict=strict)
-    return write_atomic(plan, Path(output_dir), executor, strict=strict, resume=resume)
+    return write_atomic(plan, Path(output_dir), executor, strict=strict, resume=resume, chunk_bytes=chunk_bytes)
 
 
-def source_fingerprint(plan: ConversionPlan) -> str:
+def source_fingerprint(plan: ConversionPlan, chunk_bytes: int = CHUNK_BYTES) -> str:
     """Identifies the source files (names, sizes, mtimes), to tell 'already converted' from 'different'.
 
     A split-major conversion also folds in every tensor's (dim, count), so neither the 'already
@@ -115,6 +118,8 @@ def source_fingerprint(plan: ConversionPlan) -> str:
     for p in plan.params:
         if p.splits is not None:
             h.update(f"{p.name}:{p.splits};".encode())
+    if chunk_bytes != CHUNK_BYTES:
+        h.update(f"chunks:{chunk_bytes};".encode())
     return h.hexdigest()[:32]
 
 
@@ -153,20 +158,22 @@ def plan_bins(plan: ConversionPlan, workers: int) -> list[list[ParamPlan]]:
 
 
 def write_atomic(plan: ConversionPlan, output: Path, executor: Executor, *, strict: bool = False,
-                 resume: bool = False) -> ConvertResult:
+                 resume: bool = False, chunk_bytes: int = CHUNK_BYTES) -> ConvertResult:
+    """Write `plan`'s tensors into the ucp checkpoint `output` (each state's chunk checksums over
+    runs of `chunk_bytes`, see docs/FORMAT.md) and commit its index."""
     with writing_alone(output):
-        return _write_atomic(plan, output, executor, strict=strict, resume=resume)
+        return _write_atomic(plan, output, executor, strict=strict, resume=resume, chunk_bytes=chunk_bytes)
 
 
 def _write_atomic(plan: ConversionPlan, output: Path, executor: Executor, *, strict: bool,
-                  resume: bool) -> ConvertResult:
-    fingerprint = source_fingerprint(plan)
+                  resume: bool, chunk_bytes: int) -> ConvertResult:
+    fingerprint = source_fingerprint(plan, chunk_bytes)
     if prepare_output(output, fingerprint, resume, frozenset(plan.extra_files)):
         remove_manifests(output)  # left behind when a run died between its commit and this cleanup
         index = load_index(output)
         return ConvertResult(output, len(index["params"]), tuple(index["files"]), 0, already_done=True)
     bins = plan_bins(plan, executor.workers)
-    tasks = [WriteBin(str(output), data_file_name(i, len(bins)), tuple(b), strict, fingerprint)
+    tasks = [WriteBin(str(output), data_file_name(i, len(bins)), tuple(b), strict, fingerprint, chunk_bytes)
              for i, b in enumerate(bins)]
     kept = keep_finished(output, tasks, executor) if resume else {}
     todo = [t for t in tasks if t.file_name not in kept]
@@ -225,7 +232,8 @@ def stream_bin(task: WriteBin, report: Report,
     """
     final = os.path.join(task.output, task.file_name)
     partial = final + PARTIAL_SUFFIX
-    writer = StreamingWriter(partial, bin_slots(task.params), metadata={"format": FORMAT_NAME})
+    writer = StreamingWriter(partial, bin_slots(task.params), metadata={"format": FORMAT_NAME},
+                             chunk_bytes=task.chunk_bytes)
     stored = {}
     try:
         for p in task.params:
@@ -245,8 +253,8 @@ def stream_bin(task: WriteBin, report: Report,
     os.replace(partial, final)
     fsync_dir(Path(task.output))
     # The size the writer planned and wrote, never read back: another process may own the path by now.
-    result = {"file": task.file_name, "bytes": writer.size,
-              "tensors": {k: (s.begin, s.end, s.crc32) for k, s in stored.items()}}
+    result = {"file": task.file_name, "bytes": writer.size, "chunk_bytes": task.chunk_bytes,
+              "tensors": {k: (s.begin, s.end, s.crc32, s.chunk_crc32) for k, s in stored.items()}}
     write_manifest(task.output, result, task.fingerprint)
     return result
 
@@ -289,9 +297,10 @@ def build_index(plan: ConversionPlan, fingerprint: str, results: list[dict],
     for p in plan.params:
         states = {}
         for state, source in p.states.items():
-            file_name, begin, end, crc = where[tensor_key(p.name, state)]
+            file_name, begin, end, crc, chunks = where[tensor_key(p.name, state)]
             states[state] = {"file": file_name, "key": tensor_key(p.name, state), "dtype": source.dtype,
-                             "shape": list(p.shape), "offsets": [begin, end], "crc32": crc}
+                             "shape": list(p.shape), "offsets": [begin, end], "crc32": crc,
+                             "chunk_crc32": list(chunks)}
             if p.splits is not None:
                 states[state]["splits"] = {"dim": p.splits[0], "count": p.splits[1]}
         params[p.name] = param_entry(p, states)
@@ -306,10 +315,18 @@ def build_index(plan: ConversionPlan, fingerprint: str, results: list[dict],
         "client_state": _jsonable(plan.client_state),
         "splits": {"global_split": max((p.splits[1] for p in plan.params if p.splits), default=1)},
         "files": {r["file"]: {"bytes": r["bytes"]} for r in sorted(results, key=lambda r: r["file"])},
+        "chunk_bytes": _one_chunk_size(results),
         "extra_files": extra or {},
         "aliases": dict(plan.aliases),
         "params": params,
     }
+
+
+def _one_chunk_size(results: list[dict]) -> int:
+    sizes = {r["chunk_bytes"] for r in results}
+    if len(sizes) > 1:
+        raise UcpError(f"data files written with different chunk sizes {sorted(sizes)}; convert again")
+    return sizes.pop() if sizes else CHUNK_BYTES
 
 
 def param_entry(p: ParamPlan, states: dict[str, dict]) -> dict:

@@ -7,6 +7,9 @@ in zlib's reflected bit order, and adds the second CRC.
 """
 from __future__ import annotations
 
+import functools
+import zlib
+
 _POLY = 0xEDB88320  # the zlib CRC-32 polynomial, reflected
 _ONE = 1 << 31      # the polynomial 1 (x^0), reflected
 
@@ -34,6 +37,7 @@ def _x2n_table() -> tuple[int, ...]:
 _X2N = _x2n_table()
 
 
+@functools.lru_cache(maxsize=64)  # chunk-sized lengths repeat
 def _x8nmodp(nbytes: int) -> int:
     """x^(8·nbytes) modulo the polynomial."""
     power = _ONE
@@ -51,3 +55,48 @@ def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
     if len2 < 0:
         raise ValueError(f"len2 must be >= 0, got {len2}")
     return _multmodp(_x8nmodp(len2), crc1 & 0xFFFFFFFF) ^ (crc2 & 0xFFFFFFFF)
+
+
+# -- chunk checksums ----------------------------------------------------------------------------------
+# A stored state also records the CRC-32 of each of its chunks: the runs of its bytes between file
+# offsets that are multiples of `chunk_bytes` (the first and last chunk may be shorter). A reader of
+# part of a state widens its read to those boundaries and checks every chunk it read, so a partial
+# read is verified at the cost of at most two partial chunks more (docs/FORMAT.md, "Checksums").
+
+CHUNK_BYTES = 1 << 20
+
+
+def chunk_bounds(begin: int, end: int, chunk_bytes: int) -> list[tuple[int, int]]:
+    """The chunks [lo, hi) of the byte range [begin, end): cut at the multiples of `chunk_bytes`."""
+    cuts = range((begin // chunk_bytes + 1) * chunk_bytes, end, chunk_bytes)
+    edges = [begin, *cuts, end]
+    return [(lo, hi) for lo, hi in zip(edges, edges[1:]) if hi > lo]
+
+
+def segment_crcs(data, begin: int, chunk_bytes: int) -> list[tuple[int, int, int]]:
+    """(lo, hi, crc32) of `data` (bytes stored from file offset `begin` on), cut at chunk boundaries."""
+    return [(lo, hi, zlib.crc32(data[lo - begin:hi - begin]))
+            for lo, hi in chunk_bounds(begin, begin + len(data), chunk_bytes)]
+
+
+def join_segments(segments: list[tuple[int, int, int]], begin: int, end: int,
+                  chunk_bytes: int) -> tuple[int, list[int]]:
+    """The CRC-32 of [begin, end) and of each of its chunks, from segments that tile it exactly and
+    never straddle a chunk boundary (as `segment_crcs` cuts them, whichever rank wrote which)."""
+    chunks: dict[tuple[int, int], int | None] = {bounds: None for bounds in chunk_bounds(begin, end, chunk_bytes)}
+    starts = {lo: (lo, hi) for lo, hi in chunks}
+    cursor, whole, current = begin, 0, None
+    for lo, hi, crc in sorted(segments):
+        if lo != cursor:
+            raise ValueError(f"segments leave bytes [{cursor}, {lo}) uncovered" if lo > cursor else
+                             f"segments overlap at byte {lo}")
+        current = starts.get(lo, current)
+        if current is None or hi > current[1]:
+            raise ValueError(f"segment [{lo}, {hi}) straddles a chunk boundary")
+        previous = chunks[current]
+        chunks[current] = crc if previous is None else crc32_combine(previous, crc, hi - lo)
+        whole = crc32_combine(whole, crc, hi - lo)
+        cursor = hi
+    if cursor != end:
+        raise ValueError(f"segments leave bytes [{cursor}, {end}) uncovered")
+    return whole, list(chunks.values())

@@ -69,7 +69,7 @@ from ucp.deepspeed_save import SaveEvery, SaveStats, save, wait
 from ucp.deepspeed_targets import OPTIMIZER_STATES, Target, TargetTensor, module_aliases, target_for
 from ucp.deepspeed_layout import as_layout, place_by_layout
 from ucp.deepspeed_tp_target import with_tensor_parallel
-from ucp.errors import UcpError, UnsupportedLayoutError
+from ucp.errors import CorruptCheckpointError, UcpError, UnsupportedLayoutError
 from ucp.layout import Layout, ParamSpec
 from ucp.load_plan import assign_readers
 from ucp.load_source import Source, box_numel, source_for
@@ -87,6 +87,7 @@ class LoadStats:
     """What this rank read from storage and exchanged with its data-parallel group."""
 
     bytes_read: int = 0
+    bytes_checked_extra: int = 0  # of bytes_read: read only to check whole chunks around a partial read
     read_calls: int = 0
     bytes_broadcast: int = 0
     tensors: int = 0
@@ -244,9 +245,10 @@ def _check_untied_copy(ckpt: AtomicCheckpoint, alias: str, source: str) -> None:
                 f"'{state}'; pass strict=False to load '{source}' for both, or untie it in the model")
 
 
-def _agree(error: UcpError | None) -> None:
+def _agree(error: UcpError | None, kind: type[UcpError] | None = None) -> None:
     """Every rank raises if any rank found a mismatch (pipeline stages, expert ranks and layout slices
-    differ between ranks), so none goes on into collectives the others never join."""
+    differ between ranks) or damaged bytes, so none goes on into collectives the others never join;
+    the others raise `kind` (default `CheckpointMismatchError`) naming the rank that found it."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         if error is not None:
             raise error
@@ -257,7 +259,7 @@ def _agree(error: UcpError | None) -> None:
         raise error
     first = next(((rank, f) for rank, f in enumerate(found) if f is not None), None)
     if first is not None:
-        raise CheckpointMismatchError(f"rank {first[0]}: {first[1]}")
+        raise (kind or CheckpointMismatchError)(f"rank {first[0]}: {first[1]}")
 
 
 # -- tensors, layer by layer ----------------------------------------------------------------------------
@@ -293,23 +295,30 @@ def _load_tensors(source: Source, target: Target, state_names: list[str], bypass
     me = dist.get_rank() if dist.is_initialized() else 0
     groups = _dp_groups(target)
     owners = _shared_owners(source, target, state_names, groups) if bypass else {}
+    damaged: UcpError | None = None
     for layer in _layers(target.tensors):
         wants = {(t.name, s): t for t in layer for s in _states_of(t, state_names)}
-        values = source.read(wants, _mine(wants, owners, me), bypass, stats)
+        try:
+            values = source.read(wants, _mine(wants, owners, me), bypass, stats)
+        except UcpError as exc:  # damaged bytes: keep the group's broadcasts going, then raise on every rank
+            damaged, values = damaged or exc, {}
         for key, t in wants.items():  # in the same order on every rank of a group
             if key not in owners:
                 continue
             ranks, group = groups[id(t)]
             if len(ranks) > 1:
                 values[key] = _broadcast(source, key, t, values.get(key), owners[key], group, stats)
-            if not t.whole:
+            if not t.whole and key in values:
                 values[key] = values[key].narrow(0, t.start, t.numel)
+        if damaged is not None:
+            continue  # nothing more is installed
         for key, t in wants.items():
             if t.numel:
                 t.install(key[1], values[key])
                 stats.tensors += 1
         stats.layers += 1
         stats.peak_layer_bytes = max(stats.peak_layer_bytes, sum(v.numel() * v.element_size() for v in values.values()))
+    _agree(damaged, CorruptCheckpointError)
 
 
 def _mine(wants: dict[tuple, TargetTensor], owners: dict, me: int) -> list[tuple]:

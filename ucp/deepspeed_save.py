@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from ucp import loss_scale
+from ucp.crc import CHUNK_BYTES
 from ucp.convert import TARGET_FILE_BYTES, build_index
 from ucp.deepspeed_targets import Target, TargetTensor, Zero3Target, module_aliases, target_for
 from ucp.deepspeed_tp_target import tp_size
@@ -174,7 +175,7 @@ class Saver:
                 event.synchronize()
             written = write_pieces(tag_dir, prepared.layout.files, prepared.buffer, headers=self.leader,
                                    after_first_write=lambda: hold_for_tests(tag, self.rank))
-            report = [(w.key, p.start, p.numel, w.begin, w.end, w.crc32)
+            report = [(w.key, p.start, p.numel, w.begin, w.end, w.segments)
                       for w, p in zip(written, prepared.buffer.pieces)]
         except Exception as exc:  # reported to rank 0, which then does not commit
             error = f"rank {self.rank}: {type(exc).__name__}: {exc}"
@@ -294,8 +295,8 @@ def _commit(prepared: _Prepared, save_dir: Path, tag: str, reports: list, meta: 
         raise SaveError(f"{tag_dir}: not committed, {failed[0]}")
     written, fragments = [], {}
     for rank_index, (report, _) in enumerate(reports):
-        for key, start, numel, begin, end, crc in report:
-            written.append(WrittenPiece(key, begin, end, crc))
+        for key, start, numel, begin, end, segments in report:
+            written.append(WrittenPiece(key, begin, end, tuple(map(tuple, segments))))
             fragments.setdefault(key, []).append((rank_index, start, numel))
     crcs = whole_crcs(prepared.layout, written)
     for f in prepared.layout.files:
@@ -306,8 +307,8 @@ def _commit(prepared: _Prepared, save_dir: Path, tag: str, reports: list, meta: 
     plan = ConversionPlan(params=params, source=meta["source"], optimizer=meta["optimizer"],
                           training=meta["training"], lr_scheduler=meta["lr_scheduler"],
                           client_state=meta["client_state"], aliases=meta["aliases"])
-    results = [{"file": f.name, "bytes": f.size,
-                "tensors": {k: (s.begin, s.end, crcs[k]) for k, s in prepared.layout.spans.items() if s.file == f.name}}
+    results = [{"file": f.name, "bytes": f.size, "chunk_bytes": CHUNK_BYTES,
+                "tensors": {k: (s.begin, s.end, *crcs[k]) for k, s in prepared.layout.spans.items() if s.file == f.name}}
                for f in prepared.layout.files]
     commit_index(tag_dir, build_index(plan, fingerprint, results))
     commit_latest(save_dir, tag)

@@ -24,17 +24,16 @@ from __future__ import annotations
 
 import math
 import os
-import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from ucp.checked_read import read_checked
 from ucp.checkpoint import AtomicCheckpoint
-from ucp.errors import CorruptCheckpointError, UcpError
-from ucp.fileio import ReadCounter, pread_into, tensor_bytes
+from ucp.errors import UcpError
+from ucp.fileio import ReadCounter
 from ucp.layout import Layout, OwnedSlice, ParamSpec
-from ucp.load_plan import coalesce
 from ucp.safetensors_stream import TORCH_DTYPES
 from ucp.slice_read import SliceRead, plan_flat_read, plan_slice_read
 from ucp.splits import box_of_read
@@ -52,6 +51,7 @@ class LoadedSlices:
     tensors: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     shards: dict[str, tuple[int, int]] = field(default_factory=dict)  # ZeRO: flat [start, stop) of the box kept
     bytes_read: int = 0
+    bytes_checked_extra: int = 0  # of bytes_read: read only to check whole chunks around a partial read
     read_calls: int = 0
     share_bytes: int = 0     # bytes of the boxes themselves: what an exact loader must read
     tensors_touched: int = 0  # (parameter, state) pairs read
@@ -83,19 +83,14 @@ def load_slices(layout: Layout, rank: int, path: str | os.PathLike, table: Itera
                 reads.append(plan_flat_read((name, state), entry, piece.box, shard[0], shard[1] - shard[0], itemsize)
                              or plan_slice_read((name, state), entry, piece.box, itemsize))
     counter = ReadCounter()
-    chunks = {}
-    for merged, parts in coalesce(r.range for r in reads if r.range.nbytes):
-        buf = torch.empty(merged.nbytes, dtype=torch.uint8)
-        pread_into(str(ckpt.path / merged.file), buf, merged.begin, counter)
-        for part in parts:
-            chunks[part] = buf.narrow(0, part.begin - merged.begin, part.nbytes)
+    model = ckpt.model
+    chunks, out.bytes_checked_extra = read_checked(
+        ckpt.path, {r.key: (model.params[r.key[0]].states[r.key[1]], r.range) for r in reads}, model.chunk_bytes,
+        counter, verify)
     for r in reads:
         name, state = r.key
         entry = ckpt.index["params"][name]["states"][state]
-        raw = chunks.get(r.range, torch.empty(0, dtype=torch.uint8))
-        if verify and r.whole and zlib.crc32(tensor_bytes(raw)) != entry["crc32"]:
-            raise CorruptCheckpointError(f"{ckpt.path / entry['file']}: {name}:{state} fails its checksum; "
-                                         "the file is damaged, convert again or restore it from a copy")
+        raw = chunks[r.key]
         flat = raw.view(TORCH_DTYPES[entry["dtype"]])
         shard = out.shards.get(name) if state != "fp32" else None
         if shard is not None and r.dim is None and not r.narrow and not r.whole:

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ucp.crc import CHUNK_BYTES, chunk_bounds
 from ucp.errors import CorruptCheckpointError
 
 DTYPE_SIZES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
@@ -41,6 +42,7 @@ class StoredState:
     end: int
     crc32: int
     splits: tuple[int, int] | None = None  # (dim, count): stored split-major, see ucp.splits
+    chunk_crc32: tuple[int, ...] | None = None  # of each chunk (ucp.crc.chunk_bounds); None in older checkpoints
 
     @property
     def nbytes(self) -> int:
@@ -70,6 +72,7 @@ class Index:
     files: dict[str, DataFile]
     params: dict[str, ParamEntry]
     aliases: dict[str, str]  # a tied weight's second name -> the parameter stored
+    chunk_bytes: int = CHUNK_BYTES  # the runs that states' chunk checksums cover
 
 
 class _Fields:
@@ -105,12 +108,16 @@ def parse_index(raw, directory: str | os.PathLike, index_path: str | os.PathLike
     path = Path(index_path) if index_path is not None else directory / "ucp_index.json"
     top = _Fields("index", raw, path)
     version = top.count("format_version")
+    chunk_bytes = top.count("chunk_bytes", required=False, limit=1 << 40)
+    if chunk_bytes == 0:
+        raise _bad(path, "index.chunk_bytes", "must be at least 1")
+    chunk_bytes = chunk_bytes or CHUNK_BYTES
     files = {}
     for name, meta in top.get("files", (dict,)).items():
         files[name] = _data_file(directory, path, name, _Fields(f"files[{name!r}]", meta, path).count("bytes"))
     params = {}
     for name, entry in top.get("params", (dict,)).items():
-        params[name] = _param(path, name, _Fields(f"params[{name!r}]", entry, path), files)
+        params[name] = _param(path, name, _Fields(f"params[{name!r}]", entry, path), files, chunk_bytes)
     _no_overlaps(path, params)
     _training_state(top, path)
     for name, meta in (top.get("extra_files", (dict,), required=False) or {}).items():
@@ -119,7 +126,7 @@ def parse_index(raw, directory: str | os.PathLike, index_path: str | os.PathLike
         fields.count("crc32", limit=0xFFFFFFFF)
         if not _plain_name(name) or name in files:
             raise _bad(path, f"extra_files[{name!r}]", "is not a plain file name of its own in the folder")
-    return Index(version, files, params, _aliases(top, path, params))
+    return Index(version, files, params, _aliases(top, path, params), chunk_bytes)
 
 
 def _aliases(top: _Fields, path: Path, params: dict[str, ParamEntry]) -> dict[str, str]:
@@ -192,7 +199,7 @@ def _plain_name(name) -> bool:
     return isinstance(name, str) and name not in ("", ".", "..") and not any(c in name for c in "/\\\0")
 
 
-def _param(path: Path, name: str, entry: _Fields, files: dict[str, DataFile]) -> ParamEntry:
+def _param(path: Path, name: str, entry: _Fields, files: dict[str, DataFile], chunk_bytes: int) -> ParamEntry:
     kind = entry.get("kind", (str,))
     if kind not in KINDS:
         raise _bad(path, f"{entry.where}.kind", f"{kind!r} is not one of {', '.join(KINDS)}")
@@ -207,11 +214,13 @@ def _param(path: Path, name: str, entry: _Fields, files: dict[str, DataFile]) ->
         raise _bad(path, f"{entry.where}.model_dtype", f"unknown dtype {model_dtype!r}")
     states = {}
     for state, stored in entry.get("states", (dict,)).items():
-        states[state] = _state(path, _Fields(f"{entry.where}.states[{state!r}]", stored, path), shape, files)
+        states[state] = _state(path, _Fields(f"{entry.where}.states[{state!r}]", stored, path), shape, files,
+                               chunk_bytes)
     return ParamEntry(name, kind, shape, states, group, step)
 
 
-def _state(path: Path, fields: _Fields, shape: tuple[int, ...], files: dict[str, DataFile]) -> StoredState:
+def _state(path: Path, fields: _Fields, shape: tuple[int, ...], files: dict[str, DataFile],
+           chunk_bytes: int) -> StoredState:
     where = fields.where
     file_name = fields.get("file", (str,))
     if file_name not in files:
@@ -240,7 +249,14 @@ def _state(path: Path, fields: _Fields, shape: tuple[int, ...], files: dict[str,
         if dim >= max(len(shape), 1) or count < 1:
             raise _bad(path, f"{where}.splits", f"dim {dim}, count {count} do not split shape {list(shape)}")
         splits = (dim, count)
-    return StoredState(file_name, fields.get("key", (str,)), dtype, shape, begin, end, crc, splits)
+    chunks = fields.get("chunk_crc32", (list,), required=False)
+    if chunks is not None:
+        expected = len(chunk_bounds(begin, end, chunk_bytes))
+        if len(chunks) != expected or not all(isinstance(c, int) and not isinstance(c, bool) and 0 <= c <= 0xFFFFFFFF
+                                              for c in chunks):
+            raise _bad(path, f"{where}.chunk_crc32", f"must be {expected} CRC-32 values, one per chunk")
+        chunks = tuple(chunks)
+    return StoredState(file_name, fields.get("key", (str,)), dtype, shape, begin, end, crc, splits, chunks)
 
 
 def _shape(path: Path, where: str, value: list) -> tuple[int, ...]:

@@ -8,7 +8,8 @@ where storage allows.
 
 * `AtomicSource` — a ucp checkpoint: states are whole, logical tensors at known offsets
   (`ucp.slice_read`); shared keys are those the whole group wants (ZeRO-0 models, frozen
-  parameters, buffers). A read that covers a whole stored state checks its CRC-32.
+  parameters, buffers). Every read is checked (`ucp.checked_read`): a whole state against its
+  CRC-32, part of one against the CRC-32 of each chunk it is widened to.
 * `PlannedSource` — a DeepSpeed checkpoint, resharded on the fly through its `ConversionPlan`. A
   state stored as runs of its flattened tensor (ZeRO-1/2/3 partitions, or one whole tensor in the
   module) serves any run of wanted elements from just the overlapping bytes of the rank files
@@ -28,7 +29,6 @@ integrity is in doubt.
 from __future__ import annotations
 
 import math
-import zlib
 from pathlib import Path
 from typing import Protocol
 
@@ -37,10 +37,11 @@ import torch
 from ucp.assemble import materialize
 from ucp.checkpoint import AtomicCheckpoint, PlannedCheckpoint
 from ucp.deepspeed_targets import TargetTensor
-from ucp.errors import CorruptCheckpointError
-from ucp.fileio import ReadCounter, pread_into, tensor_bytes
+from ucp.checked_read import fetch, read_checked
+from ucp.fileio import ReadCounter
+from ucp.index import StoredState
 from ucp.layout import Box
-from ucp.load_plan import ByteRange, coalesce
+from ucp.load_plan import ByteRange
 from ucp.plan import ConversionPlan, StateSource
 from ucp.safetensors_stream import TORCH_DTYPES
 from ucp.slice_read import FlatRun, SliceRead, flat_runs, plan_flat_read, plan_slice_read, run_reads
@@ -66,17 +67,6 @@ class Source(Protocol):
 
 def source_for(ckpt: AtomicCheckpoint | PlannedCheckpoint) -> Source:
     return AtomicSource(ckpt) if isinstance(ckpt, AtomicCheckpoint) else PlannedSource(ckpt.plan)
-
-
-def fetch(root: Path, ranges: list[ByteRange], counter: ReadCounter) -> dict[ByteRange, torch.Tensor]:
-    """The bytes of every range (relative to `root` unless absolute), touching ranges of a file read at once."""
-    chunks = {}
-    for merged, parts in coalesce(ranges):
-        buf = torch.empty(merged.nbytes, dtype=torch.uint8)
-        pread_into(str(root / merged.file), buf, merged.begin, counter)
-        for part in parts:
-            chunks[part] = buf.narrow(0, part.begin - merged.begin, part.nbytes)
-    return chunks
 
 
 def box_numel(t: TargetTensor) -> int:
@@ -110,6 +100,10 @@ class AtomicSource:
         name, state = key
         return self.ckpt.entry(name)["states"][state]  # a tied alias reads its source
 
+    def _stored(self, key: Key) -> StoredState:
+        name, state = key
+        return self.ckpt.model.params[self.ckpt.model.aliases.get(name, name)].states[state]
+
     def dtype(self, key: Key) -> torch.dtype:
         return TORCH_DTYPES[self._entry(key)["dtype"]]
 
@@ -131,16 +125,15 @@ class AtomicSource:
             exact = plan_flat_read(key, e, box, t.start, t.numel, itemsize) if bypass else None
             plan[key] = exact or plan_slice_read(key, e, box if bypass else _full_box(e["shape"]), itemsize)
         counter = ReadCounter()
-        chunks = fetch(self.ckpt.path, [r.range for r in plan.values()], counter)
+        stored = {key: self._stored(key) for key in plan}
+        chunks, extra = read_checked(self.ckpt.path, {key: (stored[key], read.range) for key, read in plan.items()},
+                                     self.ckpt.model.chunk_bytes, counter)
         _count(stats, counter)
+        stats.bytes_checked_extra += extra
         values = {}
         for key, read in plan.items():
             e, t = self._entry(key), wants[key]
-            raw = chunks[read.range]
-            if read.whole and zlib.crc32(tensor_bytes(raw)) != e["crc32"]:
-                raise CorruptCheckpointError(f"{self.ckpt.path / e['file']}: {key[0]}:{key[1]} fails its checksum; "
-                                             "the file is damaged, convert again or restore it from a copy")
-            flat = raw.view(TORCH_DTYPES[e["dtype"]])
+            flat = chunks[key].view(TORCH_DTYPES[e["dtype"]])
             if read.range.nbytes != t.numel * flat.element_size() or read.narrow or read.dim is not None:
                 values[key] = _elements(flat, e, t, read, bypass)
             else:

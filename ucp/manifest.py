@@ -44,11 +44,11 @@ def is_manifest(name: str) -> bool:
 def write_manifest(output: str, result: dict, fingerprint: str) -> None:
     """Record a durable data file (a bin task's `result`) for a later --resume."""
     data_path = os.path.join(output, result["file"])
-    tensors = [[key, begin, end, crc] for key, (begin, end, crc) in result["tensors"].items()]
+    tensors = [[key, begin, end, crc, list(chunks)] for key, (begin, end, crc, chunks) in result["tensors"].items()]
     with open(data_path, "rb") as f:
         header_crc = _crc_range(f, 0, _header_end(tensors, result["bytes"]))
     body = {"fingerprint": fingerprint, "file": result["file"], "bytes": result["bytes"],
-            "header_crc32": header_crc, "tensors": tensors}
+            "chunk_bytes": result["chunk_bytes"], "header_crc32": header_crc, "tensors": tensors}
     final = os.path.join(output, manifest_name(result["file"]))
     with open(final + PARTIAL_SUFFIX, "w") as f:
         json.dump(body, f)
@@ -77,13 +77,13 @@ def reusable_bin(check: BinCheck, report: Report) -> dict | None:
         with open(data_path, "rb") as f:
             if _crc_range(f, 0, _header_end(tensors, body["bytes"])) != body["header_crc32"]:
                 return None
-            if any(_crc_range(f, begin, end) != crc for _, begin, end, crc in tensors):
+            if any(_crc_range(f, begin, end) != crc for _, begin, end, crc, _ in tensors):
                 return None
     except (OSError, ValueError, KeyError, TypeError, IndexError):
         return None
     report(body["bytes"])
-    return {"file": check.file_name, "bytes": body["bytes"],
-            "tensors": {key: (begin, end, crc) for key, begin, end, crc in tensors}}
+    return {"file": check.file_name, "bytes": body["bytes"], "chunk_bytes": body["chunk_bytes"],
+            "tensors": {key: (begin, end, crc, tuple(chunks)) for key, begin, end, crc, chunks in tensors}}
 
 
 def remove_manifests(output: Path) -> None:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ucp.crc import CHUNK_BYTES, join_segments, segment_crcs
 from ucp.errors import CorruptCheckpointError
 from ucp.fileio import ReadCounter, pread_into, tensor_bytes
 from ucp.index import SAFETENSORS_DTYPES
@@ -45,6 +46,7 @@ class StoredTensor:
     begin: int
     end: int
     crc32: int
+    chunk_crc32: tuple[int, ...] = ()  # of each chunk (`ucp.crc.chunk_bounds`)
 
 
 def encode_header(slots: Sequence[TensorSlot], metadata: dict[str, str] | None = None) -> bytes:
@@ -66,8 +68,10 @@ def encode_header(slots: Sequence[TensorSlot], metadata: dict[str, str] | None =
 class StreamingWriter:
     """Writes the header for `slots` at open, then accepts their tensors in the same order."""
 
-    def __init__(self, path: str, slots: Sequence[TensorSlot], metadata: dict[str, str] | None = None):
+    def __init__(self, path: str, slots: Sequence[TensorSlot], metadata: dict[str, str] | None = None,
+                 chunk_bytes: int = CHUNK_BYTES):
         self.path = path
+        self.chunk_bytes = chunk_bytes
         self._slots = list(slots)
         head = encode_header(self._slots, metadata)
         self._next = 0
@@ -89,7 +93,9 @@ class StreamingWriter:
         begin = self._position
         self._position += len(data)
         self._next += 1
-        return StoredTensor(key, begin, self._position, zlib.crc32(data))
+        whole, chunks = join_segments(segment_crcs(data, begin, self.chunk_bytes), begin, self._position,
+                                      self.chunk_bytes)
+        return StoredTensor(key, begin, self._position, whole, tuple(chunks))
 
     @property
     def size(self) -> int:

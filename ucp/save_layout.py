@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from ucp.crc import crc32_combine
+from ucp.crc import CHUNK_BYTES, join_segments
 from ucp.errors import SaveError
 from ucp.format import data_file_name
 from ucp.safetensors_stream import TensorSlot, encode_header
@@ -82,37 +82,40 @@ def plan_layout(slots: Sequence[TensorSlot], max_file_bytes: int,
 
 @dataclass(frozen=True)
 class WrittenPiece:
-    """What a rank reports of one piece it wrote: where, and the CRC-32 of its bytes."""
+    """What a rank reports of one piece it wrote: where, and the CRC-32 of its bytes in segments
+    (lo, hi, crc32) cut at chunk boundaries (`ucp.crc.segment_crcs`)."""
 
     key: str
     begin: int
     end: int
-    crc32: int
+    segments: tuple[tuple[int, int, int], ...]
 
 
 _SAME_MODEL = ("; the ranks computed different layouts: every rank must save the same model, with the same "
                "parameters, shapes and optimizer states")
 
 
-def whole_crcs(layout: SaveLayout, pieces: Iterable[WrittenPiece]) -> dict[str, int]:
-    """Each tensor's CRC-32, combined from the pieces the ranks wrote; they must tile it exactly."""
+def whole_crcs(layout: SaveLayout, pieces: Iterable[WrittenPiece]) -> dict[str, tuple[int, list[int]]]:
+    """Each tensor's CRC-32 and chunk CRC-32s, combined from the pieces the ranks wrote; they must tile it."""
     by_key: dict[str, list[WrittenPiece]] = {}
     for piece in pieces:
         by_key.setdefault(piece.key, []).append(piece)
     crcs = {}
     for key, span in layout.spans.items():
-        crc = 0
-        cursor = span.begin
+        cursor, segments = span.begin, []
         for piece in sorted(by_key.pop(key, []), key=lambda p: p.begin):
             if piece.begin != cursor:
                 raise SaveError((f"{span.file}: {key}: no rank wrote bytes [{cursor}, {piece.begin})"
                                  if piece.begin > cursor else
                                  f"{span.file}: {key}: two ranks wrote byte {piece.begin}") + _SAME_MODEL)
-            crc = crc32_combine(crc, piece.crc32, piece.end - piece.begin)
+            segments += piece.segments
             cursor = piece.end
         if cursor != span.end:
             raise SaveError(f"{span.file}: {key}: no rank wrote bytes [{cursor}, {span.end}){_SAME_MODEL}")
-        crcs[key] = crc
+        try:
+            crcs[key] = join_segments(segments, span.begin, span.end, CHUNK_BYTES)
+        except ValueError as exc:
+            raise SaveError(f"{span.file}: {key}: {exc}{_SAME_MODEL}") from None
     if by_key:
         raise SaveError(f"a rank wrote '{next(iter(by_key))}', which the layout does not hold{_SAME_MODEL}")
     return crcs

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from ucp.crc import CHUNK_BYTES, chunk_bounds
 from ucp.errors import SaveError
 from ucp.fileio import tensor_bytes
 from ucp.format import PARTIAL_SUFFIX
@@ -114,7 +115,7 @@ def write_pieces(directory: Path, files: Sequence[FileLayout], buffer: SnapshotB
             for f in files:
                 os.ftruncate(fds[f.name], f.size)
                 _pwrite_all(fds[f.name], memoryview(f.header), 0)
-        crcs = [0] * len(buffer.pieces)
+        segments: list[list[list[int]]] = [[] for _ in buffer.pieces]
         view = tensor_bytes(buffer.data)
         for run in buffer.runs:
             size = run.end - run.begin
@@ -124,7 +125,7 @@ def write_pieces(directory: Path, files: Sequence[FileLayout], buffer: SnapshotB
                     a = max(lo, buffer.offsets[i])
                     b = min(hi, buffer.offsets[i] + buffer.pieces[i].end - buffer.pieces[i].begin)
                     if a < b:
-                        crcs[i] = zlib.crc32(view[a:b], crcs[i])
+                        _checksum(segments[i], view[a:b], buffer.pieces[i].begin + a - buffer.offsets[i])
                 _pwrite_all(fds[run.file], view[lo:hi], run.begin + lo - run.offset)
                 if lo == 0:
                     after_first_write()
@@ -133,7 +134,20 @@ def write_pieces(directory: Path, files: Sequence[FileLayout], buffer: SnapshotB
     finally:
         for fd in fds.values():
             os.close(fd)
-    return [WrittenPiece(p.key, p.begin, p.end, crc) for p, crc in zip(buffer.pieces, crcs)]
+    return [WrittenPiece(p.key, p.begin, p.end, tuple(tuple(seg) for seg in segs))
+            for p, segs in zip(buffer.pieces, segments)]
+
+
+def _checksum(segments: list[list[int]], data: memoryview, begin: int) -> None:
+    """Add `data`, stored from file offset `begin` on, to a piece's checksummed segments: one per chunk
+    (`ucp.crc.chunk_bounds`), a segment continued while the bytes stay in its chunk."""
+    for lo, hi in chunk_bounds(begin, begin + len(data), CHUNK_BYTES):
+        part = data[lo - begin:hi - begin]
+        last = segments[-1] if segments else None
+        if last is not None and last[1] == lo and lo % CHUNK_BYTES:
+            last[1], last[2] = hi, zlib.crc32(part, last[2])
+        else:
+            segments.append([lo, hi, zlib.crc32(part)])
 
 
 _CHUNK = 4 << 20  # bytes checksummed then written at a time: still in cache when the kernel copies them

@@ -28,8 +28,12 @@ ADAM_STATES = ("fp32", "exp_avg", "exp_avg_sq")
 
 
 def write_checkpoint(out: Path, tensors: dict[str, dict[str, torch.Tensor]], policy: SplitPolicy | None = None,
-                     workers: int = 1) -> Path:
-    """A ucp checkpoint at `out` holding tensors[name][state] (fp32), cut by `policy` when given."""
+                     workers: int = 1, chunk_bytes: int = 4) -> Path:
+    """A ucp checkpoint at `out` holding tensors[name][state] (fp32), cut by `policy` when given.
+
+    Chunk checksums cover one fp32 element each by default, so a partial read is checked without
+    widening and these tests see exactly the reads their layouts call for (test_chunk_checksums.py
+    covers the widening)."""
     out = Path(out)
     source = out.parent / (out.name + ".src")
     source.mkdir(parents=True, exist_ok=True)
@@ -55,7 +59,7 @@ def write_checkpoint(out: Path, tensors: dict[str, dict[str, torch.Tensor]], pol
                           source_files=[str(raw)])
     if policy is not None:
         plan = apply_split_policy(plan, policy)
-    write_atomic(plan, out, LocalExecutor(workers, progress=False))
+    write_atomic(plan, out, LocalExecutor(workers, progress=False), chunk_bytes=chunk_bytes)
     return out
 
 

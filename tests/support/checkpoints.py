@@ -373,7 +373,8 @@ def ucp_stats(result: RunResult) -> list[dict]:
 def ucp_load_errors(ucp_dirs: list[Path], spec: TinySpec, root: Path) -> list[dict]:
     """Load each of ``ucp_dirs`` into one fresh engine expecting ucp errors.
 
-    Returns ``[{"path", "error": str | None, "untouched": bool}]``, one per directory, in order.
+    Returns ``[{"path", "error": str | None, "untouched": bool, "errors": [every rank's error]}]``, one per
+    directory, in order (``error`` and ``untouched`` are rank 0's).
     """
     runs = Path(root) / "runs"
     runs.mkdir(parents=True, exist_ok=True)

@@ -299,7 +299,10 @@ def expect_ucp_error(engine, args, rank) -> int:
             error = None
         except UcpError as exc:
             error = str(exc)
-        results.append({"path": path, "error": error, "untouched": engine_digest(engine) == before})
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        results.append({"path": path, "error": error, "untouched": engine_digest(engine) == before,
+                        "errors": errors})
     if rank == 0:
         with open(args.ucp_expect_error, "w") as f:
             json.dump(results, f)
