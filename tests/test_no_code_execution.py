@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import ucp
-from support.checkpoints import TinySpec, read_tag
+from support.checkpoints import TinySpec, read_tag, ucp_load_errors
 from support.payload import plant
 from ucp.cli.main import main
 
@@ -21,12 +21,14 @@ SPEC = TinySpec(stage=1)
 
 @pytest.fixture
 def crafted(tiny_checkpoint, tmp_path):
-    """A copy of a real ZeRO-1 checkpoint with a payload as rank 0's loss scaler and as a client key."""
+    """A copy of a real ZeRO-1 checkpoint with a payload in every rank file: each optimizer file's loss
+    scaler, and a client key of the model-states file."""
     source = tmp_path / "src"
     shutil.copytree(tiny_checkpoint(SPEC), source)
     tag = source / read_tag(source)
     marker = tmp_path / "payload-ran"
-    plant(tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt", marker, "optimizer_state_dict", "loss_scaler")
+    for rank in range(SPEC.world_size):
+        plant(tag / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt", marker, "optimizer_state_dict", "loss_scaler")
     plant(tag / "mp_rank_00_model_states.pt", marker, "payload")
     return source, marker
 
@@ -68,4 +70,12 @@ def test_no_command_runs_the_payload(crafted, tmp_path, capsys):
         assert run_cli(capsys, *argv)[0] == 0
     ckpt = ucp.open_checkpoint(source)
     assert torch.equal(ckpt.tensor("emb.weight"), ucp.open_checkpoint(out).tensor("emb.weight"))
+    assert not marker.exists()
+
+
+def test_the_hook_reading_a_crafted_deepspeed_checkpoint_runs_no_payload(crafted, ckpt_root):
+    """ucp.deepspeed.load of the DeepSpeed checkpoint itself (zero-conversion) on 2 ranks."""
+    source, marker = crafted
+    [result] = ucp_load_errors([source], SPEC, ckpt_root)
+    assert result["errors"] == [None, None]  # loaded: the payload is inert data (fp32 training has no loss scaler)
     assert not marker.exists()
