@@ -21,6 +21,8 @@ from support.parallel import Family, build_family
 from support.train_hf_model import probe_ids
 from ucp.cli.main import main
 from ucp.convert import convert
+from ucp.converters.deepspeed_slices import load_dict
+from ucp.converters.torch_zip import read_tensor
 from ucp.errors import CheckpointNotFoundError, ExportError, OutputExistsError, UnsupportedLayoutError
 from ucp.export import to_dcp, to_hf
 
@@ -185,9 +187,12 @@ def test_exports_of_a_bf16_run_hold_the_fp32_masters_and_not_the_bf16_tied_copy(
     head = {"model": {"lm_head.weight": torch.empty_like(master)}}
     dcp.load(head, checkpoint_id=tmp_path / "dcp")
     assert torch.equal(head["model"]["lm_head.weight"], master)
-    # Negative control: the checkpoint's own lm_head.weight is the bf16 module's copy, not the master.
-    frozen = ucp.open_checkpoint(ckpt).tensor("lm_head.weight")
-    assert torch.equal(frozen, master.to(torch.bfloat16).float()) and not torch.equal(frozen, master)
+    # The checkpoint records lm_head.weight as an alias of the master; the module's own copy of it in
+    # DeepSpeed's files (negative control) is the bf16 one, which the export must not take.
+    assert ucp.open_checkpoint(ckpt).aliases == {"lm_head.weight": "model.embed_tokens.weight"}
+    model_file = next((ckpt / (ckpt / "latest").read_text().strip()).glob("mp_rank_00_model_states.pt"))
+    bf16_copy = read_tensor(load_dict(model_file)["module"]["lm_head.weight"]).float()
+    assert torch.equal(bf16_copy, master.to(torch.bfloat16).float()) and not torch.equal(bf16_copy, master)
 
 
 def test_fsdp2_job_resumes_a_dcp_export_with_the_losses_of_the_uninterrupted_run(runs, tmp_path):

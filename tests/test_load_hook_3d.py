@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import ucp
-from support.atomic import with_edited_index
+from support.atomic import with_added_param, with_edited_index
 from support.resume_3d import Layout, resume_run, source_run
 from ucp.convert import convert
 
@@ -113,17 +113,17 @@ def test_pipeline_bad_checkpoints_are_refused_on_every_stage(converted, ckpt_roo
     def drop(index):
         del index["params"]["3.weight"]
 
-    def extra(index):
-        index["params"]["5.weight"] = index["params"]["3.weight"]
-
-    cases = {"missing": (drop, "'3.weight'"), "extra": (extra, "'5.weight'")}
-    dirs = [with_edited_index(path, tmp_path / label, edit) for label, (edit, _) in cases.items()]
+    ckpt = ucp.open_checkpoint(path)
+    copy_of_3 = {s: ckpt.tensor("3.weight", s) for s in ckpt.states("3.weight") if s != "step"}
+    cases = {"missing": "'3.weight'", "extra": "'5.weight'"}
+    dirs = [with_edited_index(path, tmp_path / "missing", drop),
+            with_added_param(path, tmp_path / "extra", "5.weight", "3.weight", copy_of_3)]
     run = resume_run(pipe(2, 2), ["--steps", 0, "--losses-out", "{run}/losses.json", "--ucp-load",
                                   ",".join(map(str, dirs)), "--ucp-expect-error", "{run}/errors.json"], ckpt_root)
     ranks = json.loads((run / "errors.json").read_text())
     assert len(ranks) == 2
     for results in ranks:
-        for (label, (_, needle)), result in zip(cases.items(), results):
+        for (label, needle), result in zip(cases.items(), results):
             assert result["error"] is not None and needle in result["error"], (label, result)
             assert result["untouched"], label
 
