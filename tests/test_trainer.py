@@ -146,3 +146,16 @@ def test_a_mixed_checkpoint_is_refused_on_every_rank_before_training(trainer_run
     for rank in range(2):
         errors = [line for line in log.splitlines() if line.startswith(f"[rank{rank}]:") and "Error: " in line]
         assert errors and "files from different saves are mixed" in errors[-1], (rank, errors)
+
+
+def test_a_ucp_section_that_plain_trainer_train_ignores_is_a_warning(ckpt_root, tmp_path):
+    """DeepSpeed ignores the "ucp" section; trainer.train() (not ucp.transformers.train) says so, once."""
+    from support.checkpoints import SUPPORT_DIR
+    from support.launch import run_torchrun
+
+    run_torchrun(SUPPORT_DIR / "train_hf.py",
+                 ["--model", "llama", "--stage", "2", "--output-dir", str(tmp_path / "out"), "--max-steps", "1",
+                  "--ucp-options", '{"load": "/nowhere"}', "--losses-out", str(tmp_path / "losses.json")],
+                 1, tmp_path / "train.log")
+    log = (tmp_path / "train.log").read_text()
+    assert log.count('the DeepSpeed config has a "ucp" section, which trainer.train() does not read') == 1

@@ -21,11 +21,15 @@ skipping, callbacks). For this call only, three of its resume steps are done by 
 
 A `"ucp"` section in the Trainer's DeepSpeed config is read here: its load options (`bypass`,
 `strict`, `load_optimizer_states`, ...) apply, and its `"load"` is the checkpoint when
-`resume_from_checkpoint` is not given.
+`resume_from_checkpoint` is not given. DeepSpeed itself ignores the section, so once this module is
+imported a plain `trainer.train()` whose config has one says so in a warning instead of silently
+training without it (`Trainer.train` gains that check and nothing else).
 """
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import functools
 import logging
 import os
 import types
@@ -39,8 +43,19 @@ SCHEDULER_FILE = "scheduler.pt"
 logger = logging.getLogger("ucp.transformers")
 
 
+_through_ucp = contextvars.ContextVar("ucp_transformers_train", default=False)
+
+
 def train(trainer, resume_from_checkpoint: str | os.PathLike | bool | None = None, **kwargs):
     """`trainer.train(resume_from_checkpoint=..., **kwargs)`, resuming through ucp at any layout."""
+    token = _through_ucp.set(True)
+    try:
+        return _train(trainer, resume_from_checkpoint, **kwargs)
+    finally:
+        _through_ucp.reset(token)
+
+
+def _train(trainer, resume_from_checkpoint, **kwargs):
     options = _trainer_options(trainer)
     if resume_from_checkpoint is None or resume_from_checkpoint is False:
         resume_from_checkpoint = options.get("load")
@@ -52,6 +67,31 @@ def train(trainer, resume_from_checkpoint: str | os.PathLike | bool | None = Non
     folder = trainer_folder(resume_from_checkpoint, trainer.args.output_dir)
     with _resuming_through_ucp(trainer, folder, options):
         return trainer.train(resume_from_checkpoint=str(folder), **kwargs)
+
+
+def _warn_of_an_unread_section(stock_train):
+    """`Trainer.train` that warns when the DeepSpeed config's `"ucp"` section goes unread."""
+    @functools.wraps(stock_train)
+    def train_checked(self, *args, **kwargs):
+        if not _through_ucp.get() and "ucp" in (_deepspeed_config(self) or {}):
+            logger.warning('the DeepSpeed config has a "ucp" section, which trainer.train() does not read (DeepSpeed '
+                           "ignores it): call ucp.transformers.train(trainer, ...) to resume through ucp")
+        return stock_train(self, *args, **kwargs)
+
+    train_checked.ucp_checked = True
+    return train_checked
+
+
+def _install_warning() -> None:
+    import transformers
+
+    if not getattr(transformers.Trainer.train, "ucp_checked", False):
+        transformers.Trainer.train = _warn_of_an_unread_section(transformers.Trainer.train)
+
+
+def _deepspeed_config(trainer) -> dict | None:
+    plugin = getattr(getattr(getattr(trainer, "accelerator", None), "state", None), "deepspeed_plugin", None)
+    return getattr(plugin, "deepspeed_config", None)
 
 
 def trainer_folder(path: str | os.PathLike | bool, output_dir: str | os.PathLike) -> Path:
@@ -89,8 +129,7 @@ def saved_world_size(folder: Path) -> int:
 
 def _trainer_options(trainer) -> dict:
     """The checked `"ucp"` section of the Trainer's DeepSpeed config ({} when there is none)."""
-    plugin = getattr(getattr(getattr(trainer, "accelerator", None), "state", None), "deepspeed_plugin", None)
-    options = ucp_options(getattr(plugin, "deepspeed_config", None))
+    options = ucp_options(_deepspeed_config(trainer))
     if "save" in options:
         raise ConfigError('"ucp": {"save": ...} is not used under the Trainer, which writes its own checkpoint-N '
                           "folders; ucp resumes from those directly. Remove the key, or save with "
@@ -146,3 +185,6 @@ def _resuming_through_ucp(trainer, folder: Path, options: dict):
         trainer_module.deepspeed_load_checkpoint = stock_engine_load
         del trainer._load_optimizer_and_scheduler
         del trainer._load_rng_state
+
+
+_install_warning()
