@@ -3,7 +3,7 @@ PYTHON ?= python3
 # torch is pinned so that pip takes the CPU wheel instead of a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: install demo test bench
+.PHONY: install demo test test-fast bench
 
 install:
 	$(PYTHON) -m pip install --quiet --disable-pip-version-check "$(TORCH)" -e ".[test]"
@@ -13,6 +13,10 @@ demo: install
 
 test: install
 	$(PYTHON) -m pytest -q
+
+# The unit tier alone: pure tests, no DeepSpeed run, no subprocess training (under 2 minutes).
+test-fast: install
+	$(PYTHON) -m pytest -q tests/unit
 
 bench: install
 	$(PYTHON) -m pip install --quiet --disable-pip-version-check transformers

@@ -5,15 +5,10 @@ keyed by a fingerprint of tests/support/train_tiny.py and the torch/deepspeed ve
 """
 
 import os
-import sys
 from pathlib import Path
 
 os.environ["DS_ACCELERATOR"] = "cpu"
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/ucp-tests/torch_extensions"))
-
-_TESTS_DIR = str(Path(__file__).resolve().parent)
-if _TESTS_DIR not in sys.path:
-    sys.path.insert(0, _TESTS_DIR)
 
 import pytest  # noqa: E402
 

@@ -260,7 +260,7 @@ def stream_bin(task: WriteBin, report: Report,
 
 
 def _hold_for_tests(file_name: str) -> None:
-    """Fault injection for tests/test_ray.py, inert unless $UCP_TEST_HOLD_DIR is set.
+    """Fault injection for tests/integration/test_ray.py, inert unless $UCP_TEST_HOLD_DIR is set.
 
     While `$UCP_TEST_HOLD_DIR/<file_name>.hold` exists, the writer of that data file stops after its
     first tensor, having written its pid to `<file_name>.pid`, so a test can kill it mid-file.

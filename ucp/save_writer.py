@@ -160,7 +160,7 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
 
 
 def hold_for_tests(tag: str, rank: int) -> None:
-    """Fault injection for tests/test_async_save.py, inert unless $UCP_TEST_HOLD_DIR is set.
+    """Fault injection for tests/integration/test_async_save.py, inert unless $UCP_TEST_HOLD_DIR is set.
 
     With `$UCP_TEST_HOLD_DIR/<tag>.rank<r>.fail` present, rank r's writer fails as a full disk
     would. While `$UCP_TEST_HOLD_DIR/<tag>.hold` exists, every rank's writer stops after its first

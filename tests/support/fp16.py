@@ -2,7 +2,7 @@
 
 DeepSpeed's CPU accelerator reports fp16 only where oneDNN has fp16 kernels (some Intel Xeons, not
 AMD EPYC); `deepspeed.initialize` with fp16 then raises "Type fp16 is not supported on your device".
-tests/test_fp16_paths.py covers the same fp16 code of ucp without a DeepSpeed fp16 run.
+tests/integration/test_fp16_paths.py covers the same fp16 code of ucp without a DeepSpeed fp16 run.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 from .checkpoints import TinySpec
 
 NO_CPU_FP16 = ("DeepSpeed's CPU accelerator has no fp16 on this CPU (oneDNN lacks fp16 kernels); "
-               "tests/test_fp16_paths.py covers the fp16 code paths without a DeepSpeed fp16 run")
+               "tests/integration/test_fp16_paths.py covers the fp16 code paths without a DeepSpeed fp16 run")
 
 
 @functools.cache

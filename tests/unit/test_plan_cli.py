@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ucp.layout import Layout
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "models"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "models"
 UCP = [sys.executable, "-m", "ucp.cli.main"]
 
 

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from support.atomic import write_checkpoint
+from support.checkpoints import SUPPORT_DIR
 from support.launch import run_torchrun
 from ucp.deepspeed_layout import place_by_layout
 from ucp.deepspeed_targets import Target, TargetTensor
@@ -26,7 +27,7 @@ from ucp.layout import Layout, LayoutError, Replica, Stage, choose_global_split
 from ucp.reference_tp import RefConfig, StageModule, full_forward, init_weights, param_table
 from ucp.splits import SplitPolicy
 
-SCRIPT = Path(__file__).resolve().parent / "support" / "hmp_forward.py"
+SCRIPT = SUPPORT_DIR / "hmp_forward.py"
 CFG = RefConfig(vocab=13, hidden=8, ffn=12, layers=4)
 TOKENS_SEED = 7
 

@@ -14,7 +14,7 @@ from ucp.models import ModelConfig, ModelConfigError, load_model_config
 from ucp.planner import (CostModel, PlanError, StagePlan, Workload, _powers_of_two, deal, estimate, search,
                          tp_sizes)
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "models"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "models"
 TINY = ModelConfig("tiny", hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4, num_kv_heads=4,
                    vocab_size=8)
 PEAK = 312e12 * 0.5

@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 
 import ucp
+from support.checkpoints import SUPPORT_DIR
 from support.launch import run_torchrun
 from support.parallel import Family, build_family
 from support.train_hf_model import probe_ids
@@ -36,7 +37,7 @@ HF = Family.of("hf-tied", "train_hf_model.py", 2, {
     "gpt2-z2": {"model": "gpt2", "stage": 2},
     "llama-z2-bf16": {"model": "llama", "stage": 2, "dtype": "bf16"},
 }, steps=3)
-SUPPORT = Path(__file__).resolve().parent / "support"
+SUPPORT = SUPPORT_DIR
 
 
 @pytest.fixture(scope="module")
