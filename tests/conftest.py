@@ -5,6 +5,7 @@ keyed by a fingerprint of tests/support/train_tiny.py and the torch/deepspeed ve
 """
 
 import os
+import subprocess
 from pathlib import Path
 
 os.environ["DS_ACCELERATOR"] = "cpu"
@@ -59,3 +60,18 @@ def ds_universal(ckpt_root, tiny_checkpoint):
         return memo[spec]
 
     return make
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 16 KiB tmpfs, smaller than any checkpoint or export of the tests: a disk that fills up (mounting
+    needs root; skipped elsewhere, with the reason)."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here ({done.stderr.decode().strip()}); needs root")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)

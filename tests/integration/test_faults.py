@@ -9,40 +9,18 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 import ucp
 from support.checkpoints import TinySpec
+from support.processes import gone, ucp_command, wait_for
 from ucp.format import INDEX_NAME
 
 SOURCE = TinySpec(stage=2)
 BIN0 = "data-00000-of-00002.safetensors"
-
-
-def ucp_command(*argv: str) -> list[str]:
-    return [sys.executable, "-m", "ucp.cli.main", *argv]
-
-
-def wait_for(check, timeout: float = 60, what: str = "it"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"waited {timeout} s for {what}")
-
-
-def gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
 
 
 def tree(folder: Path) -> dict[str, bytes]:
@@ -100,19 +78,6 @@ def test_a_second_convert_into_the_same_folder_is_refused(held_convert, tiny_che
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     assert ucp.open_checkpoint(out).verify() == []
-
-
-@pytest.fixture
-def small_tmpfs(tmp_path):
-    mount = tmp_path / "small"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(mount)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here ({done.stderr.decode().strip()}); needs root")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", str(mount)], check=True)
 
 
 def test_disk_full_is_one_line_and_leaves_no_checkpoint(small_tmpfs, tiny_checkpoint):

@@ -18,9 +18,7 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +26,7 @@ import psutil
 import pytest
 
 from support.checkpoints import TinySpec, read_tag
+from support.processes import gone, ucp_command, wait_for
 from ucp.cli.main import main
 from ucp.converters.deepspeed_zero import plan_deepspeed
 from ucp.convert import convert, write_atomic
@@ -54,16 +53,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def wait_for(predicate, timeout: float = 120.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 def _stop_session(proc: subprocess.Popen) -> None:
@@ -141,10 +130,6 @@ def ray_convert(cluster: Cluster, source: Path, output: Path, **kwargs):
         return convert(source, output, executor=executor, **kwargs)
 
 
-def ucp_command(*argv: str) -> list[str]:
-    return [sys.executable, "-m", "ucp.cli.main", *argv]
-
-
 @contextlib.contextmanager
 def held(hold_dir: Path, file_name: str):
     """Hold the writer of `file_name` (see the module docstring) until the block ends."""
@@ -165,13 +150,6 @@ def held_pid(hold_dir: Path, file_name: str, other_than: int | None = None) -> i
         return pid if pid and pid != other_than else None
 
     return wait_for(read, what=f"the writer of {file_name}")
-
-
-def gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
 
 
 def interrupt(cmd: list[str], output: Path, hold_dir: Path, env: dict) -> None:

@@ -9,6 +9,7 @@ source run's own steps 4 and 5.
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -97,12 +98,8 @@ def test_checkpoint_with_a_missing_rank_file_is_refused_on_every_rank(trainer_ru
     shutil.copytree(trainer_run("llama") / "out" / CHECKPOINT, broken)
     missing = broken / f"global_step{SAVE_STEP}" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     missing.unlink()
-    run = trainer_resume("llama", broken, 2, 2, ckpt_root, check=False)
-    log = (run / "train.log").read_text()
-    assert not (run / "losses.json").exists()
-    for rank in range(2):
-        errors = [line for line in log.splitlines() if line.startswith(f"[rank{rank}]:") and "Error: " in line]
-        assert errors and "zero_pp_rank_1_mp_rank_00_optim_states.pt" in errors[-1], (rank, errors)
+    assert_refused_on_every_rank(trainer_resume("llama", broken, 2, 2, ckpt_root, check=False),
+                                 "zero_pp_rank_1_mp_rank_00_optim_states.pt")
 
 
 @pytest.mark.parametrize("engine_from", ["raw", "ucp"])
@@ -119,33 +116,38 @@ def test_accelerate_load_state_at_one_process(engine_from, ckpt_root, tmp_path):
 
 
 @pytest.mark.parametrize("mixed", ["zero_pp_rank_1_mp_rank_00_optim_states.pt", "mp_rank_00_model_states.pt"])
+def with_a_file_of_checkpoint_5(out: Path, broken: Path, name: str) -> Path:
+    """checkpoint-3 of `out` copied to `broken`, its rank file `name` taken from checkpoint-5 of the same run."""
+    shutil.copytree(out / CHECKPOINT, broken)
+    shutil.copy(out / f"checkpoint-{TOTAL_STEPS}" / f"global_step{TOTAL_STEPS}" / name,
+                broken / f"global_step{SAVE_STEP}" / name)
+    return broken
+
+
+def assert_refused_on_every_rank(run: Path, needle: str) -> None:
+    """The 2-process resume in `run` trained nothing, and each rank's last error names `needle`."""
+    log = (run / "train.log").read_text()
+    assert not (run / "losses.json").exists()
+    for rank in range(2):
+        errors = [line for line in log.splitlines() if line.startswith(f"[rank{rank}]:") and "Error: " in line]
+        assert errors and needle in errors[-1], (rank, errors)
+
+
 def test_files_of_another_save_are_refused_naming_the_file(mixed, trainer_run, tmp_path, capsys):
     """checkpoint-3 with one file taken from checkpoint-5 of the same run (same world size, same model)."""
     from ucp.cli.main import main as cli
 
-    out = trainer_run("llama") / "out"
-    broken = tmp_path / CHECKPOINT
-    shutil.copytree(out / CHECKPOINT, broken)
-    shutil.copy(out / f"checkpoint-{TOTAL_STEPS}" / f"global_step{TOTAL_STEPS}" / mixed,
-                broken / f"global_step{SAVE_STEP}" / mixed)
+    broken = with_a_file_of_checkpoint_5(trainer_run("llama") / "out", tmp_path / CHECKPOINT, mixed)
     assert cli(["convert", "--input", str(broken), "--output", str(tmp_path / "ucp"), "--quiet"]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "files from different saves are mixed" in err and mixed in err, err
 
 
 def test_a_mixed_checkpoint_is_refused_on_every_rank_before_training(trainer_run, ckpt_root, tmp_path):
-    out = trainer_run("llama") / "out"
-    broken = tmp_path / CHECKPOINT
-    shutil.copytree(out / CHECKPOINT, broken)
-    mixed = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
-    shutil.copy(out / f"checkpoint-{TOTAL_STEPS}" / f"global_step{TOTAL_STEPS}" / mixed,
-                broken / f"global_step{SAVE_STEP}" / mixed)
-    run = trainer_resume("llama", broken, 2, 3, ckpt_root, check=False)
-    log = (run / "train.log").read_text()
-    assert not (run / "losses.json").exists()
-    for rank in range(2):
-        errors = [line for line in log.splitlines() if line.startswith(f"[rank{rank}]:") and "Error: " in line]
-        assert errors and "files from different saves are mixed" in errors[-1], (rank, errors)
+    broken = with_a_file_of_checkpoint_5(trainer_run("llama") / "out", tmp_path / CHECKPOINT,
+                                         "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    assert_refused_on_every_rank(trainer_resume("llama", broken, 2, 3, ckpt_root, check=False),
+                                 "files from different saves are mixed")
 
 
 def test_a_ucp_section_that_plain_trainer_train_ignores_is_a_warning(ckpt_root, tmp_path):
