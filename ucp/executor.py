@@ -18,6 +18,8 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from tqdm import tqdm
 
+from ucp.fileio import drop_inherited_locks
+
 T = TypeVar("T")
 R = TypeVar("R")
 Report = Callable[[int], None]
@@ -61,6 +63,7 @@ def _init_worker(q, parent: int) -> None:
     global _progress_queue
     _progress_queue = q
     _die_with_parent(parent)
+    drop_inherited_locks()
     import torch
 
     torch.set_num_threads(1)  # the pool supplies the parallelism; keep workers from oversubscribing cores

@@ -13,12 +13,17 @@ import torch
 from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError, OutputExistsError
 
 
+_held_locks: set[int] = set()  # descriptors of the output folders this process holds locked
+
+
 @contextlib.contextmanager
 def writing_alone(folder: Path) -> Iterator[None]:
     """Hold an exclusive lock on output `folder` (created if need be) while a conversion writes into it.
 
     A second ucp process that wants to write there is refused at once instead of interleaving its
-    files with ours. The lock is the kernel's (flock on the folder itself): it goes with the process.
+    files with ours. The lock is the kernel's (flock on the folder itself), so it goes with the
+    process; forked workers drop their inherited copy (`drop_inherited_locks`), so a worker still
+    exiting never holds the folder after its driver is gone.
     """
     folder.mkdir(parents=True, exist_ok=True)
     fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
@@ -28,9 +33,18 @@ def writing_alone(folder: Path) -> Iterator[None]:
         except BlockingIOError:
             raise OutputExistsError(f"{folder}: another ucp process is writing into it; wait for it to finish, "
                                     "or choose another output folder") from None
+        _held_locks.add(fd)
         yield
     finally:
+        _held_locks.discard(fd)
         os.close(fd)
+
+
+def drop_inherited_locks() -> None:
+    """In a forked worker: close the lock descriptors inherited from the driver (the driver keeps its lock)."""
+    for fd in list(_held_locks):
+        os.close(fd)
+    _held_locks.clear()
 
 
 class ReadCounter:
