@@ -35,7 +35,7 @@ def load_state(accelerator, input_dir: str | os.PathLike, checkpoint: str | os.P
     from accelerate.utils import DistributedType
 
     from ucp import deepspeed as ucp_deepspeed
-    from ucp.transformers import saved_world_size
+    from ucp.checkpoint import saved_world_size
 
     if accelerator.distributed_type != DistributedType.DEEPSPEED:
         raise ConfigError("ucp.accelerate.load_state resumes DeepSpeed runs; this Accelerator has no DeepSpeed "

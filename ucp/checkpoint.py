@@ -302,3 +302,9 @@ def open_checkpoint(path: str | os.PathLike, tag: str | None = None) -> AtomicCh
     if any(n.startswith("data-") for n in os.listdir(path)):
         return AtomicCheckpoint(path)  # raises IncompleteCheckpointError with the fix
     return PlannedCheckpoint(path, tag)
+
+
+def saved_world_size(path: str | os.PathLike) -> int:
+    """How many processes trained the checkpoint at `path` (data x tensor x pipeline parallel)."""
+    source = open_checkpoint(path).source
+    return int(source.get("dp", 1)) * int(source.get("tp", 1)) * int(source.get("pp", 1))

@@ -35,6 +35,7 @@ import os
 import types
 from pathlib import Path
 
+from ucp.checkpoint import saved_world_size
 from ucp.config import load_options, ucp_options
 from ucp.errors import CheckpointNotFoundError, ConfigError
 
@@ -97,12 +98,11 @@ def _deepspeed_config(trainer) -> dict | None:
 def trainer_folder(path: str | os.PathLike | bool, output_dir: str | os.PathLike) -> Path:
     """The folder to resume from: `path`, the last `checkpoint-N` of `output_dir` for True, or the
     committed checkpoint a ucp save directory's `latest` names. It must hold `trainer_state.json`."""
-    from transformers.trainer_utils import get_last_checkpoint
-
     from ucp.format import latest_checkpoint
+    from ucp.trainer_folders import last_checkpoint
 
     if path is True:
-        last = get_last_checkpoint(output_dir) if Path(output_dir).is_dir() else None
+        last = last_checkpoint(output_dir) if Path(output_dir).is_dir() else None
         if last is None:
             raise CheckpointNotFoundError(f"{output_dir}: no checkpoint-N folder to resume from; pass "
                                           "resume_from_checkpoint=PATH")
@@ -117,14 +117,6 @@ def trainer_folder(path: str | os.PathLike | bool, output_dir: str | os.PathLike
             f"{folder}: no {TRAINER_STATE}, which holds the Trainer's step, epoch and data position; pass the "
             "checkpoint-N folder the Trainer wrote, or a ucp conversion of it (ucp convert --input checkpoint-N)")
     return folder
-
-
-def saved_world_size(folder: Path) -> int:
-    """How many processes trained the checkpoint in `folder` (data x tensor x pipeline parallel)."""
-    import ucp
-
-    source = ucp.open_checkpoint(folder).source
-    return int(source.get("dp", 1)) * int(source.get("tp", 1)) * int(source.get("pp", 1))
 
 
 def _trainer_options(trainer) -> dict:

@@ -115,7 +115,6 @@ def test_accelerate_load_state_at_one_process(engine_from, ckpt_root, tmp_path):
     assert resumed["losses"] == pytest.approx(uninterrupted(source), rel=REL)
 
 
-@pytest.mark.parametrize("mixed", ["zero_pp_rank_1_mp_rank_00_optim_states.pt", "mp_rank_00_model_states.pt"])
 def with_a_file_of_checkpoint_5(out: Path, broken: Path, name: str) -> Path:
     """checkpoint-3 of `out` copied to `broken`, its rank file `name` taken from checkpoint-5 of the same run."""
     shutil.copytree(out / CHECKPOINT, broken)
@@ -133,6 +132,7 @@ def assert_refused_on_every_rank(run: Path, needle: str) -> None:
         assert errors and needle in errors[-1], (rank, errors)
 
 
+@pytest.mark.parametrize("mixed", ["zero_pp_rank_1_mp_rank_00_optim_states.pt", "mp_rank_00_model_states.pt"])
 def test_files_of_another_save_are_refused_naming_the_file(mixed, trainer_run, tmp_path, capsys):
     """checkpoint-3 with one file taken from checkpoint-5 of the same run (same world size, same model)."""
     from ucp.cli.main import main as cli
