@@ -18,7 +18,7 @@ import ucp
 from support.checkpoints import SUPPORT_DIR
 from support.launch import run_torchrun
 from support.parallel import Family, build_family
-from support.train_hf_model import probe_ids
+from support.train_hf_model import load_dcp, probe_ids
 from ucp.cli.main import main
 from ucp.convert import convert
 from ucp.converters.deepspeed_slices import load_dict
@@ -132,17 +132,6 @@ def test_hf_export_copies_generation_config_and_tokenizer_files(runs, tmp_path):
         assert {n: (tmp_path / out / n).read_bytes() for n in extras} == extras, out
 
 
-def dcp_state(model, optimizer, folder: Path) -> None:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                         set_model_state_dict, set_optimizer_state_dict)
-
-    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
-    dcp.load(state, checkpoint_id=folder)
-    set_model_state_dict(model, state["model"])
-    set_optimizer_state_dict(model, optimizer, state["optimizer"])
-
-
 @pytest.mark.parametrize("run, via_ucp", [("llama-z2", False), ("llama-z3", False), ("llama-z2-bf16", False),
                                           ("llama-z3", True)])
 def test_dcp_export_loads_every_parameter_and_moment_in_one_process(runs, run, via_ucp, tmp_path):
@@ -159,7 +148,7 @@ def test_dcp_export_loads_every_parameter_and_moment_in_one_process(runs, run, v
     ref = live(runs / run)["params"]
     # Negative control: the fresh model does not hold the masters, so the comparison below can fail.
     assert not torch.equal(model.model.embed_tokens.weight, ref["model.embed_tokens.weight"]["fp32"])
-    dcp_state(model, optimizer, out)
+    load_dcp(model, optimizer, out)
     params = dict(model.named_parameters())
     assert model.lm_head.weight is model.get_input_embeddings().weight
     for name, states in ref.items():

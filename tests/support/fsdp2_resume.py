@@ -16,7 +16,7 @@ import json
 import os
 
 import torch
-from train_hf_model import OPTIMIZER, build_model, rows
+from train_hf_model import OPTIMIZER, build_model, load_dcp, rows
 
 
 def build(config_dir: str):
@@ -33,17 +33,6 @@ def build(config_dir: str):
     optimizer = torch.optim.AdamW(model.parameters(), lr=params["lr"], betas=params["betas"], eps=params["eps"],
                                   weight_decay=params["weight_decay"])
     return model, optimizer
-
-
-def load(model, optimizer, dcp_dir: str) -> None:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                         set_model_state_dict, set_optimizer_state_dict)
-
-    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
-    dcp.load(state, checkpoint_id=dcp_dir)
-    set_model_state_dict(model, state["model"])
-    set_optimizer_state_dict(model, optimizer, state["optimizer"])
 
 
 def train(model, optimizer, start: int, steps: int) -> list[float]:
@@ -76,7 +65,7 @@ def main() -> int:
     torch.use_deterministic_algorithms(True)
     dist.init_process_group("gloo")
     model, optimizer = build(args.config)
-    load(model, optimizer, args.dcp)
+    load_dcp(model, optimizer, args.dcp)
     losses = train(model, optimizer, args.from_step, args.steps)
     model, optimizer = build(args.config)
     fresh = train(model, optimizer, args.from_step, args.steps)

@@ -111,6 +111,18 @@ def train_one(run: dict, args: argparse.Namespace) -> None:
     engine.destroy()
 
 
+def load_dcp(model, optimizer, folder) -> None:
+    """Load a DCP checkpoint into `model` and `optimizer` the way an FSDP2 (or single-process) job does."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+
+    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+    dcp.load(state, checkpoint_id=folder)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optimizer, state["optimizer"])
+
+
 if __name__ == "__main__":
     from script_exit import exit_without_finalizing
     from multi_run import run_all

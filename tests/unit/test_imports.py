@@ -3,11 +3,16 @@ import subprocess
 import sys
 
 
-def test_import_ucp_pulls_in_neither_ray_nor_deepspeed():
-    code = ("import sys, ucp, ucp.checkpoint, ucp.convert, ucp.patterns, ucp.primitives, ucp.converters.deepspeed_zero;"
-            "bad = [m for m in ('ray', 'deepspeed') if m in sys.modules]; print(','.join(bad))")
+def imported(modules: str, heavy: tuple[str, ...]) -> list[str]:
+    """Which of `heavy` a fresh interpreter has loaded after `import <modules>`."""
+    code = f"import sys, {modules}; print(','.join(m for m in {heavy!r} if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == ""
+    return [m for m in out.stdout.strip().split(",") if m]
+
+
+def test_import_ucp_pulls_in_neither_ray_nor_deepspeed():
+    assert imported("ucp, ucp.checkpoint, ucp.convert, ucp.patterns, ucp.primitives, ucp.converters.deepspeed_zero",
+                    ("ray", "deepspeed")) == []
 
 
 def test_cli_help_does_not_import_torch():
@@ -27,7 +32,5 @@ def test_generic_folder_names_are_not_installed_top_level(tmp_path):
 
 
 def test_export_pulls_in_neither_transformers_nor_deepspeed_until_it_checks_an_architecture():
-    code = ("import sys, ucp.export, ucp.export.hf, ucp.export.dcp, ucp.export.model_config;"
-            "bad = [m for m in ('ray', 'deepspeed', 'transformers') if m in sys.modules]; print(','.join(bad))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == ""
+    assert imported("ucp.export, ucp.export.hf, ucp.export.dcp, ucp.export.model_config",
+                    ("ray", "deepspeed", "transformers")) == []
