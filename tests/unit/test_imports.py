@@ -5,9 +5,10 @@ import sys
 
 def imported(modules: str, heavy: tuple[str, ...]) -> list[str]:
     """Which of `heavy` a fresh interpreter has loaded after `import <modules>`."""
-    code = f"import sys, {modules}; print(','.join(m for m in {heavy!r} if m in sys.modules))"
+    code = f"import sys, {modules}; print('loaded:' + ','.join(m for m in {heavy!r} if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    return [m for m in out.stdout.strip().split(",") if m]
+    last = out.stdout.strip().splitlines()[-1]  # what the imports print themselves comes before
+    return [m for m in last.removeprefix("loaded:").split(",") if m]
 
 
 def test_import_ucp_pulls_in_neither_ray_nor_deepspeed():
