@@ -200,8 +200,8 @@ def bench(source: Path, workers: list[int], repeat: int, tmp: Path, with_ds: boo
 def steady_state(source: Path, workers: list[int], address: str, tmp: Path, rounds: int) -> list[str]:
     """Markdown rows: the first and the fastest later round of `rounds` conversions in one driver."""
     from ucp.convert import convert
-    from ucp.executor import LocalExecutor
-    from ucp.ray_executor import RayExecutor
+    from ucp.convert.executor import LocalExecutor
+    from ucp.convert.ray_executor import RayExecutor
 
     rows = []
     for w in workers:

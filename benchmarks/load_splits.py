@@ -34,10 +34,10 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from support.atomic import ADAM_STATES, write_checkpoint  # noqa: E402
 from ucp.checkpoint import AtomicCheckpoint  # noqa: E402
-from ucp.hmp import load_slices  # noqa: E402
-from ucp.layout import Layout, Replica, Stage  # noqa: E402
-from ucp.models import ModelConfig  # noqa: E402
-from ucp.splits import SplitPolicy  # noqa: E402
+from ucp.hmp.slice_load import load_slices  # noqa: E402
+from ucp.hmp.layout import Layout, Replica, Stage  # noqa: E402
+from ucp.hmp.model_shapes import ModelConfig  # noqa: E402
+from ucp.convert.split_policy import SplitPolicy  # noqa: E402
 
 MODEL = ModelConfig("llama-20m", hidden_size=512, intermediate_size=1408, num_layers=4, num_heads=8,
                     num_kv_heads=2, vocab_size=8000)

@@ -4,7 +4,7 @@
     python benchmarks/plan.py [--repeat 5] [--gpu-memory 80] [--markdown-out FILE]
 
 For each example model (examples/models/) and N in 8, 32, 128, 1024, 4096 GPUs (and the awkward
-counts 28, 31, 1021), times `ucp.planner.search` in process (CPU time, median of --repeat runs),
+counts 28, 31, 1021), times `ucp.hmp.strategy.search` in process (CPU time, median of --repeat runs),
 then the whole command `python -m ucp.cli.main plan --gpus 1024 ...` in a subprocess (wall and CPU
 time, interpreter start and imports included). Prints a Markdown table and the best plan found.
 """
@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 
 from ucp.cli.plan import pipeline
-from ucp.models import load_model_config
-from ucp.planner import CostModel, Workload, search
+from ucp.hmp.model_shapes import load_model_config
+from ucp.hmp.strategy import CostModel, Workload, search
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ("llama2-7b", "llama2-13b", "qwen2.5-32b")

@@ -8,8 +8,10 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
+from ucp.cli.tables import describe, human_bytes
+
 if TYPE_CHECKING:
-    from ucp.splits import SplitPolicy
+    from ucp.convert.split_policy import SplitPolicy
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
@@ -39,9 +41,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def split_policy(args: argparse.Namespace) -> SplitPolicy | None:
-    """The `ucp.splits.SplitPolicy` that --splits and --split-rules ask for, or None."""
+    """The `ucp.format.splits.SplitPolicy` that --splits and --split-rules ask for, or None."""
     from ucp.errors import UcpError
-    from ucp.splits import SplitPolicy, load_split_rules
+    from ucp.convert.split_policy import SplitPolicy, load_split_rules
 
     if args.splits is None:
         if args.split_rules:
@@ -69,7 +71,7 @@ def patterns_given(values: list[str] | None) -> dict[str, str]:
 def executor_for(args: argparse.Namespace) -> contextlib.AbstractContextManager:
     """The executor `--executor` names, as a context manager (Ray connects on entry, disconnects on exit)."""
     if args.executor == "ray":
-        from ucp.ray_executor import RayExecutor
+        from ucp.convert.ray_executor import RayExecutor
 
         return RayExecutor(args.ray_address, args.workers, progress=not args.quiet)
     return contextlib.nullcontext(None)  # convert() builds the local process pool from --workers
@@ -93,7 +95,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    from ucp.ray_executor import submit_job
+    from ucp.convert.ray_executor import submit_job
 
     argv = args.ucp_args[1:] if args.ucp_args[:1] == ["--"] else args.ucp_args
     return submit_job(args.address, argv, working_dir=args.working_dir, ship_ucp=args.ship_ucp)
@@ -115,28 +117,6 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         return 0
     print(describe(ckpt, infos))
     return 0
-
-
-def describe(ckpt, infos) -> str:
-    src = ckpt.source
-    kind = "ucp checkpoint" if hasattr(ckpt, "index") else "DeepSpeed checkpoint (read through ucp's plan)"
-    lines = [f"{kind} {ckpt.path}",
-             f"source: {src.get('framework', '?')} {src.get('ds_version', '')} ZeRO-{src.get('zero_stage', '?')} "
-             f"dp={src.get('dp', '?')} {src.get('precision', '')}, tag {src.get('tag', '?')}"]
-    opt = ckpt.optimizer or {}
-    total = sum(i.nbytes for i in infos)
-    lines.append(f"step {ckpt.step} · optimizer {opt.get('type', 'none')} ({', '.join(opt.get('states', []))}) · "
-                 f"{len(opt.get('param_groups', []))} param groups · {len(infos)} tensors · {human_bytes(total)}")
-    if ckpt.extra_files:
-        lines.append(f"extra files: {', '.join(ckpt.extra_files)}")
-    rows = [("name", "kind", "shape", "pattern", "states", "size")]
-    rows += [(i.name, i.kind, "x".join(map(str, i.shape)) or "scalar", i.pattern, " ".join(i.states),
-              human_bytes(i.nbytes)) for i in infos]
-    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-    lines.append("")
-    lines += ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
-    lines += [f"alias  {alias} -> {source} (tied: stored once, as {source})" for alias, source in ckpt.aliases.items()]
-    return "\n".join(lines)
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -165,14 +145,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from ucp.cli.demo import run_demo
 
     return run_demo(args.workdir)
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

@@ -43,7 +43,7 @@ def run_demo(workdir: str | None) -> int:
     except ImportError:
         raise UcpError("the demo trains with DeepSpeed: pip install deepspeed") from None
     from ucp.checkpoint import open_checkpoint
-    from ucp.cli.commands import describe
+    from ucp.cli.tables import describe
     from ucp.convert import convert
 
     root = Path(workdir or tempfile.mkdtemp(prefix="ucp-demo-"))

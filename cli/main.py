@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.version:
-        from ucp import __version__
+        from ucp.version import __version__
 
         print(f"ucp {__version__}")
         return 0

@@ -7,9 +7,10 @@ import sys
 import time
 from collections.abc import Sequence
 
-from ucp.layout import choose_global_split
-from ucp.models import ModelConfig, load_model_config
-from ucp.planner import CostModel, Plan, SearchResult, StagePlan, Workload, search
+from ucp.cli.tables import table
+from ucp.hmp.layout import choose_global_split
+from ucp.hmp.model_shapes import ModelConfig, load_model_config
+from ucp.hmp.strategy import CostModel, Plan, SearchResult, StagePlan, Workload, search
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -55,9 +56,7 @@ def global_split(result: SearchResult) -> int:
 def _replica_lines(plan: Plan) -> list[str]:
     rows = [(f"{r.count} x", pipeline(r.stages), f"{r.micro_batches} micro-batches",
              f"{r.time_s:.2f} s", f"{r.memory_gib:.1f} GiB") for r in plan.replicas]
-    widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
-    return ["    " + "  ".join(cell.rjust(w) if c in (0, 3, 4) else cell.ljust(w)
-                                for c, (cell, w) in enumerate(zip(row, widths))).rstrip() for row in rows]
+    return table(rows, right=(0, 3, 4), indent="    ")
 
 
 def pipeline(stages: Sequence[StagePlan]) -> str:

@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass
 
 from ucp.errors import CorruptCheckpointError, UnsupportedLayoutError
-from ucp.layout import Box
+from ucp.format.boxes import Box
 from ucp.patterns import Hints, Pattern
 
 AFFINE_MAP_VERSION = 1  # the newest `affine_map.version` this reader knows

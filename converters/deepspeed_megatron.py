@@ -28,10 +28,11 @@ from ucp.converters.deepspeed_pipe import LAYER_FILE, layer_tensors
 from ucp.converters.deepspeed_slices import (SliceState, combined_source, dtype_name, load_dict, model_files,
                                              optim_files, read_slice, tied_aliases)
 from ucp.converters.deepspeed_tp import Layouts, fp32_shard, untrained_shards
-from ucp.converters.deepspeed_zero import TagDir, finish_plan
+from ucp.converters.plan_common import finish_plan
+from ucp.converters.tag_folder import TagDir
 from ucp.converters.torch_zip import LazyTensor
 from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedLayoutError
-from ucp.plan import TRAINABLE, WEIGHT_STATE, ConversionPlan, ParamPlan
+from ucp.convert.plan import TRAINABLE, WEIGHT_STATE, ConversionPlan, ParamPlan
 
 
 def is_tensor_pipeline(names: list[str]) -> bool:

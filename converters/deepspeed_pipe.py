@@ -28,12 +28,13 @@ from pathlib import Path
 
 from ucp.converters.deepspeed_slices import (dp_paths, dtype_name, held_params, load_dict,
                                              model_files, optim_files, read_slice, slice_names, whole)
-from ucp.converters.deepspeed_zero import TagDir, finish_plan
+from ucp.converters.plan_common import finish_plan
+from ucp.converters.tag_folder import TagDir
 from ucp.converters.deepspeed_zero0 import zero0_slice
 from ucp.converters.torch_zip import LazyTensor
 from ucp.errors import AmbiguousPatternError, CheckpointNotFoundError, CorruptCheckpointError
 from ucp.patterns import recognize
-from ucp.plan import BUFFER, BUFFER_STATE, FROZEN, WEIGHT_STATE, ConversionPlan, ParamPlan, StateSource
+from ucp.convert.plan import BUFFER, BUFFER_STATE, FROZEN, WEIGHT_STATE, ConversionPlan, ParamPlan, StateSource
 
 LAYER_FILE = re.compile(r"^layer_(\d+)(?:-model_(\d+))?-model_states\.pt$")
 _TIED = re.compile(r"^tied_modules\.([^.]+)\.(.+)$")

@@ -21,7 +21,7 @@ from ucp.converters.torch_zip import LazyTensor, Opaque, load_lazy, read_tensor
 from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedLayoutError
 from ucp.patterns import Pattern
 from ucp.patterns.recognize import FragmentInfo, Hints, OuterPiece, recognize, recognize_nested
-from ucp.plan import TRAINABLE, WEIGHT_STATE, Fragment, ParamPlan, Piece, StateSource
+from ucp.convert.plan import TRAINABLE, WEIGHT_STATE, Fragment, ParamPlan, Piece, StateSource
 
 OPTIM_FILE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 MODEL_FILE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")

@@ -24,18 +24,19 @@ from collections.abc import Callable
 
 import torch
 
-from ucp.assemble import materialize
+from ucp.convert.assemble import materialize
 from ucp.converters.deepspeed_declared import affine_params, declared_layout
 from ucp.converters.deepspeed_slices import (MODEL_FILE, SliceState, combined_source, dtype_name,
                                              load_dict, model_files, optim_files, read_slice, tied_aliases,
                                              whole)
 from ucp.converters.deepspeed_zero0 import zero0_slice
 from ucp.converters.deepspeed_zero3 import ZERO3_MODEL_FILE, read_zero3_slice, zero3_model_files
-from ucp.converters.deepspeed_zero import TagDir, finish_plan
+from ucp.converters.plan_common import finish_plan
+from ucp.converters.tag_folder import TagDir
 from ucp.converters.torch_zip import LazyTensor, read_tensor
 from ucp.errors import AmbiguousPatternError, CheckpointNotFoundError, CorruptCheckpointError, UnsupportedLayoutError
 from ucp.patterns import Hints, Pattern, recognize
-from ucp.plan import BUFFER, BUFFER_STATE, FROZEN, TRAINABLE, WEIGHT_STATE, ConversionPlan, ParamPlan, StateSource
+from ucp.convert.plan import BUFFER, BUFFER_STATE, FROZEN, TRAINABLE, WEIGHT_STATE, ConversionPlan, ParamPlan, StateSource
 
 
 def is_tensor_parallel(names: list[str]) -> bool:

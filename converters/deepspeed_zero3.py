@@ -23,7 +23,7 @@ from ucp.converters.deepspeed_slices import (SliceState, agree_step, agree_with_
 from ucp.converters.torch_zip import LazyTensor
 from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedLayoutError
 from ucp.patterns.recognize import FragmentInfo
-from ucp.plan import Fragment
+from ucp.convert.plan import Fragment
 
 ZERO3_MODEL_FILE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ucp.errors import CorruptCheckpointError
-from ucp.fileio import ReadCounter, pread_into
+from ucp.format.fileio import ReadCounter, pread_into
 
 _STORAGE_DTYPES = {
     "FloatStorage": torch.float32, "DoubleStorage": torch.float64, "HalfStorage": torch.float16,

@@ -5,7 +5,7 @@
 """
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from ucp.version import __version__
 
 __all__ = ["__version__", "open_checkpoint"]
 

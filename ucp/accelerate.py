@@ -18,7 +18,7 @@ import os
 import random
 from pathlib import Path
 
-from ucp.config import load_options, ucp_options
+from ucp.deepspeed.config import load_options, ucp_options
 from ucp.errors import ConfigError
 
 logger = logging.getLogger("ucp.accelerate")

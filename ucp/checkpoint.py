@@ -14,11 +14,11 @@ from pathlib import Path
 import torch
 
 from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError, UcpError
-from ucp.fileio import ReadCounter, read_regular
-from ucp.format import INDEX_NAME, latest_checkpoint, read_index
-from ucp.index import StoredState, header_problems
-from ucp.safetensors_stream import read_stored
-from ucp.splits import from_split_major
+from ucp.format.fileio import ReadCounter, read_regular
+from ucp.format.folder import INDEX_NAME, latest_checkpoint, read_index
+from ucp.format.index import StoredState, header_problems
+from ucp.format.safetensors_stream import read_stored
+from ucp.format.splits import from_split_major
 
 STEP_STATE = "step"
 
@@ -125,7 +125,7 @@ class AtomicCheckpoint:
     def verify(self) -> list[str]:
         """Every problem found: a safetensors header that disagrees with the index, a checksum mismatch.
 
-        Opening the checkpoint already checked the index itself (`ucp.index`): file sizes, byte
+        Opening the checkpoint already checked the index itself (`ucp.format.index`): file sizes, byte
         ranges, dtypes and shapes, no overlaps, plain regular files.
         """
         problems = []
@@ -170,7 +170,7 @@ class PlannedCheckpoint:
     """A DeepSpeed checkpoint read through its conversion plan: same API, states merged on demand."""
 
     def __init__(self, path: str | os.PathLike, tag: str | None = None):
-        from ucp.converters.deepspeed_zero import plan_deepspeed
+        from ucp.converters.dispatch import plan_deepspeed
 
         self.path = Path(path)
         self.plan = plan_deepspeed(path, tag)
@@ -204,7 +204,7 @@ class PlannedCheckpoint:
         return "float32" if state == STEP_STATE and p.step is not None else p.states[state].dtype
 
     def tensor(self, name: str, state: str = "fp32", *, verify: bool = True) -> torch.Tensor:
-        from ucp.assemble import materialize
+        from ucp.convert.assemble import materialize
 
         p = self._param(name)
         if state == STEP_STATE and p.step is not None:
@@ -217,7 +217,7 @@ class PlannedCheckpoint:
     def index(self) -> dict:
         """The index `ucp convert` would write for this checkpoint, less where its states would be stored:
         each state's entry gives its dtype and shape only."""
-        from ucp.convert import param_entry
+        from ucp.convert.index_builder import param_entry
 
         params = {}
         for p in self.plan.params:

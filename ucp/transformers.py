@@ -36,7 +36,7 @@ import types
 from pathlib import Path
 
 from ucp.checkpoint import saved_world_size
-from ucp.config import load_options, ucp_options
+from ucp.deepspeed.config import load_options, ucp_options
 from ucp.errors import CheckpointNotFoundError, ConfigError
 
 TRAINER_STATE = "trainer_state.json"
@@ -98,8 +98,8 @@ def _deepspeed_config(trainer) -> dict | None:
 def trainer_folder(path: str | os.PathLike | bool, output_dir: str | os.PathLike) -> Path:
     """The folder to resume from: `path`, the last `checkpoint-N` of `output_dir` for True, or the
     committed checkpoint a ucp save directory's `latest` names. It must hold `trainer_state.json`."""
-    from ucp.format import latest_checkpoint
-    from ucp.trainer_folders import last_checkpoint
+    from ucp.format.folder import latest_checkpoint
+    from ucp.converters.trainer_folders import last_checkpoint
 
     if path is True:
         last = last_checkpoint(output_dir) if Path(output_dir).is_dir() else None

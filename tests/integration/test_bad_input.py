@@ -8,7 +8,7 @@ import pytest
 
 from support.checkpoints import TinySpec, read_tag
 from ucp.cli.main import main
-from ucp.format import INDEX_NAME
+from ucp.format.folder import INDEX_NAME
 
 SPEC = TinySpec(stage=1)
 

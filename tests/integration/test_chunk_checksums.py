@@ -14,11 +14,11 @@ import torch
 import ucp
 from support.checkpoints import TinySpec, ucp_load_errors
 from ucp.convert import convert
-from ucp.crc import chunk_bounds
+from ucp.format.crc import chunk_bounds
 from ucp.deepspeed import LoadStats
-from ucp.deepspeed_targets import TargetTensor
+from ucp.deepspeed.targets import TargetTensor
 from ucp.errors import CorruptCheckpointError
-from ucp.load_source import AtomicSource
+from ucp.deepspeed.load_source import AtomicSource
 
 SOURCE = TinySpec(stage=1)
 CHUNK = 32
@@ -88,7 +88,7 @@ def test_a_flipped_bit_in_a_partitioned_tensor_is_refused_by_every_rank(converte
                                                                         tmp_path):
     """The hook on 2 ZeRO-1 ranks, each reading its part of the flat partitions: the rank whose part holds
     the flip finds it; every rank raises CorruptCheckpointError naming the file, none hangs."""
-    from ucp.converters.deepspeed_zero import plan_deepspeed
+    from ucp.converters.dispatch import plan_deepspeed
 
     # The parameter whose exp_avg the two ranks' partitions split, and where rank 1's part begins.
     plan = plan_deepspeed(tiny_checkpoint(SOURCE))

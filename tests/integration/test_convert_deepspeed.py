@@ -13,7 +13,7 @@ from support.checkpoints import (BUFFER_SHAPES, FROZEN_PARAM_SHAPES, PARAM_GROUP
                                  TinySpec, load_ds_universal, trained_state)
 from support.fp16 import needs_cpu_fp16
 from ucp.convert import convert
-from ucp.plan import BUFFER, FROZEN, TRAINABLE
+from ucp.convert.plan import BUFFER, FROZEN, TRAINABLE
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 SPECS = [
@@ -120,8 +120,8 @@ def test_negative_control_wrong_fragment_order_is_caught(tiny_checkpoint, ds_uni
     """Joining the ZeRO fragments in the wrong rank order must fail the same comparison."""
     import dataclasses
 
-    from ucp.assemble import materialize
-    from ucp.converters.deepspeed_zero import plan_deepspeed
+    from ucp.convert.assemble import materialize
+    from ucp.converters.dispatch import plan_deepspeed
 
     spec = SPECS[4]
     plan = plan_deepspeed(tiny_checkpoint(spec))

@@ -1,6 +1,6 @@
 """Faults around `ucp convert`: a killed driver, two converts into one folder, a full disk, a read-only one.
 
-Processes are real `ucp convert` commands; faults are injected with `ucp.convert._hold_for_tests`
+Processes are real `ucp convert` commands; faults are injected with `ucp.convert.driver._hold_for_tests`
 (while `$UCP_TEST_HOLD_DIR/<data file>.hold` exists, that file's writer stops after its first tensor
 and writes its pid next to the flag).
 """
@@ -17,7 +17,7 @@ import pytest
 import ucp
 from support.checkpoints import TinySpec
 from support.processes import gone, ucp_command, wait_for
-from ucp.format import INDEX_NAME
+from ucp.format.folder import INDEX_NAME
 
 SOURCE = TinySpec(stage=2)
 BIN0 = "data-00000-of-00002.safetensors"

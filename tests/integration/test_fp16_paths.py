@@ -20,7 +20,7 @@ import torch
 
 import ucp
 from support.checkpoints import FROZEN_PARAM_SHAPES, TRAINABLE_PARAM_SHAPES, TinySpec, read_tag
-from ucp import loss_scale
+from ucp.format import loss_scale
 from ucp.convert import convert
 
 BF16_SOURCE = TinySpec(stage=1, dtype="bf16", world_size=3)
@@ -93,7 +93,7 @@ def test_convert_keeps_fp16_frozen_parameters_in_fp16(converted_pair):
 
 
 def test_hook_restores_the_loss_scale_into_deepspeeds_scaler(converted_pair):
-    from ucp.deepspeed import _restore_loss_scale
+    from ucp.deepspeed.hook import _restore_loss_scale
 
     _, fp16, _ = converted_pair
     scaler = dynamic_scaler()

@@ -26,7 +26,7 @@ from support.checkpoints import TinySpec, ucp_load_errors
 from ucp.cli.main import main as ucp_cli
 from ucp.convert import convert
 from ucp.errors import UcpError
-from ucp.format import INDEX_NAME
+from ucp.format.folder import INDEX_NAME
 
 SOURCE = TinySpec(stage=2)
 SECONDS_PER_CASE = 60  # a case that takes longer is a hang (a FIFO read would block forever)

@@ -63,7 +63,7 @@ def checkpoint_bytes(path) -> int:
 
 
 def largest_layer_bytes(path) -> int:
-    from ucp.deepspeed import layer_of
+    from ucp.deepspeed.hook import layer_of
 
     layers: dict[str, int] = {}
     for name, e in ucp.open_checkpoint(path).index["params"].items():

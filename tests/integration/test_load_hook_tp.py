@@ -30,12 +30,13 @@ import ucp
 from support.llama_tp_runs import build_sources, load_stats, losses, resume
 from ucp.convert import convert
 from ucp.converters.deepspeed_declared import RankBlock
-from ucp.deepspeed_targets import TargetTensor
-from ucp.deepspeed_tp_target import rank_block, to_box
+from ucp.deepspeed.targets import TargetTensor
+from ucp.deepspeed.autotp import rank_block, to_box
 from ucp.errors import UnsupportedLayoutError
-from ucp.safetensors_stream import TORCH_DTYPES
-from ucp.slice_read import plan_flat_read
-from ucp.splits import SplitPolicy, to_split_major
+from ucp.format.safetensors_stream import TORCH_DTYPES
+from ucp.format.slice_read import plan_flat_read
+from ucp.convert.split_policy import SplitPolicy
+from ucp.format.splits import to_split_major
 
 SAVED_AT, RESUMED = 2, 2
 TRAIN = {"global_batch": 4, "steps": SAVED_AT + RESUMED, "save_after": SAVED_AT, "save_dir": True,

@@ -5,7 +5,7 @@ One cluster (`ray start --head --block`, 2 CPUs, dashboard for the job server, i
 serves the whole module; it runs in its own session, so teardown stops exactly its processes, by
 session id, even when a test fails.
 
-Faults are injected with `ucp.convert._hold_for_tests`: every process of the cluster sees
+Faults are injected with `ucp.convert.driver._hold_for_tests`: every process of the cluster sees
 $UCP_TEST_HOLD_DIR, and while `<dir>/<data file>.hold` exists the writer of that data file writes
 its pid to `<dir>/<data file>.pid` after its first tensor and waits, so a test can kill it mid-file.
 """
@@ -28,11 +28,11 @@ import pytest
 from support.checkpoints import TinySpec, read_tag
 from support.processes import gone, ucp_command, wait_for
 from ucp.cli.main import main
-from ucp.converters.deepspeed_zero import plan_deepspeed
-from ucp.convert import convert, write_atomic
+from ucp.converters.dispatch import plan_deepspeed
+from ucp.convert.driver import convert, write_atomic
 from ucp.errors import CorruptCheckpointError
-from ucp.format import INDEX_NAME, data_file_name
-from ucp.manifest import manifest_name
+from ucp.format.folder import INDEX_NAME, data_file_name
+from ucp.convert.manifest import manifest_name
 
 SPECS = [TinySpec(stage=1), TinySpec(stage=3, dtype="bf16", world_size=3)]
 WORKERS = 2
@@ -124,7 +124,7 @@ def params_in(reference_dir: Path, file_name: str) -> int:
 
 
 def ray_convert(cluster: Cluster, source: Path, output: Path, **kwargs):
-    from ucp.ray_executor import RayExecutor
+    from ucp.convert.ray_executor import RayExecutor
 
     with RayExecutor(cluster.address, WORKERS, progress=False) as executor:
         return convert(source, output, executor=executor, **kwargs)
@@ -243,7 +243,7 @@ def test_resume_with_local_executor_redoes_missing_and_damaged_bins(tiny_checkpo
 
 
 def test_task_error_is_not_retried_and_reaches_the_caller(cluster, tiny_checkpoint, tmp_path):
-    from ucp.ray_executor import RayExecutor
+    from ucp.convert.ray_executor import RayExecutor
 
     source = tmp_path / "src"
     shutil.copytree(tiny_checkpoint(SPECS[0]), source)

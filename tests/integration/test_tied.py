@@ -22,7 +22,7 @@ from support.checkpoints import (TinySpec, load_ds_universal, read_tag, trained_
 from ucp.cli.main import main as cli_main
 from ucp.convert import convert
 from ucp.converters.deepspeed_slices import load_dict, tied_aliases
-from ucp.deepspeed_targets import module_aliases
+from ucp.deepspeed.targets import module_aliases
 
 ALIASES = {"head.weight": "emb.weight"}
 TRAINABLE = {"emb.weight", "l1.weight", "l1.bias", "l2.weight", "l2.bias", "head.bias", "gain"}

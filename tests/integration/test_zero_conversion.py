@@ -25,8 +25,8 @@ from support.launch import run_torchrun
 from support.llama_tp_runs import build_sources, load_stats, losses, resume
 from test_load_hook_tp import RESUME, SAVED_AT, TRAIN
 from ucp.convert import convert
-from ucp.plan import BUFFER
-from ucp.safetensors_stream import TORCH_DTYPES
+from ucp.convert.plan import BUFFER
+from ucp.format.safetensors_stream import TORCH_DTYPES
 
 CASES = [  # (saved at, loaded at)
     (TinySpec(stage=2), TinySpec(stage=2, world_size=1)),                               # DP 2 -> 1

@@ -3,7 +3,7 @@ copies of a checkpoint with an edited index (bad input for loaders), and the com
 checkpoints tensor for tensor (an asynchronous save against `ucp convert` of the same step).
 
 Each state's bytes go to a raw source file; a `ConversionPlan` with one Unique fragment per state
-points at them, and `ucp.convert.write_atomic` converts it as it would a DeepSpeed checkpoint:
+points at them, and `ucp.convert.driver.write_atomic` converts it as it would a DeepSpeed checkpoint:
 same bins, same split-major transform, same index.
 """
 from __future__ import annotations
@@ -15,14 +15,14 @@ from pathlib import Path
 
 import torch
 
-from ucp.convert import write_atomic
-from ucp.executor import LocalExecutor
-from ucp.format import tensor_key
-from ucp.fileio import tensor_bytes
+from ucp.convert.driver import write_atomic
+from ucp.convert.executor import LocalExecutor
+from ucp.format.folder import tensor_key
+from ucp.format.fileio import tensor_bytes
 from ucp.patterns import FragmentInfo, Pattern, PatternSpec
-from ucp.plan import ConversionPlan, Fragment, ParamPlan, Piece, StateSource
-from ucp.safetensors_stream import StreamingWriter, TensorSlot
-from ucp.splits import SplitPolicy, apply_split_policy
+from ucp.convert.plan import ConversionPlan, Fragment, ParamPlan, Piece, StateSource
+from ucp.format.safetensors_stream import StreamingWriter, TensorSlot
+from ucp.convert.split_policy import SplitPolicy, apply_split_policy
 
 ADAM_STATES = ("fp32", "exp_avg", "exp_avg_sq")
 

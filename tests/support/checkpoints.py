@@ -412,7 +412,7 @@ def start_ucp_save_run(spec: TinySpec, steps: int, every: int, root: Path,
                        hold_dir: Path) -> tuple[subprocess.Popen, Path]:
     """Like ``ucp_save_run``, but started in the background with ``$UCP_TEST_HOLD_DIR=hold_dir``.
 
-    Files in ``hold_dir`` stall or fail the writers (see ``ucp.save_writer.hold_for_tests``).
+    Files in ``hold_dir`` stall or fail the writers (see ``ucp.deepspeed.save_writer.hold_for_tests``).
     Returns the torchrun process and the run folder (``train.log``; saves under ``ucp/``).
     """
     run_dir = _ucp_save_dir(spec, root)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Forward pass of the reference TP model (ucp.reference_tp) under an HMP layout, on CPU ranks (gloo).
+"""Forward pass of the reference TP model (support.reference_tp) under an HMP layout, on CPU ranks (gloo).
 
 Launched with ``torchrun --nproc_per_node N tests/support/hmp_forward.py LAYOUT.json CKPT OUT``.
 Every rank loads its slices of CKPT through the layout and runs its stage on the same tokens;
@@ -26,9 +26,9 @@ import torch.distributed as dist
 
 import ucp.deepspeed
 from ucp.hmp import load_slices
-from ucp.layout import Layout
-from ucp.reference_tp import RefConfig, StageModule, param_table, tp_groups
-from ucp.reference_tp import Stage as RefStage
+from ucp.hmp.layout import Layout
+from support.reference_tp import RefConfig, StageModule, param_table, tp_groups
+from support.reference_tp import Stage as RefStage
 
 TOKENS_SEED = 7
 

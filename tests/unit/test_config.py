@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import ucp.deepspeed
-from ucp.config import load_options, ucp_options, without_ucp
+from ucp.deepspeed.config import load_options, ucp_options, without_ucp
 from ucp.errors import ConfigError
 
 

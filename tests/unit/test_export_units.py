@@ -6,7 +6,7 @@ import pytest
 from ucp.errors import ExportError, OutputExistsError
 from ucp.export.hf import ExportTensor, assign_shards, shard_name
 from ucp.export.staging import parse_size, staged_output
-from ucp.safetensors_stream import TensorSlot
+from ucp.format.safetensors_stream import TensorSlot
 
 
 @pytest.mark.parametrize("text, size", [("5GB", 5 * 10**9), ("500MB", 5 * 10**8), ("2GiB", 2 * 2**30),

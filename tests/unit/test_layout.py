@@ -1,4 +1,4 @@
-"""Layout maths (ucp.layout): property tests over random models and plans, HMP and uneven PP included.
+"""Layout maths (ucp.hmp.layout): property tests over random models and plans, HMP and uneven PP included.
 
 For every parameter and every DP replica, the boxes the replica's ranks own tile the tensor
 exactly once; replicated tensors are held whole by exactly the TP group of the stage that runs
@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ucp.layout import (Layout, LayoutError, ParamSpec, Replica, Stage, choose_global_split, part_bounds,
+from ucp.hmp.layout import (Layout, LayoutError, ParamSpec, Replica, Stage, choose_global_split, part_bounds,
                         split_bounds)
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from ucp.layout import Layout
+from ucp.hmp.layout import Layout
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "models"
 UCP = [sys.executable, "-m", "ucp.cli.main"]

@@ -1,4 +1,4 @@
-"""Strategy search (ucp.planner): hand-checked small cases, exhaustive search on tiny clusters, and
+"""Strategy search (ucp.hmp.strategy): hand-checked small cases, exhaustive search on tiny clusters, and
 invariants of every plan returned for counts that divide nothing.
 """
 from __future__ import annotations
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from ucp.layout import Layout, Replica, Stage
-from ucp.models import ModelConfig, ModelConfigError, load_model_config
-from ucp.planner import (CostModel, PlanError, StagePlan, Workload, _powers_of_two, deal, estimate, search,
+from ucp.hmp.layout import Layout, Replica, Stage
+from ucp.hmp.model_shapes import ModelConfig, ModelConfigError, load_model_config
+from ucp.hmp.strategy import (CostModel, PlanError, StagePlan, Workload, _powers_of_two, deal, estimate, search,
                          tp_sizes)
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "models"

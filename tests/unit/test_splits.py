@@ -1,6 +1,6 @@
-"""Split-major storage and split-driven loading (ucp.splits, ucp.slice_read, ucp.hmp).
+"""Split-major storage and split-driven loading (ucp.format.splits, ucp.format.slice_read, ucp.hmp).
 
-Checkpoints are written through ucp's own writer (`ucp.convert.write_atomic`, see
+Checkpoints are written through ucp's own writer (`ucp.convert.driver.write_atomic`, see
 tests/support/atomic.py). Properties: split-major order round-trips; readers return the logical
 tensor; under random layouts (HMP, uneven PP) every rank gets exactly its box, reading exactly its
 share of bytes, in at most one read per tensor it touches, when its TP size divides the split
@@ -22,11 +22,11 @@ from safetensors import safe_open
 from support.atomic import ADAM_STATES, write_checkpoint
 from test_layout import layouts
 from ucp.checkpoint import AtomicCheckpoint
-from ucp.hmp import ModelMismatchError, load_slices
-from ucp.layout import Layout, ParamSpec, Replica, Stage, split_bounds
-from ucp.slice_read import plan_slice_read
-from ucp.splits import (HF_DECODER_RULES, SplitPolicy, SplitRuleError, from_split_major, join_splits,
-                        to_split_major)
+from ucp.hmp.slice_load import ModelMismatchError, load_slices
+from ucp.hmp.layout import Layout, ParamSpec, Replica, Stage, split_bounds
+from ucp.format.slice_read import plan_slice_read
+from ucp.convert.split_policy import HF_DECODER_RULES, SplitPolicy, SplitRuleError
+from ucp.format.splits import from_split_major, join_splits, to_split_major
 
 FAST = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 SLOW = settings(max_examples=25, deadline=None,

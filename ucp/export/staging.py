@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ucp.errors import ExportError, OutputExistsError
-from ucp.format import fsync_dir
+from ucp.format.folder import fsync_dir
 
 _FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,

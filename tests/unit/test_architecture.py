@@ -1,0 +1,126 @@
+"""The package structure of docs/ARCHITECTURE.md, enforced: no import cycle between ucp modules
+(imports inside functions included) and no import against the documented direction."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+# Source folders and the package each is installed as (setup.cfg's package_dir).
+SOURCES = {"ucp": "ucp", "converters": "ucp.converters", "patterns": "ucp.patterns", "cli": "ucp.cli"}
+
+# docs/ARCHITECTURE.md, "Direction of imports": lowest first. A module may import modules of its own
+# layer or of lower ones; a module belongs to the layer of its longest matching prefix.
+LAYERS = (
+    ("ucp.errors", "ucp.version"),
+    ("ucp.patterns",),
+    ("ucp.format",),
+    ("ucp.convert.plan", "ucp.convert.primitives", "ucp.convert.assemble", "ucp.convert.balance",
+     "ucp.convert.index_builder"),
+    ("ucp.converters",),
+    ("ucp.convert", "ucp.checkpoint"),
+    ("ucp.hmp",),
+    ("ucp.deepspeed",),
+    ("ucp.export", "ucp.transformers", "ucp.accelerate"),
+    ("ucp.cli",),
+    ("ucp",),
+)
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for folder, package in SOURCES.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = list(path.relative_to(ROOT / folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join([package, *parts])] = path
+    return found
+
+
+def imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """The ucp modules `name` imports anywhere in its body (functions included)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name in known)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            if base not in known:
+                continue
+            subs = [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in known]
+            out.update(subs or [base])
+            if subs and len(subs) < len(node.names):
+                out.add(base)
+    out.discard(name)
+    return out
+
+
+def graph() -> dict[str, set[str]]:
+    found = modules()
+    return {name: imports(name, path, set(found)) for name, path in found.items()}
+
+
+def layer_of(module: str) -> int:
+    best = max((p for layer in LAYERS for p in layer if module == p or module.startswith(p + ".")), key=len)
+    return next(i for i, layer in enumerate(LAYERS) if best in layer)
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(edges[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycle():
+    assert cycles(graph()) == []
+
+
+def test_imports_follow_the_documented_direction():
+    # `from ucp import __version__` reads the root package's version string, not a module.
+    wrong = sorted(f"{a} -> {b}" for a, targets in graph().items() for b in targets
+                   if b != "ucp" and layer_of(b) > layer_of(a))
+    assert wrong == []
+
+
+def test_the_checks_see_a_cycle_and_a_wrong_direction():
+    # Negative controls for the two checks above, on a made-up graph.
+    edges = {"ucp.format.a": {"ucp.convert.driver"}, "ucp.convert.driver": {"ucp.format.a"}}
+    assert cycles(edges) == [["ucp.convert.driver", "ucp.format.a"]]
+    assert layer_of("ucp.format.a") < layer_of("ucp.convert.driver")
+    assert layer_of("ucp.convert.plan") < layer_of("ucp.converters.deepspeed_zero") < layer_of("ucp.convert.driver")
+
+
+@pytest.mark.parametrize("module", sorted(modules()))
+def test_every_module_has_a_layer(module):
+    assert 0 <= layer_of(module) < len(LAYERS)

@@ -1,0 +1,207 @@
+"""`--format deepspeed`: write DeepSpeed's own universal layout, so stock `load_universal` resumes from it.
+
+The layout mirrors what `ds_to_universal` (DeepSpeed 0.19) writes: `zero/<param>/<state>.pt`
+(ZeRO-1/2: a dict with the full-shape tensor under `param`; ZeRO-3: the flat tensor), a
+`zero/optimizer_state.pt` with the optimizer's global state, copies of the model-state files, and
+`latest_universal` beside the output folder, written last. The tensors come from the same
+Extract → Union → StripPad tasks as the atomic format; only the sink differs. This is the one
+module that writes pickles, because that is DeepSpeed's format; it unpickles none (issue #11): the
+source's own pickles are parsed with the allow-list reader, so a crafted file cannot run code.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ucp.convert.assemble import materialize
+from ucp.convert.balance import plan_bins
+from ucp.convert.result import ConvertResult
+from ucp.converters.deepspeed_slices import load_dict
+from ucp.converters.torch_zip import LazyTensor, Opaque, read_tensor
+from ucp.errors import CorruptCheckpointError, OutputExistsError, UnsupportedLayoutError
+from ucp.convert.executor import Executor, Report
+from ucp.patterns import Pattern, PatternSpec
+from ucp.convert.plan import BUFFER_STATE, TRAINABLE, WEIGHT_STATE, ConversionPlan, ParamPlan
+
+_EXPERT_FILE = re.compile(r"^layer_\d+_expert_\d+_.*model_states\.pt$")
+# DeepSpeed's key names (deepspeed.checkpoint.constants), spelled out so that planning needs no deepspeed.
+OPTIMIZER_STATE_DICT = "optimizer_state_dict"
+BASE_OPTIMIZER_STATE = "base_optimizer_state"
+PARAM_GROUPS = "param_groups"
+LOSS_SCALER = "loss_scaler"
+# Read by `_load_global_state` (ZeRO-1/2; ZeRO-3 reads the first three) beside the loss scaler.
+_GLOBAL_KEYS = ("dynamic_loss_scale", "overflow", "clip_grad", "ds_version")
+_LOSS_SCALERS = frozenset({"deepspeed.runtime.fp16.loss_scaler.LossScaler",
+                           "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"})
+
+
+@dataclass(frozen=True)
+class SaveBin:
+    zero_dir: str
+    params: tuple[ParamPlan, ...]
+    zero3: bool
+    strict: bool
+
+
+def write_deepspeed_universal(plan: ConversionPlan, output: Path, executor: Executor, *,
+                              strict: bool = False) -> ConvertResult:
+    if plan.source["zero_stage"] == 0:
+        raise UnsupportedLayoutError(f"{plan.source['path']}: --format deepspeed needs a ZeRO 1-3 source (stock "
+                                     "DeepSpeed has no universal layout for ZeRO-0); convert to the ucp format and "
+                                     "resume through ucp.deepspeed instead")
+    if output.exists() and any(output.iterdir()):
+        raise OutputExistsError(f"{output}: is not empty; choose a new --output directory for the DeepSpeed "
+                                "universal checkpoint")
+    zero_dir = output / "zero"
+    zero_dir.mkdir(parents=True, exist_ok=True)
+    zero3 = plan.source["zero_stage"] == 3
+    bins = plan_bins(plan, executor.workers)
+    tasks = [SaveBin(str(zero_dir), tuple(b), zero3, strict) for b in bins]
+    written = executor.map(save_bin, tasks, total_bytes=sum(p.nbytes for p in plan.params), desc="convert")
+    aliases = 0 if zero3 else _save_aliases(plan, zero_dir)
+    _save_optimizer_state(plan, zero_dir / "optimizer_state.pt", zero3)
+    copied = _copy_model_files(plan, output, zero3)
+    # `latest_universal` names the folder stock DeepSpeed loads; written last, it is the commit point.
+    (output.parent / "latest_universal").write_text(output.name)
+    files = sum(w["files"] for w in written) + aliases + copied + 2
+    return ConvertResult(output, len(plan.params), tuple(), sum(w["bytes"] for w in written), files_written=files)
+
+
+def save_bin(task: SaveBin, report: Report) -> dict:
+    files = nbytes = 0
+    for p in task.params:
+        folder = Path(task.zero_dir) / p.name
+        folder.mkdir(parents=True, exist_ok=True)
+        for state, source in p.states.items():
+            tensor = materialize(source, name=p.name, strict=task.strict).float()
+            if task.zero3 and p.kind == TRAINABLE:
+                payload = tensor.reshape(-1)
+            else:
+                payload = {"param": tensor, **tp_keys(source.spec)} if p.kind == TRAINABLE else {"param": tensor}
+            # A buffer's one state is stored as DeepSpeed does for module tensors: fp32.pt.
+            torch.save(payload, folder / f"{WEIGHT_STATE if state == BUFFER_STATE else state}.pt")
+            files += 1
+            nbytes += tensor.numel() * 4
+            report(source.nbytes)
+        if p.step is not None and not task.zero3:
+            torch.save(torch.tensor(p.step, dtype=torch.float32), folder / "step.pt")
+            files += 1
+    return {"files": files, "bytes": nbytes}
+
+
+def _save_aliases(plan: ConversionPlan, zero_dir: Path) -> int:
+    """ZeRO-1/2: `zero/<alias>/fp32.pt` holding its source's weight, as `ds_to_universal` writes one for every
+    module tensor without a folder (from the module's copy: under bf16 the rounded one, here the fp32 master).
+    Stock `load_universal` never reads it (an alias is no optimizer parameter); ZeRO-3 output has none."""
+    for alias, source in plan.aliases.items():
+        weight = torch.load(zero_dir / source / f"{WEIGHT_STATE}.pt", weights_only=True)["param"]
+        (zero_dir / alias).mkdir(parents=True, exist_ok=True)
+        torch.save({"param": weight}, zero_dir / alias / f"{WEIGHT_STATE}.pt")
+    return len(plan.aliases)
+
+
+def tp_keys(spec: PatternSpec) -> dict:
+    """The keys with which `ds_to_universal` tells stock `load_universal` how to cut a full tensor for
+    a TP rank: `cat_dim` (the split dim), `vocab_tensor` (padding to restore), and for fused parameters
+    `param_n_sub_params` (two equal halves) or `sub_param_shape` (sub-parameter sizes along a dim)."""
+    keys: dict = {"cat_dim": 0}
+    if spec.flat or spec.dim is None:
+        return keys
+    keys["cat_dim"] = spec.dim
+    if spec.pattern is Pattern.SHARD_NC:
+        sizes = tuple(sum(w) for w in spec.sub_widths)
+        if len(sizes) == 2 and sizes[0] == sizes[1]:
+            keys["param_n_sub_params"] = 2
+        else:
+            from deepspeed.checkpoint.universal_checkpoint import SubparamShape
+
+            shape = tuple(sizes if d == spec.dim else s for d, s in enumerate(spec.shape))
+            keys["sub_param_shape"] = SubparamShape(patterns=[], shape=shape, partition_dim=spec.dim)
+    elif spec.padded_size is not None and spec.dim == 0:
+        keys["vocab_tensor"] = True
+    return keys
+
+
+def _save_optimizer_state(plan: ConversionPlan, path: Path, zero3: bool) -> None:
+    """`zero/optimizer_state.pt`: exactly the global state stock `load_universal` reads back.
+
+    The rank-0 file is parsed with the allow-list reader (`torch_zip`), never unpickled: a crafted
+    file cannot run code here. ZeRO-1/2 and the bf16 optimizer read `param_groups` and the
+    `_load_global_state` fields; ZeRO-3 reads those fields and `optimizer_state_dict` (its
+    `param_groups` and each sub-group's `step`).
+    """
+    rank0 = Path(next(f for f in plan.source_files if "optim_states" in os.path.basename(f)))
+    sd = load_dict(rank0).get(OPTIMIZER_STATE_DICT)
+    if not isinstance(sd, dict):
+        raise CorruptCheckpointError(f"{rank0}: holds no {OPTIMIZER_STATE_DICT}; copy the file again from the "
+                                     "training job")
+    out = {k: _plain(sd[k], rank0, k) for k in _GLOBAL_KEYS if k in sd}
+    if LOSS_SCALER in sd:
+        out[LOSS_SCALER] = _loss_scaler(sd[LOSS_SCALER], rank0)
+    if zero3:
+        inner = _field(sd, OPTIMIZER_STATE_DICT, rank0)
+        state = _field(inner, "state", rank0)
+        out[OPTIMIZER_STATE_DICT] = {
+            "state": {i: {"step": _plain(s.get("step"), rank0, "step")} for i, s in state.items()},
+            PARAM_GROUPS: _plain(_field(inner, PARAM_GROUPS, rank0), rank0, PARAM_GROUPS)}
+    else:
+        base = _field(sd, BASE_OPTIMIZER_STATE, rank0)
+        out[PARAM_GROUPS] = _plain(_field(base, PARAM_GROUPS, rank0), rank0, PARAM_GROUPS)
+    torch.save(out, path)
+
+
+def _field(sd: dict, key: str, path: Path) -> dict | list:
+    value = sd.get(key)
+    if not isinstance(value, (dict, list)):
+        raise CorruptCheckpointError(f"{path}: optimizer state has no {key}; copy the file again from the "
+                                     "training job")
+    return value
+
+
+def _plain(value, path: Path, key: str):
+    """`value` as plain Python and real tensors (tiny ones: steps, hyper-parameters); any other object
+    is refused, so nothing the file names is ever built."""
+    if isinstance(value, dict):
+        return {k: _plain(v, path, key) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(v, path, key) for v in value)
+    if value is None or isinstance(value, (str, int, float, bool, torch.dtype)):
+        return value
+    if isinstance(value, LazyTensor):
+        return read_tensor(value)
+    raise CorruptCheckpointError(f"{path}: optimizer state '{key}' holds {value!r}, which --format deepspeed does "
+                                 "not rebuild; convert with --format ucp and resume through ucp.deepspeed")
+
+
+def _loss_scaler(value, path: Path) -> object:
+    """The loss scaler stock `load_universal` installs as is: rebuilt from its pickled fields, for
+    DeepSpeed's own scaler classes only (imported from the installed deepspeed)."""
+    qualname = getattr(value, "_qualname", None)
+    if not isinstance(value, Opaque) or qualname not in _LOSS_SCALERS or not isinstance(value.state, dict):
+        raise CorruptCheckpointError(f"{path}: optimizer state '{LOSS_SCALER}' holds {value!r}, not one of "
+                                     f"DeepSpeed's loss scalers ({', '.join(sorted(_LOSS_SCALERS))}); copy the "
+                                     "file again from the training job")
+    module, _, name = qualname.rpartition(".")
+    cls = getattr(importlib.import_module(module), name)
+    scaler = cls.__new__(cls)
+    scaler.__dict__.update(_plain(value.state, path, LOSS_SCALER))
+    return scaler
+
+
+def _copy_model_files(plan: ConversionPlan, output: Path, zero3: bool) -> int:
+    folder = Path(plan.source["path"])
+    copied = 0
+    for name in sorted(os.listdir(folder)):
+        if not name.endswith("model_states.pt") or _EXPERT_FILE.match(name):
+            continue
+        if not zero3 and not name.startswith("mp_rank_"):
+            continue
+        shutil.copy2(folder / name, output / name)
+        copied += 1
+    return copied

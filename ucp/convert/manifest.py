@@ -1,0 +1,111 @@
+"""Per-data-file manifests: what lets `ucp convert --resume` keep the files an interrupted run finished.
+
+Once a bin's data file is durable (fsynced, renamed into place, directory fsynced), its writer puts
+`<data file>.json` beside it: the source fingerprint, the file's size, the CRC-32 of its
+safetensors header, and every stored tensor's key, absolute byte range and CRC-32 — what the index
+will say about that file. The manifest is itself written to a temporary name, fsynced and renamed,
+so it exists only for a complete data file. `--resume` keeps a data file whose manifest matches the
+planned bin and whose bytes still match every checksum; every other bin is converted again. The
+driver removes the manifests once the index is committed, since the index then says the same.
+"""
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from ucp.convert.executor import Report
+from ucp.format.folder import DATA_PREFIX, PARTIAL_SUFFIX, fsync_dir
+
+MANIFEST_SUFFIX = ".json"
+_CHUNK = 16 << 20
+
+
+@dataclass(frozen=True)
+class BinCheck:
+    """A finished bin to look for under --resume: its file, the keys it must hold in order, the source."""
+
+    output: str
+    file_name: str
+    keys: tuple[str, ...]
+    fingerprint: str
+
+
+def manifest_name(file_name: str) -> str:
+    return file_name + MANIFEST_SUFFIX
+
+
+def is_manifest(name: str) -> bool:
+    return name.startswith(DATA_PREFIX) and name.endswith(MANIFEST_SUFFIX)
+
+
+def write_manifest(output: str, result: dict, fingerprint: str) -> None:
+    """Record a durable data file (a bin task's `result`) for a later --resume."""
+    data_path = os.path.join(output, result["file"])
+    tensors = [[key, begin, end, crc, list(chunks)] for key, (begin, end, crc, chunks) in result["tensors"].items()]
+    with open(data_path, "rb") as f:
+        header_crc = _crc_range(f, 0, _header_end(tensors, result["bytes"]))
+    body = {"fingerprint": fingerprint, "file": result["file"], "bytes": result["bytes"],
+            "chunk_bytes": result["chunk_bytes"], "header_crc32": header_crc, "tensors": tensors}
+    final = os.path.join(output, manifest_name(result["file"]))
+    with open(final + PARTIAL_SUFFIX, "w") as f:
+        json.dump(body, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(final + PARTIAL_SUFFIX, final)
+    fsync_dir(Path(output))
+
+
+def reusable_bin(check: BinCheck, report: Report) -> dict | None:
+    """The bin's result as its writer returned it, if its data file is intact and from this conversion.
+
+    None when the manifest is missing, damaged, from another source or another bin layout, or when
+    the data file's size or any checksum (header or tensor) disagrees with it.
+    """
+    try:
+        with open(os.path.join(check.output, manifest_name(check.file_name))) as f:
+            body = json.load(f)
+        tensors = body["tensors"]
+        if (body["fingerprint"] != check.fingerprint or body["file"] != check.file_name
+                or tuple(t[0] for t in tensors) != check.keys):
+            return None
+        data_path = os.path.join(check.output, check.file_name)
+        if os.path.getsize(data_path) != body["bytes"]:
+            return None
+        with open(data_path, "rb") as f:
+            if _crc_range(f, 0, _header_end(tensors, body["bytes"])) != body["header_crc32"]:
+                return None
+            if any(_crc_range(f, begin, end) != crc for _, begin, end, crc, _ in tensors):
+                return None
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return None
+    report(body["bytes"])
+    return {"file": check.file_name, "bytes": body["bytes"], "chunk_bytes": body["chunk_bytes"],
+            "tensors": {key: (begin, end, crc, tuple(chunks)) for key, begin, end, crc, chunks in tensors}}
+
+
+def remove_manifests(output: Path) -> None:
+    for name in os.listdir(output):
+        if is_manifest(name):
+            os.remove(output / name)
+    fsync_dir(output)
+
+
+def _header_end(tensors: list, file_bytes: int) -> int:
+    # Tensors follow the header back to back, so the first one starts where the header ends.
+    return min((t[1] for t in tensors), default=file_bytes)
+
+
+def _crc_range(f, begin: int, end: int) -> int:
+    crc = 0
+    f.seek(begin)
+    left = end - begin
+    while left > 0:
+        chunk = f.read(min(_CHUNK, left))
+        if not chunk:
+            raise ValueError(f"{f.name}: ends before byte {end}")
+        crc = zlib.crc32(chunk, crc)
+        left -= len(chunk)
+    return crc

@@ -1,0 +1,411 @@
+"""Asynchronous saves of a live DeepSpeed engine, straight into the atomic format.
+
+    ucp.deepspeed.save(engine, "/ckpt/ucp")   # writes /ckpt/ucp/global_step<N>; returns at once
+    ucp.deepspeed.wait(engine)                # the save is durable and committed once this returns
+
+A save, on every rank of the data-parallel group:
+
+1. (training thread) copies exactly what this rank holds into its snapshot buffer: its ZeRO run of
+   every fp32 master and optimizer moment, plus the replicated tensors (ZeRO-0 parameters, frozen
+   parameters, buffers) that byte balancing gives it; rank 0 also copies the step,
+   hyper-parameters, scheduler and client state. Then training goes on.
+2. (writer thread) pwrites the snapshot at its final offsets in the shared data files, whose layout
+   every rank computes alike (`ucp.deepspeed.save_files`), fsyncs them, and reports per-piece CRCs to rank 0
+   over a gloo group of its own (the training thread owns the training group).
+3. (rank 0's writer) when every rank reported success: renames the data files into place, commits
+   the index, then points `<dir>/latest` at the new tag, and tells the other ranks the outcome.
+
+Each checkpoint has its own folder `<dir>/<tag>`, and `latest` moves only after its index is
+committed, so a crash, a killed process or a full disk mid-save leaves the previous checkpoint the
+latest and loadable, and the new folder without an index ("incomplete checkpoint at ...").
+"""
+from __future__ import annotations
+
+import atexit
+import hashlib
+import json
+import logging
+import os
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ucp.format import loss_scale
+from ucp.format.crc import CHUNK_BYTES
+from ucp.convert.balance import TARGET_FILE_BYTES
+from ucp.convert.index_builder import build_index
+from ucp.deepspeed.targets import Target, TargetTensor, Zero3Target, module_aliases, target_for
+from ucp.deepspeed.autotp import tp_size
+from ucp.errors import ConfigError, OutputExistsError, SaveError, UnsupportedLayoutError
+from ucp.format.folder import FORMAT_NAME, INDEX_NAME, commit_index, commit_latest, fsync_dir, tensor_key
+from ucp.deepspeed.readers import assign_readers
+from ucp.patterns.recognize import FragmentInfo, recognize
+from ucp.convert.plan import BUFFER_STATE, WEIGHT_STATE, ConversionPlan, ParamPlan, StateSource
+from ucp.format.safetensors_stream import TORCH_DTYPES, TensorSlot
+from ucp.deepspeed.save_files import SaveLayout, WrittenPiece, plan_layout, whole_crcs
+from ucp.deepspeed.save_writer import BackgroundSave, Piece, SnapshotBuffer, hold_for_tests, partial_path, write_pieces
+
+logger = logging.getLogger("ucp.save")
+
+
+@dataclass
+class SaveStats:
+    """One save as this rank saw it."""
+
+    tag: str
+    path: str
+    snapshot_s: float = 0.0   # training was held this long (waiting for a previous save included)
+    bytes: int = 0            # this rank's share, written by its writer thread
+    durable_s: float = 0.0    # from the save call until the index was committed (0 while in flight)
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """Layout and snapshot buffer for one set of optimizer states, reused by every save."""
+
+    moments: tuple[str, ...]
+    layout: SaveLayout
+    buffer: SnapshotBuffer
+    sources: tuple[tuple[TargetTensor, str], ...]   # the live tensor of each buffer piece, in buffer order
+    whole: frozenset[str]                           # keys stored whole by one owner (not partitioned)
+
+
+class Saver:
+    """Saves one engine: its process group, layout, snapshot buffer and the save in flight."""
+
+    def __init__(self, engine):
+        if (getattr(engine, "mp_world_size", 1) > 1 or getattr(engine, "pipeline_parallelism", False)
+                or getattr(engine, "has_moe_layers", False) or tp_size(engine) > 1):
+            raise UnsupportedLayoutError("ucp.deepspeed.save handles data parallelism only (ZeRO 0-3); this engine "
+                                         "uses tensor, pipeline or expert parallelism: use engine.save_checkpoint "
+                                         "and `ucp convert` instead")
+        self.engine = engine
+        self.target: Target = target_for(engine)
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        if not dist.is_initialized():
+            self.ranks = [0]
+        elif self.target.dp_group is not None:
+            self.ranks = dist.get_process_group_ranks(self.target.dp_group)
+        else:
+            self.ranks = list(range(dist.get_world_size()))
+        # A group of its own: the writer thread's collectives must never interleave with training's.
+        self.group = dist.new_group(self.ranks, backend="gloo") if len(self.ranks) > 1 else None
+        self.job = BackgroundSave()
+        self.last_step: int | None = None
+        self.stats: SaveStats | None = None
+        self._prepared: _Prepared | None = None
+        _LIVE.add(self)
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == self.ranks[0]
+
+    def save(self, save_dir: str | os.PathLike, tag: str | None = None, client_state: dict | None = None,
+             async_: bool = True) -> SaveStats:
+        began = time.perf_counter()
+        tag = tag or f"global_step{self.engine.global_steps}"
+        self.job.wait_turn(tag)  # the buffer is reused: let the previous save finish (raises its failure)
+        save_dir = Path(save_dir).resolve()
+        tag_dir = save_dir / tag
+        if (tag_dir / INDEX_NAME).is_file():
+            raise OutputExistsError(f"{tag_dir}: already holds a committed checkpoint; pass another tag or delete it")
+        tag_dir.mkdir(parents=True, exist_ok=True)
+        prepared = self._prepare()
+        with torch.no_grad():
+            prepared.buffer.fill([t.view(state) for t, state in prepared.sources])
+        event = None
+        if prepared.buffer.data.is_pinned():
+            event = torch.cuda.Event()
+            event.record()
+        meta = _metadata(self, prepared, tag, tag_dir, client_state) if self.leader else None
+        stats = SaveStats(tag, str(tag_dir), bytes=prepared.buffer.nbytes)
+        self.last_step = self.engine.global_steps
+        self.stats = stats
+
+        def work() -> None:
+            self._write(prepared, save_dir, tag, meta, event)
+            stats.durable_s = time.perf_counter() - began
+
+        stats.snapshot_s = time.perf_counter() - began
+        self.job.start(tag, work)
+        if not async_:
+            self.job.wait()
+        return stats
+
+    def wait(self) -> SaveStats | None:
+        self.job.wait()
+        return self.stats
+
+    # -- layout and buffer, rebuilt only when the optimizer's states change (e.g. after the first step)
+
+    def _prepare(self) -> _Prepared:
+        moments = tuple(self.target.state_names())
+        if self._prepared is not None and self._prepared.moments == moments:
+            return self._prepared
+        self._prepared = None  # free the old buffer before allocating the new one
+        entries = _entries(self.target, moments)
+        slots = [TensorSlot(tensor_key(t.name, s), dtype, t.shape) for t, s, dtype in entries]
+        layout = plan_layout(slots, TARGET_FILE_BYTES, {"format": FORMAT_NAME})
+        whole = {tensor_key(t.name, s): t.numel * TORCH_DTYPES[dtype].itemsize for t, s, dtype in entries if t.whole}
+        owners = assign_readers(whole, self.ranks)
+        pieces, sources = [], {}
+        for t, state, dtype in entries:
+            key = tensor_key(t.name, state)
+            if t.numel == 0 or owners.get(key, self.rank) != self.rank:
+                continue
+            span = layout.piece(key, t.start, t.numel, TORCH_DTYPES[dtype].itemsize)
+            pieces.append(Piece(key, span.file, span.begin, span.end, dtype, t.start))
+            sources[key] = (t, state)
+        buffer = SnapshotBuffer(pieces, pin=torch.device(self.engine.device).type == "cuda")
+        self._prepared = _Prepared(moments, layout, buffer, tuple(sources[p.key] for p in buffer.pieces),
+                                   frozenset(whole))
+        return self._prepared
+
+    # -- the writer thread
+
+    def _write(self, prepared: _Prepared, save_dir: Path, tag: str, meta: dict | None, event) -> None:
+        tag_dir = save_dir / tag
+        report, error = None, None
+        try:
+            if event is not None:  # the device-to-host copies into the pinned buffer are done
+                event.synchronize()
+            written = write_pieces(tag_dir, prepared.layout.files, prepared.buffer, headers=self.leader,
+                                   after_first_write=lambda: hold_for_tests(tag, self.rank))
+            report = [(w.key, p.start, p.numel, w.begin, w.end, w.segments)
+                      for w, p in zip(written, prepared.buffer.pieces)]
+        except Exception as exc:  # reported to rank 0, which then does not commit
+            error = f"rank {self.rank}: {type(exc).__name__}: {exc}"
+        reports = self._gather((report, error))
+        outcome = None
+        if self.leader:
+            try:
+                _commit(prepared, save_dir, tag, reports, meta)
+            except Exception as exc:
+                outcome = str(exc) if isinstance(exc, SaveError) else f"{tag_dir}: {type(exc).__name__}: {exc}"
+        outcome = self._broadcast(outcome)
+        if outcome is not None:
+            raise SaveError(f"{outcome}; {save_dir / 'latest'} still names the previous checkpoint (fix the cause "
+                            f"and save again, or delete the incomplete {tag_dir})")
+        logger.info("ucp: saved %s", tag_dir)
+
+    def _gather(self, report) -> list:
+        if self.group is None:
+            return [report]
+        out = [None] * len(self.ranks) if self.leader else None
+        dist.gather_object(report, out, dst=self.ranks[0], group=self.group)
+        return out
+
+    def _broadcast(self, outcome: str | None) -> str | None:
+        if self.group is None:
+            return outcome
+        box = [outcome]
+        dist.broadcast_object_list(box, src=self.ranks[0], group=self.group)
+        return box[0]
+
+
+def _entries(target: Target, moments: tuple[str, ...]) -> list[tuple[TargetTensor, str, str]]:
+    """(tensor, state, stored dtype), state-major, in flat order (see `ucp.deepspeed.save_files`)."""
+    trainable = [t for t in target.tensors if t.kind == "param"]
+    entries = [(t, s, "float32") for s in (WEIGHT_STATE, *moments) for t in trainable]
+    entries += [(t, WEIGHT_STATE, "float32") for t in target.tensors if t.kind == "frozen"]
+    entries += [(t, BUFFER_STATE, _dtype(t.view(BUFFER_STATE))) for t in target.tensors if t.kind == "buffer"]
+    return entries
+
+
+def _dtype(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+# -- what the index says besides tensors, taken at snapshot time on rank 0 --------------------------------
+
+def _metadata(saver: Saver, prepared: _Prepared, tag: str, tag_dir: Path, client_state: dict | None) -> dict:
+    engine, target = saver.engine, saver.target
+    groups, group_index = _param_groups(target)
+    dtypes = {n: _dtype(p) for n, p in engine.module.named_parameters()}
+    dtypes.update({n: _dtype(b) for n, b in engine.module.named_buffers()})
+    states: dict[str, dict[str, str]] = {}
+    for t, state, dtype in _entries(target, prepared.moments):
+        states.setdefault(t.name, {})[state] = dtype
+    params = []
+    for t in target.tensors:
+        params.append({"name": t.name, "shape": t.shape, "kind": t.kind, "states": states[t.name],
+                       "group": group_index[t.group] if t.kind == "param" else None,
+                       "step": target.saved_step(t.group) if t.kind == "param" else None,
+                       "model_dtype": dtypes.get(t.name, "float32")})
+    config = engine.config if isinstance(engine.config, dict) else {}
+    precision = "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32"
+    training = {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
+                "skipped_steps": engine.skipped_steps}
+    scaler = loss_scale.live_scaler(engine.optimizer)
+    if precision == "fp16" and scaler is not None:
+        training["loss_scaler"] = loss_scale.record_live(scaler)
+    import deepspeed
+
+    return {
+        "params": params,
+        "source": {"framework": "deepspeed", "ds_version": deepspeed.__version__,
+                   "zero_stage": engine.zero_optimization_stage(), "dp": len(saver.ranks), "tp": 1, "pp": 1,
+                   "precision": precision, "tag": tag, "path": str(tag_dir), "writer": "ucp.deepspeed.save"},
+        "training": training,
+        "optimizer": {"type": (config.get("optimizer") or {}).get("type") or engine.optimizer_name(),
+                      "states": list(prepared.moments), "param_groups": groups},
+        "lr_scheduler": _to_json(engine.lr_scheduler.state_dict()) if engine.lr_scheduler is not None else None,
+        "client_state": _to_json(client_state or {}),
+        "aliases": module_aliases(engine.module),  # what DeepSpeed's own save lists in shared_params
+    }
+
+
+def _param_groups(target: Target) -> tuple[list[dict], dict[int, int]]:
+    """The torch param groups as the index records them, and each engine group's index among them.
+
+    ZeRO-3 splits a param group into sub-groups with the same hyper-parameters; like `ucp convert`,
+    consecutive sub-groups with equal hyper-parameters are one group again.
+    """
+    groups: list[dict] = []
+    index = {}
+    for i, entry in enumerate(target.optimizer_groups):
+        hyper = _to_json({k: v for k, v in entry["group"].items() if k != "params"})
+        if isinstance(target, Zero3Target) and groups and groups[-1]["hyperparams"] == hyper:
+            groups[-1]["params"] += entry["names"]
+        else:
+            groups.append({"hyperparams": hyper, "params": list(entry["names"])})
+        index[i] = len(groups) - 1
+    return groups, index
+
+
+def _to_json(value):
+    """A JSON copy of `value`: tensors as numbers or lists, anything else JSON cannot hold by its repr."""
+    def plain(v):
+        if torch.is_tensor(v):
+            return v.item() if v.dim() == 0 else v.tolist()
+        return repr(v)
+    return json.loads(json.dumps(value, default=plain))
+
+
+# -- rank 0's commit -------------------------------------------------------------------------------------
+
+def _commit(prepared: _Prepared, save_dir: Path, tag: str, reports: list, meta: dict) -> None:
+    tag_dir = save_dir / tag
+    failed = [error for _, error in reports if error]
+    if failed:
+        raise SaveError(f"{tag_dir}: not committed, {failed[0]}")
+    written, fragments = [], {}
+    for rank_index, (report, _) in enumerate(reports):
+        for key, start, numel, begin, end, segments in report:
+            written.append(WrittenPiece(key, begin, end, tuple(map(tuple, segments))))
+            fragments.setdefault(key, []).append((rank_index, start, numel))
+    crcs = whole_crcs(prepared.layout, written)
+    for f in prepared.layout.files:
+        os.replace(partial_path(tag_dir, f.name), tag_dir / f.name)
+    fsync_dir(tag_dir)
+    params = [_param_plan(p, prepared, fragments) for p in meta["params"]]
+    fingerprint = hashlib.sha256(f"{tag_dir}:{time.time_ns()}".encode()).hexdigest()[:32]
+    plan = ConversionPlan(params=params, source=meta["source"], optimizer=meta["optimizer"],
+                          training=meta["training"], lr_scheduler=meta["lr_scheduler"],
+                          client_state=meta["client_state"], aliases=meta["aliases"])
+    results = [{"file": f.name, "bytes": f.size, "chunk_bytes": CHUNK_BYTES,
+                "tensors": {k: (s.begin, s.end, *crcs[k]) for k, s in prepared.layout.spans.items() if s.file == f.name}}
+               for f in prepared.layout.files]
+    commit_index(tag_dir, build_index(plan, fingerprint, results))
+    commit_latest(save_dir, tag)
+
+
+def _param_plan(p: dict, prepared: _Prepared, fragments: dict) -> ParamPlan:
+    """The parameter's index entry; its pattern says how the ranks held it (as `ucp convert` records it)."""
+    shape = tuple(p["shape"])
+    first = tensor_key(p["name"], next(iter(p["states"])))
+    infos = [FragmentInfo(rank, shape) if first in prepared.whole else FragmentInfo(rank, (numel,), start)
+             for rank, start, numel in fragments.get(first, [])]
+    spec = recognize(p["name"], shape, infos)
+    states = {s: StateSource(spec, (), dtype) for s, dtype in p["states"].items()}
+    return ParamPlan(p["name"], shape, p["kind"], states, p["group"], p["step"], p["model_dtype"])
+
+
+# -- one saver per engine, and the public entry points -------------------------------------------------
+
+_LIVE: weakref.WeakSet[Saver] = weakref.WeakSet()
+
+
+def saver_for(engine) -> Saver:
+    """The engine's saver, created on first use (collectively: every rank must reach this together)."""
+    saver = getattr(engine, "_ucp_saver", None)
+    if saver is None:
+        saver = Saver(engine)
+        engine._ucp_saver = saver
+    return saver
+
+
+def save(engine, path: str | os.PathLike, tag: str | None = None, async_: bool = True, *,
+         client_state: dict | None = None) -> SaveStats:
+    """Save `engine` into `<path>/<tag>` (default tag `global_step<N>`), then point `<path>/latest` at it.
+
+    Call on every rank. Returns once this rank's state is snapshotted (with `async_=False`, once
+    the checkpoint is committed). A save still writing when the next one starts is waited for,
+    with a warning in the log. A failed save raises `SaveError` from the next `save` or `wait`.
+    """
+    return saver_for(engine).save(path, tag, client_state, async_)
+
+
+def wait(engine) -> SaveStats | None:
+    """Block until the engine's save in flight is committed; its stats (None if it never saved).
+
+    Raises `SaveError` if it failed. Runs for every engine at interpreter exit too; call it before
+    `torch.distributed.destroy_process_group()`, which would cut the writer's collectives.
+    """
+    saver = getattr(engine, "_ucp_saver", None)
+    return saver.wait() if saver is not None else None
+
+
+@dataclass(frozen=True)
+class SaveEvery:
+    """The `"save"` section of the `"ucp"` config: save into `dir` after every `every`-th optimizer step."""
+
+    dir: str
+    every: int
+
+    @classmethod
+    def from_config(cls, options) -> SaveEvery:
+        if not isinstance(options, dict) or not isinstance(options.get("dir"), (str, os.PathLike)):
+            raise ConfigError(f'"ucp": {{"save": {options!r}}}: needs "dir", the folder to save into, e.g. '
+                              '{"dir": "/ckpt/ucp", "every": 100}')
+        every = options.get("every")
+        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+            raise ConfigError(f'"ucp": {{"save": {{"every": {every!r}}}}}: must be a positive number of optimizer '
+                              'steps')
+        unknown = set(options) - {"dir", "every"}
+        if unknown:
+            raise ConfigError(f'"ucp": {{"save": ...}}: unknown key {sorted(unknown)[0]!r}; known: "dir", "every"')
+        return cls(os.fspath(options["dir"]), every)
+
+    def install(self, engine) -> None:
+        """Wrap `engine.step` to save after every `every`-th optimizer step.
+
+        Client state for these saves is read from `engine.ucp_client_state` (a dict) when set.
+        """
+        saver = saver_for(engine)
+        saver.last_step = engine.global_steps
+        step: Callable = engine.step
+
+        def step_and_save(*args, **kwargs):
+            result = step(*args, **kwargs)
+            if engine.global_steps % self.every == 0 and engine.global_steps != saver.last_step:
+                saver.save(self.dir, None, getattr(engine, "ucp_client_state", None), True)
+            return result
+
+        engine.step = step_and_save
+
+
+def _wait_all() -> None:
+    for saver in list(_LIVE):
+        try:
+            saver.wait()
+        except SaveError as exc:
+            logger.error("ucp: at exit: %s", exc)
+
+
+atexit.register(_wait_all)

@@ -1,0 +1,417 @@
+"""Resume DeepSpeed training from a ucp checkpoint under the engine's own layout, and save into one.
+
+    engine, optimizer, loader, scheduler = ucp.deepspeed.initialize(model=..., config={
+        ..., "ucp": {"load": "/ckpt/ucp/global_step1000", "save": {"dir": "/ckpt/ucp", "every": 1000}}})
+
+or, after `deepspeed.initialize`, `ucp.deepspeed.load(engine, path)` and
+`ucp.deepspeed.save(engine, dir)` (asynchronous; `ucp.deepspeed.wait(engine)` blocks until it is
+committed, and runs at exit too; see `ucp.deepspeed.async_save`). The `"ucp"` config section:
+
+* `load` (str): the atomic checkpoint to restore, or a save directory (its `latest` is restored);
+  or a DeepSpeed checkpoint (save directory with `latest`, or a tag folder), resharded on the fly
+  without conversion (`ucp.deepspeed.load_source`).
+* `save` (dict): `{"dir": str, "every": int}` saves asynchronously into `<dir>/global_step<N>`
+  after every `every`-th optimizer step (`engine.step` is wrapped; nothing else to call), and
+  moves `<dir>/latest` once each is committed. A save that finds the previous one still writing
+  waits for it, with a warning. Client state for these saves is `engine.ucp_client_state` (a
+  dict) when set. Data parallelism (ZeRO 0-3) only.
+* `bypass` (bool, default true): redundancy-bypassing read. Each rank reads its own ZeRO
+  partitions straight from storage, and every tensor that all ranks of the data-parallel group
+  need whole (ZeRO-0 models, frozen parameters, buffers) is read by one rank, chosen to balance
+  bytes, and broadcast. False makes every rank read every tensor it touches whole, as stock
+  `load_universal` does (for comparison).
+* `load_optimizer_states` (bool, default true), `load_lr_scheduler_states` (bool, default true).
+* `strict` (bool, default true): a checkpoint parameter the model lacks is an error (tied weights:
+  see below).
+* `layout` (dict, or path to its JSON): an explicit `ucp.hmp.layout.Layout`, for heterogeneous model
+  parallelism (Elastor's HMP: TP sizes that differ between replicas), which DeepSpeed itself cannot
+  describe. Each rank's module holds the slices the layout gives it (shapes of those slices) and
+  exposes the whole model's `ucp_param_table`; every rank reads exactly its slices
+  (`ucp.deepspeed.placement`).
+
+Loading is layer by layer: a rank holds its own shard plus one layer's states at a time.
+
+Tied weights (one Parameter under two names, e.g. `lm_head.weight` and `model.embed_tokens.weight`)
+are one parameter: the checkpoint records the second name as an alias of the first (its index's
+`aliases`), the model's `named_parameters` lists it once, so a tied model loads a tied checkpoint
+strictly. When only one side ties them:
+
+* tied checkpoint, untied model: the model's own copy of the alias gets the source's weight and
+  optimizer states (both copies start equal and train apart from there);
+* untied checkpoint, tied model: loads when the checkpoint's two copies are equal (every state the
+  alias holds); otherwise `CheckpointMismatchError` names the alias, and `strict=False` loads the
+  source's values for both (the checkpoint's other copy is ignored).
+
+Target layouts: ZeRO stage 0-3 at any data-parallel degree, fp32/fp16/bf16 (`ucp.deepspeed.targets`);
+DeepSpeed AutoTP tensor parallelism with ZeRO 0-3, where each TP rank loads the box of every full
+tensor that the engine's own `affine_map` gives it (`ucp.deepspeed.autotp`); `PipelineModule`
+engines at any number of stages, each stage loading its own layers (a tied module on every stage
+that uses it) within its data-parallel group (`ucp.deepspeed.pipe_target`); native DeepSpeed MoE at
+any `ep_size`, each rank loading the experts of the global ids it owns within its
+expert-data-parallel group (`ucp.deepspeed.moe_target`); and an explicit `layout`.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ucp.format import loss_scale
+from ucp.checkpoint import AtomicCheckpoint, PlannedCheckpoint, open_checkpoint
+from ucp.deepspeed.config import load_options, ucp_options, without_ucp
+from ucp.deepspeed.async_save import SaveEvery, SaveStats, save, wait
+from ucp.deepspeed.targets import OPTIMIZER_STATES, Target, TargetTensor, module_aliases, target_for
+from ucp.deepspeed.placement import as_layout, place_by_layout
+from ucp.deepspeed.autotp import with_tensor_parallel
+from ucp.errors import CorruptCheckpointError, UcpError, UnsupportedLayoutError
+from ucp.hmp.layout import Layout, ParamSpec
+from ucp.deepspeed.readers import assign_readers
+from ucp.deepspeed.load_source import Source, box_numel, source_for
+
+Checkpoint = AtomicCheckpoint | PlannedCheckpoint
+__all__ = ["CheckpointMismatchError", "LoadStats", "SaveStats", "initialize", "load", "save", "wait"]
+
+
+class CheckpointMismatchError(UcpError):
+    """The checkpoint does not fit the model or optimizer it is being loaded into."""
+
+
+@dataclass
+class LoadStats:
+    """What this rank read from storage and exchanged with its data-parallel group."""
+
+    bytes_read: int = 0
+    bytes_checked_extra: int = 0  # of bytes_read: read only to check whole chunks around a partial read
+    read_calls: int = 0
+    bytes_broadcast: int = 0
+    tensors: int = 0
+    layers: int = 0
+    peak_layer_bytes: int = 0
+    client_state: dict = field(default_factory=dict)
+
+
+def initialize(*args, **kwargs):
+    """`deepspeed.initialize` with the same arguments and result, plus the `"ucp"` config section.
+
+    The section is checked before DeepSpeed runs, and the caller's config and `args` are left as given.
+    """
+    import deepspeed
+
+    config_key = "config" if kwargs.get("config") is not None else "config_params"
+    config = kwargs.get(config_key)
+    if config is None and args and getattr(args[0], "deepspeed_config", None):
+        config_key, config = "config", args[0].deepspeed_config
+    if isinstance(config, (str, os.PathLike)):
+        with open(config) as f:
+            config = json.load(f)
+    options = ucp_options(config)
+    if options:
+        kwargs = {**kwargs, config_key: without_ucp(config)}
+        if args and getattr(args[0], "deepspeed_config", None):
+            args = (copy.copy(args[0]), *args[1:])
+            args[0].deepspeed_config = None
+    save_every = SaveEvery.from_config(options["save"]) if "save" in options else None
+    result = deepspeed.initialize(*args, **kwargs)
+    if options.get("load"):
+        load(result[0], options["load"], **load_options(options))
+    if save_every is not None:
+        save_every.install(result[0])
+    return result
+
+
+def load(engine, path: str | os.PathLike, *, bypass: bool = True, load_optimizer_states: bool = True,
+         load_lr_scheduler_states: bool = True, strict: bool = True,
+         layout: Layout | dict | str | os.PathLike | None = None,
+         param_table: Sequence[ParamSpec] | None = None) -> dict:
+    """Restore `engine` from the checkpoint at `path`; returns the saved client state.
+
+    `path` is a ucp checkpoint (or a save directory: its `latest`), or a DeepSpeed checkpoint (a
+    save directory with `latest`, or a tag folder) of any layout `ucp convert` reads, resharded on
+    the fly without conversion (`ucp.deepspeed.load_source`). Everything is checked before the engine is
+    touched: a missing, extra or reshaped parameter, an optimizer whose states differ from the
+    checkpoint's, or (strict) a weight the model ties that the checkpoint holds as two different
+    copies, raises `CheckpointMismatchError`; an unreadable DeepSpeed checkpoint (a missing rank
+    file, files of mixed runs) raises its `UcpError` on every rank. A tied alias of the checkpoint
+    that the model keeps untied loads its source's weight and states (module docstring).
+    With `layout` (HMP included, see `ucp.deepspeed.placement`) each module tensor is the slice the
+    layout gives this rank; `param_table` (default: the module's `ucp_param_table`) describes the
+    full model.
+    """
+    target = target_for(engine)
+    try:
+        ckpt = open_checkpoint(path)
+        with_tensor_parallel(target)
+        model_names = None
+        if layout is not None:
+            model_names = _place(engine, target, layout, param_table)
+        state_names = _check(ckpt, target, engine, load_optimizer_states, strict, model_names)
+        error = None
+    except UcpError as e:
+        error = e
+    _agree(error)
+    stats = LoadStats(client_state=dict(ckpt.client_state))
+    with torch.no_grad():
+        _load_tensors(source_for(ckpt), target, state_names, bypass, stats)
+    if load_optimizer_states:
+        _restore_steps(ckpt, target)
+        _restore_optimizer_globals(ckpt, target)
+        _restore_loss_scale(ckpt, engine)
+    with torch.no_grad():
+        target.finish()
+    training = ckpt.index.get("training", {})
+    for key in ("global_steps", "global_samples", "skipped_steps"):
+        if key in training:
+            setattr(engine, key, int(training[key]))
+    if load_lr_scheduler_states and engine.lr_scheduler is not None and ckpt.lr_scheduler is not None:
+        engine.lr_scheduler.load_state_dict(ckpt.lr_scheduler)
+    engine.ucp_load_stats = stats
+    return stats.client_state
+
+
+# -- checks, before anything is written ---------------------------------------------------------------
+
+def _place(engine, target: Target, layout, param_table) -> set[str]:
+    table = param_table if param_table is not None else getattr(engine.module, "ucp_param_table", None)
+    if table is None:
+        raise UnsupportedLayoutError("loading by a layout needs the model's parameter table: pass param_table= "
+                                     "or give the module a `ucp_param_table` (a list of ucp.hmp.layout.ParamSpec)")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return place_by_layout(target, as_layout(layout), table, rank)
+
+
+def _check(ckpt: Checkpoint, target: Target, engine, load_optimizer_states: bool, strict: bool,
+           model_names: set[str] | None = None) -> list[str]:
+    params = ckpt.index["params"]
+    for t in target.tensors:
+        if t.name not in params and t.name not in ckpt.aliases:
+            raise CheckpointMismatchError(f"{ckpt.path}: has no parameter '{t.name}', which the model has; "
+                                          "was it saved from another model?")
+        entry = ckpt.entry(t.name)  # a tied alias the model keeps untied gets its source's weight and states
+        saved = tuple(entry["shape"])
+        if saved != t.shape:
+            raise CheckpointMismatchError(f"{t.name}: the checkpoint holds shape {saved}, the model {t.shape}")
+        if t.kind == "param" and load_optimizer_states and entry["kind"] != "param":
+            raise CheckpointMismatchError(f"{t.name}: trainable in the model but {entry['kind']} in the "
+                                          "checkpoint, which has no optimizer state for it; pass "
+                                          "load_optimizer_states=False to load weights only")
+    tied = module_aliases(engine.module)
+    if strict:
+        for alias, source in tied.items():
+            if alias in params:
+                _check_untied_copy(ckpt, alias, source)
+        known = (model_names if model_names is not None else target.model_names()) | set(tied)
+        extra = [n for n in [*params, *ckpt.aliases] if n not in known]
+        if extra:
+            raise CheckpointMismatchError(f"{ckpt.path}: holds parameter '{extra[0]}' ({len(extra)} in all) that "
+                                          "the model does not have; pass strict=False to ignore them")
+    saved_states = _optimizer_states(ckpt, target, engine) if load_optimizer_states else []
+    for t in target.tensors:
+        missing = [s for s in _states_of(t, saved_states) if s not in ckpt.entry(t.name)["states"]]
+        if missing:
+            raise CheckpointMismatchError(f"{ckpt.path}: parameter '{t.name}' has no state '{missing[0]}'; the "
+                                          "index is damaged, convert the checkpoint again")
+    return saved_states
+
+
+def _optimizer_states(ckpt: AtomicCheckpoint, target: Target, engine) -> list[str]:
+    """The optimizer states the checkpoint saved, if the engine's optimizer keeps the same ones."""
+    saved_states = list((ckpt.optimizer or {}).get("states", []))
+    basic = type(getattr(engine, "basic_optimizer", None) or target.engine.optimizer).__name__.lower()
+    expected = OPTIMIZER_STATES.get(basic)
+    if expected is not None and set(saved_states) != set(expected):
+        raise CheckpointMismatchError(
+            f"{ckpt.path}: optimizer {ckpt.optimizer.get('type')} saved states {saved_states}, but the engine's "
+            f"{type(engine.basic_optimizer).__name__} keeps {list(expected)}; use the same optimizer or pass "
+            "load_optimizer_states=False")
+    return saved_states
+
+
+def _check_untied_copy(ckpt: AtomicCheckpoint, alias: str, source: str) -> None:
+    """The model ties `alias` to `source`, the checkpoint holds both: only equal copies make one parameter."""
+    if source not in ckpt.index["params"] and source not in ckpt.aliases:
+        return  # reported as a missing parameter
+    copy, kept = ckpt.entry(alias), ckpt.entry(source)
+    for state in copy["states"]:
+        if (state not in kept["states"] or copy["shape"] != kept["shape"]
+                or not torch.equal(ckpt.tensor(alias, state), ckpt.tensor(source, state))):
+            raise CheckpointMismatchError(
+                f"{alias}: the model ties it to '{source}', but the checkpoint holds it untied with another "
+                f"'{state}'; pass strict=False to load '{source}' for both, or untie it in the model")
+
+
+def _agree(error: UcpError | None, kind: type[UcpError] | None = None) -> None:
+    """Every rank raises if any rank found a mismatch (pipeline stages, expert ranks and layout slices
+    differ between ranks) or damaged bytes, so none goes on into collectives the others never join;
+    the others raise `kind` (default `CheckpointMismatchError`) naming the rank that found it."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        if error is not None:
+            raise error
+        return
+    found = [None] * dist.get_world_size()
+    dist.all_gather_object(found, None if error is None else str(error))
+    if error is not None:
+        raise error
+    first = next(((rank, f) for rank, f in enumerate(found) if f is not None), None)
+    if first is not None:
+        raise (kind or CheckpointMismatchError)(f"rank {first[0]}: {first[1]}")
+
+
+# -- tensors, layer by layer ----------------------------------------------------------------------------
+
+_LAYER = re.compile(r"^(.*?\.\d+)\.")
+
+
+def layer_of(name: str) -> str:
+    """The layer a tensor belongs to: its name up to the first numeric component, else its module."""
+    m = _LAYER.match(name)
+    return m.group(1) if m else name.rsplit(".", 1)[0]
+
+
+def _layers(tensors: list[TargetTensor]) -> Iterator[list[TargetTensor]]:
+    batch: list[TargetTensor] = []
+    for t in tensors:
+        if batch and layer_of(t.name) != layer_of(batch[-1].name):
+            yield batch
+            batch = []
+        batch.append(t)
+    if batch:
+        yield batch
+
+
+def _states_of(t: TargetTensor, state_names: list[str]) -> list[str]:
+    if t.kind == "buffer":
+        return ["value"]
+    return ["fp32"] + (state_names if t.kind == "param" else [])
+
+
+def _load_tensors(source: Source, target: Target, state_names: list[str], bypass: bool, stats: LoadStats) -> None:
+    target.prepare_states(state_names)
+    me = dist.get_rank() if dist.is_initialized() else 0
+    groups = _dp_groups(target)
+    owners = _shared_owners(source, target, state_names, groups) if bypass else {}
+    damaged: UcpError | None = None
+    for layer in _layers(target.tensors):
+        wants = {(t.name, s): t for t in layer for s in _states_of(t, state_names)}
+        try:
+            values = source.read(wants, _mine(wants, owners, me), bypass, stats)
+        except UcpError as exc:  # damaged bytes: keep the group's broadcasts going, then raise on every rank
+            damaged, values = damaged or exc, {}
+        for key, t in wants.items():  # in the same order on every rank of a group
+            if key not in owners:
+                continue
+            ranks, group = groups[id(t)]
+            if len(ranks) > 1:
+                values[key] = _broadcast(source, key, t, values.get(key), owners[key], group, stats)
+            if not t.whole and key in values:
+                values[key] = values[key].narrow(0, t.start, t.numel)
+        if damaged is not None:
+            continue  # nothing more is installed
+        for key, t in wants.items():
+            if t.numel:
+                t.install(key[1], values[key])
+                stats.tensors += 1
+        stats.layers += 1
+        stats.peak_layer_bytes = max(stats.peak_layer_bytes, sum(v.numel() * v.element_size() for v in values.values()))
+    _agree(damaged, CorruptCheckpointError)
+
+
+def _mine(wants: dict[tuple, TargetTensor], owners: dict, me: int) -> list[tuple]:
+    """The keys this rank reads: shared ones it was assigned (their whole box), the rest where it holds elements."""
+    mine = []
+    for key, t in wants.items():
+        if (owners[key] == me and box_numel(t) > 0) if key in owners else t.numel > 0:
+            mine.append(key)
+    return mine
+
+
+def _dp_groups(target: Target) -> dict[int, tuple[tuple[int, ...], object]]:
+    """Each tensor's data-parallel group (the ranks that share its box): id(tensor) -> (ranks, group)."""
+    out = {}
+    for t in target.tensors:
+        group = t.dp_group if t.dp_group is not None else target.dp_group
+        out[id(t)] = (tuple(_group_ranks(group)), group)
+    return out
+
+
+def _group_ranks(group) -> list[int]:
+    if not dist.is_initialized():
+        return [0]
+    return dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+
+
+def _shared_owners(source: Source, target: Target, state_names: list[str], groups: dict) -> dict:
+    """Who reads each shared key (`ucp.deepspeed.load_source`): balanced over its group, counting the slices each
+    rank reads anyway.
+
+    Groups are visited in one global order (by their ranks), so ranks that belong to several (expert
+    and non-expert data-parallel groups) meet in their collectives without deadlock.
+    """
+    sizes: dict[tuple, dict] = {}
+    own: dict[tuple, int] = {}
+    handles = {}
+    for t in target.tensors:
+        ranks, group = groups[id(t)]
+        handles[ranks] = group
+        sizes.setdefault(ranks, {})
+        for s in _states_of(t, state_names):
+            itemsize = source.dtype((t.name, s)).itemsize
+            if source.shared((t.name, s), t):
+                sizes[ranks][(t.name, s)] = box_numel(t) * itemsize
+            else:
+                own[ranks] = own.get(ranks, 0) + t.numel * itemsize
+    owners = {}
+    for ranks in sorted(sizes):
+        loads = [None] * len(ranks)
+        if len(ranks) > 1:
+            dist.all_gather_object(loads, own.get(ranks, 0), group=handles[ranks])
+        else:
+            loads = [own.get(ranks, 0)]
+        owners.update(assign_readers(sizes[ranks], list(ranks), dict(zip(ranks, loads))))
+    return owners
+
+
+def _broadcast(source: Source, key: tuple[str, str], t: TargetTensor, value, owner: int, group,
+               stats: LoadStats) -> torch.Tensor:
+    buf = value.clone() if value is not None else torch.empty(box_numel(t), dtype=source.dtype(key))
+    dist.broadcast(buf, src=owner, group=group)
+    stats.bytes_broadcast += buf.numel() * buf.element_size()
+    return buf
+
+
+def _restore_steps(ckpt: Checkpoint, target: Target) -> None:
+    groups: dict[int, set] = {}
+    for t in target.tensors:
+        if t.kind == "param" and t.group is not None and "step" in ckpt.entry(t.name):
+            groups.setdefault(t.group, set()).add(ckpt.entry(t.name)["step"])
+    for group, steps in groups.items():
+        if len(steps) != 1:
+            raise CheckpointMismatchError(f"{ckpt.path}: parameters of optimizer group {group} were saved at "
+                                          f"different steps {sorted(steps)}")
+        target.set_step(group, steps.pop())
+
+
+def _restore_loss_scale(ckpt: Checkpoint, engine) -> None:
+    """fp16 only: the dynamic loss scale and its counters continue where training stopped."""
+    saved = ckpt.index.get("training", {}).get("loss_scaler")
+    scaler = loss_scale.live_scaler(engine.optimizer)
+    if saved and scaler is not None:
+        loss_scale.restore(saved, scaler)
+
+
+def _restore_optimizer_globals(ckpt: Checkpoint, target: Target) -> None:
+    """Hyper-parameters of each engine param group, from the checkpoint group its members came from."""
+    saved = (ckpt.optimizer or {}).get("param_groups", [])
+    group_of = {n: i for i, g in enumerate(saved) for n in g["params"]}
+    for entry in target.optimizer_groups:
+        sources = {group_of.get(n) for n in entry["names"]} - {None}
+        if len(sources) == 1:
+            for key, value in saved[sources.pop()]["hyperparams"].items():
+                if key in entry["group"]:
+                    entry["group"][key] = tuple(value) if isinstance(entry["group"][key], tuple) else value
+

@@ -1,0 +1,217 @@
+"""Where the DeepSpeed hook's bytes come from: a ucp checkpoint's index, or a DeepSpeed checkpoint's plan.
+
+Both sources answer the same question for one layer: the elements each `TargetTensor` wants of
+each state, read by byte offset. A key (parameter, state) is *shared* when one rank of the
+data-parallel group reads the target's whole box and broadcasts it (`ucp.deepspeed` assigns the
+readers and broadcasts); every other key is read by the rank that wants it, exactly its bytes
+where storage allows.
+
+* `AtomicSource` — a ucp checkpoint: states are whole, logical tensors at known offsets
+  (`ucp.format.slice_read`); shared keys are those the whole group wants (ZeRO-0 models, frozen
+  parameters, buffers). Every read is checked (`ucp.format.checked_read`): a whole state against its
+  CRC-32, part of one against the CRC-32 of each chunk it is widened to.
+* `PlannedSource` — a DeepSpeed checkpoint, resharded on the fly through its `ConversionPlan`. A
+  state stored as runs of its flattened tensor (ZeRO-1/2/3 partitions, or one whole tensor in the
+  module) serves any run of wanted elements from just the overlapping bytes of the rank files
+  (`ucp.format.slice_read.run_reads`), cast to the state's dtype as `ucp convert` would; a TP box reads
+  the rows that cover it. Any other state (TP shards, pipeline-tied copies, experts' replicas) is
+  materialised whole by one rank of the group (`ucp.convert.assemble.materialize`: Union, taking rank 0's
+  copy of a replicated state as `ucp convert` does, then StripPad) and broadcast, so it is shared
+  even when each rank wants a part of it.
+
+What is verified on the planned path: the plan itself (every rank file present, partitions tiling
+every tensor, partition counts and groups agreeing across files, see `ucp.converters`) and every
+read lying inside its file (a truncated file fails the read). Not verified: the bytes themselves.
+A torch zip entry carries a CRC-32 of the whole entry only (e.g. a rank's flat partition of a whole
+param group), and a rank reads parts of it; run `ucp convert` and `ucp verify` where the source's
+integrity is in doubt.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from ucp.convert.assemble import materialize
+from ucp.checkpoint import AtomicCheckpoint, PlannedCheckpoint
+from ucp.deepspeed.targets import TargetTensor
+from ucp.format.checked_read import fetch, read_checked
+from ucp.format.fileio import ReadCounter
+from ucp.format.index import StoredState
+from ucp.format.boxes import Box
+from ucp.format.byte_ranges import ByteRange
+from ucp.convert.plan import ConversionPlan, StateSource
+from ucp.format.safetensors_stream import TORCH_DTYPES
+from ucp.deepspeed.flat_runs import FlatRun, flat_runs, run_reads
+from ucp.format.slice_read import SliceRead, plan_flat_read, plan_slice_read
+from ucp.format.splits import box_of_read
+
+Key = tuple[str, str]
+
+
+class Source(Protocol):
+    """What the hook reads tensors through (the checkpoint itself answers the checks: its index,
+    optimizer and training state)."""
+
+    def dtype(self, key: Key) -> torch.dtype:
+        """The dtype the state's values come in (what the atomic format stores)."""
+
+    def shared(self, key: Key, t: TargetTensor) -> bool:
+        """Whether one rank of `t`'s data-parallel group reads `t`'s whole box for the group."""
+
+    def read(self, wants: dict[Key, TargetTensor], readers: list[Key], bypass: bool, stats) -> dict:
+        """Read `readers` (keys of `wants`, one layer's): key -> the target's elements, flat; the whole box
+        for a shared key (with `bypass`). Adds to `stats.bytes_read` and `stats.read_calls`."""
+
+
+def source_for(ckpt: AtomicCheckpoint | PlannedCheckpoint) -> Source:
+    return AtomicSource(ckpt) if isinstance(ckpt, AtomicCheckpoint) else PlannedSource(ckpt.plan)
+
+
+def box_numel(t: TargetTensor) -> int:
+    """Elements of the part of the full tensor `t`'s module holds (what a shared key broadcasts)."""
+    return math.prod(hi - lo for lo, hi in t.box) if t.box is not None else math.prod(t.shape)
+
+
+def _full_box(shape) -> Box:
+    return tuple((0, n) for n in shape)
+
+
+def _of_box(full: torch.Tensor, box: Box | None) -> torch.Tensor:
+    """`box` of a full tensor, flat."""
+    for dim, (lo, hi) in enumerate(box or ()):
+        full = full.narrow(dim, lo, hi - lo)
+    return full.reshape(-1)
+
+
+def _count(stats, counter: ReadCounter) -> None:
+    stats.bytes_read += counter.bytes
+    stats.read_calls += counter.calls
+
+
+class AtomicSource:
+    """A ucp checkpoint, read through its index."""
+
+    def __init__(self, ckpt: AtomicCheckpoint):
+        self.ckpt = ckpt
+
+    def _entry(self, key: Key) -> dict:
+        name, state = key
+        return self.ckpt.entry(name)["states"][state]  # a tied alias reads its source
+
+    def _stored(self, key: Key) -> StoredState:
+        name, state = key
+        return self.ckpt.model.params[self.ckpt.model.aliases.get(name, name)].states[state]
+
+    def dtype(self, key: Key) -> torch.dtype:
+        return TORCH_DTYPES[self._entry(key)["dtype"]]
+
+    def shared(self, key: Key, t: TargetTensor) -> bool:
+        return t.whole
+
+    def read(self, wants: dict[Key, TargetTensor], readers: list[Key], bypass: bool, stats) -> dict:
+        """This rank's reads for one layer, coalesced (see `Source.read`).
+
+        With bypass a rank reads exactly its elements when they are contiguous in storage, else the
+        covering part of its box (`ucp.format.slice_read`); without, every tensor it touches whole.
+        """
+        plan: dict[Key, SliceRead] = {}
+        for key in readers:
+            t = wants[key]
+            e = self._entry(key)
+            itemsize = TORCH_DTYPES[e["dtype"]].itemsize
+            box = t.box or _full_box(e["shape"])
+            exact = plan_flat_read(key, e, box, t.start, t.numel, itemsize) if bypass else None
+            plan[key] = exact or plan_slice_read(key, e, box if bypass else _full_box(e["shape"]), itemsize)
+        counter = ReadCounter()
+        stored = {key: self._stored(key) for key in plan}
+        chunks, extra = read_checked(self.ckpt.path, {key: (stored[key], read.range) for key, read in plan.items()},
+                                     self.ckpt.model.chunk_bytes, counter)
+        _count(stats, counter)
+        stats.bytes_checked_extra += extra
+        values = {}
+        for key, read in plan.items():
+            e, t = self._entry(key), wants[key]
+            flat = chunks[key].view(TORCH_DTYPES[e["dtype"]])
+            if read.range.nbytes != t.numel * flat.element_size() or read.narrow or read.dim is not None:
+                values[key] = _elements(flat, e, t, read, bypass)
+            else:
+                values[key] = flat
+        return values
+
+
+def _elements(flat: torch.Tensor, e: dict, t: TargetTensor, read: SliceRead, bypass: bool) -> torch.Tensor:
+    """`t`'s elements [start, start + numel) of its box, from a read of (a cover of) the box or the whole tensor."""
+    shape = tuple(e["shape"])
+    read_box = (t.box or _full_box(shape)) if bypass else _full_box(shape)
+    tensor = box_of_read(flat, shape, read, tuple(hi - lo for lo, hi in read_box))
+    if t.box is not None and not bypass:
+        for dim, (lo, hi) in enumerate(t.box):
+            tensor = tensor.narrow(dim, lo, hi - lo)
+    return tensor.reshape(-1).narrow(0, t.start, t.numel)
+
+
+class PlannedSource:
+    """A DeepSpeed checkpoint, read through its conversion plan (see the module docstring)."""
+
+    def __init__(self, plan: ConversionPlan):
+        self._params = {p.name: p for p in plan.params}
+        self._params.update({alias: self._params[source] for alias, source in plan.aliases.items()})
+        self._runs: dict[Key, tuple[FlatRun, ...] | None] = {}
+
+    def _state(self, key: Key) -> StateSource:
+        return self._params[key[0]].states[key[1]]
+
+    def _flat(self, key: Key) -> tuple[FlatRun, ...] | None:
+        if key not in self._runs:
+            self._runs[key] = flat_runs(self._state(key))
+        return self._runs[key]
+
+    def dtype(self, key: Key) -> torch.dtype:
+        return TORCH_DTYPES[self._state(key).dtype]
+
+    def shared(self, key: Key, t: TargetTensor) -> bool:
+        return t.whole or self._flat(key) is None
+
+    def read(self, wants: dict[Key, TargetTensor], readers: list[Key], bypass: bool, stats) -> dict:
+        """This rank's reads for one layer (see `Source.read`), in the states' dtypes. Runs of flat-stored
+        states are read exactly (the rows covering a TP box), touching ranges coalesced; other states,
+        and all of them without bypass, whole."""
+        counter = ReadCounter()
+        ranges: dict[Key, list[ByteRange]] = {}
+        values = {}
+        for key in readers:
+            t, runs = wants[key], self._flat(key)
+            if not bypass or runs is None:
+                full = materialize(self._state(key), name=key[0], counter=counter)
+                values[key] = self._wanted(_of_box(full, t.box), key, t, bypass)
+                continue
+            ranges[key] = run_reads(runs, *self._span(key, t), TORCH_DTYPES[runs[0].piece.dtype].itemsize)
+        chunks = fetch(Path(), [r for rs in ranges.values() for r in rs], counter)  # pieces name their files
+        _count(stats, counter)
+        for key, parts in ranges.items():
+            raw = chunks[parts[0]] if len(parts) == 1 else torch.cat([chunks[r] for r in parts])  # no copy for one
+            stored = raw.view(TORCH_DTYPES[self._flat(key)[0].piece.dtype])
+            values[key] = self._from_span(stored.to(self.dtype(key)), key, wants[key])
+        return values
+
+    def _wanted(self, box: torch.Tensor, key: Key, t: TargetTensor, bypass: bool) -> torch.Tensor:
+        """A shared key's whole box; else the target's run of it."""
+        return box if bypass and self.shared(key, t) else box.narrow(0, t.start, t.numel)
+
+    def _span(self, key: Key, t: TargetTensor) -> tuple[int, int]:
+        """The elements [lo, hi) of the flattened tensor to read: the target's run, or the rows covering its box."""
+        if t.box is None or t.box == _full_box(t.shape):
+            return (0, box_numel(t)) if self.shared(key, t) else (t.start, t.start + t.numel)
+        row = math.prod(t.shape[1:])
+        return t.box[0][0] * row, t.box[0][1] * row
+
+    def _from_span(self, span: torch.Tensor, key: Key, t: TargetTensor) -> torch.Tensor:
+        """What `read` returns for `t`, from the elements `_span` gave."""
+        if t.box is None or t.box == _full_box(t.shape):
+            return span
+        rows = span.reshape(-1, *t.shape[1:])
+        box = ((0, rows.shape[0]),) + tuple(t.box[1:])
+        return self._wanted(_of_box(rows, box), key, t, True)

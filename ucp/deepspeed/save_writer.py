@@ -1,0 +1,231 @@
+"""The host side of an asynchronous save: snapshot into a reusable buffer, write it in the background.
+
+A rank's pieces (its runs of elements of each tensor) are packed into one host buffer in file
+order, so pieces that are adjacent in a data file are adjacent in the buffer and leave in one
+large `pwrite`. The buffer is allocated once, at the size of this rank's share, and reused by every
+save; a save waits for the previous one to finish writing before it overwrites the buffer.
+
+Why a thread and not a writer process: the snapshot is already in this process's memory, and the
+writer spends its time in `os.pwrite`, `os.fsync` and `zlib.crc32`, which all release the GIL on
+large buffers, so a thread overlaps with training as well as a process would, without a shared
+memory segment to size, pin, and clean up after a crash. (On GPU the device-to-host copies go to
+pinned memory on the training stream, and the writer waits on a CUDA event, not on training.)
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ucp.format.crc import CHUNK_BYTES, chunk_bounds
+from ucp.errors import SaveError
+from ucp.format.fileio import tensor_bytes
+from ucp.format.folder import PARTIAL_SUFFIX
+from ucp.format.safetensors_stream import TORCH_DTYPES
+from ucp.deepspeed.save_files import FileLayout, WrittenPiece
+
+logger = logging.getLogger("ucp.save")
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Elements [start, start + numel) of tensor `key`, stored as `dtype` at bytes [begin, end) of `file`."""
+
+    key: str
+    file: str
+    begin: int
+    end: int
+    dtype: str
+    start: int
+
+    @property
+    def numel(self) -> int:
+        return (self.end - self.begin) // TORCH_DTYPES[self.dtype].itemsize
+
+
+@dataclass(frozen=True)
+class Run:
+    """Pieces [first, stop) (buffer order), contiguous in `file`: bytes [begin, end), at `offset` in the buffer."""
+
+    file: str
+    begin: int
+    end: int
+    offset: int
+    first: int
+    stop: int
+
+
+class SnapshotBuffer:
+    """One host buffer holding every piece of this rank, in file order, reused save after save."""
+
+    def __init__(self, pieces: Sequence[Piece], pin: bool = False):
+        self.pieces = sorted(pieces, key=lambda p: (p.file, p.begin))
+        self.offsets = []
+        self.runs: list[Run] = []
+        total = 0
+        for i, p in enumerate(self.pieces):
+            self.offsets.append(total)
+            last = self.runs[-1] if self.runs else None
+            if last is not None and last.file == p.file and last.end == p.begin:
+                self.runs[-1] = Run(p.file, last.begin, p.end, last.offset, last.first, i + 1)
+            else:
+                self.runs.append(Run(p.file, p.begin, p.end, total, i, i + 1))
+            total += p.end - p.begin
+        self.data = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
+        self.data.zero_()  # touch every page now, not during the first snapshot
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def fill(self, sources: Sequence[torch.Tensor]) -> None:
+        """Copy each live flat tensor into its piece (same order as `pieces`); asynchronous from a GPU."""
+        for p, offset, source in zip(self.pieces, self.offsets, sources, strict=True):
+            slot = self.data.narrow(0, offset, p.end - p.begin).view(TORCH_DTYPES[p.dtype])
+            slot.copy_(source, non_blocking=slot.is_pinned())
+
+
+
+def partial_path(directory: Path, file: str) -> Path:
+    return directory / (file + PARTIAL_SUFFIX)
+
+
+def write_pieces(directory: Path, files: Sequence[FileLayout], buffer: SnapshotBuffer, *, headers: bool,
+                 after_first_write: Callable[[], None] = lambda: None) -> list[WrittenPiece]:
+    """pwrite this rank's pieces (and with `headers` every file's header) into `<file>.partial`; fsync.
+
+    Every rank opens the shared partial files without truncating them; the rank writing headers
+    also sets each file's final size, which leaves in place what another rank already wrote. Each
+    run goes out in chunks, each checksummed right before it is written, so the buffer is read from
+    memory once. The files are durable on this rank's side when this returns.
+    """
+    names = {f.name for f in files} if headers else {r.file for r in buffer.runs}
+    fds = {}
+    try:
+        for name in sorted(names):
+            fds[name] = os.open(partial_path(directory, name), os.O_WRONLY | os.O_CREAT, 0o644)
+        if headers:
+            for f in files:
+                os.ftruncate(fds[f.name], f.size)
+                _pwrite_all(fds[f.name], memoryview(f.header), 0)
+        segments: list[list[list[int]]] = [[] for _ in buffer.pieces]
+        view = tensor_bytes(buffer.data)
+        for run in buffer.runs:
+            size = run.end - run.begin
+            for lo in range(run.offset, run.offset + size, _CHUNK):
+                hi = min(lo + _CHUNK, run.offset + size)
+                for i in range(run.first, run.stop):
+                    a = max(lo, buffer.offsets[i])
+                    b = min(hi, buffer.offsets[i] + buffer.pieces[i].end - buffer.pieces[i].begin)
+                    if a < b:
+                        _checksum(segments[i], view[a:b], buffer.pieces[i].begin + a - buffer.offsets[i])
+                _pwrite_all(fds[run.file], view[lo:hi], run.begin + lo - run.offset)
+                if lo == 0:
+                    after_first_write()
+        for fd in fds.values():
+            os.fsync(fd)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return [WrittenPiece(p.key, p.begin, p.end, tuple(tuple(seg) for seg in segs))
+            for p, segs in zip(buffer.pieces, segments)]
+
+
+def _checksum(segments: list[list[int]], data: memoryview, begin: int) -> None:
+    """Add `data`, stored from file offset `begin` on, to a piece's checksummed segments: one per chunk
+    (`ucp.format.crc.chunk_bounds`), a segment continued while the bytes stay in its chunk."""
+    for lo, hi in chunk_bounds(begin, begin + len(data), CHUNK_BYTES):
+        part = data[lo - begin:hi - begin]
+        last = segments[-1] if segments else None
+        if last is not None and last[1] == lo and lo % CHUNK_BYTES:
+            last[1], last[2] = hi, zlib.crc32(part, last[2])
+        else:
+            segments.append([lo, hi, zlib.crc32(part)])
+
+
+_CHUNK = 4 << 20  # bytes checksummed then written at a time: still in cache when the kernel copies them
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done:done + _CHUNK], offset + done)
+
+
+def hold_for_tests(tag: str, rank: int) -> None:
+    """Fault injection for tests/integration/test_async_save.py, inert unless $UCP_TEST_HOLD_DIR is set.
+
+    With `$UCP_TEST_HOLD_DIR/<tag>.rank<r>.fail` present, rank r's writer fails as a full disk
+    would. While `$UCP_TEST_HOLD_DIR/<tag>.hold` exists, every rank's writer stops after its first
+    write, having written its pid to `<tag>.rank<r>.pid`, so a test can kill it mid-save.
+    """
+    folder = os.environ.get("UCP_TEST_HOLD_DIR")
+    if not folder:
+        return
+    if os.path.exists(os.path.join(folder, f"{tag}.rank{rank}.fail")):
+        raise OSError(28, "No space left on device (injected by $UCP_TEST_HOLD_DIR)")
+    hold = os.path.join(folder, f"{tag}.hold")
+    if not os.path.exists(hold):
+        return
+    pid_file = os.path.join(folder, f"{tag}.rank{rank}.pid")
+    with open(pid_file + PARTIAL_SUFFIX, "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(pid_file + PARTIAL_SUFFIX, pid_file)
+    while os.path.exists(hold):
+        time.sleep(0.05)
+
+
+class BackgroundSave:
+    """At most one save in flight: a writer thread per save, its failure kept for the next call.
+
+    A new save waits, with a log message, for the previous one to finish writing: the snapshot
+    buffer is reused, so memory stays at one snapshot whatever the save frequency.
+    """
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._label = ""
+        self._error: BaseException | None = None
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self, label: str, work: Callable[[], None]) -> None:
+        """Run `work` in the background once the previous save is done (raises its failure, if any)."""
+        self.wait_turn(label)
+        self._label = label
+        self._thread = threading.Thread(target=self._run, args=(work,), name=f"ucp-save-{label}", daemon=True)
+        self._thread.start()
+
+    def wait_turn(self, label: str) -> None:
+        """`wait`, saying in the log when the save in flight holds up save `label`."""
+        if self.busy:
+            logger.warning("ucp: save %s waits for save %s, which is still writing (one save is in flight at a "
+                           "time; save less often to avoid this stall)", label, self._label)
+        self.wait()
+
+    def wait(self) -> None:
+        """Block until the save in flight is durable; raise `SaveError` if it failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        error, self._error = self._error, None
+        if isinstance(error, SaveError):
+            raise error
+        if error is not None:
+            raise SaveError(f"save {self._label} failed: {type(error).__name__}: {error}") from error
+
+    def _run(self, work: Callable[[], None]) -> None:
+        try:
+            work()
+        except BaseException as exc:  # kept and raised to the training thread by the next start/wait
+            logger.error("ucp: save %s failed: %s", self._label, exc)
+            self._error = exc

@@ -1,0 +1,407 @@
+"""What each rank of a live DeepSpeed engine holds, and how to write a loaded state into it.
+
+One adapter per optimizer family, chosen from the engine before anything is touched:
+
+* ZeRO-0 — the module owns full fp32 weights (plain torch optimizer), or fp32 masters sit in
+  `FP16_UnfusedOptimizer.fp32_groups` (fp16/bf16); every rank wants every tensor whole.
+* ZeRO-1/2 (`DeepSpeedZeroOptimizer`), and `BF16_Optimizer` (bf16 pipelines without ZeRO, bf16 with
+  fp32 gradient accumulation) — each trainable parameter's `_hp_mapping` says which run of its
+  flattened elements lives in this rank's flat fp32 partition.
+* ZeRO-3 (`DeepSpeedZeroOptimizer_Stage3`) — each parameter is partitioned on its own; rank r
+  holds elements [r*pn, (r+1)*pn) (pn = ceil(numel / dp)), packed per sub-group in order.
+
+Pipeline stages (`ucp.deepspeed.pipe_target`) and MoE experts (`ucp.deepspeed.moe_target`) adjust
+any family's tensors: their data-parallel groups, expert names, and the names of the whole model.
+
+Frozen parameters and buffers are restored too (ZeRO-3 frozen parameters are partitioned like the
+others). Optimizer states are created when the engine has not stepped yet.
+
+Each tensor's `view(state)` is the live run of elements this rank holds: loading copies into it,
+an asynchronous save (`ucp.deepspeed.async_save`) snapshots out of it, so both share this layout logic.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ucp.deepspeed.moe_target import checkpoint_name, local_expert_tensors, use_expert_groups
+from ucp.deepspeed.pipe_target import is_pipeline, use_stage_groups
+from ucp.errors import UnsupportedLayoutError
+from ucp.format.boxes import Box
+
+View = Callable[[str], torch.Tensor]
+
+# The states torch creates for each optimizer family, to check a checkpoint matches before loading.
+OPTIMIZER_STATES = {
+    "adam": ("exp_avg", "exp_avg_sq"), "adamw": ("exp_avg", "exp_avg_sq"), "fusedadam": ("exp_avg", "exp_avg_sq"),
+    "deepspeedcpuadam": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",),
+}
+
+
+@dataclass
+class TargetTensor:
+    """One model tensor on this rank: what it wants of the full tensor and how to install it.
+
+    Under tensor parallelism the rank's module holds `box` of the full tensor (e.g. a block of rows
+    of a column-parallel weight); `start`/`numel` then count elements of that box, flattened, as
+    ZeRO partitions the local shard. Without it they count elements of the full tensor.
+    """
+
+    name: str
+    kind: str                   # "param", "frozen" or "buffer"
+    shape: tuple[int, ...]      # the full (unsharded) shape the checkpoint holds
+    start: int                  # first wanted element of the flattened box (the full tensor without one)
+    numel: int                  # how many (0: this rank holds none of it)
+    whole: bool                 # wants every element of the box (replicated on the DP group)
+    view: View                  # view(state name): the live elements [start, start + numel), flat
+    group: int | None = None    # optimizer param group index (trainable parameters)
+    box: Box | None = None      # the part of the full tensor this rank's module holds (None: all of it)
+    dp_group: object = None     # the ranks sharing this tensor's box (None: the target's data-parallel group)
+
+    def install(self, state: str, value: torch.Tensor) -> None:
+        self.view(state).copy_(value)
+
+
+class Target:
+    """The tensors of one engine on one rank, in model order, plus the hooks around loading them."""
+
+    family = "?"
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.tensors: list[TargetTensor] = []
+        self.dp_group = getattr(engine, "data_parallel_group", None)
+        self.every_rank_names: set[str] | None = None  # set where ranks hold different tensors
+
+    @property
+    def optimizer_groups(self) -> list[dict]:
+        """The torch param groups whose hyper-parameters a checkpoint restores, with member names."""
+        raise NotImplementedError
+
+    def model_names(self) -> set[str]:
+        """Every tensor name of the whole model, for the strict check: this rank's, unless the model is
+        spread over ranks that hold different tensors (pipeline stages, expert-parallel ranks)."""
+        return self.every_rank_names if self.every_rank_names is not None else {t.name for t in self.tensors}
+
+    def prepare_states(self, state_names: list[str]) -> None:
+        """Create empty optimizer state (an engine that has not stepped has none)."""
+
+    def set_step(self, group: int, step: float) -> None:
+        raise NotImplementedError
+
+    def optimizer_state(self, group: int) -> dict:
+        """The torch optimizer state of group `group` (of its first parameter for per-parameter state)."""
+        raise NotImplementedError
+
+    def state_names(self) -> list[str]:
+        """The per-element optimizer states held now (e.g. exp_avg, exp_avg_sq); none before the first step."""
+        for group in range(len(self.optimizer_groups)):
+            names = [k for k, v in self.optimizer_state(group).items()
+                     if k != "step" and torch.is_tensor(v) and v.dim() > 0]
+            if names:
+                return names
+        return []
+
+    def saved_step(self, group: int) -> float | None:
+        step = self.optimizer_state(group).get("step")
+        return None if step is None else float(step)
+
+    def finish(self) -> None:
+        """Propagate fp32 masters to the low-precision module weights."""
+
+
+def target_for(engine) -> Target:
+    """The adapter for `engine`'s optimizer family, its tensors in their pipeline-stage or expert groups."""
+    target = _family_target(engine)
+    experts = local_expert_tensors(engine.module)
+    if is_pipeline(engine):
+        use_stage_groups(target)
+    if experts:
+        use_expert_groups(target, experts)
+    if is_pipeline(engine) or experts:
+        target.every_rank_names = _every_rank_names(target)
+    return target
+
+
+def _every_rank_names(target: Target) -> set[str]:
+    """The union of every rank's tensor names (collective over the world)."""
+    found = [None] * dist.get_world_size()
+    dist.all_gather_object(found, sorted(t.name for t in target.tensors))
+    return {name for names in found for name in names}
+
+
+def _family_target(engine) -> Target:
+    """The adapter for `engine`'s optimizer family, or an error naming what ucp cannot serve."""
+    optimizer = engine.optimizer
+    name = type(optimizer).__name__
+    if name in ("DeepSpeedZeroOptimizer", "BF16_Optimizer"):
+        return Zero12Target(engine)
+    if name == "DeepSpeedZeroOptimizer_Stage3":
+        return Zero3Target(engine)
+    if name == "FP16_UnfusedOptimizer":
+        return Zero0MixedTarget(engine)
+    if isinstance(optimizer, torch.optim.Optimizer) and engine.zero_optimization_stage() == 0:
+        return Zero0Target(engine)
+    raise UnsupportedLayoutError(f"ucp cannot load into an engine whose optimizer is {name} (ZeRO stage "
+                                 f"{engine.zero_optimization_stage()}); supported: ZeRO 0-3 with a torch optimizer")
+
+
+def _names(engine) -> dict:
+    """Each parameter's checkpoint name: the engine's own, MoE experts under their global ids."""
+    experts = local_expert_tensors(engine.module)
+    return {p: checkpoint_name(experts, n) for p, n in engine.param_names.items()}
+
+
+def module_aliases(module: torch.nn.Module) -> dict[str, str]:
+    """alias -> source for each parameter `module` holds under several names (a tied weight), as DeepSpeed's
+    engine lists them in a checkpoint's `shared_params`: the first name, in module order, is the source."""
+    first: dict[int, str] = {}
+    found = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            found[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return found
+
+
+def _buffers_and_frozen(target: Target, skip: set[int], zero3: bool) -> None:
+    module = target.engine.module
+    experts = local_expert_tensors(module)
+    for name, p in module.named_parameters():
+        if p.requires_grad or id(p) in skip:
+            continue
+        name = checkpoint_name(experts, name)
+        if zero3 and hasattr(p, "ds_tensor"):
+            target.tensors.append(_zero3_frozen(target, name, p))
+            continue
+        target.tensors.append(TargetTensor(name, "frozen", tuple(p.shape), 0, p.numel(), True, _flat(p.data)))
+    persistent = set(module.state_dict().keys())
+    for name, b in module.named_buffers():
+        if name in persistent:
+            name = checkpoint_name(experts, name)
+            target.tensors.append(TargetTensor(name, "buffer", tuple(b.shape), 0, b.numel(), True, _flat(b)))
+
+
+def _flat(tensor: torch.Tensor) -> View:
+    def view(state: str) -> torch.Tensor:
+        return tensor.data.view(-1)
+    return view
+
+
+def _empty_state(flat: torch.Tensor, names: list[str]) -> dict:
+    return {n: torch.zeros_like(flat, memory_format=torch.preserve_format) for n in names}
+
+
+class Zero0Target(Target):
+    family = "ZeRO-0"
+
+    def __init__(self, engine):
+        super().__init__(engine)
+        names = _names(engine)
+        self.optimizer = engine.optimizer
+        seen = set()
+        for g, group in enumerate(self.optimizer.param_groups):
+            for p in group["params"]:
+                seen.add(id(p))
+                self.tensors.append(TargetTensor(names[p], "param", tuple(p.shape), 0, p.numel(), True,
+                                                 self._view(p), g))
+        _buffers_and_frozen(self, seen, zero3=False)
+
+    def _view(self, p: torch.nn.Parameter) -> View:
+        def view(state: str) -> torch.Tensor:
+            return (p.data if state == "fp32" else self.optimizer.state[p][state]).view(-1)
+        return view
+
+    @property
+    def optimizer_groups(self) -> list[dict]:
+        names = _names(self.engine)
+        return [{"group": g, "names": [names[p] for p in g["params"]]} for g in self.optimizer.param_groups]
+
+    def prepare_states(self, state_names: list[str]) -> None:
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                state = self.optimizer.state[p]
+                for n in state_names:
+                    state.setdefault(n, torch.zeros_like(p, memory_format=torch.preserve_format))
+
+    def set_step(self, group: int, step: float) -> None:
+        for p in self.optimizer.param_groups[group]["params"]:
+            self.optimizer.state[p]["step"] = torch.tensor(float(step))
+
+    def optimizer_state(self, group: int) -> dict:
+        return self.optimizer.state.get(self.optimizer.param_groups[group]["params"][0], {})
+
+
+class Zero0MixedTarget(Target):
+    """ZeRO-0 with fp16/bf16: fp32 masters per parameter in `fp32_groups`, the module holds low precision."""
+
+    family = "ZeRO-0 (mixed precision)"
+
+    def __init__(self, engine):
+        super().__init__(engine)
+        names = _names(engine)
+        self.wrapper = engine.optimizer
+        self.optimizer = self.wrapper.optimizer
+        seen = set()
+        for g, (low, masters) in enumerate(zip(self.wrapper.fp16_groups, self.wrapper.fp32_groups)):
+            for lp, master in zip(low, masters):
+                seen.add(id(lp))
+                self.tensors.append(TargetTensor(names[lp], "param", tuple(lp.shape), 0, lp.numel(), True,
+                                                 self._view(master), g))
+        _buffers_and_frozen(self, seen, zero3=False)
+
+    def _view(self, master: torch.Tensor) -> View:
+        def view(state: str) -> torch.Tensor:
+            return (master.data if state == "fp32" else self.optimizer.state[master][state]).view(-1)
+        return view
+
+    @property
+    def optimizer_groups(self) -> list[dict]:
+        names = _names(self.engine)
+        return [{"group": pg, "names": [names[lp] for lp in low]}
+                for pg, low in zip(self.optimizer.param_groups, self.wrapper.fp16_groups)]
+
+    def prepare_states(self, state_names: list[str]) -> None:
+        for masters in self.wrapper.fp32_groups:
+            for master in masters:
+                state = self.optimizer.state[master]
+                for n in state_names:
+                    state.setdefault(n, torch.zeros_like(master, memory_format=torch.preserve_format))
+
+    def set_step(self, group: int, step: float) -> None:
+        for master in self.wrapper.fp32_groups[group]:
+            self.optimizer.state[master]["step"] = torch.tensor(float(step))
+
+    def optimizer_state(self, group: int) -> dict:
+        return self.optimizer.state.get(self.wrapper.fp32_groups[group][0], {})
+
+    def finish(self) -> None:
+        for low, masters in zip(self.wrapper.fp16_groups, self.wrapper.fp32_groups):
+            for lp, master in zip(low, masters):
+                lp.data.copy_(master.data)
+
+
+class _FlatPartitionTarget(Target):
+    """ZeRO-1/2/3: per optimizer group, one flat fp32 partition keys the torch optimizer's state.
+
+    Subclasses set `self.zero`, `self.flats` (the flat fp32 partitions) and `self.low_groups` (the
+    module parameters of each group, in the same order).
+    """
+
+    zero = None
+    flats: list = []
+    low_groups: list = []
+
+    def _view(self, flat: torch.Tensor, start: int, numel: int) -> View:
+        def view(state: str) -> torch.Tensor:
+            return (flat if state == "fp32" else self.zero.optimizer.state[flat][state]).narrow(0, start, numel)
+        return view
+
+    @property
+    def optimizer_groups(self) -> list[dict]:
+        names = _names(self.engine)
+        return [{"group": pg, "names": [names[p] for p in low]}
+                for pg, low in zip(self.zero.optimizer.param_groups, self.low_groups)]
+
+    def prepare_states(self, state_names: list[str]) -> None:
+        for flat in self.flats:
+            state = self.zero.optimizer.state[flat]
+            for n, t in _empty_state(flat, state_names).items():
+                state.setdefault(n, t)
+
+    def set_step(self, group: int, step: float) -> None:
+        self.zero.optimizer.state[self.flats[group]]["step"] = torch.tensor(float(step))
+
+    def optimizer_state(self, group: int) -> dict:
+        return self.zero.optimizer.state.get(self.flats[group], {})
+
+
+class Zero12Target(_FlatPartitionTarget):
+    """ZeRO-1/2 (`DeepSpeedZeroOptimizer`), and `BF16_Optimizer` (bf16 with fp32 gradient accumulation,
+    or a bf16 pipeline without ZeRO), which keeps the same flat fp32 partitions linked to each parameter."""
+
+    family = "ZeRO-1/2"
+
+    def __init__(self, engine):
+        super().__init__(engine)
+        names = _names(engine)
+        self.zero = engine.optimizer
+        if getattr(self.zero, "cpu_offload", False):
+            raise UnsupportedLayoutError("ucp cannot load into a ZeRO-1/2 engine with optimizer offload yet")
+        if type(self.zero).__name__ == "BF16_Optimizer":
+            self.flats, self.low_groups = self.zero.fp32_groups_flat_partition, self.zero.bf16_groups
+        else:
+            self.flats, self.low_groups = self.zero.single_partition_of_fp32_groups, self.zero.bit16_groups
+        seen = set()
+        for g, group in enumerate(self.low_groups):
+            flat = self.flats[g]
+            for lp in group:
+                seen.add(id(lp))
+                mapping = getattr(lp, "_hp_mapping", None)
+                if mapping is None:
+                    self.tensors.append(TargetTensor(names[lp], "param", tuple(lp.shape), 0, 0, False,
+                                                     _nothing, g))
+                    continue
+                lp_address, hp_address = mapping.lp_fragment_address, mapping.hp_fragment_address
+                self.tensors.append(TargetTensor(names[lp], "param", tuple(lp.shape), lp_address.start,
+                                                 lp_address.numel, False,
+                                                 self._view(flat, hp_address.start, hp_address.numel), g))
+        _buffers_and_frozen(self, seen, zero3=False)
+
+    def finish(self) -> None:
+        self.zero.update_lp_params()
+
+
+def _nothing(state: str) -> torch.Tensor:
+    """This rank holds no element of the parameter."""
+    return torch.empty(0)
+
+
+def _zero3_frozen(target: Target, name: str, p) -> TargetTensor:
+    rank = dist.get_rank(group=target.engine.optimizer.dp_process_group)
+    pn = p.ds_tensor.numel()
+    real = max(0, min(pn, p.ds_numel - rank * pn))
+
+    def view(state: str) -> torch.Tensor:
+        return p.ds_tensor.data.narrow(0, 0, real)
+    return TargetTensor(name, "frozen", tuple(p.ds_shape), rank * pn, real, False, view)
+
+
+class Zero3Target(_FlatPartitionTarget):
+    family = "ZeRO-3"
+
+    def __init__(self, engine):
+        super().__init__(engine)
+        names = _names(engine)
+        self.zero = engine.optimizer
+        if getattr(self.zero, "offload_optimizer", False) or getattr(self.zero, "offload_param", False):
+            raise UnsupportedLayoutError("ucp cannot load into a ZeRO-3 engine with offload yet")
+        self.flats, self.low_groups = self.zero.fp32_partitioned_groups_flat, self.zero.fp16_groups
+        rank = dist.get_rank(group=self.zero.dp_process_group)
+        seen = set()
+        for sub, group in enumerate(self.low_groups):
+            flat = self.flats[sub]
+            offset = 0
+            for p in group:
+                seen.add(id(p))
+                pn = p.partition_numel()
+                real = max(0, min(pn, p.ds_numel - rank * pn))
+                self.tensors.append(TargetTensor(names[p], "param", tuple(p.ds_shape), rank * pn, real, False,
+                                                 self._view(flat, offset, real), sub))
+                offset += pn
+        _buffers_and_frozen(self, seen, zero3=True)
+
+    def finish(self) -> None:
+        # As DeepSpeed's own universal loader does: masters → low-precision partitions → params.
+        for sub, fp32_flat in enumerate(self.zero.fp32_partitioned_groups_flat):
+            if fp32_flat.numel() > 0:
+                self.zero.fp16_partitioned_groups_flat[sub].data.copy_(fp32_flat.data)
+        for sub, low_flat in enumerate(self.zero.fp16_partitioned_groups_flat):
+            updated = self.zero.unflatten(low_flat, self.zero.fp16_partitioned_groups[sub])
+            for partitioned, q in zip(self.zero.fp16_partitioned_groups[sub], updated):
+                partitioned.data = q.data
+

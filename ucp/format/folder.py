@@ -1,0 +1,112 @@
+"""The atomic checkpoint format: names, the JSON index, and its atomic commit.
+
+See docs/FORMAT.md for the specification. A directory is a ucp checkpoint exactly when it holds a
+complete `ucp_index.json`; the index is written last, to a temporary name, fsynced, and renamed.
+A save directory holds one checkpoint per tag and a `latest` file naming the newest committed one,
+replaced atomically only after that checkpoint's index is committed.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
+from ucp.format.index import Index, parse_index
+
+FORMAT_NAME = "ucp-atomic"
+FORMAT_VERSION = 1
+INDEX_NAME = "ucp_index.json"
+DATA_PREFIX = "data-"
+PARTIAL_SUFFIX = ".partial"
+LATEST_NAME = "latest"
+
+
+def data_file_name(i: int, n: int) -> str:
+    return f"{DATA_PREFIX}{i:05d}-of-{n:05d}.safetensors"
+
+
+def tensor_key(name: str, state: str) -> str:
+    """The safetensors key of one state of one parameter."""
+    return f"{name}:{state}"
+
+
+def is_ucp_file(name: str) -> bool:
+    """Whether ucp itself writes files of this name into a checkpoint directory."""
+    return name == INDEX_NAME or name.startswith(DATA_PREFIX) or name.startswith(INDEX_NAME)
+
+
+def commit_index(directory: str | os.PathLike, index: dict) -> Path:
+    """Write the index atomically: temp file, fsync, rename, fsync the directory."""
+    directory = Path(directory)
+    final = directory / INDEX_NAME
+    tmp = directory / (INDEX_NAME + PARTIAL_SUFFIX)
+    with open(tmp, "w") as f:
+        json.dump(index, f, indent=1, sort_keys=False)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, final)
+    fsync_dir(directory)
+    return final
+
+
+def commit_latest(save_dir: str | os.PathLike, tag: str) -> None:
+    """Point `<save_dir>/latest` at `tag` atomically; call only once that tag's index is committed."""
+    save_dir = Path(save_dir)
+    tmp = save_dir / (LATEST_NAME + PARTIAL_SUFFIX)
+    with open(tmp, "w") as f:
+        f.write(tag)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, save_dir / LATEST_NAME)
+    fsync_dir(save_dir)
+
+
+def latest_checkpoint(save_dir: str | os.PathLike) -> Path | None:
+    """The committed ucp checkpoint `<save_dir>/latest` names, or None when there is none."""
+    pointer = Path(save_dir) / LATEST_NAME
+    if not pointer.is_file():
+        return None
+    folder = Path(save_dir) / pointer.read_text().strip()
+    return folder if (folder / INDEX_NAME).is_file() else None
+
+
+def fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def load_index(directory: str | os.PathLike) -> dict:
+    """The committed index of a ucp checkpoint, checked in full, or a clear error saying why there is none."""
+    return read_index(directory)[0]
+
+
+def read_index(directory: str | os.PathLike) -> tuple[dict, Index]:
+    """The committed index as JSON and as its checked, typed model (see `ucp.format.index`)."""
+    directory = Path(directory)
+    path = directory / INDEX_NAME
+    if not path.is_file():
+        if directory.is_dir() and any(n.startswith(DATA_PREFIX) for n in os.listdir(directory)):
+            raise IncompleteCheckpointError(
+                f"incomplete checkpoint at {directory}: data files but no {INDEX_NAME}; the conversion or save "
+                "that wrote it did not finish. Run it again (ucp convert ... --resume continues it)")
+        raise CheckpointNotFoundError(f"{directory}: not a ucp checkpoint (no {INDEX_NAME})")
+    try:
+        with open(path) as f:
+            index = json.load(f)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, over-long integers
+        raise CorruptCheckpointError(f"{path}: damaged index ({exc}); convert the checkpoint again") from None
+    if not isinstance(index, dict) or index.get("format") != FORMAT_NAME:
+        raise CorruptCheckpointError(f"{path}: not a {FORMAT_NAME} index; convert the checkpoint again")
+    version = index.get("format_version")
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise CorruptCheckpointError(f"{path}: format_version {version!r} is not a version number; the index is "
+                                     "damaged, convert the checkpoint again")
+    if version > FORMAT_VERSION:
+        raise CorruptCheckpointError(f"{path}: format version {version} is newer than this ucp reads "
+                                     f"({FORMAT_VERSION}); upgrade ucp")
+    return index, parse_index(index, directory, path)

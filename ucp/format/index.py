@@ -1,0 +1,319 @@
+"""The index of a ucp checkpoint as a typed model, checked in full before any tensor byte is read.
+
+`parse_index(raw, directory)` accepts exactly what docs/FORMAT.md specifies and turns anything else
+into one `CorruptCheckpointError` naming the index, the field and the fix: wrong types, negative or
+huge numbers, unknown dtypes, a state whose byte range does not fit its dtype and shape, ranges that
+start inside the safetensors header, run past their file or overlap another, and file names that are
+not plain names of regular files inside the checkpoint folder (a symlink, a FIFO or `../x` is
+refused; files are opened with O_NOFOLLOW | O_NONBLOCK and checked with S_ISREG).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import stat
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from ucp.format.crc import CHUNK_BYTES, chunk_bounds
+from ucp.errors import CorruptCheckpointError
+
+DTYPE_SIZES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
+               "int8": 1, "uint8": 1, "bool": 1}
+SAFETENSORS_DTYPES = {"float32": "F32", "float64": "F64", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
+                      "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
+KINDS = ("param", "frozen", "buffer")
+HEADER_LENGTH_BYTES = 8
+_FIX = "convert the checkpoint again, or restore the folder from a copy"
+
+
+@dataclass(frozen=True)
+class StoredState:
+    """One state of one parameter: where its bytes are and what they must checksum to."""
+
+    file: str
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+    crc32: int
+    splits: tuple[int, int] | None = None  # (dim, count): stored split-major, see ucp.format.splits
+    chunk_crc32: tuple[int, ...] | None = None  # of each chunk (ucp.format.crc.chunk_bounds); None in older checkpoints
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+@dataclass(frozen=True)
+class ParamEntry:
+    name: str
+    kind: str
+    shape: tuple[int, ...]
+    states: dict[str, StoredState]
+    group: int | None = None
+    step: float | None = None
+
+
+@dataclass(frozen=True)
+class DataFile:
+    name: str
+    nbytes: int
+    header_end: int  # where the safetensors header ends and tensor data may begin
+
+
+@dataclass(frozen=True)
+class Index:
+    version: int
+    files: dict[str, DataFile]
+    params: dict[str, ParamEntry]
+    aliases: dict[str, str]  # a tied weight's second name -> the parameter stored
+    chunk_bytes: int = CHUNK_BYTES  # the runs that states' chunk checksums cover
+
+
+class _Fields:
+    """Typed access to one JSON object of the index, each failure naming where it is."""
+
+    def __init__(self, where: str, value, path: Path):
+        if not isinstance(value, dict):
+            raise _bad(path, where, f"must be an object, got {_kind(value)}")
+        self.where, self.value, self.path = where, value, path
+
+    def get(self, key: str, types: tuple[type, ...], required: bool = True):
+        if key not in self.value:
+            if required:
+                raise _bad(self.path, f"{self.where}.{key}", "is missing")
+            return None
+        value = self.value[key]
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            raise _bad(self.path, f"{self.where}.{key}", f"must be {'/'.join(t.__name__ for t in types)}, "
+                       f"got {_kind(value)}")
+        return value
+
+    def count(self, key: str, required: bool = True, limit: int = 1 << 62) -> int | None:
+        value = self.get(key, (int,), required)
+        if value is not None and not 0 <= value <= limit:
+            raise _bad(self.path, f"{self.where}.{key}", f"{value} is out of range [0, {limit}]")
+        return value
+
+
+def parse_index(raw, directory: str | os.PathLike, index_path: str | os.PathLike | None = None) -> Index:
+    """The typed, fully checked index of the checkpoint in `directory` (its data files are stat-ed
+    and their header lengths read; no tensor byte is read)."""
+    directory = Path(directory)
+    path = Path(index_path) if index_path is not None else directory / "ucp_index.json"
+    top = _Fields("index", raw, path)
+    version = top.count("format_version")
+    chunk_bytes = top.count("chunk_bytes", required=False, limit=1 << 40)
+    if chunk_bytes == 0:
+        raise _bad(path, "index.chunk_bytes", "must be at least 1")
+    chunk_bytes = chunk_bytes or CHUNK_BYTES
+    files = {}
+    for name, meta in top.get("files", (dict,)).items():
+        files[name] = _data_file(directory, path, name, _Fields(f"files[{name!r}]", meta, path).count("bytes"))
+    params = {}
+    for name, entry in top.get("params", (dict,)).items():
+        params[name] = _param(path, name, _Fields(f"params[{name!r}]", entry, path), files, chunk_bytes)
+    _no_overlaps(path, params)
+    _training_state(top, path)
+    for name, meta in (top.get("extra_files", (dict,), required=False) or {}).items():
+        fields = _Fields(f"extra_files[{name!r}]", meta, path)
+        fields.count("bytes")
+        fields.count("crc32", limit=0xFFFFFFFF)
+        if not _plain_name(name) or name in files:
+            raise _bad(path, f"extra_files[{name!r}]", "is not a plain file name of its own in the folder")
+    return Index(version, files, params, _aliases(top, path, params), chunk_bytes)
+
+
+def _aliases(top: _Fields, path: Path, params: dict[str, ParamEntry]) -> dict[str, str]:
+    aliases = top.get("aliases", (dict,), required=False) or {}
+    for alias, source in aliases.items():
+        if alias in params or not isinstance(source, str) or source not in params:
+            raise _bad(path, f"aliases[{alias!r}]", f"must name a stored parameter ({source!r} is none) and not be "
+                       "one itself")
+    return dict(aliases)
+
+
+def _training_state(top: _Fields, path: Path) -> None:
+    """The JSON records beside the tensors, in the shapes their readers (hook, inspect) rely on."""
+    for key in ("source", "client_state"):
+        top.get(key, (dict,), required=False)
+    splits = top.get("splits", (dict,), required=False)
+    if splits is not None:
+        _Fields("index.splits", splits, path).count("global_split", required=False)
+    top.get("lr_scheduler", (dict, type(None)), required=False)
+    training = top.get("training", (dict,), required=False)
+    if training is not None:
+        fields = _Fields("index.training", training, path)
+        for key in ("global_steps", "global_samples", "skipped_steps"):
+            fields.count(key, required=False)
+        fields.get("loss_scaler", (dict,), required=False)
+    optimizer = top.get("optimizer", (dict, type(None)), required=False)
+    if optimizer is not None:
+        fields = _Fields("index.optimizer", optimizer, path)
+        fields.get("type", (str,), required=False)
+        if not all(isinstance(s, str) for s in fields.get("states", (list,), required=False) or []):
+            raise _bad(path, "index.optimizer.states", "must be a list of state names")
+        for g, group in enumerate(fields.get("param_groups", (list,), required=False) or []):
+            group = _Fields(f"index.optimizer.param_groups[{g}]", group, path)
+            group.get("hyperparams", (dict,))
+            if not all(isinstance(n, str) for n in group.get("params", (list,))):
+                raise _bad(path, f"{group.where}.params", "must be a list of parameter names")
+
+
+def _data_file(directory: Path, path: Path, name: str, recorded: int) -> DataFile:
+    if not _plain_name(name):
+        raise _bad(path, f"files[{name!r}]", "is not a plain file name inside the checkpoint folder")
+    file_path = directory / name
+    try:
+        fd = os.open(file_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{file_path}: missing, though the index lists it; {_FIX}") from None
+    except OSError as exc:
+        raise CorruptCheckpointError(f"{file_path}: cannot be opened as a regular file ({exc.strerror}); a "
+                                     f"symlink or special file stands where a data file belongs; {_FIX}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise CorruptCheckpointError(f"{file_path}: not a regular file; {_FIX}")
+        if info.st_size != recorded:
+            raise CorruptCheckpointError(f"{file_path}: {info.st_size} bytes, the index records {recorded}; the "
+                                         f"file was truncated or changed; {_FIX}")
+        head = os.pread(fd, HEADER_LENGTH_BYTES, 0)
+    finally:
+        os.close(fd)
+    if len(head) < HEADER_LENGTH_BYTES:
+        raise CorruptCheckpointError(f"{file_path}: too short for a safetensors file; {_FIX}")
+    header_end = HEADER_LENGTH_BYTES + struct.unpack("<Q", head)[0]
+    if header_end > recorded:
+        raise CorruptCheckpointError(f"{file_path}: its safetensors header claims {header_end} bytes of a "
+                                     f"{recorded}-byte file; {_FIX}")
+    return DataFile(name, recorded, header_end)
+
+
+def _plain_name(name) -> bool:
+    return isinstance(name, str) and name not in ("", ".", "..") and not any(c in name for c in "/\\\0")
+
+
+def _param(path: Path, name: str, entry: _Fields, files: dict[str, DataFile], chunk_bytes: int) -> ParamEntry:
+    kind = entry.get("kind", (str,))
+    if kind not in KINDS:
+        raise _bad(path, f"{entry.where}.kind", f"{kind!r} is not one of {', '.join(KINDS)}")
+    shape = _shape(path, f"{entry.where}.shape", entry.get("shape", (list,)))
+    group = entry.count("group", required=False)
+    step = entry.get("step", (int, float), required=False)
+    pattern = entry.get("pattern", (dict,), required=False)
+    if pattern is not None:
+        _Fields(f"{entry.where}.pattern", pattern, path).get("pattern", (str,))
+    model_dtype = entry.get("model_dtype", (str,), required=False)
+    if model_dtype is not None and model_dtype not in DTYPE_SIZES:
+        raise _bad(path, f"{entry.where}.model_dtype", f"unknown dtype {model_dtype!r}")
+    states = {}
+    for state, stored in entry.get("states", (dict,)).items():
+        states[state] = _state(path, _Fields(f"{entry.where}.states[{state!r}]", stored, path), shape, files,
+                               chunk_bytes)
+    return ParamEntry(name, kind, shape, states, group, step)
+
+
+def _state(path: Path, fields: _Fields, shape: tuple[int, ...], files: dict[str, DataFile],
+           chunk_bytes: int) -> StoredState:
+    where = fields.where
+    file_name = fields.get("file", (str,))
+    if file_name not in files:
+        raise _bad(path, f"{where}.file", f"{file_name!r} is not among the index's files")
+    dtype = fields.get("dtype", (str,))
+    if dtype not in DTYPE_SIZES:
+        raise _bad(path, f"{where}.dtype", f"unknown dtype {dtype!r}")
+    stored_shape = _shape(path, f"{where}.shape", fields.get("shape", (list,)))
+    if stored_shape != shape:
+        raise _bad(path, f"{where}.shape", f"{list(stored_shape)} differs from the parameter's {list(shape)}")
+    offsets = fields.get("offsets", (list,))
+    if len(offsets) != 2 or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets):
+        raise _bad(path, f"{where}.offsets", "must be [begin, end], two integers")
+    begin, end = offsets
+    data = files[file_name]
+    if not data.header_end <= begin <= end <= data.nbytes:
+        raise _bad(path, f"{where}.offsets", f"[{begin}, {end}) lies outside the tensor data of {file_name} "
+                   f"(bytes [{data.header_end}, {data.nbytes}))")
+    if end - begin != math.prod(shape) * DTYPE_SIZES[dtype]:
+        raise _bad(path, f"{where}.offsets", f"{end - begin} bytes cannot hold {dtype}{list(shape)}")
+    crc = fields.count("crc32", limit=0xFFFFFFFF)
+    splits = None
+    if "splits" in fields.value:
+        split = _Fields(f"{where}.splits", fields.value["splits"], path)
+        dim, count = split.count("dim"), split.count("count")
+        if dim >= max(len(shape), 1) or count < 1:
+            raise _bad(path, f"{where}.splits", f"dim {dim}, count {count} do not split shape {list(shape)}")
+        splits = (dim, count)
+    chunks = fields.get("chunk_crc32", (list,), required=False)
+    if chunks is not None:
+        expected = len(chunk_bounds(begin, end, chunk_bytes))
+        if len(chunks) != expected or not all(isinstance(c, int) and not isinstance(c, bool) and 0 <= c <= 0xFFFFFFFF
+                                              for c in chunks):
+            raise _bad(path, f"{where}.chunk_crc32", f"must be {expected} CRC-32 values, one per chunk")
+        chunks = tuple(chunks)
+    return StoredState(file_name, fields.get("key", (str,)), dtype, shape, begin, end, crc, splits, chunks)
+
+
+def _shape(path: Path, where: str, value: list) -> tuple[int, ...]:
+    if len(value) > 64 or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 48
+                                  for d in value):
+        raise _bad(path, where, f"{value!r} is not a shape (up to 64 sizes, each in [0, 2^48))")
+    return tuple(value)
+
+
+def stored_shape(shape: Sequence[int], split: tuple[int, int] | None) -> tuple[int, ...]:
+    """The shape a state's safetensors header gives: flat when split-major differs from row-major."""
+    if split is None or split[0] == 0 or split[1] == 1:
+        return tuple(shape)
+    return (math.prod(shape),)
+
+
+def header_problems(path: Path, data: DataFile, states: list[StoredState]) -> list[str]:
+    """Where the safetensors header of data file `path` disagrees with what the index says it holds."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(data.header_end)[HEADER_LENGTH_BYTES:]
+        header = json.loads(raw)
+    except (OSError, ValueError, RecursionError) as exc:
+        return [f"{path}: its safetensors header cannot be read ({exc})"]
+    if not isinstance(header, dict):
+        return [f"{path}: its safetensors header is not a JSON object"]
+    problems = []
+    keys = set()
+    for s in states:
+        keys.add(s.key)
+        expected = {"dtype": SAFETENSORS_DTYPES[s.dtype], "shape": list(stored_shape(s.shape, s.splits)),
+                    "data_offsets": [s.begin - data.header_end, s.end - data.header_end]}
+        found = header.get(s.key)
+        if found != expected:
+            problems.append(f"{path}: header entry {s.key} is {found!r}, the index says {expected}")
+    extra = sorted(k for k in header if k != "__metadata__" and k not in keys)
+    if extra:
+        problems.append(f"{path}: header holds {len(extra)} tensor(s) the index does not list, e.g. {extra[0]}")
+    return problems
+
+
+def _no_overlaps(path: Path, params: dict[str, ParamEntry]) -> None:
+    by_file: dict[str, list[tuple[int, int, str]]] = {}
+    for name, entry in params.items():
+        for state, stored in entry.states.items():
+            if stored.nbytes:
+                by_file.setdefault(stored.file, []).append((stored.begin, stored.end, f"{name}:{state}"))
+    for file_name, ranges in by_file.items():
+        ranges.sort()
+        for (_, end, first), (begin, _, second) in zip(ranges, ranges[1:]):
+            if begin < end:
+                raise CorruptCheckpointError(f"{path}: {first} and {second} overlap in {file_name}; {_FIX}")
+
+
+def _bad(path: Path, where: str, problem: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"{path}: {where} {problem}; {_FIX}")
+
+
+def _kind(value) -> str:
+    return "null" if value is None else type(value).__name__

@@ -1,0 +1,121 @@
+"""Which bytes hold a box of a stored tensor: pure planning, no torch, no I/O.
+
+A state stored split-major along dim `d` (docs/FORMAT.md, "Splits") keeps every run of
+consecutive splits in one byte range, so a box that cuts only dim `d` is one read: exactly its
+bytes when its edges fall on split boundaries (any TP rank whose group size divides the
+checkpoint's split count), else the covering splits, narrowed after the read. A row-major state
+serves a box cut along dim 0 the same way. Anything else is read whole and narrowed.
+
+A ZeRO partition is a run of a box's elements in row-major order (`plan_flat_read`): one exact
+read when the box is contiguous in storage (row-major, cut along dim 0 at most; or exactly one split
+of split-major storage, e.g. a row-parallel TP shard), else none (read the box and narrow).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ucp.format.boxes import Box, split_bounds
+from ucp.format.byte_ranges import ByteRange
+
+
+@dataclass(frozen=True)
+class SliceRead:
+    """One read for one (parameter, state) box, and how to turn its bytes into the box.
+
+    The bytes hold consecutive blocks along `dim` whose element boundaries are `bounds` (one
+    block, the whole tensor, when `dim` is None); joined along `dim` they give the tensor
+    narrowed to `[bounds[0], bounds[-1])` there, which `narrow` (dim, start, length) cuts to the
+    box when the read is not `exact`.
+    """
+
+    key: tuple[str, str]
+    range: ByteRange
+    dim: int | None
+    bounds: tuple[int, ...]
+    narrow: tuple[tuple[int, int, int], ...]
+    whole: bool       # the range is the whole stored state (its CRC-32 can be checked)
+
+    @property
+    def exact(self) -> bool:
+        return not self.narrow
+
+
+def plan_slice_read(key: tuple[str, str], entry: dict, box: Box, itemsize: int) -> SliceRead:
+    """The read that serves `box` of the state whose index entry is `entry` (offsets, shape, splits)."""
+    shape = tuple(entry["shape"])
+    begin, end = entry["offsets"]
+    whole = ByteRange(entry["file"], begin, end)
+    cut = [d for d, (lo, hi) in enumerate(box) if (lo, hi) != (0, shape[d])]
+    splits = entry.get("splits")
+    dim, count = (splits["dim"], splits["count"]) if splits else (0, None)
+    reordered = dim > 0 and count > 1  # stored bytes are not in row-major order
+    layout = (dim, tuple(split_bounds(shape[dim], count))) if reordered else (None, ())
+    if not cut:
+        return SliceRead(key, whole, *layout, (), True)
+    if any(lo == hi for lo, hi in box):  # a TP rank of a dim smaller than its group holds nothing
+        return SliceRead(key, ByteRange(entry["file"], begin, begin), None, (), (), False)
+    if cut != [dim]:
+        return SliceRead(key, whole, *layout, tuple((d, box[d][0], box[d][1] - box[d][0]) for d in cut), True)
+    # Cut along the stored split dim (row-major storage is split-major along dim 0, a split per row).
+    size = shape[dim]
+    count = count or size
+    lo, hi = box[dim]
+    first, last = _covering(lo, hi, size, count)
+    a, b = first * size // count, last * size // count
+    row = math.prod(shape) // size * itemsize  # bytes per index along `dim`, across the other dims
+    rng = ByteRange(entry["file"], begin + a * row, begin + b * row)
+    bounds = tuple(split_bounds(size, count)[first:last + 1]) if reordered else (a, b)
+    narrow = () if (a, b) == (lo, hi) else ((dim, lo - a, hi - lo),)
+    return SliceRead(key, rng, dim, bounds, narrow, (rng.begin, rng.end) == (begin, end))
+
+
+def plan_flat_read(key: tuple[str, str], entry: dict, box: Box, start: int, numel: int,
+                   itemsize: int) -> SliceRead | None:
+    """The exact read of elements [start, start + numel) of `box` flattened, or None when they are not contiguous."""
+    shape = tuple(entry["shape"])
+    begin, end = entry["offsets"]
+    if numel == 0:
+        return SliceRead(key, ByteRange(entry["file"], begin, begin), None, (), (), False)
+    splits = entry.get("splits")
+    if splits and splits["dim"] > 0 and splits["count"] > 1:
+        first = _split_start(box, shape, splits)
+        if first is None:
+            return None
+    elif any((lo, hi) != (0, n) for (lo, hi), n in zip(box[1:], shape[1:])):
+        return None
+    else:
+        first = box[0][0] * math.prod(shape[1:]) if shape else 0
+    first = begin + (first + start) * itemsize
+    rng = ByteRange(entry["file"], first, first + numel * itemsize)
+    return SliceRead(key, rng, None, (), (), (rng.begin, rng.end) == (begin, end))
+
+
+def _split_start(box: Box, shape: tuple[int, ...], splits: dict) -> int | None:
+    """Where `box` starts in split-major storage (in elements) when it is exactly one split: a split is
+    stored as its own row-major block, so any run of its elements is contiguous. None otherwise."""
+    dim = splits["dim"]
+    if any((lo, hi) != (0, n) for d, ((lo, hi), n) in enumerate(zip(box, shape)) if d != dim):
+        return None
+    bounds = split_bounds(shape[dim], splits["count"])
+    if box[dim] not in zip(bounds, bounds[1:]):
+        return None
+    return box[dim][0] * (math.prod(shape) // shape[dim])  # the splits before it: box[dim][0] indices along dim
+
+
+def _covering(lo: int, hi: int, size: int, count: int) -> tuple[int, int]:
+    """The fewest consecutive splits [first, last) of `size` cut in `count` that cover [lo, hi)."""
+    def bound(i: int) -> int:
+        return i * size // count
+
+    first = lo * count // size
+    while bound(first + 1) <= lo and first < count:
+        first += 1
+    while bound(first) > lo:
+        first -= 1
+    last = -(-hi * count // size)
+    while last > first + 1 and bound(last - 1) >= hi:
+        last -= 1
+    while bound(last) < hi:
+        last += 1
+    return first, last

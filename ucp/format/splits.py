@@ -1,0 +1,61 @@
+"""Split-major storage: each tensor cut into `count` splits along its TP partition dim, stored split after split.
+
+Split `i` of a dim of size `D` covers `[i*D//count, (i+1)*D//count)` (`ucp.format.boxes.split_bounds`)
+and is stored as its own row-major block, so any run of consecutive splits is one contiguous byte
+range, whatever the dim. Along dim 0 that is plain row-major order; along another dim the bytes
+are reordered and the safetensors header gives the flat shape `[numel]`, so no reader takes them
+for the logical tensor by accident. The index records `"splits": {"dim": d, "count": k}` per state
+(docs/FORMAT.md); readers put the logical tensor back with `from_split_major`.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from ucp.format.boxes import split_bounds
+
+def to_split_major(tensor: torch.Tensor, dim: int, count: int) -> torch.Tensor:
+    """The elements of `tensor` split after split along `dim` (a flat tensor when dim > 0)."""
+    if dim == 0 or count == 1:
+        return tensor.contiguous()
+    bounds = split_bounds(tensor.shape[dim], count)
+    return torch.cat([tensor.narrow(dim, a, b - a).reshape(-1) for a, b in zip(bounds, bounds[1:])])
+
+
+def join_splits(flat: torch.Tensor, shape: Sequence[int], dim: int, bounds: Sequence[int]) -> torch.Tensor:
+    """Consecutive stored splits back into one tensor.
+
+    `flat` holds the splits whose boundaries along `dim` are `bounds` (first to last), each a
+    row-major block of the full `shape` except along `dim`; the result has `shape` with `dim`
+    narrowed to `[bounds[0], bounds[-1])`.
+    """
+    shape = list(shape)
+    if dim == 0:
+        return flat.reshape([bounds[-1] - bounds[0]] + shape[1:])
+    pieces, offset = [], 0
+    for a, b in zip(bounds, bounds[1:]):
+        piece_shape = shape[:dim] + [b - a] + shape[dim + 1:]
+        n = math.prod(piece_shape)
+        pieces.append(flat[offset:offset + n].reshape(piece_shape))
+        offset += n
+    return torch.cat(pieces, dim)
+
+
+def from_split_major(flat: torch.Tensor, shape: Sequence[int], dim: int, count: int) -> torch.Tensor:
+    """The logical tensor of `shape` from its split-major elements."""
+    return join_splits(flat.reshape(-1), shape, dim, split_bounds(shape[dim], count))
+
+
+def box_of_read(flat: torch.Tensor, shape: Sequence[int], read, box_shape: tuple[int, ...]) -> torch.Tensor:
+    """The elements one `ucp.format.slice_read.SliceRead` brought in (`flat`), as the box it was planned for."""
+    if flat.numel() == 0:
+        return flat.reshape(box_shape)
+    if read.dim is None:
+        tensor = flat.reshape(shape)
+    else:
+        tensor = join_splits(flat, shape, read.dim, read.bounds)
+    for dim, start, length in read.narrow:
+        tensor = tensor.narrow(dim, start, length)
+    return tensor.clone() if read.narrow else tensor
