@@ -22,17 +22,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ucp.convert.plan import TRAINABLE, ConversionPlan, ParamPlan
 from ucp.converters.deepspeed_declared import affine_params, declared_layout
 from ucp.converters.deepspeed_lists import declares_lists, list_layout
 from ucp.converters.deepspeed_pipe import LAYER_FILE, layer_tensors
-from ucp.converters.deepspeed_slices import (SliceState, combined_source, dtype_name, load_dict, model_files,
-                                             optim_files, read_slice, tied_aliases)
+from ucp.converters.deepspeed_slices import SliceState, dtype_name, load_dict, outer_states, read_slice, tied_aliases
 from ucp.converters.deepspeed_tp import Layouts, fp32_shard, untrained_shards
 from ucp.converters.plan_common import finish_plan
+from ucp.converters.tag_folder import model_files, optim_files
 from ucp.converters.tag_folder import TagDir
 from ucp.converters.torch_zip import LazyTensor
 from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedLayoutError
-from ucp.convert.plan import TRAINABLE, WEIGHT_STATE, ConversionPlan, ParamPlan
 
 
 def is_tensor_pipeline(names: list[str]) -> bool:
@@ -118,18 +118,7 @@ def _trainable(name: str, by_tp: list[list[SliceState]], layers: list[dict[str, 
                                      "different runs are mixed")
     shard_shapes = [h.shapes[name] for h in holders]
     shape, hints = layouts.of(name, shard_shapes, lambda: [fp32_shard(name, h) for h in holders])
-    states = {}
-    for state in holders[0].states():
-        outer = [(rank, h.shapes[name], h.fragments[(name, state)]) for rank, h in enumerate(holders)
-                 if (name, state) in h.fragments]
-        if len(outer) == len(holders):
-            states[state] = combined_source(name, shape, outer, hints)
-        elif outer:
-            raise CorruptCheckpointError(f"{name}: only {len(outer)} of {len(holders)} TP ranks hold its '{state}'; "
-                                         "files from different runs are mixed")
-    if WEIGHT_STATE not in states:
-        raise CorruptCheckpointError(f"{holders[0].optim_paths[0]}: parameter '{name}' has no optimizer fragment (it "
-                                     "never received a gradient), and a pipeline checkpoint keeps no other fp32 copy")
+    states = outer_states(name, shape, holders, list(range(len(holders))), shard_shapes, hints, "TP ranks")
     group = holders[0].group_of[name]
     t = layers[0].get(name)
     return ParamPlan(name, shape, TRAINABLE, states, group, holders[0].steps.get(group),

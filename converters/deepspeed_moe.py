@@ -23,15 +23,15 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ucp.converters.deepspeed_slices import (combined_source, dtype_name, held_params, load_dict, model_files,
-                                             optim_files, read_slice, whole)
+from ucp.convert.plan import FROZEN, TRAINABLE, WEIGHT_STATE, ConversionPlan, ParamPlan, StateSource
+from ucp.converters.deepspeed_slices import combined_source, dtype_name, held_params, load_dict, read_slice, whole
 from ucp.converters.deepspeed_zero0 import zero0_slice
 from ucp.converters.plan_common import finish_plan, frozen_and_buffers
+from ucp.converters.tag_folder import model_files, optim_files
 from ucp.converters.tag_folder import TagDir
 from ucp.converters.torch_zip import LazyTensor
 from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedLayoutError
 from ucp.patterns import recognize
-from ucp.convert.plan import FROZEN, TRAINABLE, WEIGHT_STATE, ConversionPlan, ParamPlan, StateSource
 
 EXPERT_FILE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 EXPP_FILE = re.compile(r"^expp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")

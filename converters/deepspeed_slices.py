@@ -17,14 +17,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ucp.convert.plan import TRAINABLE, WEIGHT_STATE, Fragment, ParamPlan, Piece, StateSource
 from ucp.converters.torch_zip import LazyTensor, Opaque, load_lazy, read_tensor
 from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedLayoutError
 from ucp.patterns import Pattern
 from ucp.patterns.recognize import FragmentInfo, Hints, OuterPiece, recognize, recognize_nested
-from ucp.convert.plan import TRAINABLE, WEIGHT_STATE, Fragment, ParamPlan, Piece, StateSource
-
-OPTIM_FILE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
-MODEL_FILE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
 
 # (rank, param group, name as the rank's optimizer stores it) -> the parameter's global name
 Rename = Callable[[int, int, str], str]
@@ -57,16 +54,6 @@ class SliceState:
     def files(self) -> list[Path]:
         """Every file this slice was read from."""
         return [*self.optim_paths, *(self.model_paths or [self.model_path])]
-
-
-def model_files(folder: Path, names: list[str]) -> dict[int, Path]:
-    """mp rank -> its `mp_rank_{MM}_model_states.pt`."""
-    return {int(m.group(1)): folder / n for n in names if (m := MODEL_FILE.match(n))}
-
-
-def optim_files(folder: Path, names: list[str]) -> dict[tuple[int, int], Path]:
-    """(dp rank, mp rank) -> its optimizer-states file."""
-    return {(int(m.group(2)), int(m.group(3))): folder / n for n in names if (m := OPTIM_FILE.match(n))}
 
 
 def load_dict(path: Path) -> dict:
@@ -290,6 +277,30 @@ def combined_source(name: str, shape: tuple[int, ...], outer: list[tuple[int, tu
                        groups=tuple(len(frags) for *_, frags in outer))
 
 
+def outer_states(name: str, shape: tuple[int, ...], holders: list[SliceState], ids: list[int],
+                 piece_shapes: list[tuple[int, ...]], hints: Hints | None, what: str) -> dict[str, StateSource]:
+    """Every state of `name`, held by `holders` as outer pieces (TP shards, or copies on pipeline stages
+    or EP ranks) with outer ranks `ids` and shapes `piece_shapes`, each piece its own ZeRO fragments.
+
+    A state that only some holders have means files of different runs are mixed; a parameter with no
+    fp32 fragment (it never received a gradient) has no fp32 copy to convert.
+    """
+    states = {}
+    for state in holders[0].states():
+        outer = [(i, piece, h.fragments[(name, state)]) for i, piece, h in zip(ids, piece_shapes, holders)
+                 if (name, state) in h.fragments]
+        if outer and len(outer) != len(holders):
+            raise CorruptCheckpointError(f"{name}: held by {what} {ids} but only {len(outer)} of them hold its "
+                                         f"'{state}'; files from different runs are mixed")
+        if outer:
+            states[state] = combined_source(name, shape, outer, hints)
+    if WEIGHT_STATE not in states:
+        raise CorruptCheckpointError(f"{(holders[0].optim_paths or [holders[0].model_path])[0]}: parameter '{name}' "
+                                     "has no optimizer fragment (it never received a gradient), and no other fp32 "
+                                     "copy of it is kept; convert a checkpoint saved after a full step")
+    return states
+
+
 def held_params(slices: list[SliceState], tensors: dict[str, LazyTensor], holder: str) -> list[ParamPlan]:
     """The trainable parameters of several slices (each a `holder`: a pipeline stage, an expert-parallel
     rank), in first-seen order. A parameter one slice holds is Unique to it; one that several hold is
@@ -307,19 +318,7 @@ def held_params(slices: list[SliceState], tensors: dict[str, LazyTensor], holder
                 raise CorruptCheckpointError(f"{name}: {holder} {held[0].mp} holds shape {shape}, {holder} {sl.mp} "
                                              f"{sl.shapes[name]}; a shared parameter must have one shape")
         hints = Hints(pattern=Pattern.REPLICATE) if len(held) > 1 else None
-        states = {}
-        for state in held[0].states():
-            outer = [(sl.mp, shape, sl.fragments[(name, state)]) for sl in held if (name, state) in sl.fragments]
-            if outer and len(outer) != len(held):
-                raise CorruptCheckpointError(f"{name}: shared by {holder}s {[sl.mp for sl in held]} but only "
-                                             f"{len(outer)} of them hold its '{state}'; files from different runs "
-                                             "are mixed")
-            if outer:
-                states[state] = combined_source(name, shape, outer, hints)
-        if WEIGHT_STATE not in states:
-            raise CorruptCheckpointError(f"{(held[0].optim_paths or [held[0].model_path])[0]}: parameter '{name}' has "
-                                         "no optimizer fragment (it never received a gradient), and no other fp32 "
-                                         "copy of it is kept; convert a checkpoint saved after a full step")
+        states = outer_states(name, shape, held, [sl.mp for sl in held], [shape] * len(held), hints, f"{holder}s")
         group = held[0].group_of[name]
         t = tensors.get(name)
         params.append(ParamPlan(name, shape, TRAINABLE, states, group, held[0].steps.get(group),

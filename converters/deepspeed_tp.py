@@ -25,18 +25,19 @@ from collections.abc import Callable
 import torch
 
 from ucp.convert.assemble import materialize
+from ucp.convert.plan import (BUFFER, BUFFER_STATE, FROZEN, TRAINABLE, WEIGHT_STATE, ConversionPlan, ParamPlan,
+                              StateSource)
 from ucp.converters.deepspeed_declared import affine_params, declared_layout
-from ucp.converters.deepspeed_slices import (MODEL_FILE, SliceState, combined_source, dtype_name,
-                                             load_dict, model_files, optim_files, read_slice, tied_aliases,
-                                             whole)
+from ucp.converters.deepspeed_slices import (SliceState, combined_source, dtype_name, load_dict, outer_states,
+                                             read_slice, tied_aliases, whole)
 from ucp.converters.deepspeed_zero0 import zero0_slice
 from ucp.converters.deepspeed_zero3 import ZERO3_MODEL_FILE, read_zero3_slice, zero3_model_files
 from ucp.converters.plan_common import finish_plan
+from ucp.converters.tag_folder import MODEL_FILE, model_files, optim_files
 from ucp.converters.tag_folder import TagDir
 from ucp.converters.torch_zip import LazyTensor, read_tensor
 from ucp.errors import AmbiguousPatternError, CheckpointNotFoundError, CorruptCheckpointError, UnsupportedLayoutError
 from ucp.patterns import Hints, Pattern, recognize
-from ucp.convert.plan import BUFFER, BUFFER_STATE, FROZEN, TRAINABLE, WEIGHT_STATE, ConversionPlan, ParamPlan, StateSource
 
 
 def is_tensor_parallel(names: list[str]) -> bool:
@@ -180,18 +181,7 @@ def _on_every_rank(name: str, ranks: list[SliceState], tables: list[dict], what:
 def _trainable(name: str, ranks: list[SliceState], layouts: Layouts) -> ParamPlan:
     shard_shapes = _on_every_rank(name, ranks, [r.shapes for r in ranks], "trainable parameter")
     shape, hints = layouts.of(name, shard_shapes, lambda: [fp32_shard(name, r) for r in ranks])
-    states = {}
-    for state in ranks[0].states():
-        outer = [(r.mp, r.shapes[name], r.fragments[(name, state)]) for r in ranks if (name, state) in r.fragments]
-        if len(outer) == len(ranks):
-            states[state] = combined_source(name, shape, outer, hints)
-        elif outer:
-            raise CorruptCheckpointError(f"{name}: only {len(outer)} of {len(ranks)} TP ranks hold its '{state}'; "
-                                         "files from different runs are mixed")
-    if WEIGHT_STATE not in states:
-        raise CorruptCheckpointError(f"{(ranks[0].optim_paths or [ranks[0].model_path])[0]}: parameter '{name}' has "
-                                     "no optimizer fragment (it never received a gradient); convert a checkpoint "
-                                     "saved after a full step")
+    states = outer_states(name, shape, ranks, [r.mp for r in ranks], shard_shapes, hints, "TP ranks")
     group = ranks[0].group_of[name]
     t = (ranks[0].model.get("module") or {}).get(name)
     return ParamPlan(name, shape, TRAINABLE, states, group, ranks[0].steps.get(group),

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import torch
 
+from ucp.convert.plan import WEIGHT_STATE, ParamPlan, StateSource, TRAINABLE, Fragment, Piece
 from ucp.converters.deepspeed_slices import SliceState, tied_aliases
 from ucp.converters.torch_zip import LazyTensor, read_tensor
 from ucp.errors import AmbiguousPatternError, CorruptCheckpointError
 from ucp.format.fileio import tensor_bytes
 from ucp.patterns.recognize import FragmentInfo, recognize
-from ucp.convert.plan import WEIGHT_STATE, ParamPlan, StateSource, TRAINABLE, Fragment, Piece
 
 
 def zero0_trainable(model: dict, path: Path, param_names: list[str] | None) -> tuple[list[ParamPlan], list, list[str]]:

@@ -18,12 +18,12 @@ import math
 import re
 from pathlib import Path
 
+from ucp.convert.plan import Fragment
 from ucp.converters.deepspeed_slices import (SliceState, agree_step, agree_with_model, check_partitions, dp_paths,
                                              group_states, load_dict, piece, shape_of, zero_stage)
 from ucp.converters.torch_zip import LazyTensor
 from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedLayoutError
 from ucp.patterns.recognize import FragmentInfo
-from ucp.convert.plan import Fragment
 
 ZERO3_MODEL_FILE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 

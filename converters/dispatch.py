@@ -17,7 +17,7 @@ from ucp.converters.deepspeed_slices import load_dict
 from ucp.converters.deepspeed_tp import is_tensor_parallel, plan_tp
 from ucp.converters.deepspeed_zero import plan_zero0, plan_zero3, plan_zero12
 from ucp.converters.deepspeed_zero3 import zero3_model_files
-from ucp.converters.tag_folder import MODEL_FILE, OPTIM_FILE, rank_files, resolve_tag
+from ucp.converters.tag_folder import MODEL_FILE, optim_files, resolve_tag
 from ucp.errors import CheckpointNotFoundError, UnsupportedLayoutError
 
 
@@ -33,7 +33,7 @@ def plan_deepspeed(input_dir: str | os.PathLike, tag: str | None = None,
     where = resolve_tag(input_dir, tag)
     folder = where.path
     names = sorted(os.listdir(folder))
-    optim = rank_files(folder, names, OPTIM_FILE)
+    optim = optim_files(folder, names)
     zero3_models = zero3_model_files(folder, names)
     models = sorted(n for n in names if MODEL_FILE.match(n))
     if not optim and not models and not zero3_models:

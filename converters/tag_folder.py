@@ -79,11 +79,11 @@ def _tags(root: Path) -> str:
     return ", ".join(sorted(p.name for p in root.iterdir() if p.is_dir() and any(p.glob("*model_states.pt"))))
 
 
-def rank_files(folder: Path, names: list[str], pattern: re.Pattern) -> dict[tuple[int, int], Path]:
-    found = {}
-    for n in names:
-        m = pattern.match(n)
-        if m:
-            dp, mp = int(m.group(m.lastindex - 1)), int(m.group(m.lastindex))
-            found[(dp, mp)] = folder / n
-    return found
+def model_files(folder: Path, names: list[str]) -> dict[int, Path]:
+    """mp rank -> its `mp_rank_{MM}_model_states.pt`."""
+    return {int(m.group(1)): folder / n for n in names if (m := MODEL_FILE.match(n))}
+
+
+def optim_files(folder: Path, names: list[str]) -> dict[tuple[int, int], Path]:
+    """(dp rank, mp rank) -> its optimizer-states file."""
+    return {(int(m.group(2)), int(m.group(3))): folder / n for n in names if (m := OPTIM_FILE.match(n))}

@@ -14,11 +14,11 @@ import torch
 import ucp
 from support.checkpoints import TinySpec, ucp_load_errors
 from ucp.convert import convert
-from ucp.format.crc import chunk_bounds
 from ucp.deepspeed import LoadStats
+from ucp.deepspeed.load_source import AtomicSource
 from ucp.deepspeed.targets import TargetTensor
 from ucp.errors import CorruptCheckpointError
-from ucp.deepspeed.load_source import AtomicSource
+from ucp.format.crc import chunk_bounds
 
 SOURCE = TinySpec(stage=1)
 CHUNK = 32

@@ -22,14 +22,14 @@ import torch
 import ucp
 from support.checkpoints import load_ds_universal
 from support.parallel import Family, build_family, ds_universal_of, reference_state
-from ucp.convert.assemble import read_fragment
-from ucp.converters.deepspeed_declared import affine_params, declared_layout
-from ucp.converters.dispatch import plan_deepspeed
 from ucp.cli.main import main
 from ucp.convert import convert
+from ucp.convert.assemble import read_fragment
+from ucp.convert.primitives import strip_pad, union
+from ucp.converters.deepspeed_declared import affine_params, declared_layout
+from ucp.converters.dispatch import plan_deepspeed
 from ucp.errors import AmbiguousPatternError, CorruptCheckpointError, UnsupportedLayoutError
 from ucp.patterns import Pattern, PatternSpec
-from ucp.convert.primitives import strip_pad, union
 
 AUTOTP = Family.of("autotp", "train_llama_tp.py", 4, {
     "z1-fp32": {"stage": 1},

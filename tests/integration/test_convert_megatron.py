@@ -23,10 +23,10 @@ import ucp
 from support.checkpoints import load_ds_universal
 from support.parallel import Family, build_family, ds_universal_of, reference_state
 from support.train_megatron import FFN, HEAD_DIM, HIDDEN, KV_HEADS, PADDED_VOCAB, VOCAB
+from ucp.convert import convert
 from ucp.convert.assemble import assemble, read_fragment
 from ucp.converters.deepspeed_lists import list_layout
 from ucp.converters.dispatch import plan_deepspeed
-from ucp.convert import convert
 from ucp.errors import AmbiguousPatternError, CheckpointNotFoundError, CorruptCheckpointError
 from ucp.patterns import Pattern
 

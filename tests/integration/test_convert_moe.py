@@ -18,13 +18,14 @@ import torch
 import ucp
 from support.checkpoints import load_ds_universal
 from support.parallel import Family, build_family, ds_universal_of, reference_state
-from ucp.convert.assemble import assemble, read_fragment
-from ucp.converters.deepspeed_slices import load_dict, model_files, optim_files, read_slice
-from ucp.converters.deepspeed_zero0 import zero0_slice
 from ucp.convert import convert
-from ucp.patterns import FragmentInfo, Pattern, PatternSpec
+from ucp.convert.assemble import assemble, read_fragment
 from ucp.convert.plan import StateSource
 from ucp.convert.primitives import ReplicaMismatchError
+from ucp.converters.deepspeed_slices import load_dict, read_slice
+from ucp.converters.deepspeed_zero0 import zero0_slice
+from ucp.converters.tag_folder import model_files, optim_files
+from ucp.patterns import FragmentInfo, Pattern, PatternSpec
 
 MOE = Family.of("moe", "train_moe.py", 2, {
     "ep1-z1": {"ep_size": 1, "stage": 1},

@@ -19,12 +19,12 @@ import torch
 
 import ucp
 from support.parallel import Family, build_family, ds_universal_of, reference_state
-from ucp.convert.assemble import assemble, read_fragment
-from ucp.converters.dispatch import plan_deepspeed
 from ucp.convert import convert
+from ucp.convert.assemble import assemble, read_fragment
+from ucp.convert.primitives import ReplicaMismatchError
+from ucp.converters.dispatch import plan_deepspeed
 from ucp.errors import AmbiguousPatternError
 from ucp.patterns import Pattern
-from ucp.convert.primitives import ReplicaMismatchError
 
 PIPE = Family.of("pipe", "train_pipe.py", 2, {
     "z1-fp32": {"stage": 1},

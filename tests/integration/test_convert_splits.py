@@ -11,8 +11,8 @@ import torch
 
 import ucp
 from support.checkpoints import TinySpec, ucp_resume
-from ucp.errors import OutputExistsError
 from ucp.convert.split_policy import SplitPolicy
+from ucp.errors import OutputExistsError
 
 # The tiny model's tensors (tests/support/train_tiny.py) given Megatron-style dims: l1 column-parallel,
 # l2 row-parallel, embedding and head vocab-parallel; biases of l2 and the rest whole.

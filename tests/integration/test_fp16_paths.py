@@ -20,8 +20,8 @@ import torch
 
 import ucp
 from support.checkpoints import FROZEN_PARAM_SHAPES, TRAINABLE_PARAM_SHAPES, TinySpec, read_tag
-from ucp.format import loss_scale
 from ucp.convert import convert
+from ucp.format import loss_scale
 
 BF16_SOURCE = TinySpec(stage=1, dtype="bf16", world_size=3)
 SCALER_STATE = {"cur_scale": 512.0, "cur_iter": 7, "last_overflow_iter": 3, "cur_hysteresis": 2}

@@ -20,12 +20,12 @@ import torch
 from support.atomic import write_checkpoint
 from support.checkpoints import SUPPORT_DIR
 from support.launch import run_torchrun
+from support.reference_tp import RefConfig, StageModule, full_forward, init_weights, param_table
+from ucp.convert.split_policy import SplitPolicy
 from ucp.deepspeed.placement import place_by_layout
 from ucp.deepspeed.targets import Target, TargetTensor
 from ucp.errors import UnsupportedLayoutError
 from ucp.hmp.layout import Layout, LayoutError, Replica, Stage, choose_global_split
-from support.reference_tp import RefConfig, StageModule, full_forward, init_weights, param_table
-from ucp.convert.split_policy import SplitPolicy
 
 SCRIPT = SUPPORT_DIR / "hmp_forward.py"
 CFG = RefConfig(vocab=13, hidden=8, ffn=12, layers=4)

@@ -29,13 +29,13 @@ import torch
 import ucp
 from support.llama_tp_runs import build_sources, load_stats, losses, resume
 from ucp.convert import convert
+from ucp.convert.split_policy import SplitPolicy
 from ucp.converters.deepspeed_declared import RankBlock
-from ucp.deepspeed.targets import TargetTensor
 from ucp.deepspeed.autotp import rank_block, to_box
+from ucp.deepspeed.targets import TargetTensor
 from ucp.errors import UnsupportedLayoutError
 from ucp.format.safetensors_stream import TORCH_DTYPES
 from ucp.format.slice_read import plan_flat_read
-from ucp.convert.split_policy import SplitPolicy
 from ucp.format.splits import to_split_major
 
 SAVED_AT, RESUMED = 2, 2

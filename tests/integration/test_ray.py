@@ -28,11 +28,11 @@ import pytest
 from support.checkpoints import TinySpec, read_tag
 from support.processes import gone, ucp_command, wait_for
 from ucp.cli.main import main
-from ucp.converters.dispatch import plan_deepspeed
 from ucp.convert.driver import convert, write_atomic
+from ucp.convert.manifest import manifest_name
+from ucp.converters.dispatch import plan_deepspeed
 from ucp.errors import CorruptCheckpointError
 from ucp.format.folder import INDEX_NAME, data_file_name
-from ucp.convert.manifest import manifest_name
 
 SPECS = [TinySpec(stage=1), TinySpec(stage=3, dtype="bf16", world_size=3)]
 WORKERS = 2

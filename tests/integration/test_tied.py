@@ -17,8 +17,8 @@ import torch
 
 import ucp
 from support.atomic import assert_same_checkpoint, with_added_param, with_edited_index
-from support.checkpoints import (TinySpec, load_ds_universal, read_tag, trained_losses, trained_state,
-                                 ucp_load_errors, ucp_resume, ucp_save_run, ucp_stats, uninterrupted_losses)
+from support.checkpoints import (TinySpec, load_ds_universal, read_tag, trained_losses, trained_state, ucp_load_errors,
+                                 ucp_resume, ucp_save_run, ucp_stats, uninterrupted_losses)
 from ucp.cli.main import main as cli_main
 from ucp.convert import convert
 from ucp.converters.deepspeed_slices import load_dict, tied_aliases

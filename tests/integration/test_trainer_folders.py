@@ -20,9 +20,9 @@ import ucp
 from support.checkpoints import TinySpec, tag_dir
 from support.payload import Payload
 from ucp.cli.main import main
+from ucp.converters.trainer_folders import last_checkpoint
 from ucp.errors import CorruptCheckpointError
 from ucp.format.folder import INDEX_NAME
-from ucp.converters.trainer_folders import last_checkpoint
 
 SIDE_FILES = {
     "config.json": json.dumps({"model_type": "tiny", "hidden_size": 7}).encode(),

@@ -17,12 +17,12 @@ import torch
 
 from ucp.convert.driver import write_atomic
 from ucp.convert.executor import LocalExecutor
-from ucp.format.folder import tensor_key
-from ucp.format.fileio import tensor_bytes
-from ucp.patterns import FragmentInfo, Pattern, PatternSpec
 from ucp.convert.plan import ConversionPlan, Fragment, ParamPlan, Piece, StateSource
-from ucp.format.safetensors_stream import StreamingWriter, TensorSlot
 from ucp.convert.split_policy import SplitPolicy, apply_split_policy
+from ucp.format.fileio import tensor_bytes
+from ucp.format.folder import tensor_key
+from ucp.format.safetensors_stream import StreamingWriter, TensorSlot
+from ucp.patterns import FragmentInfo, Pattern, PatternSpec
 
 ADAM_STATES = ("fp32", "exp_avg", "exp_avg_sq")
 

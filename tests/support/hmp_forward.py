@@ -25,10 +25,10 @@ import torch
 import torch.distributed as dist
 
 import ucp.deepspeed
-from ucp.hmp import load_slices
-from ucp.hmp.layout import Layout
 from support.reference_tp import RefConfig, StageModule, param_table, tp_groups
 from support.reference_tp import Stage as RefStage
+from ucp.hmp import load_slices
+from ucp.hmp.layout import Layout
 
 TOKENS_SEED = 7
 

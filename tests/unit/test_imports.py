@@ -12,8 +12,13 @@ def imported(modules: str, heavy: tuple[str, ...]) -> list[str]:
 
 
 def test_import_ucp_pulls_in_neither_ray_nor_deepspeed():
-    assert imported("ucp, ucp.checkpoint, ucp.convert, ucp.patterns, ucp.convert.primitives, ucp.converters.deepspeed_zero",
-                    ("ray", "deepspeed")) == []
+    assert imported("ucp, ucp.checkpoint, ucp.convert, ucp.convert.driver, ucp.patterns, ucp.convert.primitives, "
+                    "ucp.converters.dispatch, ucp.format.index, ucp.hmp.slice_load", ("ray", "deepspeed")) == []
+
+
+def test_import_ucp_and_the_planning_side_pull_in_no_torch():
+    assert imported("ucp, ucp.errors, ucp.hmp, ucp.hmp.layout, ucp.hmp.strategy, ucp.hmp.model_shapes",
+                    ("torch", "ray", "deepspeed")) == []
 
 
 def test_cli_help_does_not_import_torch():

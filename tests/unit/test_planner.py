@@ -11,8 +11,7 @@ import pytest
 
 from ucp.hmp.layout import Layout, Replica, Stage
 from ucp.hmp.model_shapes import ModelConfig, ModelConfigError, load_model_config
-from ucp.hmp.strategy import (CostModel, PlanError, StagePlan, Workload, _powers_of_two, deal, estimate, search,
-                         tp_sizes)
+from ucp.hmp.strategy import CostModel, PlanError, StagePlan, Workload, _powers_of_two, deal, estimate, search, tp_sizes
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "models"
 TINY = ModelConfig("tiny", hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4, num_kv_heads=4,

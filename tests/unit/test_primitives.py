@@ -18,9 +18,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ucp.convert.primitives import ReplicaMismatchError, extract, strip_pad, union
 from ucp.errors import AmbiguousPatternError, UcpError
 from ucp.patterns import FragmentInfo, Hints, Pattern, PatternSpec, recognize
-from ucp.convert.primitives import ReplicaMismatchError, extract, strip_pad, union
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 NEG_SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])

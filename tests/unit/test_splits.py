@@ -22,11 +22,11 @@ from safetensors import safe_open
 from support.atomic import ADAM_STATES, write_checkpoint
 from test_layout import layouts
 from ucp.checkpoint import AtomicCheckpoint
-from ucp.hmp.slice_load import ModelMismatchError, load_slices
-from ucp.hmp.layout import Layout, ParamSpec, Replica, Stage, split_bounds
-from ucp.format.slice_read import plan_slice_read
 from ucp.convert.split_policy import HF_DECODER_RULES, SplitPolicy, SplitRuleError
+from ucp.format.slice_read import plan_slice_read
 from ucp.format.splits import from_split_major, join_splits, to_split_major
+from ucp.hmp.layout import Layout, ParamSpec, Replica, Stage, split_bounds
+from ucp.hmp.slice_load import ModelMismatchError, load_slices
 
 FAST = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 SLOW = settings(max_examples=25, deadline=None,

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import torch
 
-from ucp.format.fileio import ReadCounter, pread_into
-from ucp.patterns.types import Pattern
 from ucp.convert.plan import Fragment, StateSource
 from ucp.convert.primitives import strip_pad, union
+from ucp.format.fileio import ReadCounter, pread_into
 from ucp.format.safetensors_stream import TORCH_DTYPES
+from ucp.patterns.types import Pattern
 
 
 def read_fragment(fragment: Fragment, counter: ReadCounter | None = None) -> torch.Tensor:

@@ -21,13 +21,13 @@ import torch
 
 from ucp.convert.assemble import materialize
 from ucp.convert.balance import plan_bins
+from ucp.convert.executor import Executor, Report
+from ucp.convert.plan import BUFFER_STATE, TRAINABLE, WEIGHT_STATE, ConversionPlan, ParamPlan
 from ucp.convert.result import ConvertResult
 from ucp.converters.deepspeed_slices import load_dict
 from ucp.converters.torch_zip import LazyTensor, Opaque, read_tensor
 from ucp.errors import CorruptCheckpointError, OutputExistsError, UnsupportedLayoutError
-from ucp.convert.executor import Executor, Report
 from ucp.patterns import Pattern, PatternSpec
-from ucp.convert.plan import BUFFER_STATE, TRAINABLE, WEIGHT_STATE, ConversionPlan, ParamPlan
 
 _EXPERT_FILE = re.compile(r"^layer_\d+_expert_\d+_.*model_states\.pt$")
 # DeepSpeed's key names (deepspeed.checkpoint.constants), spelled out so that planning needs no deepspeed.

@@ -23,21 +23,22 @@ from typing import TYPE_CHECKING
 
 from ucp.convert.assemble import Arena, materialize
 from ucp.convert.balance import plan_bins
+from ucp.convert.executor import Executor, LocalExecutor, Report, ShuffleExecutor
 from ucp.convert.index_builder import build_index
+from ucp.convert.manifest import (MANIFEST_SUFFIX, BinCheck, manifest_name, remove_manifests, reusable_bin,
+                                  write_manifest)
+from ucp.convert.plan import ConversionPlan, ParamPlan, StateSource
 from ucp.convert.result import ConvertResult
+from ucp.convert.split_policy import SplitPolicy, apply_split_policy
+from ucp.converters.trainer_folders import left_out_summary
 from ucp.errors import OutputExistsError, UcpError
 from ucp.format.crc import CHUNK_BYTES
-from ucp.convert.executor import Executor, LocalExecutor, Report, ShuffleExecutor
 from ucp.format.fileio import writing_alone
+from ucp.format.folder import (FORMAT_NAME, INDEX_NAME, PARTIAL_SUFFIX, commit_index, data_file_name, fsync_dir,
+                               is_ucp_file, load_index, tensor_key)
 from ucp.format.index import stored_shape
-from ucp.format.folder import (FORMAT_NAME, INDEX_NAME, PARTIAL_SUFFIX, commit_index, data_file_name,
-                        fsync_dir, is_ucp_file, load_index, tensor_key)
-from ucp.convert.manifest import MANIFEST_SUFFIX, BinCheck, manifest_name, remove_manifests, reusable_bin, write_manifest
-from ucp.convert.plan import ConversionPlan, ParamPlan, StateSource
 from ucp.format.safetensors_stream import StreamingWriter, TensorSlot
-from ucp.convert.split_policy import SplitPolicy, apply_split_policy
 from ucp.format.splits import to_split_major
-from ucp.converters.trainer_folders import left_out_summary
 
 if TYPE_CHECKING:
     import torch

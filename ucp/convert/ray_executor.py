@@ -37,10 +37,10 @@ from ray.exceptions import RayError, RayTaskError
 
 from ucp.convert.assemble import assemble
 from ucp.convert.driver import WriteBin, stream_bin
-from ucp.errors import UcpError
 from ucp.convert.executor import Report, default_workers
-from ucp.format.fileio import pread_into
 from ucp.convert.plan import Fragment, Piece
+from ucp.errors import UcpError
+from ucp.format.fileio import pread_into
 from ucp.format.safetensors_stream import TORCH_DTYPES
 
 T = TypeVar("T")

@@ -4,7 +4,6 @@ The public interface is `initialize`, `load`, `save` and `wait` (`ucp.deepspeed.
 also holds what the hook needs: the validated `"ucp"` config section, engine-family targets, AutoTP
 boxes, placement by an explicit layout, where the bytes come from, and the asynchronous saver.
 """
-from ucp.deepspeed.hook import (CheckpointMismatchError, LoadStats, SaveStats, initialize, load, save,
-                                wait)
+from ucp.deepspeed.hook import CheckpointMismatchError, LoadStats, SaveStats, initialize, load, save, wait
 
 __all__ = ["CheckpointMismatchError", "LoadStats", "SaveStats", "initialize", "load", "save", "wait"]

@@ -35,20 +35,20 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ucp.format import loss_scale
-from ucp.format.crc import CHUNK_BYTES
 from ucp.convert.balance import TARGET_FILE_BYTES
 from ucp.convert.index_builder import build_index
-from ucp.deepspeed.targets import Target, TargetTensor, Zero3Target, module_aliases, target_for
-from ucp.deepspeed.autotp import tp_size
-from ucp.errors import ConfigError, OutputExistsError, SaveError, UnsupportedLayoutError
-from ucp.format.folder import FORMAT_NAME, INDEX_NAME, commit_index, commit_latest, fsync_dir, tensor_key
-from ucp.deepspeed.readers import assign_readers
-from ucp.patterns.recognize import FragmentInfo, recognize
 from ucp.convert.plan import BUFFER_STATE, WEIGHT_STATE, ConversionPlan, ParamPlan, StateSource
-from ucp.format.safetensors_stream import TORCH_DTYPES, TensorSlot
+from ucp.deepspeed.autotp import tp_size
+from ucp.deepspeed.readers import assign_readers
 from ucp.deepspeed.save_files import SaveLayout, WrittenPiece, plan_layout, whole_crcs
 from ucp.deepspeed.save_writer import BackgroundSave, Piece, SnapshotBuffer, hold_for_tests, partial_path, write_pieces
+from ucp.deepspeed.targets import Target, TargetTensor, Zero3Target, module_aliases, target_for
+from ucp.errors import ConfigError, OutputExistsError, SaveError, UnsupportedLayoutError
+from ucp.format import loss_scale
+from ucp.format.crc import CHUNK_BYTES
+from ucp.format.folder import FORMAT_NAME, INDEX_NAME, commit_index, commit_latest, fsync_dir, tensor_key
+from ucp.format.safetensors_stream import TORCH_DTYPES, TensorSlot
+from ucp.patterns.recognize import FragmentInfo, recognize
 
 logger = logging.getLogger("ucp.save")
 

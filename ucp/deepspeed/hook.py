@@ -62,17 +62,17 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ucp.format import loss_scale
 from ucp.checkpoint import AtomicCheckpoint, PlannedCheckpoint, open_checkpoint
-from ucp.deepspeed.config import load_options, ucp_options, without_ucp
 from ucp.deepspeed.async_save import SaveEvery, SaveStats, save, wait
-from ucp.deepspeed.targets import OPTIMIZER_STATES, Target, TargetTensor, module_aliases, target_for
-from ucp.deepspeed.placement import as_layout, place_by_layout
 from ucp.deepspeed.autotp import with_tensor_parallel
-from ucp.errors import CorruptCheckpointError, UcpError, UnsupportedLayoutError
-from ucp.hmp.layout import Layout, ParamSpec
-from ucp.deepspeed.readers import assign_readers
+from ucp.deepspeed.config import load_options, ucp_options, without_ucp
 from ucp.deepspeed.load_source import Source, box_numel, source_for
+from ucp.deepspeed.placement import as_layout, place_by_layout
+from ucp.deepspeed.readers import assign_readers
+from ucp.deepspeed.targets import OPTIMIZER_STATES, Target, TargetTensor, module_aliases, target_for
+from ucp.errors import CorruptCheckpointError, UcpError, UnsupportedLayoutError
+from ucp.format import loss_scale
+from ucp.hmp.layout import Layout, ParamSpec
 
 Checkpoint = AtomicCheckpoint | PlannedCheckpoint
 __all__ = ["CheckpointMismatchError", "LoadStats", "SaveStats", "initialize", "load", "save", "wait"]

@@ -34,17 +34,17 @@ from typing import Protocol
 
 import torch
 
-from ucp.convert.assemble import materialize
 from ucp.checkpoint import AtomicCheckpoint, PlannedCheckpoint
+from ucp.convert.assemble import materialize
+from ucp.convert.plan import ConversionPlan, StateSource
+from ucp.deepspeed.flat_runs import FlatRun, flat_runs, run_reads
 from ucp.deepspeed.targets import TargetTensor
+from ucp.format.boxes import Box
+from ucp.format.byte_ranges import ByteRange
 from ucp.format.checked_read import fetch, read_checked
 from ucp.format.fileio import ReadCounter
 from ucp.format.index import StoredState
-from ucp.format.boxes import Box
-from ucp.format.byte_ranges import ByteRange
-from ucp.convert.plan import ConversionPlan, StateSource
 from ucp.format.safetensors_stream import TORCH_DTYPES
-from ucp.deepspeed.flat_runs import FlatRun, flat_runs, run_reads
 from ucp.format.slice_read import SliceRead, plan_flat_read, plan_slice_read
 from ucp.format.splits import box_of_read
 

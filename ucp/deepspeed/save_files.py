@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from ucp.format.crc import CHUNK_BYTES, join_segments
 from ucp.errors import SaveError
+from ucp.format.crc import CHUNK_BYTES, join_segments
 from ucp.format.folder import data_file_name
 from ucp.format.safetensors_stream import TensorSlot, encode_header
 

@@ -24,12 +24,12 @@ from pathlib import Path
 
 import torch
 
-from ucp.format.crc import CHUNK_BYTES, chunk_bounds
+from ucp.deepspeed.save_files import FileLayout, WrittenPiece
 from ucp.errors import SaveError
+from ucp.format.crc import CHUNK_BYTES, chunk_bounds
 from ucp.format.fileio import tensor_bytes
 from ucp.format.folder import PARTIAL_SUFFIX
 from ucp.format.safetensors_stream import TORCH_DTYPES
-from ucp.deepspeed.save_files import FileLayout, WrittenPiece
 
 logger = logging.getLogger("ucp.save")
 

@@ -27,12 +27,12 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import WriteItemType
 
 from ucp.checkpoint import STEP_STATE, open_checkpoint
-from ucp.errors import ExportError
 from ucp.convert.executor import progress_bar
+from ucp.convert.plan import BUFFER, BUFFER_STATE, TRAINABLE, WEIGHT_STATE
+from ucp.errors import ExportError
 from ucp.export.hf import DTYPES
 from ucp.export.model_config import find_config, model_keys
 from ucp.export.staging import staged_output
-from ucp.convert.plan import BUFFER, BUFFER_STATE, TRAINABLE, WEIGHT_STATE
 from ucp.format.safetensors_stream import TORCH_DTYPES
 
 

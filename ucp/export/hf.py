@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 
 from ucp.checkpoint import open_checkpoint
-from ucp.errors import ExportError
 from ucp.convert.executor import progress_bar
+from ucp.convert.plan import BUFFER, BUFFER_STATE, WEIGHT_STATE
+from ucp.errors import ExportError
 from ucp.export.model_config import CONFIG_NAME, ModelConfig, check_tensors, model_keys, require_config
 from ucp.export.staging import parse_size, staged_output
-from ucp.convert.plan import BUFFER, BUFFER_STATE, WEIGHT_STATE
 from ucp.format.safetensors_stream import TORCH_DTYPES, StreamingWriter, TensorSlot
 
 DTYPES = ("float32", "bfloat16", "float16")

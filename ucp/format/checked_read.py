@@ -12,11 +12,11 @@ from pathlib import Path
 
 import torch
 
-from ucp.format.crc import chunk_bounds
 from ucp.errors import CorruptCheckpointError
+from ucp.format.byte_ranges import ByteRange, coalesce
+from ucp.format.crc import chunk_bounds
 from ucp.format.fileio import ReadCounter, pread_into, tensor_bytes
 from ucp.format.index import StoredState
-from ucp.format.byte_ranges import ByteRange, coalesce
 
 Key = tuple[str, str]
 

@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ucp.format.crc import CHUNK_BYTES, chunk_bounds
 from ucp.errors import CorruptCheckpointError
+from ucp.format.crc import CHUNK_BYTES, chunk_bounds
 
 DTYPE_SIZES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
                "int8": 1, "uint8": 1, "bool": 1}

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ucp.format.crc import CHUNK_BYTES, join_segments, segment_crcs
 from ucp.errors import CorruptCheckpointError
+from ucp.format.crc import CHUNK_BYTES, join_segments, segment_crcs
 from ucp.format.fileio import ReadCounter, pread_into, tensor_bytes
 from ucp.format.index import SAFETENSORS_DTYPES
 

@@ -29,14 +29,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ucp.format.checked_read import read_checked
 from ucp.checkpoint import AtomicCheckpoint
 from ucp.errors import UcpError
+from ucp.format.checked_read import read_checked
 from ucp.format.fileio import ReadCounter
-from ucp.hmp.layout import Layout, OwnedSlice, ParamSpec
 from ucp.format.safetensors_stream import TORCH_DTYPES
 from ucp.format.slice_read import SliceRead, plan_flat_read, plan_slice_read
 from ucp.format.splits import box_of_read
+from ucp.hmp.layout import Layout, OwnedSlice, ParamSpec
 
 
 class ModelMismatchError(UcpError):
