@@ -39,3 +39,8 @@ class ConfigError(UcpError):
 
 class ExportError(UcpError):
     """An export cannot be written: its tensors do not fit the model, or the output's disk filled up."""
+
+
+class CheckpointMismatchError(UcpError):
+    """The checkpoint does not fit the model or optimizer it is being loaded into (the DeepSpeed hook,
+    `ucp.hmp.load_slices`)."""

@@ -34,6 +34,7 @@ from ucp.converters.deepspeed_declared import RankBlock
 from ucp.deepspeed.autotp import rank_block, to_box
 from ucp.deepspeed.targets import TargetTensor
 from ucp.errors import UnsupportedLayoutError
+from ucp.format.index import StoredState
 from ucp.format.safetensors_stream import TORCH_DTYPES
 from ucp.format.slice_read import plan_flat_read
 from ucp.format.splits import to_split_major
@@ -279,10 +280,10 @@ def test_a_replicated_tensor_is_the_whole_tensor():
 def test_a_zero_partition_of_one_split_is_one_exact_read():
     full = torch.arange(4 * 6, dtype=torch.float32).reshape(4, 6)
     stored = to_split_major(full, 1, 2)  # columns [0, 3) then [3, 6), each row-major
-    entry = {"file": "f", "offsets": [100, 100 + 4 * stored.numel()], "shape": [4, 6], "splits": {"dim": 1, "count": 2}}
+    entry = StoredState("f", "w", "float32", (4, 6), 100, 100 + 4 * stored.numel(), 0, splits=(1, 2))
     box = ((0, 4), (3, 6))
-    read = plan_flat_read(("w", "fp32"), entry, box, 5, 4, 4)
+    read = plan_flat_read(("w", "fp32"), entry, box, 5, 4)
     got = stored.reshape(-1)[(read.range.begin - 100) // 4:(read.range.end - 100) // 4]
     assert torch.equal(got, full[:, 3:6].reshape(-1)[5:9]) and read.exact and not read.whole
-    assert plan_flat_read(("w", "fp32"), entry, ((0, 4), (2, 6)), 0, 4, 4) is None   # not one split
-    assert plan_flat_read(("w", "fp32"), entry, ((0, 2), (3, 6)), 0, 4, 4) is None   # cut along another dim too
+    assert plan_flat_read(("w", "fp32"), entry, ((0, 4), (2, 6)), 0, 4) is None   # not one split
+    assert plan_flat_read(("w", "fp32"), entry, ((0, 2), (3, 6)), 0, 4) is None   # cut along another dim too

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ucp.convert.primitives import ReplicaMismatchError, extract, strip_pad, union
+from ucp.convert.primitives import ReplicaMismatchError, strip_pad, union
 from ucp.errors import AmbiguousPatternError, UcpError
 from ucp.patterns import FragmentInfo, Hints, Pattern, PatternSpec, recognize
 
@@ -34,6 +35,20 @@ seeds = st.integers(0, 2**31 - 1)
 ranks = st.integers(1, 5)
 dims = st.integers(1, 6)
 shapes = st.lists(dims, min_size=1, max_size=3).map(tuple)
+
+
+def extract(source: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
+    """Extract on an in-memory tensor: the box `offsets`/`lengths` of `source` as a new contiguous tensor
+    (what `assemble.read_fragment` reads from a rank file), to build fragments for Union."""
+    if len(offsets) != source.dim() or len(lengths) != source.dim():
+        raise ValueError(f"box of rank {len(offsets)} does not match a tensor of rank {source.dim()}")
+    if any(start < 0 for start in offsets):
+        # narrow() would count a negative start from the end and silently cut the wrong box.
+        raise ValueError(f"box offsets {tuple(offsets)} must not be negative")
+    piece = source
+    for dim, (start, length) in enumerate(zip(offsets, lengths)):
+        piece = piece.narrow(dim, start, length)
+    return piece.clone(memory_format=torch.contiguous_format)
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -9,6 +9,7 @@ bytes as if row-major and must get them wrong.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -23,10 +24,11 @@ from support.atomic import ADAM_STATES, write_checkpoint
 from test_layout import layouts
 from ucp.checkpoint import AtomicCheckpoint
 from ucp.convert.split_policy import HF_DECODER_RULES, SplitPolicy, SplitRuleError
+from ucp.errors import CheckpointMismatchError
 from ucp.format.slice_read import plan_slice_read
 from ucp.format.splits import from_split_major, join_splits, to_split_major
 from ucp.hmp.layout import Layout, ParamSpec, Replica, Stage, split_bounds
-from ucp.hmp.slice_load import ModelMismatchError, load_slices
+from ucp.hmp.slice_load import load_slices
 
 FAST = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 SLOW = settings(max_examples=25, deadline=None,
@@ -164,9 +166,10 @@ def test_row_parallel_slices_from_a_row_major_checkpoint_are_still_right(tmp_pat
 def test_negative_control_row_major_reading_of_split_major_bytes_is_wrong(tmp_path):
     table, tensors, ckpt = _hmp_case(tmp_path, 4)
     entry = json.loads((ckpt / "ucp_index.json").read_text())["params"]["layers.0.fc2.weight"]["states"]["fp32"]
-    blind = {k: v for k, v in entry.items() if k != "splits"}
+    stored = AtomicCheckpoint(ckpt).model.params["layers.0.fc2.weight"].states["fp32"]
+    blind = dataclasses.replace(stored, splits=None)
     box = ((0, 6), (2, 4))
-    good, bad = (plan_slice_read(("w", "fp32"), e, box, 4) for e in (entry, blind))
+    good, bad = (plan_slice_read(("w", "fp32"), s, box) for s in (stored, blind))
     assert good.range != bad.range or good.narrow != bad.narrow
     reader = AtomicCheckpoint(ckpt)
     raw = torch.empty(entry["offsets"][1] - entry["offsets"][0], dtype=torch.uint8)
@@ -204,11 +207,11 @@ def test_whole_reads_are_checksummed(tmp_path):
 
 def test_model_mismatch_is_a_named_error(tmp_path):
     table, tensors, ckpt = _hmp_case(tmp_path, 2)
-    with pytest.raises(ModelMismatchError, match="has no parameter 'extra'"):
+    with pytest.raises(CheckpointMismatchError, match="has no parameter 'extra'"):
         load_slices(HMP, 0, ckpt, table + [ParamSpec("extra", (2,), None, 0)])
-    with pytest.raises(ModelMismatchError, match=r"checkpoint holds shape \(16, 6\), the model \(16, 7\)"):
+    with pytest.raises(CheckpointMismatchError, match=r"checkpoint holds shape \(16, 6\), the model \(16, 7\)"):
         load_slices(HMP, 0, ckpt, [ParamSpec("embed.weight", (16, 7), 0, -1)])
-    with pytest.raises(ModelMismatchError, match="no state 'exp_avg'"):
+    with pytest.raises(CheckpointMismatchError, match="no state 'exp_avg'"):
         load_slices(HMP, 0, ckpt, table, ("fp32", "exp_avg"))
 
 

@@ -1,8 +1,8 @@
 """The three primitives of Universal Checkpointing, as pure functions on tensors.
 
-Extract cuts a fragment out of a rank's tensor, Union merges the fragments of one state of one
-parameter according to its pattern, StripPad drops ZeRO alignment and vocabulary padding. Reading
-bytes from files is the converters' job; nothing here touches the disk.
+Extract is the read of a fragment's bytes from a rank file (`ucp.convert.assemble.read_fragment`);
+here are Union, which merges the fragments of one state of one parameter according to its pattern,
+and StripPad, which drops ZeRO alignment and vocabulary padding. Nothing here touches the disk.
 """
 from __future__ import annotations
 
@@ -17,19 +17,6 @@ from ucp.patterns.types import Pattern, PatternSpec
 
 class ReplicaMismatchError(UcpError):
     """Copies of a replicated parameter differ (only checked with --strict)."""
-
-
-def extract(source: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
-    """The box `offsets`/`lengths` of `source` as a new contiguous tensor."""
-    if len(offsets) != source.dim() or len(lengths) != source.dim():
-        raise ValueError(f"box of rank {len(offsets)} does not match a tensor of rank {source.dim()}")
-    if any(start < 0 for start in offsets):
-        # narrow() would count a negative start from the end and silently cut the wrong box.
-        raise ValueError(f"box offsets {tuple(offsets)} must not be negative")
-    piece = source
-    for dim, (start, length) in enumerate(zip(offsets, lengths)):
-        piece = piece.narrow(dim, start, length)
-    return piece.clone(memory_format=torch.contiguous_format)
 
 
 def union(spec: PatternSpec, pieces: Sequence, *, strict: bool = False, name: str = "?") -> torch.Tensor:

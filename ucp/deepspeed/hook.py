@@ -70,16 +70,12 @@ from ucp.deepspeed.load_source import Source, box_numel, source_for
 from ucp.deepspeed.placement import as_layout, place_by_layout
 from ucp.deepspeed.readers import assign_readers
 from ucp.deepspeed.targets import OPTIMIZER_STATES, Target, TargetTensor, module_aliases, target_for
-from ucp.errors import CorruptCheckpointError, UcpError, UnsupportedLayoutError
+from ucp.errors import CheckpointMismatchError, CorruptCheckpointError, UcpError, UnsupportedLayoutError
 from ucp.format import loss_scale
 from ucp.hmp.layout import Layout, ParamSpec
 
 Checkpoint = AtomicCheckpoint | PlannedCheckpoint
 __all__ = ["CheckpointMismatchError", "LoadStats", "SaveStats", "initialize", "load", "save", "wait"]
-
-
-class CheckpointMismatchError(UcpError):
-    """The checkpoint does not fit the model or optimizer it is being loaded into."""
 
 
 @dataclass

@@ -7,13 +7,13 @@ readers and broadcasts); every other key is read by the rank that wants it, exac
 where storage allows.
 
 * `AtomicSource` — a ucp checkpoint: states are whole, logical tensors at known offsets
-  (`ucp.format.slice_read`); shared keys are those the whole group wants (ZeRO-0 models, frozen
+  (`ucp.format.box_read`); shared keys are those the whole group wants (ZeRO-0 models, frozen
   parameters, buffers). Every read is checked (`ucp.format.checked_read`): a whole state against its
   CRC-32, part of one against the CRC-32 of each chunk it is widened to.
 * `PlannedSource` — a DeepSpeed checkpoint, resharded on the fly through its `ConversionPlan`. A
   state stored as runs of its flattened tensor (ZeRO-1/2/3 partitions, or one whole tensor in the
   module) serves any run of wanted elements from just the overlapping bytes of the rank files
-  (`ucp.format.slice_read.run_reads`), cast to the state's dtype as `ucp convert` would; a TP box reads
+  (`ucp.deepspeed.flat_runs.run_reads`), cast to the state's dtype as `ucp convert` would; a TP box reads
   the rows that cover it. Any other state (TP shards, pipeline-tied copies, experts' replicas) is
   materialised whole by one rank of the group (`ucp.convert.assemble.materialize`: Union, taking rank 0's
   copy of a replicated state as `ucp convert` does, then StripPad) and broadcast, so it is shared
@@ -40,13 +40,12 @@ from ucp.convert.plan import ConversionPlan, StateSource
 from ucp.deepspeed.flat_runs import FlatRun, flat_runs, run_reads
 from ucp.deepspeed.targets import TargetTensor
 from ucp.format.boxes import Box
+from ucp.format.box_read import BoxWant, full_box, read_boxes
 from ucp.format.byte_ranges import ByteRange
-from ucp.format.checked_read import fetch, read_checked
+from ucp.format.checked_read import fetch
 from ucp.format.fileio import ReadCounter
 from ucp.format.index import StoredState
 from ucp.format.safetensors_stream import TORCH_DTYPES
-from ucp.format.slice_read import SliceRead, plan_flat_read, plan_slice_read
-from ucp.format.splits import box_of_read
 
 Key = tuple[str, str]
 
@@ -75,10 +74,6 @@ def box_numel(t: TargetTensor) -> int:
     return math.prod(hi - lo for lo, hi in t.box) if t.box is not None else math.prod(t.shape)
 
 
-def _full_box(shape) -> Box:
-    return tuple((0, n) for n in shape)
-
-
 def _of_box(full: torch.Tensor, box: Box | None) -> torch.Tensor:
     """`box` of a full tensor, flat."""
     for dim, (lo, hi) in enumerate(box or ()):
@@ -97,60 +92,32 @@ class AtomicSource:
     def __init__(self, ckpt: AtomicCheckpoint):
         self.ckpt = ckpt
 
-    def _entry(self, key: Key) -> dict:
-        name, state = key
-        return self.ckpt.entry(name)["states"][state]  # a tied alias reads its source
-
     def _stored(self, key: Key) -> StoredState:
         name, state = key
-        return self.ckpt.model.params[self.ckpt.model.aliases.get(name, name)].states[state]
+        return self.ckpt.model.params[self.ckpt.model.aliases.get(name, name)].states[state]  # an alias: its source
 
     def dtype(self, key: Key) -> torch.dtype:
-        return TORCH_DTYPES[self._entry(key)["dtype"]]
+        return TORCH_DTYPES[self._stored(key).dtype]
 
     def shared(self, key: Key, t: TargetTensor) -> bool:
         return t.whole
 
     def read(self, wants: dict[Key, TargetTensor], readers: list[Key], bypass: bool, stats) -> dict:
-        """This rank's reads for one layer, coalesced (see `Source.read`).
+        """This rank's reads for one layer, coalesced and checked (see `Source.read`).
 
         With bypass a rank reads exactly its elements when they are contiguous in storage, else the
-        covering part of its box (`ucp.format.slice_read`); without, every tensor it touches whole.
+        covering part of its box (`ucp.format.box_read`); without, every tensor it touches whole.
         """
-        plan: dict[Key, SliceRead] = {}
+        boxes = {}
         for key in readers:
-            t = wants[key]
-            e = self._entry(key)
-            itemsize = TORCH_DTYPES[e["dtype"]].itemsize
-            box = t.box or _full_box(e["shape"])
-            exact = plan_flat_read(key, e, box, t.start, t.numel, itemsize) if bypass else None
-            plan[key] = exact or plan_slice_read(key, e, box if bypass else _full_box(e["shape"]), itemsize)
+            t, stored = wants[key], self._stored(key)
+            box = t.box or full_box(stored.shape)
+            boxes[key] = BoxWant(stored, box, (t.start, t.start + t.numel), whole=not bypass)
         counter = ReadCounter()
-        stored = {key: self._stored(key) for key in plan}
-        chunks, extra = read_checked(self.ckpt.path, {key: (stored[key], read.range) for key, read in plan.items()},
-                                     self.ckpt.model.chunk_bytes, counter)
+        values, extra = read_boxes(self.ckpt.path, boxes, self.ckpt.model.chunk_bytes, counter)
         _count(stats, counter)
         stats.bytes_checked_extra += extra
-        values = {}
-        for key, read in plan.items():
-            e, t = self._entry(key), wants[key]
-            flat = chunks[key].view(TORCH_DTYPES[e["dtype"]])
-            if read.range.nbytes != t.numel * flat.element_size() or read.narrow or read.dim is not None:
-                values[key] = _elements(flat, e, t, read, bypass)
-            else:
-                values[key] = flat
         return values
-
-
-def _elements(flat: torch.Tensor, e: dict, t: TargetTensor, read: SliceRead, bypass: bool) -> torch.Tensor:
-    """`t`'s elements [start, start + numel) of its box, from a read of (a cover of) the box or the whole tensor."""
-    shape = tuple(e["shape"])
-    read_box = (t.box or _full_box(shape)) if bypass else _full_box(shape)
-    tensor = box_of_read(flat, shape, read, tuple(hi - lo for lo, hi in read_box))
-    if t.box is not None and not bypass:
-        for dim, (lo, hi) in enumerate(t.box):
-            tensor = tensor.narrow(dim, lo, hi - lo)
-    return tensor.reshape(-1).narrow(0, t.start, t.numel)
 
 
 class PlannedSource:
@@ -203,14 +170,14 @@ class PlannedSource:
 
     def _span(self, key: Key, t: TargetTensor) -> tuple[int, int]:
         """The elements [lo, hi) of the flattened tensor to read: the target's run, or the rows covering its box."""
-        if t.box is None or t.box == _full_box(t.shape):
+        if t.box is None or t.box == full_box(t.shape):
             return (0, box_numel(t)) if self.shared(key, t) else (t.start, t.start + t.numel)
         row = math.prod(t.shape[1:])
         return t.box[0][0] * row, t.box[0][1] * row
 
     def _from_span(self, span: torch.Tensor, key: Key, t: TargetTensor) -> torch.Tensor:
         """What `read` returns for `t`, from the elements `_span` gave."""
-        if t.box is None or t.box == _full_box(t.shape):
+        if t.box is None or t.box == full_box(t.shape):
             return span
         rows = span.reshape(-1, *t.shape[1:])
         box = ((0, rows.shape[0]),) + tuple(t.box[1:])

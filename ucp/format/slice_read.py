@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from ucp.format.boxes import Box, split_bounds
 from ucp.format.byte_ranges import ByteRange
+from ucp.format.index import DTYPE_SIZES, StoredState
 
 
 @dataclass(frozen=True)
@@ -41,20 +42,19 @@ class SliceRead:
         return not self.narrow
 
 
-def plan_slice_read(key: tuple[str, str], entry: dict, box: Box, itemsize: int) -> SliceRead:
-    """The read that serves `box` of the state whose index entry is `entry` (offsets, shape, splits)."""
-    shape = tuple(entry["shape"])
-    begin, end = entry["offsets"]
-    whole = ByteRange(entry["file"], begin, end)
+def plan_slice_read(key: tuple[str, str], stored: StoredState, box: Box) -> SliceRead:
+    """The read that serves `box` of `stored`."""
+    shape, begin, end, file = stored.shape, stored.begin, stored.end, stored.file
+    itemsize = DTYPE_SIZES[stored.dtype]
+    whole = ByteRange(file, begin, end)
     cut = [d for d, (lo, hi) in enumerate(box) if (lo, hi) != (0, shape[d])]
-    splits = entry.get("splits")
-    dim, count = (splits["dim"], splits["count"]) if splits else (0, None)
+    dim, count = stored.splits or (0, None)
     reordered = dim > 0 and count > 1  # stored bytes are not in row-major order
     layout = (dim, tuple(split_bounds(shape[dim], count))) if reordered else (None, ())
     if not cut:
         return SliceRead(key, whole, *layout, (), True)
     if any(lo == hi for lo, hi in box):  # a TP rank of a dim smaller than its group holds nothing
-        return SliceRead(key, ByteRange(entry["file"], begin, begin), None, (), (), False)
+        return SliceRead(key, ByteRange(file, begin, begin), None, (), (), False)
     if cut != [dim]:
         return SliceRead(key, whole, *layout, tuple((d, box[d][0], box[d][1] - box[d][0]) for d in cut), True)
     # Cut along the stored split dim (row-major storage is split-major along dim 0, a split per row).
@@ -64,22 +64,20 @@ def plan_slice_read(key: tuple[str, str], entry: dict, box: Box, itemsize: int) 
     first, last = _covering(lo, hi, size, count)
     a, b = first * size // count, last * size // count
     row = math.prod(shape) // size * itemsize  # bytes per index along `dim`, across the other dims
-    rng = ByteRange(entry["file"], begin + a * row, begin + b * row)
+    rng = ByteRange(file, begin + a * row, begin + b * row)
     bounds = tuple(split_bounds(size, count)[first:last + 1]) if reordered else (a, b)
     narrow = () if (a, b) == (lo, hi) else ((dim, lo - a, hi - lo),)
     return SliceRead(key, rng, dim, bounds, narrow, (rng.begin, rng.end) == (begin, end))
 
 
-def plan_flat_read(key: tuple[str, str], entry: dict, box: Box, start: int, numel: int,
-                   itemsize: int) -> SliceRead | None:
+def plan_flat_read(key: tuple[str, str], stored: StoredState, box: Box, start: int, numel: int) -> SliceRead | None:
     """The exact read of elements [start, start + numel) of `box` flattened, or None when they are not contiguous."""
-    shape = tuple(entry["shape"])
-    begin, end = entry["offsets"]
+    shape, begin, end, file = stored.shape, stored.begin, stored.end, stored.file
+    itemsize = DTYPE_SIZES[stored.dtype]
     if numel == 0:
-        return SliceRead(key, ByteRange(entry["file"], begin, begin), None, (), (), False)
-    splits = entry.get("splits")
-    if splits and splits["dim"] > 0 and splits["count"] > 1:
-        first = _split_start(box, shape, splits)
+        return SliceRead(key, ByteRange(file, begin, begin), None, (), (), False)
+    if stored.splits and stored.splits[0] > 0 and stored.splits[1] > 1:
+        first = _split_start(box, shape, stored.splits)
         if first is None:
             return None
     elif any((lo, hi) != (0, n) for (lo, hi), n in zip(box[1:], shape[1:])):
@@ -87,17 +85,17 @@ def plan_flat_read(key: tuple[str, str], entry: dict, box: Box, start: int, nume
     else:
         first = box[0][0] * math.prod(shape[1:]) if shape else 0
     first = begin + (first + start) * itemsize
-    rng = ByteRange(entry["file"], first, first + numel * itemsize)
+    rng = ByteRange(file, first, first + numel * itemsize)
     return SliceRead(key, rng, None, (), (), (rng.begin, rng.end) == (begin, end))
 
 
-def _split_start(box: Box, shape: tuple[int, ...], splits: dict) -> int | None:
+def _split_start(box: Box, shape: tuple[int, ...], splits: tuple[int, int]) -> int | None:
     """Where `box` starts in split-major storage (in elements) when it is exactly one split: a split is
     stored as its own row-major block, so any run of its elements is contiguous. None otherwise."""
-    dim = splits["dim"]
+    dim, count = splits
     if any((lo, hi) != (0, n) for d, ((lo, hi), n) in enumerate(zip(box, shape)) if d != dim):
         return None
-    bounds = split_bounds(shape[dim], splits["count"])
+    bounds = split_bounds(shape[dim], count)
     if box[dim] not in zip(bounds, bounds[1:]):
         return None
     return box[dim][0] * (math.prod(shape) // shape[dim])  # the splits before it: box[dim][0] indices along dim

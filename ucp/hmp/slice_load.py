@@ -30,17 +30,11 @@ from dataclasses import dataclass, field
 import torch
 
 from ucp.checkpoint import AtomicCheckpoint
-from ucp.errors import UcpError
-from ucp.format.checked_read import read_checked
+from ucp.errors import CheckpointMismatchError
+from ucp.format.box_read import BoxWant, read_boxes
 from ucp.format.fileio import ReadCounter
-from ucp.format.safetensors_stream import TORCH_DTYPES
-from ucp.format.slice_read import SliceRead, plan_flat_read, plan_slice_read
-from ucp.format.splits import box_of_read
+from ucp.format.index import DTYPE_SIZES
 from ucp.hmp.layout import Layout, OwnedSlice, ParamSpec
-
-
-class ModelMismatchError(UcpError):
-    """The model's parameter table does not match the checkpoint it loads from."""
 
 
 @dataclass
@@ -69,51 +63,35 @@ def load_slices(layout: Layout, rank: int, path: str | os.PathLike, table: Itera
     if layout.zero_stage:
         specs = {spec.name: spec for spec in table}
         out.shards = {name: layout.zero_shard(rank, specs[name]) for name in owned}
-    reads: list[SliceRead] = []
+    model = ckpt.model
+    wants = {}
     for name, piece in owned.items():
         for state in states:
-            entry = ckpt.index["params"][name]["states"][state]
-            itemsize = TORCH_DTYPES[entry["dtype"]].itemsize
+            stored = model.params[name].states[state]
+            itemsize = DTYPE_SIZES[stored.dtype]
             shard = out.shards.get(name) if state != "fp32" else None
-            if shard is None:
-                out.share_bytes += math.prod(b - a for a, b in piece.box) * itemsize
-                reads.append(plan_slice_read((name, state), entry, piece.box, itemsize))
-            else:
-                out.share_bytes += (shard[1] - shard[0]) * itemsize
-                reads.append(plan_flat_read((name, state), entry, piece.box, shard[0], shard[1] - shard[0], itemsize)
-                             or plan_slice_read((name, state), entry, piece.box, itemsize))
+            out.share_bytes += (shard[1] - shard[0] if shard else math.prod(b - a for a, b in piece.box)) * itemsize
+            wants[(name, state)] = BoxWant(stored, piece.box, shard)
     counter = ReadCounter()
-    model = ckpt.model
-    chunks, out.bytes_checked_extra = read_checked(
-        ckpt.path, {r.key: (model.params[r.key[0]].states[r.key[1]], r.range) for r in reads}, model.chunk_bytes,
-        counter, verify)
-    for r in reads:
-        name, state = r.key
-        entry = ckpt.index["params"][name]["states"][state]
-        raw = chunks[r.key]
-        flat = raw.view(TORCH_DTYPES[entry["dtype"]])
-        shard = out.shards.get(name) if state != "fp32" else None
-        if shard is not None and r.dim is None and not r.narrow and not r.whole:
-            value = flat  # an exact read of the shard
-        else:
-            value = box_of_read(flat, entry["shape"], r, tuple(b - a for a, b in owned[name].box))
-            if shard is not None:
-                value = value.reshape(-1)[shard[0]:shard[1]].clone()
+    values, out.bytes_checked_extra = read_boxes(ckpt.path, wants, model.chunk_bytes, counter, verify)
+    for (name, state), value in values.items():
+        if wants[(name, state)].run is not None and value.untyped_storage().nbytes() > value.nbytes:
+            value = value.clone()  # a shard cut from a larger read: do not keep the whole read alive
         out.tensors.setdefault(name, {})[state] = value
-    out.bytes_read, out.read_calls, out.tensors_touched = counter.bytes, counter.calls, len(reads)
+    out.bytes_read, out.read_calls, out.tensors_touched = counter.bytes, counter.calls, len(wants)
     return out
 
 
 def _check(ckpt: AtomicCheckpoint, table: list[ParamSpec], states: Sequence[str]) -> None:
-    params = ckpt.index["params"]
+    params = ckpt.model.params
     for spec in table:
         if spec.name not in params:
-            raise ModelMismatchError(f"{ckpt.path}: has no parameter '{spec.name}', which the model has; was it "
-                                     "saved from another model?")
-        saved = tuple(params[spec.name]["shape"])
+            raise CheckpointMismatchError(f"{ckpt.path}: has no parameter '{spec.name}', which the model has; was it "
+                                          "saved from another model?")
+        saved = params[spec.name].shape
         if saved != spec.shape:
-            raise ModelMismatchError(f"{spec.name}: the checkpoint holds shape {saved}, the model {spec.shape}")
-        missing = [s for s in states if s not in params[spec.name]["states"]]
+            raise CheckpointMismatchError(f"{spec.name}: the checkpoint holds shape {saved}, the model {spec.shape}")
+        missing = [s for s in states if s not in params[spec.name].states]
         if missing:
-            raise ModelMismatchError(f"{spec.name}: the checkpoint has no state '{missing[0]}' (has "
-                                     f"{', '.join(params[spec.name]['states'])})")
+            raise CheckpointMismatchError(f"{spec.name}: the checkpoint has no state '{missing[0]}' (has "
+                                          f"{', '.join(params[spec.name].states)})")
