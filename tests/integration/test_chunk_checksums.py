@@ -87,7 +87,8 @@ def test_a_partial_read_is_widened_to_whole_chunks_and_checked(converted, tmp_pa
 def test_a_flipped_bit_in_a_partitioned_tensor_is_refused_by_every_rank(converted, tiny_checkpoint, ckpt_root,
                                                                         tmp_path):
     """The hook on 2 ZeRO-1 ranks, each reading its part of the flat partitions: the rank whose part holds
-    the flip finds it; every rank raises CorruptCheckpointError naming the file, none hangs."""
+    the flip finds it; every rank raises CorruptCheckpointError naming the file, none hangs, and every
+    rank's engine is untouched (check_first: every byte is checked before any is installed)."""
     from ucp.converters.dispatch import plan_deepspeed
 
     # The parameter whose exp_avg the two ranks' partitions split, and where rank 1's part begins.
@@ -101,6 +102,12 @@ def test_a_flipped_bit_in_a_partitioned_tensor_is_refused_by_every_rank(converte
     for rank, error in enumerate(result["errors"]):
         assert error is not None and f"{name}:{STATE} bytes" in error and "fail their checksum" in error, \
             (rank, error)
+    assert result["untouched_on"] == [True, True]
+    # Control: installing layer by layer as it reads (check_first=False), the same damage is still refused
+    # on every rank, but after the engine was changed.
+    [streamed] = ucp_load_errors([damaged], SOURCE, ckpt_root, check_first=False)
+    assert all(e is not None and "fail their checksum" in e for e in streamed["errors"])
+    assert streamed["untouched_on"] != [True, True]
     # Negative control: the same load of the undamaged copy succeeds.
     [clean] = ucp_load_errors([converted], SOURCE, ckpt_root)
     assert clean["errors"] == [None, None]

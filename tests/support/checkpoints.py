@@ -370,18 +370,20 @@ def ucp_stats(result: RunResult) -> list[dict]:
     return json.loads((result.run_dir / "ucp_stats.json").read_text())
 
 
-def ucp_load_errors(ucp_dirs: list[Path], spec: TinySpec, root: Path) -> list[dict]:
-    """Load each of ``ucp_dirs`` into one fresh engine expecting ucp errors.
+def ucp_load_errors(ucp_dirs: list[Path], spec: TinySpec, root: Path, check_first: bool = True) -> list[dict]:
+    """Load each of ``ucp_dirs`` into one fresh engine expecting ucp errors (``check_first`` as `ucp.deepspeed.load`).
 
-    Returns ``[{"path", "error": str | None, "untouched": bool, "errors": [every rank's error]}]``, one per
-    directory, in order (``error`` and ``untouched`` are rank 0's).
+    Returns ``[{"path", "error": str | None, "untouched": bool, "errors": [every rank's error],
+    "untouched_on": [whether each rank's engine is as before]}]``, one per directory, in order
+    (``error`` and ``untouched`` are rank 0's).
     """
     runs = Path(root) / "runs"
     runs.mkdir(parents=True, exist_ok=True)
     run_dir = Path(tempfile.mkdtemp(prefix=f"ucp-error-{spec.name}-", dir=runs))
     out = run_dir / "error.json"
     run_tiny(spec, run_dir, steps=0, save=False,
-             extra_args=["--ucp-load", ",".join(str(d) for d in ucp_dirs), "--ucp-expect-error", str(out)])
+             extra_args=["--ucp-load", ",".join(str(d) for d in ucp_dirs), "--ucp-expect-error", str(out)]
+             + ([] if check_first else ["--ucp-no-check-first"]))
     return json.loads(out.read_text())
 
 

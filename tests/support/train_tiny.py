@@ -145,6 +145,8 @@ def parse_args(argv=None):
     p.add_argument("--ucp-load", type=str, default=None,
                    help="resume from this ucp atomic checkpoint through ucp.deepspeed.initialize")
     p.add_argument("--ucp-no-bypass", action="store_true", help="turn redundancy-bypassing reads off")
+    p.add_argument("--ucp-no-check-first", action="store_true",
+                   help="with --ucp-expect-error: load with check_first=False (install as it reads)")
     p.add_argument("--ucp-stats-out", type=str, default=None,
                    help="rank 0 writes every rank's ucp load statistics (JSON list, by rank)")
     p.add_argument("--ucp-save-dir", type=str, default=None,
@@ -295,14 +297,16 @@ def expect_ucp_error(engine, args, rank) -> int:
     for path in args.ucp_load.split(","):
         before = engine_digest(engine)
         try:
-            ucp.deepspeed.load(engine, path)
+            ucp.deepspeed.load(engine, path, check_first=not args.ucp_no_check_first)
             error = None
         except UcpError as exc:
             error = str(exc)
         errors = [None] * dist.get_world_size()
         dist.all_gather_object(errors, error)
-        results.append({"path": path, "error": error, "untouched": engine_digest(engine) == before,
-                        "errors": errors})
+        untouched = [None] * dist.get_world_size()
+        dist.all_gather_object(untouched, engine_digest(engine) == before)
+        results.append({"path": path, "error": error, "untouched": untouched[0], "errors": errors,
+                        "untouched_on": untouched})
     if rank == 0:
         with open(args.ucp_expect_error, "w") as f:
             json.dump(results, f)

@@ -18,6 +18,7 @@ LOAD_OPTIONS: dict[str, tuple[type, ...]] = {
     "load_optimizer_states": (bool,),
     "load_lr_scheduler_states": (bool,),
     "strict": (bool,),
+    "check_first": (bool,),
     "layout": (dict, str, os.PathLike),
 }
 KNOWN_KEYS = ("load", "save", *LOAD_OPTIONS)

@@ -21,6 +21,10 @@ committed, and runs at exit too; see `ucp.deepspeed.async_save`). The `"ucp"` co
   bytes, and broadcast. False makes every rank read every tensor it touches whole, as stock
   `load_universal` does (for comparison).
 * `load_optimizer_states` (bool, default true), `load_lr_scheduler_states` (bool, default true).
+* `check_first` (bool, default true): read and check every byte a rank will load before installing
+  any, so that a damaged checkpoint raises `CorruptCheckpointError` on every rank with the engine
+  untouched. This reads the rank's bytes twice (the second time usually from the page cache); false
+  reads once and installs layer by layer, so damage found at layer k leaves layers before k loaded.
 * `strict` (bool, default true): a checkpoint parameter the model lacks is an error (tied weights:
   see below).
 * `layout` (dict, or path to its JSON): an explicit `ucp.hmp.layout.Layout`, for heterogeneous model
@@ -84,6 +88,7 @@ class LoadStats:
 
     bytes_read: int = 0
     bytes_checked_extra: int = 0  # of bytes_read: read only to check whole chunks around a partial read
+    bytes_checked_first: int = 0  # not in bytes_read: read by the check before anything is installed (check_first)
     read_calls: int = 0
     bytes_broadcast: int = 0
     tensors: int = 0
@@ -122,7 +127,7 @@ def initialize(*args, **kwargs):
 
 
 def load(engine, path: str | os.PathLike, *, bypass: bool = True, load_optimizer_states: bool = True,
-         load_lr_scheduler_states: bool = True, strict: bool = True,
+         load_lr_scheduler_states: bool = True, strict: bool = True, check_first: bool = True,
          layout: Layout | dict | str | os.PathLike | None = None,
          param_table: Sequence[ParamSpec] | None = None) -> dict:
     """Restore `engine` from the checkpoint at `path`; returns the saved client state.
@@ -153,7 +158,7 @@ def load(engine, path: str | os.PathLike, *, bypass: bool = True, load_optimizer
     _agree(error)
     stats = LoadStats(client_state=dict(ckpt.client_state))
     with torch.no_grad():
-        _load_tensors(source_for(ckpt), target, state_names, bypass, stats)
+        _load_tensors(source_for(ckpt), target, state_names, bypass, check_first, stats)
     if load_optimizer_states:
         _restore_steps(ckpt, target)
         _restore_optimizer_globals(ckpt, target)
@@ -286,11 +291,14 @@ def _states_of(t: TargetTensor, state_names: list[str]) -> list[str]:
     return ["fp32"] + (state_names if t.kind == "param" else [])
 
 
-def _load_tensors(source: Source, target: Target, state_names: list[str], bypass: bool, stats: LoadStats) -> None:
-    target.prepare_states(state_names)
+def _load_tensors(source: Source, target: Target, state_names: list[str], bypass: bool, check_first: bool,
+                  stats: LoadStats) -> None:
     me = dist.get_rank() if dist.is_initialized() else 0
     groups = _dp_groups(target)
     owners = _shared_owners(source, target, state_names, groups) if bypass else {}
+    if check_first and source.checks:
+        _check_all(source, target, state_names, owners, me, bypass, stats)
+    target.prepare_states(state_names)
     damaged: UcpError | None = None
     for layer in _layers(target.tensors):
         wants = {(t.name, s): t for t in layer for s in _states_of(t, state_names)}
@@ -314,6 +322,23 @@ def _load_tensors(source: Source, target: Target, state_names: list[str], bypass
                 stats.tensors += 1
         stats.layers += 1
         stats.peak_layer_bytes = max(stats.peak_layer_bytes, sum(v.numel() * v.element_size() for v in values.values()))
+    _agree(damaged, CorruptCheckpointError)
+
+
+def _check_all(source: Source, target: Target, state_names: list[str], owners: dict, me: int, bypass: bool,
+               stats: LoadStats) -> None:
+    """Read and check every byte this rank will load, layer by layer, installing nothing: a damaged
+    checkpoint raises on every rank before the engine is touched."""
+    scratch = LoadStats()
+    damaged: UcpError | None = None
+    for layer in _layers(target.tensors):
+        wants = {(t.name, s): t for t in layer for s in _states_of(t, state_names)}
+        try:
+            source.read(wants, _mine(wants, owners, me), bypass, scratch)
+        except UcpError as exc:
+            damaged = exc
+            break
+    stats.bytes_checked_first = scratch.bytes_read
     _agree(damaged, CorruptCheckpointError)
 
 

@@ -54,6 +54,8 @@ class Source(Protocol):
     """What the hook reads tensors through (the checkpoint itself answers the checks: its index,
     optimizer and training state)."""
 
+    checks: bool  # whether `read` checks what it reads (raising CorruptCheckpointError on damage)
+
     def dtype(self, key: Key) -> torch.dtype:
         """The dtype the state's values come in (what the atomic format stores)."""
 
@@ -89,6 +91,8 @@ def _count(stats, counter: ReadCounter) -> None:
 class AtomicSource:
     """A ucp checkpoint, read through its index."""
 
+    checks = True
+
     def __init__(self, ckpt: AtomicCheckpoint):
         self.ckpt = ckpt
 
@@ -122,6 +126,8 @@ class AtomicSource:
 
 class PlannedSource:
     """A DeepSpeed checkpoint, read through its conversion plan (see the module docstring)."""
+
+    checks = False
 
     def __init__(self, plan: ConversionPlan):
         self._params = {p.name: p for p in plan.params}
