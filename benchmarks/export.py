@@ -12,7 +12,10 @@
      --safe_serialization` (the consolidated fp32 state dict), then `AutoModelForCausalLM.from_pretrained(
      <tmp>/fp32).save_pretrained(<tmp>/ds_hf)` (the transformers folder); its time is the sum, its peak the
      larger peak;
-   * for information, `ucp export --to dcp` (weights and Adam moments, DCP).
+   * for information, `ucp export --to dcp` (weights and Adam moments, DCP);
+   * for information, the floors under those peaks, measured the same way: ucp's architecture check alone
+     (`model_keys` of the config: `import torch`, transformers' model class, the model built on the meta
+     device), `import torch` alone, and the imports of `zero_to_fp32.py` (`import torch, deepspeed`).
 3. Checks that every tensor of ucp's folder equals (`torch.equal`) the DeepSpeed way's, and prints time and
    peak RSS side by side with the ratios the project targets (faster; at most 1/4 of the peak memory).
 """
@@ -35,6 +38,8 @@ from convert import (RSS_NOTE, Sample, build_checkpoint, fmt_bytes, machine_info
 
 SAVE_PRETRAINED = ("import sys; from transformers import AutoModelForCausalLM; "
                    "AutoModelForCausalLM.from_pretrained(sys.argv[1]).save_pretrained(sys.argv[2])")
+ARCH_CHECK = ("import sys; from ucp.export.model_config import find_config, model_keys; "
+              "model_keys(find_config(None, sys.argv[1]))")
 HEADER = ["tool", "wall s", "wall+sync s", "CPU s", "peak RSS MiB", "peak anon MiB", "written", "files"]
 
 
@@ -114,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"checkpoint: {save_dir} ({fmt_bytes(src_bytes)} in {src_files} files); config {config}", flush=True)
         shutil.copytree(save_dir, tmp / "warmup")  # untimed: every tool then reads from a warm page cache
         shutil.rmtree(tmp / "warmup")
-        runs = {key: [] for key in ("ucp", "z2f", "spt", "dcp")}
+        runs = {key: [] for key in ("ucp", "z2f", "spt", "dcp", "check", "torch", "dsimp")}
         for rep in range(args.repeat):
             for folder in ("ucp_hf", "ds_hf"):
                 shutil.rmtree(tmp / folder, ignore_errors=True)
@@ -126,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
                 "spt": ([sys.executable, "-c", SAVE_PRETRAINED, str(tmp / "fp32"), str(tmp / "ds_hf")], tmp / "ds_hf"),
                 "dcp": (ucp_command() + ["export", "--input", str(save_dir), "--output", str(tmp / "ucp_dcp"), "--to",
                                          "dcp", "--config", str(config), "--quiet"], tmp / "ucp_dcp"),
+                "check": ([sys.executable, "-c", ARCH_CHECK, str(config)], tmp / "nothing"),
+                "torch": ([sys.executable, "-c", "import torch"], tmp / "nothing"),
+                "dsimp": ([sys.executable, "-c", "import torch, deepspeed"], tmp / "nothing"),
             }
             for key, (cmd, out) in commands.items():
                 sample = measure(cmd, out, log)
@@ -136,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                     shutil.copy(config, tmp / "fp32")  # untimed: from_pretrained reads the model's config
                 if key in ("spt", "dcp"):
                     shutil.rmtree(tmp / ("fp32" if key == "spt" else "ucp_dcp"))
-        ucp, z2f, spt, dcp = (median(runs[key]) for key in ("ucp", "z2f", "spt", "dcp"))
+        ucp, z2f, spt, dcp, check, torch_only, ds_imports = (median(runs[key]) for key in runs)
         compared, differ = same_tensors(tmp / "ucp_hf", tmp / "ds_hf")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -144,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     deepspeed = combined(z2f, spt)
     rows = [row("ucp export --to hf", ucp), row("zero_to_fp32.py --safe_serialization", z2f),
             row("from_pretrained + save_pretrained", spt), row("DeepSpeed way (both)", deepspeed),
-            row("(info) ucp export --to dcp", dcp)]
+            row("(info) ucp export --to dcp", dcp), row("(floor) ucp's architecture check alone", check),
+            row("(floor) import torch", torch_only), row("(floor) import torch, deepspeed", ds_imports)]
     # ucp fsyncs what it writes before the rename that commits it; zero_to_fp32.py and save_pretrained do not,
     # so their writeback shows only in wall+sync, the time until the folder is durable.
     speedup = (deepspeed.wall + deepspeed.sync) / (ucp.wall + ucp.sync)
@@ -153,7 +162,11 @@ def main(argv: list[str] | None = None) -> int:
                 ("peak RSS / the DeepSpeed way's", f"{rss:.3f}", "<= 0.25", rss <= 0.25),
                 ("(info) speed-up, wall time alone", f"{deepspeed.wall / ucp.wall:.2f}x", "", None),
                 ("(info) speed-up, CPU time", f"{deepspeed.cpu / ucp.cpu:.2f}x", "", None),
-                ("(info) peak anon / the DeepSpeed way's", f"{ucp.peak_anon / deepspeed.peak_anon:.3f}", "", None)]
+                ("(info) peak anon / the DeepSpeed way's", f"{ucp.peak_anon / deepspeed.peak_anon:.3f}", "", None),
+                ("(info) ucp's architecture check alone / the DeepSpeed way's peak",
+                 f"{check.peak_rss / deepspeed.peak_rss:.3f}", "", None),
+                ("(info) peak RSS above floors (ucp's check; DeepSpeed's imports)",
+                 f"{(ucp.peak_rss - check.peak_rss) / (deepspeed.peak_rss - ds_imports.peak_rss):.3f}", "", None)]
     load = f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after"
     correct = (f"all {compared} tensors equal (torch.equal)" if not differ
                else f"MISMATCH in {len(differ)} tensors: {', '.join(differ[:5])}")
@@ -161,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows, markdown=False))
     print()
     for label, value, goal, ok in verdicts:
-        print(f"  {label:42s} {value:>8s}" + ("" if ok is None else f"   target {goal:8s} {'PASS' if ok else 'MISS'}"))
+        print(f"  {label:62s} {value:>8s}" + ("" if ok is None else f"   target {goal:8s} {'PASS' if ok else 'MISS'}"))
     print(f"\ncorrectness: ucp's folder vs the DeepSpeed way's: {correct}; 1-min load average {load}")
     if args.markdown_out:
         mach = machine_info()
