@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 
 import ucp.deepspeed
-from support.reference_tp import RefConfig, StageModule, param_table, tp_groups
-from support.reference_tp import Stage as RefStage
+from reference_tp import RefConfig, StageModule, param_table, tp_groups
+from reference_tp import Stage as RefStage
 from ucp.hmp import load_slices
 from ucp.hmp.layout import Layout
 

@@ -1,8 +1,10 @@
 """Where an export is written: a hidden folder beside the output, renamed onto it as the last step.
 
 The rename is the commit point (as DCP's metadata rename and Orbax's finalize are): an export
-that fails, fills the disk or is interrupted leaves no folder under the output's name, only the
-hidden `.<name>.partial` (removed on failure, and by the next export to the same output).
+that fails, fills the disk or is interrupted leaves at most an empty folder under the output's name,
+and the hidden `.<name>.partial` (removed on failure, and by the next export to the same output).
+While it writes, an export holds the output folder locked (`writing_alone`), so a second export to
+the same output is refused instead of removing the first one's files.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ucp.errors import ExportError, OutputExistsError
+from ucp.format.fileio import writing_alone
 from ucp.format.folder import fsync_dir
 
 _FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
@@ -43,7 +46,12 @@ def staged_output(output: str | os.PathLike) -> Iterator[Path]:
     """A fresh hidden folder beside `output` to write into; renamed to `output` when the body returns."""
     output = Path(output)
     check_output(output)
-    output.parent.mkdir(parents=True, exist_ok=True)
+    with writing_alone(output):  # creates the output as an empty folder, the commit replaces it
+        check_output(output)  # another export may have committed between the check and the lock
+        yield from _staged(output)
+
+
+def _staged(output: Path) -> Iterator[Path]:
     staging = output.parent / f".{output.name}.partial"
     if staging.exists():  # left by an export that was killed
         shutil.rmtree(staging)
