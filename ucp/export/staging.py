@@ -1,13 +1,14 @@
 """Where an export is written: a hidden folder beside the output, renamed onto it as the last step.
 
 The rename is the commit point (as DCP's metadata rename and Orbax's finalize are): an export
-that fails, fills the disk or is interrupted leaves at most an empty folder under the output's name,
-and the hidden `.<name>.partial` (removed on failure, and by the next export to the same output).
+that fails or fills the disk leaves nothing; one that is killed leaves at most an empty folder under
+the output's name and the hidden `.<name>.partial` (removed by the next export to the same output).
 While it writes, an export holds the output folder locked (`writing_alone`), so a second export to
 the same output is refused instead of removing the first one's files.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
@@ -46,9 +47,16 @@ def staged_output(output: str | os.PathLike) -> Iterator[Path]:
     """A fresh hidden folder beside `output` to write into; renamed to `output` when the body returns."""
     output = Path(output)
     check_output(output)
+    created = not output.exists()
     with writing_alone(output):  # creates the output as an empty folder, the commit replaces it
         check_output(output)  # another export may have committed between the check and the lock
-        yield from _staged(output)
+        try:
+            yield from _staged(output)
+        except BaseException:
+            if created:
+                with contextlib.suppress(OSError):
+                    output.rmdir()  # the empty folder the lock made (a commit never fails after its rename)
+            raise
 
 
 def _staged(output: Path) -> Iterator[Path]:
