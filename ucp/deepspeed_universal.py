@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
-from ucp.assemble import materialize
+from ucp.assemble import materialize_tensor
 from ucp.convert import ConvertResult, plan_bins
 from ucp.converters.deepspeed_slices import load_dict
-from ucp.converters.torch_zip import LazyTensor, Opaque, read_tensor
+from ucp.converters.torch_zip import Device, DtypeName, LazyTensor, Opaque, read_tensor
 from ucp.errors import CorruptCheckpointError, OutputExistsError, UnsupportedLayoutError
 from ucp.executor import Executor, Report
 from ucp.patterns import Pattern, PatternSpec
@@ -78,7 +78,7 @@ def save_bin(task: SaveBin, report: Report) -> dict:
         folder = Path(task.zero_dir) / p.name
         folder.mkdir(parents=True, exist_ok=True)
         for state, source in p.states.items():
-            tensor = materialize(source, name=p.name, strict=task.strict).float()
+            tensor = materialize_tensor(source, name=p.name, strict=task.strict).float()
             if task.zero3 and p.kind == TRAINABLE:
                 payload = tensor.reshape(-1)
             else:
@@ -170,7 +170,11 @@ def _plain(value, path: Path, key: str):
         return {k: _plain(v, path, key) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return type(value)(_plain(v, path, key) for v in value)
-    if value is None or isinstance(value, (str, int, float, bool, torch.dtype)):
+    if isinstance(value, DtypeName):
+        return getattr(torch, value)
+    if isinstance(value, Device):
+        return torch.device(value.type, value.index)
+    if value is None or isinstance(value, (str, int, float, bool)):
         return value
     if isinstance(value, LazyTensor):
         return read_tensor(value)

@@ -34,7 +34,7 @@ from typing import Protocol
 
 import torch
 
-from ucp.assemble import materialize
+from ucp.assemble import materialize_tensor
 from ucp.checkpoint import AtomicCheckpoint, PlannedCheckpoint
 from ucp.deepspeed_targets import TargetTensor
 from ucp.checked_read import fetch, read_checked
@@ -184,7 +184,7 @@ class PlannedSource:
         for key in readers:
             t, runs = wants[key], self._flat(key)
             if not bypass or runs is None:
-                full = materialize(self._state(key), name=key[0], counter=counter)
+                full = materialize_tensor(self._state(key), name=key[0], counter=counter)
                 values[key] = self._wanted(_of_box(full, t.box), key, t, bypass)
                 continue
             ranges[key] = run_reads(runs, *self._span(key, t), TORCH_DTYPES[runs[0].piece.dtype].itemsize)

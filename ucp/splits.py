@@ -16,12 +16,16 @@ import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+import numpy as np
 
 from ucp.errors import UcpError
 from ucp.layout import split_bounds
 from ucp.plan import ConversionPlan
+
+if TYPE_CHECKING:
+    import torch
 
 # Megatron-style partition dims of Hugging Face Llama / Qwen2 / Mistral parameter names: column-parallel
 # and vocab-parallel weights (and their biases) along dim 0, row-parallel weights along dim 1. First match wins;
@@ -86,12 +90,18 @@ def apply_split_policy(plan: ConversionPlan, policy: SplitPolicy) -> ConversionP
     return dataclasses.replace(plan, params=params)
 
 
-def to_split_major(tensor: torch.Tensor, dim: int, count: int) -> torch.Tensor:
-    """The elements of `tensor` split after split along `dim` (a flat tensor when dim > 0)."""
+def to_split_major(tensor: torch.Tensor | np.ndarray, dim: int, count: int) -> torch.Tensor | np.ndarray:
+    """The elements of `tensor` (a torch tensor or numpy array) split after split along `dim` (flat when dim > 0)."""
+    numpy = isinstance(tensor, np.ndarray)
     if dim == 0 or count == 1:
-        return tensor.contiguous()
+        return np.ascontiguousarray(tensor) if numpy else tensor.contiguous()
     bounds = split_bounds(tensor.shape[dim], count)
-    return torch.cat([tensor.narrow(dim, a, b - a).reshape(-1) for a, b in zip(bounds, bounds[1:])])
+    splits = [tensor[(slice(None),) * dim + (slice(a, b),)].reshape(-1) for a, b in zip(bounds, bounds[1:])]
+    if numpy:
+        return np.concatenate(splits)
+    import torch
+
+    return torch.cat(splits)
 
 
 def join_splits(flat: torch.Tensor, shape: Sequence[int], dim: int, bounds: Sequence[int]) -> torch.Tensor:
@@ -101,6 +111,8 @@ def join_splits(flat: torch.Tensor, shape: Sequence[int], dim: int, bounds: Sequ
     row-major block of the full `shape` except along `dim`; the result has `shape` with `dim`
     narrowed to `[bounds[0], bounds[-1])`.
     """
+    import torch
+
     shape = list(shape)
     if dim == 0:
         return flat.reshape([bounds[-1] - bounds[0]] + shape[1:])
