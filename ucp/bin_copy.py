@@ -38,8 +38,11 @@ from ucp.plan import ParamPlan, StateSource
 from ucp.safetensors_stream import StoredTensor, TensorSlot, encode_header
 from ucp.splits import to_split_major
 
-BLOCK_BYTES = 8 << 20  # a block: what one thread reads, checksums and writes at a time
-THREADS = 3            # blocks in flight per worker: one reading, one checksumming, one writing
+BLOCK_BYTES = 8 << 20  # a block: the bytes one thread copies as one task
+# A block moves through a buffer this large, a piece at a time: read, CRC'd and written while the
+# piece is still in the core's cache (8 MiB pieces ran three times slower than 1 MiB ones here).
+PIECE_BYTES = 1 << 20
+THREADS = 3            # blocks in flight per worker, so reads, CRCs and writes overlap
 WRITEBACK_BYTES = 64 << 20  # start the kernel's writeback after this many bytes, so fsync has little left
 
 Segment = tuple[int, int, int]               # (begin, end, crc32) of output bytes
@@ -203,33 +206,44 @@ class Copier:
         self._pool = ThreadPoolExecutor(THREADS)
         self._buffers: queue.Queue[np.ndarray] = queue.Queue()
         for _ in range(THREADS):
-            self._buffers.put(np.empty(BLOCK_BYTES, dtype=np.uint8))
+            self._buffers.put(np.empty(PIECE_BYTES, dtype=np.uint8))
 
     def submit(self, block: Block) -> Future:
         return self._pool.submit(self._copy, block)
 
     def _copy(self, block: Block) -> tuple[list[Segment], list[SourceSegment]]:
         run, buffer = block.run, self._buffers.get()
+        itemsize, out_itemsize = DTYPE_SIZES[run.dtype], DTYPE_SIZES[block.dtype]
+        per_piece = PIECE_BYTES // itemsize
+        written: list[Segment] = []
+        read: list[SourceSegment] = []
         try:
-            itemsize = DTYPE_SIZES[run.dtype]
-            source = run.offset + block.start * itemsize
-            raw = buffer[:block.numel * itemsize]
-            self.sources.read(run.path, memoryview(raw), source)
-            if run.dtype == block.dtype:
-                segments = self.write(raw, block.dest)
-                return segments, [(run.path, lo - block.dest + source, hi - block.dest + source, crc)
-                                  for lo, hi, crc in segments]
-            upcast = cast(raw.view(NUMPY_DTYPES[run.dtype]), run.dtype, block.dtype)
-            return self.write(upcast, block.dest), [(run.path, source, source + raw.nbytes, zlib.crc32(raw))]
+            for start in range(block.start, block.start + block.numel, per_piece):
+                numel = min(per_piece, block.start + block.numel - start)
+                source = run.offset + start * itemsize
+                dest = block.dest + (start - block.start) * out_itemsize
+                raw = buffer[:numel * itemsize]
+                self.sources.read(run.path, memoryview(raw), source)
+                if run.dtype == block.dtype:  # the output's CRCs are the source's
+                    segments = self.write(raw, dest)
+                    read += [(run.path, lo - dest + source, hi - dest + source, crc) for lo, hi, crc in segments]
+                else:
+                    read.append((run.path, source, source + raw.nbytes, zlib.crc32(raw)))
+                    segments = self.write(cast(raw.view(NUMPY_DTYPES[run.dtype]), run.dtype, block.dtype), dest)
+                written += segments
         finally:
             self._buffers.put(buffer)
+        return written, read
 
     def write(self, data: np.ndarray, dest: int) -> list[Segment]:
-        """Write `data` at byte `dest` of the output; the CRC-32 of its pieces between chunk boundaries."""
+        """Write `data` at byte `dest` of the output; the CRC-32 of its pieces between chunk boundaries
+        (each piece CRC'd and written in turn, while it is in the cache)."""
         raw = tensor_bytes(data)
-        segments = [(lo, hi, zlib.crc32(raw[lo - dest:hi - dest]))
-                    for lo, hi in chunk_bounds(dest, dest + len(raw), self.out.chunk_bytes)]
-        self.out.write(raw, dest)
+        segments = []
+        for lo, hi in chunk_bounds(dest, dest + len(raw), self.out.chunk_bytes):
+            piece = raw[lo - dest:hi - dest]
+            segments.append((lo, hi, zlib.crc32(piece)))
+            self.out.write(piece, lo)
         return segments
 
     def close(self) -> None:
