@@ -39,6 +39,12 @@ import psutil
 HERE = Path(__file__).resolve().parent
 TRAIN_SCRIPT = HERE / "_train_llama.py"
 CKPT_NAME = "llama112m-zero1-fp32-dp2"
+# --source: the cached checkpoint's folder name and how _train_llama.py trains it (all: the same Llama, DP 2)
+SOURCES = {
+    "zero1": (CKPT_NAME, []),
+    "zero2-bf16": ("llama112m-zero2-bf16-dp2", ["--stage", "2", "--dtype", "bf16"]),
+    "zero3": ("llama112m-zero3-fp32-dp2", ["--stage", "3"]),
+}
 DONE_MARKER = ".done"
 POLL_S = 0.02
 VERIFY_STATES = ("fp32", "exp_avg", "exp_avg_sq")
@@ -78,9 +84,10 @@ def base_env() -> dict[str, str]:
     return env
 
 
-def build_checkpoint(cache: Path) -> Path:
-    """The save_dir of the cached checkpoint, training it first if no done-marker exists."""
-    root = cache / CKPT_NAME
+def build_checkpoint(cache: Path, source: str = "zero1") -> Path:
+    """The save_dir of the cached checkpoint of `source` (see SOURCES), training it first if no done-marker exists."""
+    name, train_args = SOURCES[source]
+    root = cache / name
     save_dir = root / "ckpt"
     if (root / DONE_MARKER).is_file():
         return save_dir
@@ -97,7 +104,7 @@ def build_checkpoint(cache: Path) -> Path:
                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TOKENIZERS_PARALLELISM": "false"})
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
                "--master_addr", "127.0.0.1", "--master_port", str(port), str(TRAIN_SCRIPT), str(save_dir),
-               "--info-out", str(root / "model_info.json")]
+               "--info-out", str(root / "model_info.json"), *train_args]
         t0 = time.perf_counter()
         with open(log, "a") as f:
             f.write(f"$ {' '.join(cmd)}\n")

@@ -3,9 +3,12 @@
 `torch.save` writes a zip file whose entries are stored uncompressed, each with the CRC-32 of its
 bytes in the zip directory. Every tensor storage is one entry. The conversion's workers CRC the
 bytes they read, in pieces (`ucp.bin_copy`); here the driver joins the pieces of each entry that
-the conversion touched, in file order, with `crc32_combine`, reads and CRCs whatever bytes of it
-no worker read (ZeRO's alignment padding, tensors no state uses), and compares the result with the
-zip's CRC-32, before the index is committed.
+the conversion copies from, in file order, with `crc32_combine`, reads and CRCs whatever bytes of
+it no worker read (ZeRO's alignment padding, tensors no state uses), and compares the result with
+the zip's CRC-32, before the index is committed. Small entries of the same files (steps and other
+scalars, which the plan reads into the index) are read and checked whole: they cost nothing.
+Entries of tensors the conversion does not use at all (the model-states file's weights when the
+fp32 masters come from the optimizer files) are not read, so not checked.
 """
 from __future__ import annotations
 
@@ -23,12 +26,13 @@ from ucp.fileio import open_regular
 from ucp.plan import ConversionPlan
 
 SourceSegment = tuple[str, int, int, int]  # (path, begin, end, crc32) of bytes read from a rank file
+SMALL_ENTRY_BYTES = 64 << 10  # entries this small are checked whether or not a state reads them
 _GAP_READ = 8 << 20
 
 
 def touched_entries(plan: ConversionPlan) -> dict[str, list[ZipEntry]]:
-    """The zip entries of each rank file that some fragment of `plan` reads, in file order (none for a
-    file that is no zip archive: a plan built by hand over raw bytes, which carry no CRC-32s)."""
+    """The zip entries of each rank file that some fragment of `plan` reads, in file order, with the file's
+    small entries (none for a file that is no zip archive: a plan built by hand over raw bytes)."""
     starts: dict[str, set[int]] = defaultdict(set)
     for p in plan.params:
         for source in p.states.values():
@@ -41,7 +45,7 @@ def touched_entries(plan: ConversionPlan) -> dict[str, list[ZipEntry]]:
         entries = sorted(storage_entries(path).values(), key=lambda e: e.start)
         begins = [e.start for e in entries]
         hit = {bisect.bisect_right(begins, o) - 1 for o in offsets}
-        touched[path] = [entries[i] for i in sorted(hit) if i >= 0]
+        touched[path] = [e for i, e in enumerate(entries) if i in hit or e.end - e.start <= SMALL_ENTRY_BYTES]
     return touched
 
 
