@@ -43,7 +43,8 @@ class Device:
     index: int | None = None
 
     def __repr__(self) -> str:  # as torch prints it, which metadata copied as text shows
-        return f"device(type='{self.type}')" if self.index is None else f"device(type='{self.type}', index={self.index})"
+        index = "" if self.index is None else f", index={self.index}"
+        return f"device(type='{self.type}'{index})"
 
 
 def _device(spec, index=None) -> Device:

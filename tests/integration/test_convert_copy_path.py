@@ -63,9 +63,10 @@ def test_copy_path_writes_the_torch_paths_bytes_for_autotp(run, ckpt_root, tmp_p
 
 @pytest.mark.slow
 def test_strict_split_major_and_small_chunks_too(tiny_checkpoint, tmp_path):
-    """--strict (replicas compared), --splits (split-major, assembled in memory) and chunks smaller than a copy's pieces."""
+    """--strict (replicas compared), --splits (split-major, assembled in memory), chunks smaller than the pieces."""
+    splits = SplitPolicy(2, ((r"l1\.weight", 1), (r"l2\.weight", 0), (".*", None)))
     assert_same_bytes(tiny_checkpoint(TinySpec(stage=1, dtype="bf16", world_size=3)), tmp_path, strict=True,
-                      splits=SplitPolicy(2, ((r"l1\.weight", 1), (r"l2\.weight", 0), (".*", None))), chunk_bytes=4096 + 8)
+                      splits=splits, chunk_bytes=4096 + 8)
 
 
 def test_negative_control_another_dtype_is_other_bytes(tiny_checkpoint, tmp_path):
