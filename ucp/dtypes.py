@@ -49,7 +49,7 @@ def to_torch(array: np.ndarray, dtype: str) -> torch.Tensor:
     """A torch tensor sharing `array`'s memory, of `dtype` (the edge where conversion meets a live engine)."""
     import torch
 
-    tensor = torch.from_numpy(np.ascontiguousarray(array))
+    tensor = torch.from_numpy(np.require(array, requirements="C"))  # (ascontiguousarray makes 0-d 1-d)
     return tensor.view(torch.bfloat16) if dtype == "bfloat16" else tensor
 
 

@@ -117,7 +117,7 @@ def _cat(pieces: Sequence[Array], dim: int) -> Array:
 
 
 def _contiguous(x: Array) -> Array:
-    return np.ascontiguousarray(x) if isinstance(x, np.ndarray) else x.contiguous()
+    return np.require(x, requirements="C") if isinstance(x, np.ndarray) else x.contiguous()  # keeps 0-d 0-d
 
 
 def _mean(pieces: Sequence[Array], dtype: str | None) -> Array:

@@ -94,7 +94,7 @@ def to_split_major(tensor: torch.Tensor | np.ndarray, dim: int, count: int) -> t
     """The elements of `tensor` (a torch tensor or numpy array) split after split along `dim` (flat when dim > 0)."""
     numpy = isinstance(tensor, np.ndarray)
     if dim == 0 or count == 1:
-        return np.ascontiguousarray(tensor) if numpy else tensor.contiguous()
+        return np.require(tensor, requirements="C") if numpy else tensor.contiguous()
     bounds = split_bounds(tensor.shape[dim], count)
     splits = [tensor[(slice(None),) * dim + (slice(a, b),)].reshape(-1) for a, b in zip(bounds, bounds[1:])]
     if numpy:
