@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Train a ~112M-parameter Llama (random init, no downloads) for one step with DeepSpeed ZeRO-1 fp32 on CPU
-and save the checkpoint. Launched by benchmarks/convert.py as
+(or another stage and precision: --stage, --dtype) and save the checkpoint. Launched by benchmarks/convert.py as
 
-    torchrun --nproc_per_node 2 benchmarks/_train_llama.py SAVE_DIR
+    torchrun --nproc_per_node 2 benchmarks/_train_llama.py SAVE_DIR [--stage 2 --dtype bf16]
 
 with DS_ACCELERATOR=cpu, OMP_NUM_THREADS=1. Every rank runs this file.
 """
@@ -33,6 +33,8 @@ def main() -> None:
     parser.add_argument("save_dir")
     parser.add_argument("--info-out", help="where rank 0 writes a JSON description of the run")
     parser.add_argument("--stage", type=int, default=1, help="ZeRO stage (benchmarks/load.py uses 3)")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                        help="training precision (bf16: DeepSpeed's bf16 optimizer / ZeRO bf16, fp32 masters)")
     args = parser.parse_args()
 
     import deepspeed
@@ -52,11 +54,14 @@ def main() -> None:
         "steps_per_print": 1000,
         "wall_clock_breakdown": False,
     }
+    if args.dtype == "bf16":
+        ds_config["bf16"] = {"enabled": True}
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
 
     g = torch.Generator().manual_seed(SEED + rank)
     ids = torch.randint(0, MODEL["vocab_size"], (MICRO_BATCH, SEQ_LEN), generator=g)
-    loss = engine(input_ids=ids, labels=ids).loss
+    logits = engine(input_ids=ids).logits.float()  # bf16 logits: the loss in fp32, as on CPU it must be
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
     engine.backward(loss)
     engine.step()
     engine.save_checkpoint(args.save_dir, tag=TAG)
@@ -65,7 +70,7 @@ def main() -> None:
     if rank == 0 and args.info_out:
         with open(args.info_out, "w") as f:
             json.dump({"params": n_params, "config": MODEL, "seq_len": SEQ_LEN, "tag": TAG,
-                       "world_size": torch.distributed.get_world_size(), "zero_stage": args.stage, "dtype": "fp32",
+                       "world_size": torch.distributed.get_world_size(), "zero_stage": args.stage, "dtype": args.dtype,
                        "loss": loss}, f, indent=2)
     if rank == 0:
         print(f"saved {n_params / 1e6:.1f}M-parameter Llama to {args.save_dir}/{TAG}, loss {loss:.4f}")

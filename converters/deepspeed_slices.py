@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ucp.convert.plan import TRAINABLE, WEIGHT_STATE, Fragment, ParamPlan, Piece, StateSource
-from ucp.converters.torch_zip import LazyTensor, Opaque, load_lazy, read_tensor
+from ucp.converters.torch_zip import LazyTensor, Opaque, load_lazy, read_values
 from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedLayoutError
 from ucp.patterns import Pattern
 from ucp.patterns.recognize import FragmentInfo, Hints, OuterPiece, recognize, recognize_nested
@@ -174,7 +174,7 @@ def shape_of(value) -> tuple[int, ...]:
 
 
 def dtype_name(t: LazyTensor) -> str:
-    return str(t.dtype).removeprefix("torch.")
+    return str(t.dtype)
 
 
 def piece(t: LazyTensor, start: int, numel: int) -> Piece:
@@ -228,7 +228,7 @@ def step_value(state: dict, path: Path) -> float | None:
     if step is None:
         return None
     if isinstance(step, LazyTensor):
-        return float(read_tensor(step).item())
+        return float(read_values(step).reshape(-1)[0])
     if isinstance(step, (int, float)):
         return float(step)
     raise CorruptCheckpointError(f"{path}: unreadable optimizer step {step!r}")

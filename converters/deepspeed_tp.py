@@ -22,7 +22,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-import torch
+import numpy as np
 
 from ucp.convert.assemble import materialize
 from ucp.convert.plan import (BUFFER, BUFFER_STATE, FROZEN, TRAINABLE, WEIGHT_STATE, ConversionPlan, ParamPlan,
@@ -33,9 +33,8 @@ from ucp.converters.deepspeed_slices import (SliceState, combined_source, dtype_
 from ucp.converters.deepspeed_zero0 import zero0_slice
 from ucp.converters.deepspeed_zero3 import ZERO3_MODEL_FILE, read_zero3_slice, zero3_model_files
 from ucp.converters.plan_common import finish_plan
-from ucp.converters.tag_folder import MODEL_FILE, model_files, optim_files
-from ucp.converters.tag_folder import TagDir
-from ucp.converters.torch_zip import LazyTensor, read_tensor
+from ucp.converters.tag_folder import MODEL_FILE, TagDir, model_files, optim_files
+from ucp.converters.torch_zip import LazyTensor, read_values
 from ucp.errors import AmbiguousPatternError, CheckpointNotFoundError, CorruptCheckpointError, UnsupportedLayoutError
 from ucp.patterns import Hints, Pattern, recognize
 
@@ -101,7 +100,7 @@ class Layouts:
         self.patterns = {key: _pattern_of(key, value) for key, value in patterns.items()}
         self.used: set[str] = set()
 
-    def of(self, name: str, shapes: list[tuple[int, ...]], copies: Callable[[], list[torch.Tensor]]
+    def of(self, name: str, shapes: list[tuple[int, ...]], copies: Callable[[], list[np.ndarray]]
            ) -> tuple[tuple[int, ...], Hints]:
         given = [key for key in self.patterns if key == name or re.fullmatch(key, name)]
         if given:
@@ -116,7 +115,7 @@ class Layouts:
             return _declared_by_user(name, shapes, pattern), Hints(pattern=pattern)
         if not differ:
             tensors = copies()
-            if all(torch.equal(tensors[0], t) for t in tensors[1:]):
+            if all(np.array_equal(tensors[0], t) for t in tensors[1:]):
                 return shapes[0], Hints(pattern=Pattern.REPLICATE)
             seen = f"its {len(shapes)} TP shards have one shape {shapes[0]} but different values"
         else:
@@ -162,7 +161,7 @@ def _declared_by_user(name: str, shapes: list[tuple[int, ...]], pattern: Pattern
     return tuple(full)
 
 
-def fp32_shard(name: str, rank: SliceState) -> torch.Tensor:
+def fp32_shard(name: str, rank: SliceState) -> np.ndarray:
     """TP rank `rank`'s fp32 shard of `name`, read from its fragments."""
     frags = rank.fragments[(name, WEIGHT_STATE)]
     return materialize(StateSource(recognize(name, rank.shapes[name], [f.info for f in frags]), tuple(frags)),
@@ -193,7 +192,7 @@ def _frozen_zero3(name: str, ranks: list[SliceState], layouts: Layouts) -> Param
     held = [(r.mp, *frozen) for r, frozen in zip(ranks, _on_every_rank(name, ranks, [r.frozen for r in ranks],
                                                                        "frozen parameter"))]
 
-    def copies() -> list[torch.Tensor]:
+    def copies() -> list[np.ndarray]:
         return [materialize(StateSource(recognize(name, shard, [f.info for f in frags]), tuple(frags)), name=name)
                 for _, shard, frags in held]
 
@@ -216,7 +215,7 @@ def untrained_shards(tables: list[dict], layouts: Layouts, skip: set[str], buffe
         tensors = [table.get(name) for table in tables]
         if not all(isinstance(x, LazyTensor) for x in tensors):
             raise CorruptCheckpointError(f"{name}: some TP ranks lack it; {missing}")
-        shape, hints = layouts.of(name, [x.shape for x in tensors], lambda: [read_tensor(x) for x in tensors])
+        shape, hints = layouts.of(name, [x.shape for x in tensors], lambda: [read_values(x) for x in tensors])
         frags = [whole(x, rank) for rank, x in enumerate(tensors)]
         spec = recognize(name, shape, [f.info for f in frags], hints)
         kind, state, dtype = (BUFFER, BUFFER_STATE, dtype_name(t)) if name in buffers else (FROZEN, WEIGHT_STATE,

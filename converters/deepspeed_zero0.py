@@ -15,13 +15,13 @@ import hashlib
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
+import numpy as np
 
 from ucp.convert.plan import WEIGHT_STATE, ParamPlan, StateSource, TRAINABLE, Fragment, Piece
 from ucp.converters.deepspeed_slices import SliceState, tied_aliases
-from ucp.converters.torch_zip import LazyTensor, read_tensor
+from ucp.converters.torch_zip import LazyTensor, read_array, read_values
 from ucp.errors import AmbiguousPatternError, CorruptCheckpointError
-from ucp.format.fileio import tensor_bytes
+from ucp.format.dtypes import cast
 from ucp.patterns.recognize import FragmentInfo, recognize
 
 
@@ -76,14 +76,14 @@ def zero0_trainable(model: dict, path: Path, param_names: list[str] | None) -> t
         states = {WEIGHT_STATE: _whole_state(name, weight)}
         states.update({k: _whole_state(name, v) for k, v in moments.items()})
         step = s.get("step")
-        step = float(read_tensor(step).item()) if isinstance(step, LazyTensor) else step
-        params.append(ParamPlan(name, shape, TRAINABLE, states, g, step, str(t.dtype).removeprefix("torch.")))
+        step = float(read_values(step).reshape(-1)[0]) if isinstance(step, LazyTensor) else step
+        params.append(ParamPlan(name, shape, TRAINABLE, states, g, step, str(t.dtype)))
     return params, groups, moment_names
 
 
 def _whole_state(name: str, t: LazyTensor) -> StateSource:
     fragment = Fragment(FragmentInfo(0, t.shape), Piece(t.path, t.byte_offset(0), t.numel,
-                                                        str(t.dtype).removeprefix("torch.")))
+                                                        str(t.dtype)))
     return StateSource(recognize(name, t.shape, [fragment.info]), (fragment,))
 
 
@@ -97,15 +97,15 @@ def _match_names(slots, shapes, candidates: list[str], module: dict,
     A group with more module parameters than slots (a frozen parameter of the same shape and
     value) cannot be settled this way and is an error.
     """
-    model_dtype = module[candidates[0]].dtype if candidates else torch.float32
+    model_dtype = str(module[candidates[0]].dtype) if candidates else "float32"
 
     def slot_key(k: int):
         m = master(slots[k][0], slots[k][1])
-        return shapes[k] if m is None else (shapes[k], _digest(read_tensor(m).to(model_dtype)))
+        return shapes[k] if m is None else (shapes[k], _digest(cast(read_array(m), m.dtype, model_dtype)))
 
     def module_key(name: str):
         t = module[name]
-        return t.shape if not has_masters else (t.shape, _digest(read_tensor(t)))
+        return t.shape if not has_masters else (t.shape, _digest(read_array(t)))
 
     has_masters = bool(slots) and master(slots[0][0], slots[0][1]) is not None
     by_key: dict = {}
@@ -131,8 +131,8 @@ def _match_names(slots, shapes, candidates: list[str], module: dict,
     return names
 
 
-def _digest(t: torch.Tensor) -> str:
-    return hashlib.sha1(tensor_bytes(t.contiguous())).hexdigest()
+def _digest(values: np.ndarray) -> str:
+    return hashlib.sha1(np.ascontiguousarray(values).reshape(-1).view(np.uint8)).hexdigest()
 
 
 def zero0_slice(mp: int, path: Path, model: dict, param_names: list[str] | None = None) -> SliceState:

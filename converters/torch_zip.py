@@ -5,7 +5,8 @@ into memory and executes whatever classes the pickle names. Here the pickle is p
 allow-list: tensors come back as `LazyTensor` records (which stored bytes they live in, at which
 absolute file offset), and classes outside the allow-list (DeepSpeed's enums, loss scalers,
 named tuples) come back as inert `Opaque` objects that only record their arguments and state.
-Nothing from the file is ever imported or run, and `deepspeed` need not be installed.
+Nothing from the file is ever imported or run, and neither `deepspeed` nor `torch` need be
+installed: dtypes are their names (`DtypeName`), devices `Device` records, sizes tuples.
 """
 from __future__ import annotations
 
@@ -17,24 +18,54 @@ import pickle
 import struct
 import zipfile
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+import numpy as np
 
 from ucp.errors import CorruptCheckpointError
+from ucp.format.dtypes import NUMPY_DTYPES, as_values, to_torch
 from ucp.format.fileio import ReadCounter, pread_into
+from ucp.format.index import DTYPE_SIZES
+
+if TYPE_CHECKING:
+    import torch
+
+
+class DtypeName(str):
+    """A torch dtype named in a pickle (`torch.float32` is "float32"), told apart from plain strings."""
+
+
+@dataclass(frozen=True)
+class Device:
+    """A `torch.device` named in a pickle."""
+
+    type: str
+    index: int | None = None
+
+    def __repr__(self) -> str:  # as torch prints it, which metadata copied as text shows
+        index = "" if self.index is None else f", index={self.index}"
+        return f"device(type='{self.type}'{index})"
+
+
+def _device(spec, index=None) -> Device:
+    kind, _, number = str(spec).partition(":")
+    return Device(kind, int(number) if number else index)
+
 
 _STORAGE_DTYPES = {
-    "FloatStorage": torch.float32, "DoubleStorage": torch.float64, "HalfStorage": torch.float16,
-    "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
-    "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8,
-    "BoolStorage": torch.bool,
+    "FloatStorage": "float32", "DoubleStorage": "float64", "HalfStorage": "float16", "BFloat16Storage": "bfloat16",
+    "LongStorage": "int64", "IntStorage": "int32", "ShortStorage": "int16", "CharStorage": "int8",
+    "ByteStorage": "uint8", "BoolStorage": "bool",
 }
+# torch's dtype attributes, by the names a pickle may use (its aliases included)
+_DTYPE_ATTRS = {**{name: name for name in DTYPE_SIZES}, "float": "float32", "double": "float64", "half": "float16",
+                "long": "int64", "int": "int32", "short": "int16"}
 
 
 @dataclass(frozen=True)
 class LazyStorage:
     key: str
-    dtype: torch.dtype
+    dtype: DtypeName
     numel: int
 
 
@@ -50,7 +81,7 @@ class LazyTensor:
     data_offset: int  # absolute byte offset of the storage's first element in the file
 
     @property
-    def dtype(self) -> torch.dtype:
+    def dtype(self) -> DtypeName:
         return self.storage.dtype
 
     @property
@@ -59,7 +90,7 @@ class LazyTensor:
 
     @property
     def itemsize(self) -> int:
-        return self.storage.dtype.itemsize
+        return DTYPE_SIZES[self.storage.dtype]
 
     def byte_offset(self, element: int = 0) -> int:
         """Absolute file offset of flat element `element` of this (contiguous) tensor."""
@@ -132,8 +163,8 @@ _ALLOWED = {
     ("builtins", "frozenset"): frozenset,
     ("builtins", "slice"): slice,
     ("builtins", "complex"): complex,
-    ("torch", "Size"): torch.Size,
-    ("torch", "device"): torch.device,
+    ("torch", "Size"): tuple,
+    ("torch", "device"): _device,
     ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
     ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
     ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type_v2,
@@ -152,16 +183,16 @@ class _Unpickler(pickle.Unpickler):
         if module == "torch._utils" and name == "_rebuild_tensor_v2":
             return self._rebuild_tensor
         if module == "torch" and name in _STORAGE_DTYPES:
-            return _STORAGE_DTYPES[name]
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
+            return DtypeName(_STORAGE_DTYPES[name])
+        if module == "torch" and name in _DTYPE_ATTRS:
+            return DtypeName(_DTYPE_ATTRS[name])
         return _opaque_class(module, name)
 
     def persistent_load(self, pid):
         if not isinstance(pid, tuple) or not pid or pid[0] != "storage":
             raise CorruptCheckpointError(f"{self._path}: unexpected persistent id {pid!r}")
         _, dtype, key, _location, numel = pid
-        if not isinstance(dtype, torch.dtype):
+        if not isinstance(dtype, DtypeName):
             raise CorruptCheckpointError(f"{self._path}: unsupported storage type {dtype!r}")
         return LazyStorage(str(key), dtype, int(numel))
 
@@ -179,9 +210,35 @@ _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
 MAX_PICKLE_BYTES = 1 << 30
 
 
+@dataclass(frozen=True)
+class ZipEntry:
+    """The stored bytes of one tensor storage in a torch zip file: [start, end), and the CRC-32 the zip
+    directory records for them (0 when the writer skipped it: torch's `compute_crc32=False`)."""
+
+    name: str  # the entry's name in the archive, e.g. "archive/data/3"
+    start: int
+    end: int
+    crc32: int
+
+
 def load_lazy(path: str | os.PathLike) -> object:
     """The object a `torch.save` file holds, with every tensor replaced by a `LazyTensor`."""
     path = str(path)
+    data, entries = _open(path, with_pickle=True)
+    offsets = {key: entry.start for key, entry in entries.items()}
+    try:
+        return _Unpickler(data, path, offsets).load()
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as exc:
+        raise CorruptCheckpointError(f"{path}: its pickle is damaged ({exc}); copy the file again") from None
+
+
+def storage_entries(path: str | os.PathLike) -> dict[str, ZipEntry]:
+    """The zip entries of a `torch.save` file's tensor storages, by storage key (what `LazyStorage.key` names)."""
+    return _open(str(path), with_pickle=False)[1]
+
+
+def _open(path: str, with_pickle: bool) -> tuple[bytes, dict[str, ZipEntry]]:
+    """The bytes of `data.pkl` (when asked for) and the storages' entries of the torch zip file `path`."""
     try:
         size = os.path.getsize(path)
         with zipfile.ZipFile(path) as archive:
@@ -190,8 +247,8 @@ def load_lazy(path: str | os.PathLike) -> object:
             if len(pkl) != 1:
                 raise CorruptCheckpointError(f"{path}: not a torch.save zip archive (no data.pkl)")
             prefix = pkl[0].filename[: -len("data.pkl")]
-            data = _read_pickle(archive, pkl[0], path, size)
-            offsets = {}
+            data = _read_pickle(archive, pkl[0], path, size) if with_pickle else b""
+            entries = {}
             with open(path, "rb") as raw:
                 for info in infos:
                     if not info.filename.startswith(prefix + "data/"):
@@ -202,16 +259,14 @@ def load_lazy(path: str | os.PathLike) -> object:
                     if offset + info.file_size > size:
                         raise CorruptCheckpointError(f"{path}: truncated ({size} bytes, tensor data runs "
                                                      f"to {offset + info.file_size}); copy the file again")
-                    offsets[info.filename[len(prefix) + len("data/"):]] = offset
+                    entries[info.filename[len(prefix) + len("data/"):]] = ZipEntry(
+                        info.filename, offset, offset + info.file_size, info.CRC)
     except FileNotFoundError:
         raise
     except (zipfile.BadZipFile, EOFError, OSError, KeyError) as exc:
         raise CorruptCheckpointError(f"{path}: cannot be read as a torch.save file ({exc}); it is truncated "
                                      "or damaged, copy it again from the training job") from None
-    try:
-        return _Unpickler(data, path, offsets).load()
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as exc:
-        raise CorruptCheckpointError(f"{path}: its pickle is damaged ({exc}); copy the file again") from None
+    return data, entries
 
 
 def _read_pickle(archive: zipfile.ZipFile, info: zipfile.ZipInfo, path: str, file_size: int) -> bytes:
@@ -237,22 +292,28 @@ def _data_start(raw, info: zipfile.ZipInfo, path: str) -> int:
     return info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
 
 
-def read_tensor(t: LazyTensor, start: int = 0, numel: int | None = None,
-                counter: ReadCounter | None = None) -> torch.Tensor:
-    """Elements [start, start+numel) of contiguous lazy tensor `t`, read with one positional read."""
+def read_array(t: LazyTensor, start: int = 0, numel: int | None = None,
+               counter: ReadCounter | None = None) -> np.ndarray:
+    """Elements [start, start+numel) of contiguous lazy tensor `t`, read with one positional read, held as
+    `ucp.format.dtypes.NUMPY_DTYPES[t.dtype]` (bfloat16 as its raw words)."""
     if not t.is_contiguous():
         raise CorruptCheckpointError(f"{t.path}: non-contiguous tensor storage is not supported")
     numel = t.numel - start if numel is None else numel
     if start < 0 or numel < 0 or start + numel > t.numel:
         raise CorruptCheckpointError(f"{t.path}: read of elements [{start}, {start + numel}) "
                                      f"past a tensor of {t.numel}")
-    flat = read_elements(t.path, t.byte_offset(start), numel, t.dtype, counter)
+    flat = pread_into(t.path, np.empty(numel, dtype=NUMPY_DTYPES[t.dtype]), t.byte_offset(start), counter)
     return flat.reshape(t.shape) if numel == t.numel else flat
 
 
-def read_elements(path: str, byte_offset: int, numel: int, dtype: torch.dtype,
-                  counter: ReadCounter | None = None) -> torch.Tensor:
-    return pread_into(path, torch.empty(numel, dtype=dtype), byte_offset, counter)
+def read_values(t: LazyTensor) -> np.ndarray:
+    """The whole of `t` as numbers numpy computes with (bfloat16 upcast to float32, exactly)."""
+    return as_values(read_array(t), t.dtype)
+
+
+def read_tensor(t: LazyTensor) -> torch.Tensor:
+    """The whole of `t` as a torch tensor (for the places where conversion meets torch)."""
+    return to_torch(read_array(t), t.dtype)
 
 
 def as_python(obj):
@@ -261,14 +322,14 @@ def as_python(obj):
         return {str(k): as_python(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return [as_python(v) for v in obj]
+    if isinstance(obj, DtypeName):
+        return str(obj)
     if isinstance(obj, (str, int, float, bool)) or obj is None:
         return obj
-    if isinstance(obj, torch.dtype):
-        return str(obj).removeprefix("torch.")
     if isinstance(obj, LazyTensor):
         if obj.numel == 1:
-            return read_tensor(obj).item()
-        return {"tensor": list(obj.shape), "dtype": str(obj.dtype).removeprefix("torch.")}
+            return read_values(obj).item()
+        return {"tensor": list(obj.shape), "dtype": str(obj.dtype)}
     if isinstance(obj, Opaque):
         if obj.state is not None:
             return as_python(obj.state)

@@ -204,14 +204,14 @@ class PlannedCheckpoint:
         return "float32" if state == STEP_STATE and p.step is not None else p.states[state].dtype
 
     def tensor(self, name: str, state: str = "fp32", *, verify: bool = True) -> torch.Tensor:
-        from ucp.convert.assemble import materialize
+        from ucp.convert.assemble import materialize_tensor
 
         p = self._param(name)
         if state == STEP_STATE and p.step is not None:
             return torch.tensor(p.step, dtype=torch.float32)
         if state not in p.states:
             raise KeyError(f"{name}: no state '{state}' (has {', '.join(self.states(name))})")
-        return materialize(p.states[state], name=name, strict=verify, counter=self.counter)
+        return materialize_tensor(p.states[state], name=name, strict=verify, counter=self.counter)
 
     @functools.cached_property
     def index(self) -> dict:

@@ -26,8 +26,7 @@ from support.checkpoints import (TinySpec, read_tag, start_ucp_save_run, trained
                                  uninterrupted_losses)
 from ucp.cli.main import main as cli_main
 from ucp.convert import convert
-from ucp.deepspeed import save_files as save_layout
-from ucp.deepspeed import save_writer
+from ucp.deepspeed import save_files as save_layout, save_writer
 from ucp.deepspeed.save_files import plan_layout, whole_crcs
 from ucp.deepspeed.save_writer import BackgroundSave, Piece, SnapshotBuffer, write_pieces
 from ucp.errors import IncompleteCheckpointError, SaveError

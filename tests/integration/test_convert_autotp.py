@@ -21,10 +21,10 @@ import torch
 
 import ucp
 from support.checkpoints import load_ds_universal
+from support.fragments import torch_fragment
 from support.parallel import Family, build_family, ds_universal_of, reference_state
 from ucp.cli.main import main
 from ucp.convert import convert
-from ucp.convert.assemble import read_fragment
 from ucp.convert.primitives import strip_pad, union
 from ucp.converters.deepspeed_declared import affine_params, declared_layout
 from ucp.converters.dispatch import plan_deepspeed
@@ -177,7 +177,7 @@ def test_negative_control_zero3_partitions_joined_across_tp_ranks(autotp, conver
     name = "model.layers.0.mlp.down_proj.weight"
     source = plan_deepspeed(autotp / "z3-fp32-frozen" / "ckpt").param(name).states["fp32"]
     assert source.spec.pattern is Pattern.SHARD_HY and source.spec.dim == 1 and source.groups == (2, 2)
-    pieces = [read_fragment(f) for f in source.fragments]
+    pieces = [torch_fragment(f) for f in source.fragments]
     expected = consolidated(reference_state(autotp / "z3-fp32-frozen"), tied=False)[name]["fp32"]
     assert torch.equal(converted("z3-fp32-frozen").tensor(name), expected)
     wrong = strip_pad(union(PatternSpec(Pattern.SHARD_V, (16, 24), flat=True, padded_size=384), pieces),
@@ -189,7 +189,7 @@ def test_negative_control_non_contiguous_split(autotp):
     """Reading gate_proj's TP shards as a fused gate/up (Shard-NC) instead of Shard-V must fail the check."""
     name = "model.layers.0.mlp.gate_proj.weight"
     source = plan_deepspeed(autotp / "z1-fp32" / "ckpt").param(name).states["fp32"]
-    groups = source.arrange([read_fragment(f) for f in source.fragments])
+    groups = source.arrange([torch_fragment(f) for f in source.fragments])
     shards = []
     for shape, pieces in zip(source.spec.shard_shapes, groups):
         inner = dataclasses.replace(source.spec.inner, shape=shape)

@@ -120,7 +120,7 @@ def test_negative_control_wrong_fragment_order_is_caught(tiny_checkpoint, ds_uni
     """Joining the ZeRO fragments in the wrong rank order must fail the same comparison."""
     import dataclasses
 
-    from ucp.convert.assemble import materialize
+    from ucp.convert.assemble import materialize_tensor
     from ucp.converters.dispatch import plan_deepspeed
 
     spec = SPECS[4]
@@ -129,7 +129,7 @@ def test_negative_control_wrong_fragment_order_is_caught(tiny_checkpoint, ds_uni
     source = plan.param("emb.weight").states["fp32"]
     assert len(source.fragments) > 1
     swapped = dataclasses.replace(source, fragments=tuple(reversed(source.fragments)))
-    good = materialize(source, name="emb.weight").reshape(-1)
-    bad = materialize(swapped, name="emb.weight").reshape(-1)
+    good = materialize_tensor(source, name="emb.weight").reshape(-1)
+    bad = materialize_tensor(swapped, name="emb.weight").reshape(-1)
     assert torch.equal(good, reference["emb.weight"]["fp32"])
     assert not torch.equal(bad, reference["emb.weight"]["fp32"])

@@ -21,10 +21,11 @@ import torch
 
 import ucp
 from support.checkpoints import load_ds_universal
+from support.fragments import torch_fragment
 from support.parallel import Family, build_family, ds_universal_of, reference_state
 from support.train_megatron import FFN, HEAD_DIM, HIDDEN, KV_HEADS, PADDED_VOCAB, VOCAB
 from ucp.convert import convert
-from ucp.convert.assemble import assemble, read_fragment
+from ucp.convert.assemble import assemble
 from ucp.converters.deepspeed_lists import list_layout
 from ucp.converters.dispatch import plan_deepspeed
 from ucp.errors import AmbiguousPatternError, CheckpointNotFoundError, CorruptCheckpointError
@@ -165,7 +166,7 @@ def test_format_deepspeed_tells_load_universal_how_to_cut(megatron, tmp_path):
 
 def _rebuilt(source, spec, name: str) -> torch.Tensor:
     wrong = dataclasses.replace(source, spec=spec)
-    return assemble(wrong, [read_fragment(f) for f in wrong.fragments], name=name)
+    return assemble(wrong, [torch_fragment(f) for f in wrong.fragments], name=name)
 
 
 def test_negative_control_fused_qkv_read_as_plain_shard_v(megatron):

@@ -17,9 +17,10 @@ import torch
 
 import ucp
 from support.checkpoints import load_ds_universal
+from support.fragments import torch_fragment
 from support.parallel import Family, build_family, ds_universal_of, reference_state
 from ucp.convert import convert
-from ucp.convert.assemble import assemble, read_fragment
+from ucp.convert.assemble import assemble
 from ucp.convert.plan import StateSource
 from ucp.convert.primitives import ReplicaMismatchError
 from ucp.converters.deepspeed_slices import load_dict, read_slice
@@ -151,7 +152,7 @@ def test_negative_control_local_names_taken_as_global(moe, converted):
     local = read_slice(tag, 0, model_path, load_dict(model_path), optim_files(tag, names))  # no renaming
     frags = tuple(local.fragments[(EXPERT.format(0), "fp32")])
     assert [f.info.rank for f in frags] == [0, 1]
-    pieces = [read_fragment(f) for f in frags]
+    pieces = [torch_fragment(f) for f in frags]
     ckpt = converted("ep2-z2")
     assert torch.equal(pieces[0].reshape(6, 8), ckpt.tensor(EXPERT.format(0)))
     assert torch.equal(pieces[1].reshape(6, 8), ckpt.tensor(EXPERT.format(2)))
@@ -176,7 +177,7 @@ def test_negative_control_zero0_local_experts_taken_as_global(moe, converted):
     wrong = zero0_slice(1, path, {**model, "optimizer": load_dict(path)["optimizer"],
                                   "module": {**model["module"], **wrong_experts}})
     ckpt, live = converted("ep2-z0"), reference_state(moe / "ep2-z0")["ranks"][0]["params"]
-    moment = read_fragment(wrong.fragments[(EXPERT.format(0), "exp_avg")][0])
+    moment = torch_fragment(wrong.fragments[(EXPERT.format(0), "exp_avg")][0])
     assert torch.equal(ckpt.tensor(EXPERT.format(0), "exp_avg"), live[EXPERT.format(0)]["exp_avg"])
     assert moment.shape == live[EXPERT.format(0)]["exp_avg"].shape
     assert not torch.equal(moment, live[EXPERT.format(0)]["exp_avg"])

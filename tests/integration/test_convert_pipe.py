@@ -18,9 +18,10 @@ import pytest
 import torch
 
 import ucp
+from support.fragments import torch_fragment
 from support.parallel import Family, build_family, ds_universal_of, reference_state
 from ucp.convert import convert
-from ucp.convert.assemble import assemble, read_fragment
+from ucp.convert.assemble import assemble
 from ucp.convert.primitives import ReplicaMismatchError
 from ucp.converters.dispatch import plan_deepspeed
 from ucp.errors import AmbiguousPatternError
@@ -144,7 +145,7 @@ def test_strict_checks_the_tied_copies(pipe):
     """The stages' copies of a tied weight are compared under --strict; a diverged copy is an error."""
     source = plan_deepspeed(pipe / "z1-fp32" / "ckpt").param(TIED).states["fp32"]
     assert source.groups == (1, 1)
-    pieces = [read_fragment(f) for f in source.fragments]
+    pieces = [torch_fragment(f) for f in source.fragments]
     assert torch.equal(assemble(source, pieces, name=TIED, strict=True),
                        reference_state(pipe / "z1-fp32")["ranks"][0]["params"][TIED]["fp32"])
     pieces[1] = pieces[1].clone()
@@ -161,7 +162,7 @@ def test_negative_control_replicate_for_unique_parameters(pipe):
     spec = dataclasses.replace(first.spec, pattern=Pattern.REPLICATE, inner=first.spec,
                                shard_shapes=((10, 6), (10, 6)))
     wrong = dataclasses.replace(first, spec=spec, fragments=first.fragments + second.fragments, groups=(1, 1))
-    pieces = [read_fragment(f) for f in wrong.fragments]
+    pieces = [torch_fragment(f) for f in wrong.fragments]
     assert not torch.equal(assemble(wrong, pieces, name="2.fc1.weight"), live["2.fc1.weight"]["fp32"])
     with pytest.raises(ReplicaMismatchError):
         assemble(wrong, pieces, name="2.fc1.weight", strict=True)

@@ -19,13 +19,13 @@ from pathlib import Path
 
 import torch
 
-from ucp.convert.assemble import materialize
+from ucp.convert.assemble import materialize_tensor
 from ucp.convert.balance import plan_bins
 from ucp.convert.executor import Executor, Report
 from ucp.convert.plan import BUFFER_STATE, TRAINABLE, WEIGHT_STATE, ConversionPlan, ParamPlan
 from ucp.convert.result import ConvertResult
 from ucp.converters.deepspeed_slices import load_dict
-from ucp.converters.torch_zip import LazyTensor, Opaque, read_tensor
+from ucp.converters.torch_zip import Device, DtypeName, LazyTensor, Opaque, read_tensor
 from ucp.errors import CorruptCheckpointError, OutputExistsError, UnsupportedLayoutError
 from ucp.patterns import Pattern, PatternSpec
 
@@ -79,7 +79,7 @@ def save_bin(task: SaveBin, report: Report) -> dict:
         folder = Path(task.zero_dir) / p.name
         folder.mkdir(parents=True, exist_ok=True)
         for state, source in p.states.items():
-            tensor = materialize(source, name=p.name, strict=task.strict).float()
+            tensor = materialize_tensor(source, name=p.name, strict=task.strict).float()
             if task.zero3 and p.kind == TRAINABLE:
                 payload = tensor.reshape(-1)
             else:
@@ -171,7 +171,11 @@ def _plain(value, path: Path, key: str):
         return {k: _plain(v, path, key) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return type(value)(_plain(v, path, key) for v in value)
-    if value is None or isinstance(value, (str, int, float, bool, torch.dtype)):
+    if isinstance(value, DtypeName):
+        return getattr(torch, value)
+    if isinstance(value, Device):
+        return torch.device(value.type, value.index)
+    if value is None or isinstance(value, (str, int, float, bool)):
         return value
     if isinstance(value, LazyTensor):
         return read_tensor(value)

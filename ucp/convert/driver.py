@@ -1,9 +1,12 @@
 """Conversion as a MapReduce: plan (driver) → write bins (executor) → commit the index (driver).
 
 Each task reads the fragments of its parameters straight from the rank files (Extract), merges
-them (Union, StripPad) one state at a time, and streams them into its own safetensors file, so
-every source byte is read once, every output byte written once, and a worker never holds more
-than one state of one parameter. The index is committed only after every file is durable.
+them (Union, StripPad) one state at a time, and writes them into its own safetensors file
+(`ucp.convert.bin_copy`: most states are copied block by block, never whole), so every source byte is read
+once, every output byte written once, and a worker never holds more than one state of one parameter.
+The bytes read are checked against the rank files' own CRC-32s (`ucp.convert.source_check`), and the index
+is committed only after that and after every file is durable. Neither the driver nor the workers
+import torch.
 
 Each finished data file gets a manifest (see `ucp.convert.manifest`), so `--resume` redoes only the bins an
 interrupted run did not finish. A `ShuffleExecutor` (the Ray backend) runs the same bins as a
@@ -11,6 +14,7 @@ MapReduce instead, with the same writer, so its files are byte-identical.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -21,14 +25,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ucp.convert.assemble import Arena, materialize
 from ucp.convert.balance import plan_bins
+from ucp.convert.bin_copy import BinFile, copy_states
 from ucp.convert.executor import Executor, LocalExecutor, Report, ShuffleExecutor
 from ucp.convert.index_builder import build_index
 from ucp.convert.manifest import (MANIFEST_SUFFIX, BinCheck, manifest_name, remove_manifests, reusable_bin,
                                   write_manifest)
 from ucp.convert.plan import ConversionPlan, ParamPlan, StateSource
 from ucp.convert.result import ConvertResult
+from ucp.convert.source_check import check_sources
 from ucp.convert.split_policy import SplitPolicy, apply_split_policy
 from ucp.converters.trainer_folders import left_out_summary
 from ucp.errors import OutputExistsError, UcpError
@@ -157,9 +162,14 @@ def _write_atomic(plan: ConversionPlan, output: Path, executor: Executor, *, str
     todo = [t for t in tasks if t.file_name not in kept]
     total = sum(p.nbytes for t in todo for p in t.params)
     if isinstance(executor, ShuffleExecutor):
-        results = executor.write_bins(todo, total_bytes=total)
+        results = executor.write_bins(todo, total_bytes=total)  # its map tasks read the sources: not checked
     else:
         results = executor.map(write_bin, todo, total_bytes=total, desc="convert")
+        try:
+            check_sources(plan, [s for r in results for s in r.pop("sources")])
+        except UcpError:
+            remove_manifests(output)  # so that no --resume keeps a file converted from damaged bytes
+            raise
     extra = {name: copy_extra_file(Path(source), output / name) for name, source in plan.extra_files.items()}
     if plan.left_out:
         logger.info("left out of %s: %s", output, left_out_summary(plan.left_out))
@@ -196,15 +206,45 @@ def bin_slots(params: tuple[ParamPlan, ...]) -> list[TensorSlot]:
 
 
 def write_bin(task: WriteBin, report: Report) -> dict:
-    """A reduce task that Extracts its own fragments, by byte offset from the rank files."""
-    arena = Arena()
-    return stream_bin(task, report,
-                      lambda p, source: materialize(source, name=p.name, strict=task.strict, arena=arena))
+    """A reduce task that Extracts its own fragments, by byte offset from the rank files.
+
+    Its result is the bin's index record (as `stream_bin`'s) plus `sources`: the CRC-32s of the
+    source bytes it read, for `ucp.convert.source_check` (not kept in the manifest).
+    """
+    final = os.path.join(task.output, task.file_name)
+    partial = final + PARTIAL_SUFFIX
+    slots = bin_slots(task.params)
+    written = []
+
+    def after_state(source: StateSource) -> None:
+        report(source.nbytes)
+        written.append(source)
+        if len(written) == 1:
+            _hold_for_tests(task.file_name)
+
+    out = None
+    try:
+        out = BinFile(partial, slots, {"format": FORMAT_NAME}, task.chunk_bytes)
+        stored, sources = copy_states(out, task.params, slots, task.strict, after_state)
+        out.close()
+    except BaseException:
+        if out is not None:
+            out.abort()
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(partial)
+        raise
+    os.replace(partial, final)
+    fsync_dir(Path(task.output))
+    result = {"file": task.file_name, "bytes": out.size, "chunk_bytes": task.chunk_bytes,
+              "tensors": {k: (s.begin, s.end, s.crc32, s.chunk_crc32) for k, s in stored.items()}}
+    write_manifest(task.output, result, task.fingerprint)
+    return {**result, "sources": sources}
 
 
 def stream_bin(task: WriteBin, report: Report,
                state_tensor: Callable[[ParamPlan, StateSource], torch.Tensor]) -> dict:
-    """Stream every state of the bin's parameters, as `state_tensor` gives it, into one safetensors file.
+    """Stream every state of the bin's parameters, as `state_tensor` gives it, into one safetensors file
+    (the Ray backend's writer; the same bytes as `write_bin`'s).
 
     The file is durable (fsynced, renamed, directory fsynced) before its manifest is written.
     """

@@ -64,9 +64,8 @@ def _init_worker(q, parent: int) -> None:
     _progress_queue = q
     _die_with_parent(parent)
     drop_inherited_locks()
-    import torch
-
-    torch.set_num_threads(1)  # the pool supplies the parallelism; keep workers from oversubscribing cores
+    if "torch" in sys.modules:  # a driver that works with torch (the load hook, --format deepspeed)
+        sys.modules["torch"].set_num_threads(1)  # the pool supplies the parallelism; keep workers from oversubscribing
 
 
 def _die_with_parent(parent: int) -> None:

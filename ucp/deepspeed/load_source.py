@@ -15,7 +15,7 @@ where storage allows.
   module) serves any run of wanted elements from just the overlapping bytes of the rank files
   (`ucp.deepspeed.flat_runs.run_reads`), cast to the state's dtype as `ucp convert` would; a TP box reads
   the rows that cover it. Any other state (TP shards, pipeline-tied copies, experts' replicas) is
-  materialised whole by one rank of the group (`ucp.convert.assemble.materialize`: Union, taking rank 0's
+  materialised whole by one rank of the group (`ucp.convert.assemble.materialize_tensor`: Union, taking rank 0's
   copy of a replicated state as `ucp convert` does, then StripPad) and broadcast, so it is shared
   even when each rank wants a part of it.
 
@@ -35,12 +35,12 @@ from typing import Protocol
 import torch
 
 from ucp.checkpoint import AtomicCheckpoint, PlannedCheckpoint
-from ucp.convert.assemble import materialize
+from ucp.convert.assemble import materialize_tensor
 from ucp.convert.plan import ConversionPlan, StateSource
 from ucp.deepspeed.flat_runs import FlatRun, flat_runs, run_reads
 from ucp.deepspeed.targets import TargetTensor
-from ucp.format.boxes import Box
 from ucp.format.box_read import BoxWant, full_box, read_boxes
+from ucp.format.boxes import Box
 from ucp.format.byte_ranges import ByteRange
 from ucp.format.checked_read import fetch
 from ucp.format.fileio import ReadCounter
@@ -158,7 +158,7 @@ class PlannedSource:
         for key in readers:
             t, runs = wants[key], self._flat(key)
             if not bypass or runs is None:
-                full = materialize(self._state(key), name=key[0], counter=counter)
+                full = materialize_tensor(self._state(key), name=key[0], counter=counter)
                 values[key] = self._wanted(_of_box(full, t.box), key, t, bypass)
                 continue
             ranges[key] = run_reads(runs, *self._span(key, t), TORCH_DTYPES[runs[0].piece.dtype].itemsize)

@@ -1,4 +1,4 @@
-"""Positional reads into preallocated tensors, with a counter of what touched storage."""
+"""Positional reads into preallocated tensors (torch or numpy), with a counter of what touched storage."""
 from __future__ import annotations
 
 import contextlib
@@ -7,12 +7,17 @@ import os
 import stat
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar, Union
 
-import torch
+import numpy as np
 
 from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError, OutputExistsError
 
 
+if TYPE_CHECKING:
+    import torch
+
+ArrayT = TypeVar("ArrayT", bound=Union["torch.Tensor", np.ndarray])
 _held_locks: set[int] = set()  # descriptors of the output folders this process holds locked
 
 
@@ -55,11 +60,15 @@ class ReadCounter:
         self.calls = 0
 
 
-def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """The raw little-endian bytes of a contiguous CPU tensor, without a copy."""
+def tensor_bytes(t: torch.Tensor | np.ndarray) -> memoryview:
+    """The raw little-endian bytes of a contiguous CPU tensor or numpy array, without a copy."""
     flat = t.reshape(-1)
-    if flat.numel() == 0:
+    if flat.shape[0] == 0:
         return memoryview(b"")
+    if isinstance(flat, np.ndarray):
+        return memoryview(flat.view(np.uint8))
+    import torch
+
     return memoryview(flat.view(torch.uint8).numpy())
 
 
@@ -92,7 +101,7 @@ def read_regular(path: str) -> bytes:
         os.close(fd)
 
 
-def pread_into(path: str, out: torch.Tensor, offset: int, counter: ReadCounter | None = None) -> torch.Tensor:
+def pread_into(path: str, out: ArrayT, offset: int, counter: ReadCounter | None = None) -> ArrayT:
     """Fill contiguous `out` with the bytes of `path` starting at `offset`; returns `out`."""
     view = tensor_bytes(out)
     if len(view) == 0:

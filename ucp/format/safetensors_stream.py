@@ -15,16 +15,28 @@ import struct
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from ucp.errors import CorruptCheckpointError
 from ucp.format.crc import CHUNK_BYTES, join_segments, segment_crcs
 from ucp.format.fileio import ReadCounter, pread_into, tensor_bytes
-from ucp.format.index import SAFETENSORS_DTYPES
+from ucp.format.index import DTYPE_SIZES, SAFETENSORS_DTYPES
 
-TORCH_DTYPES = {name: getattr(torch, name) for name in SAFETENSORS_DTYPES}
+if TYPE_CHECKING:
+    import torch
+
 _ALIGN = 8  # safetensors pads the header so the data section starts 8-byte aligned
+
+
+def __getattr__(name: str):
+    # TORCH_DTYPES (dtype name -> torch.dtype) is built on first use, so that conversion, which
+    # imports this module, never imports torch.
+    if name == "TORCH_DTYPES":
+        import torch
+
+        globals()[name] = {dtype: getattr(torch, dtype) for dtype in SAFETENSORS_DTYPES}
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)
@@ -35,7 +47,7 @@ class TensorSlot:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * TORCH_DTYPES[self.dtype].itemsize
+        return math.prod(self.shape) * DTYPE_SIZES[self.dtype]
 
 
 @dataclass(frozen=True)
@@ -122,7 +134,9 @@ class StreamingWriter:
 def read_stored(path: str, begin: int, end: int, dtype: str, shape: Sequence[int],
                 expected_crc: int | None = None, counter: ReadCounter | None = None) -> torch.Tensor:
     """The tensor stored at bytes [begin, end) of `path`, checked against its CRC-32 when given."""
-    out = torch.empty(tuple(shape), dtype=TORCH_DTYPES[dtype])
+    import torch
+
+    out = torch.empty(tuple(shape), dtype=getattr(torch, dtype))
     if tensor_bytes(out).nbytes != end - begin:
         raise CorruptCheckpointError(f"{path}: bytes [{begin}, {end}) cannot hold {dtype}{list(shape)}")
     pread_into(path, out, begin, counter)

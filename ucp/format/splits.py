@@ -11,17 +11,27 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import torch
+import numpy as np
 
 from ucp.format.boxes import split_bounds
 
-def to_split_major(tensor: torch.Tensor, dim: int, count: int) -> torch.Tensor:
-    """The elements of `tensor` split after split along `dim` (a flat tensor when dim > 0)."""
+if TYPE_CHECKING:
+    import torch
+
+def to_split_major(tensor: torch.Tensor | np.ndarray, dim: int, count: int) -> torch.Tensor | np.ndarray:
+    """The elements of `tensor` (a torch tensor or numpy array) split after split along `dim` (flat when dim > 0)."""
+    numpy = isinstance(tensor, np.ndarray)
     if dim == 0 or count == 1:
-        return tensor.contiguous()
+        return np.require(tensor, requirements="C") if numpy else tensor.contiguous()
     bounds = split_bounds(tensor.shape[dim], count)
-    return torch.cat([tensor.narrow(dim, a, b - a).reshape(-1) for a, b in zip(bounds, bounds[1:])])
+    splits = [tensor[(slice(None),) * dim + (slice(a, b),)].reshape(-1) for a, b in zip(bounds, bounds[1:])]
+    if numpy:
+        return np.concatenate(splits)
+    import torch
+
+    return torch.cat(splits)
 
 
 def join_splits(flat: torch.Tensor, shape: Sequence[int], dim: int, bounds: Sequence[int]) -> torch.Tensor:
@@ -31,6 +41,8 @@ def join_splits(flat: torch.Tensor, shape: Sequence[int], dim: int, bounds: Sequ
     row-major block of the full `shape` except along `dim`; the result has `shape` with `dim`
     narrowed to `[bounds[0], bounds[-1])`.
     """
+    import torch
+
     shape = list(shape)
     if dim == 0:
         return flat.reshape([bounds[-1] - bounds[0]] + shape[1:])

@@ -1,0 +1,95 @@
+"""A damaged rank file is refused while it is converted: every zip entry a conversion reads is checked against
+the CRC-32 `torch.save` recorded for it (ucp.convert.source_check), before anything is committed."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from support.checkpoints import TinySpec
+from ucp.cli.main import main
+from ucp.convert.manifest import MANIFEST_SUFFIX
+from ucp.converters.deepspeed_zero import plan_deepspeed
+from ucp.converters.torch_zip import storage_entries
+from ucp.format.folder import INDEX_NAME
+
+
+@pytest.fixture
+def source(tiny_checkpoint, tmp_path):
+    """Factory: a private copy of a real checkpoint of `spec`, safe to damage."""
+    def make(spec: TinySpec) -> Path:
+        copy = tmp_path / "src"
+        shutil.copytree(tiny_checkpoint(spec), copy)
+        return copy
+
+    return make
+
+
+def flip_bit(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ 0x10]))
+
+
+def piece_of(save_dir: Path, name: str, state: str, file_part: str):
+    """The last fragment's piece of `name`'s `state` that lies in a rank file whose name holds `file_part`."""
+    plan = plan_deepspeed(save_dir)
+    return [f.piece for f in plan.param(name).states[state].fragments if file_part in f.piece.path][-1]
+
+
+def convert(capsys, save_dir: Path, out: Path) -> tuple[int, str]:
+    code = main(["convert", "--input", str(save_dir), "--output", str(out), "--workers", "2", "--quiet"])
+    return code, capsys.readouterr().err
+
+
+def assert_refused(code: int, err: str, path: str, out: Path) -> None:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert path in lines[0] and "fails its CRC-32" in lines[0] and "the file is damaged" in lines[0], lines[0]
+    assert not (out / INDEX_NAME).exists()
+    assert not [p for p in out.iterdir() if p.name.endswith(MANIFEST_SUFFIX)]  # no --resume keeps these files
+
+
+@pytest.mark.parametrize("spec", [TinySpec(stage=1), TinySpec(stage=2), TinySpec(stage=3)], ids=lambda s: s.name)
+def test_a_flipped_bit_in_a_zero_partition_is_refused(spec, source, tmp_path, capsys):
+    save_dir = source(spec)
+    out = tmp_path / "out"
+    piece = piece_of(save_dir, "emb.weight", "exp_avg", "optim_states")
+    assert convert(capsys, save_dir, tmp_path / "control")[0] == 0  # negative control: the same copy, undamaged
+    flip_bit(piece.path, piece.byte_offset + 4 * (piece.numel // 2) + 1)
+    assert_refused(*convert(capsys, save_dir, out), piece.path, out)
+
+
+@pytest.mark.parametrize("spec", [TinySpec(stage=1), TinySpec(stage=1, dtype="bf16", tie="tied")],
+                         ids=lambda s: s.name)
+def test_a_flipped_bit_in_a_model_states_tensor_is_refused(spec, source, tmp_path, capsys):
+    """The frozen `proj.weight` lives in the model-states file (bf16 there under bf16 training: an upcast state)."""
+    save_dir = source(spec)
+    out = tmp_path / "out"
+    piece = piece_of(save_dir, "proj.weight", "fp32", "model_states")
+    flip_bit(piece.path, piece.byte_offset + 1)
+    assert_refused(*convert(capsys, save_dir, out), piece.path, out)
+
+
+def test_a_flipped_bit_in_bytes_no_state_reads_is_refused(source, tmp_path, capsys):
+    """Bytes of a read entry that no state uses (here the tail of a rank's partition past the last parameter:
+    ZeRO's alignment padding) are read and checked too, so the whole entry is covered."""
+    save_dir = source(TinySpec(stage=2))
+    plan = plan_deepspeed(save_dir)
+    used: dict[str, set[int]] = {}
+    for p in plan.params:
+        for src in p.states.values():
+            for f in src.fragments:
+                size = f.piece.numel * {"float32": 4, "bfloat16": 2}[f.piece.dtype]
+                used.setdefault(f.piece.path, set()).update(range(f.piece.byte_offset, f.piece.byte_offset + size))
+    unused = [(path, e.end - 1) for path in used for e in storage_entries(path).values()
+              if e.start in used[path] and e.end - 1 not in used[path]]
+    assert unused, "the checkpoint has no partition padding to damage"
+    path, offset = unused[0]
+    flip_bit(path, offset)
+    out = tmp_path / "out"
+    assert_refused(*convert(capsys, save_dir, out), path, out)
+

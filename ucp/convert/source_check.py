@@ -1,0 +1,112 @@
+"""The rank files' own checksums, checked as they are converted (docs/RELIABILITY.md, "Source checksums").
+
+`torch.save` writes a zip file whose entries are stored uncompressed, each with the CRC-32 of its
+bytes in the zip directory. Every tensor storage is one entry. The conversion's workers CRC the
+bytes they read, in pieces (`ucp.convert.bin_copy`); here the driver joins the pieces of each entry that
+the conversion copies from, in file order, with `crc32_combine`, reads and CRCs whatever bytes of
+it no worker read (ZeRO's alignment padding, tensors no state uses), and compares the result with
+the zip's CRC-32, before the index is committed. Small entries of the same files (steps and other
+scalars, which the plan reads into the index) are read and checked whole: they cost nothing.
+Entries of tensors the conversion does not use at all (the model-states file's weights when the
+fp32 masters come from the optimizer files) are not read, so not checked.
+"""
+from __future__ import annotations
+
+import bisect
+import os
+import zipfile
+import zlib
+from collections import defaultdict
+from collections.abc import Iterable
+
+from ucp.convert.plan import ConversionPlan
+from ucp.converters.torch_zip import ZipEntry, storage_entries
+from ucp.errors import CorruptCheckpointError
+from ucp.format.crc import crc32_combine
+from ucp.format.fileio import open_regular
+
+SourceSegment = tuple[str, int, int, int]  # (path, begin, end, crc32) of bytes read from a rank file
+SMALL_ENTRY_BYTES = 64 << 10  # entries this small are checked whether or not a state reads them
+_GAP_READ = 8 << 20
+
+
+def touched_entries(plan: ConversionPlan) -> dict[str, list[ZipEntry]]:
+    """The zip entries of each rank file that some fragment of `plan` reads, in file order, with the file's
+    small entries (none for a file that is no zip archive: a plan built by hand over raw bytes)."""
+    starts: dict[str, set[int]] = defaultdict(set)
+    for p in plan.params:
+        for source in p.states.values():
+            for f in source.fragments:
+                starts[f.piece.path].add(f.piece.byte_offset)
+    touched = {}
+    for path, offsets in starts.items():
+        if not zipfile.is_zipfile(path):
+            continue
+        entries = sorted(storage_entries(path).values(), key=lambda e: e.start)
+        begins = [e.start for e in entries]
+        hit = {bisect.bisect_right(begins, o) - 1 for o in offsets}
+        touched[path] = [e for i, e in enumerate(entries) if i in hit or e.end - e.start <= SMALL_ENTRY_BYTES]
+    return touched
+
+
+def check_sources(plan: ConversionPlan, segments: Iterable[SourceSegment]) -> None:
+    """Raise `CorruptCheckpointError` unless every entry `plan` touches has the CRC-32 its zip records.
+
+    `segments` are the CRCs of the bytes the workers read; bytes of an entry they did not cover are
+    read here. An entry recorded with CRC 0 (torch's `compute_crc32=False`) is not checked.
+    """
+    by_path: dict[str, list[SourceSegment]] = defaultdict(list)
+    for segment in segments:
+        by_path[segment[0]].append(segment)
+    for path, entries in touched_entries(plan).items():
+        mine = sorted(by_path.get(path, ()), key=lambda s: (s[1], s[2]))
+        begins = [s[1] for s in mine]
+        for entry in entries:
+            if entry.crc32 == 0:
+                continue
+            first = bisect.bisect_left(begins, entry.start)
+            inside = [s for s in mine[first:bisect.bisect_left(begins, entry.end)] if s[2] <= entry.end]
+            found = entry_crc(path, entry, inside)
+            if found != entry.crc32:
+                raise CorruptCheckpointError(
+                    f"{path}: tensor data '{entry.name}' fails its CRC-32 (the zip records {entry.crc32:08x}, its "
+                    f"bytes give {found:08x}); the file is damaged: save the checkpoint again or restore the file "
+                    "from a copy")
+
+
+def entry_crc(path: str, entry: ZipEntry, segments: list[SourceSegment]) -> int:
+    """The CRC-32 of `entry`'s bytes from `segments` (sorted, inside it) and reads of what they leave out."""
+    crc, cursor = 0, entry.start
+    fd = None
+    try:
+        for _, begin, end, piece_crc in segments:
+            if end <= cursor:
+                continue  # the same bytes read twice (one state's copy of another's)
+            if begin > cursor:
+                fd = fd if fd is not None else open_regular(path)
+                crc = crc32_combine(crc, _read_crc(fd, path, cursor, begin), begin - cursor)
+            elif begin < cursor:  # overlaps what is covered: CRC its new bytes from the file
+                fd = fd if fd is not None else open_regular(path)
+                piece_crc = _read_crc(fd, path, cursor, end)
+                begin = cursor
+            crc = crc32_combine(crc, piece_crc, end - begin)
+            cursor = end
+        if cursor < entry.end:
+            fd = fd if fd is not None else open_regular(path)
+            crc = crc32_combine(crc, _read_crc(fd, path, cursor, entry.end), entry.end - cursor)
+    finally:
+        if fd is not None:
+            os.close(fd)
+    return crc
+
+
+def _read_crc(fd: int, path: str, begin: int, end: int) -> int:
+    crc = 0
+    while begin < end:
+        data = os.pread(fd, min(_GAP_READ, end - begin), begin)
+        if not data:
+            raise CorruptCheckpointError(f"{path}: ends at byte {begin}, expected at least {end}; the file is "
+                                         "truncated, copy it again")
+        crc = zlib.crc32(data, crc)
+        begin += len(data)
+    return crc
