@@ -14,9 +14,10 @@ from support.fragments import torch_fragment
 from test_convert_autotp import AUTOTP
 from support.parallel import build_family
 from ucp.convert.assemble import assemble
-from ucp.convert.driver import WriteBin, bin_slots, plan_bins, source_fingerprint, stream_bin, write_bin
-from ucp.converters.deepspeed_zero import plan_deepspeed
-from ucp.format.splits import SplitPolicy, apply_split_policy
+from ucp.convert.balance import plan_bins
+from ucp.convert.driver import WriteBin, bin_slots, source_fingerprint, stream_bin, write_bin
+from ucp.convert.split_policy import SplitPolicy, apply_split_policy
+from ucp.converters.dispatch import plan_deepspeed
 
 TINY = [TinySpec(stage=0), TinySpec(stage=1), TinySpec(stage=2), TinySpec(stage=3),
         TinySpec(stage=1, dtype="bf16", world_size=3), TinySpec(stage=3, dtype="bf16", world_size=3),

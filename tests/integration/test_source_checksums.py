@@ -10,7 +10,7 @@ import pytest
 from support.checkpoints import TinySpec
 from ucp.cli.main import main
 from ucp.convert.manifest import MANIFEST_SUFFIX
-from ucp.converters.deepspeed_zero import plan_deepspeed
+from ucp.converters.dispatch import plan_deepspeed
 from ucp.converters.torch_zip import storage_entries
 from ucp.format.folder import INDEX_NAME
 
