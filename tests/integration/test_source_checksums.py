@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from support.checkpoints import TinySpec
+from support.checkpoints import TinySpec, ucp_load_errors
 from ucp.cli.main import main
 from ucp.convert.manifest import MANIFEST_SUFFIX
 from ucp.converters.dispatch import plan_deepspeed
@@ -92,4 +92,20 @@ def test_a_flipped_bit_in_bytes_no_state_reads_is_refused(source, tmp_path, caps
     flip_bit(path, offset)
     out = tmp_path / "out"
     assert_refused(*convert(capsys, save_dir, out), path, out)
+
+
+def test_a_flipped_bit_in_a_rank_file_stops_a_zero_conversion_load_on_every_rank(source, ckpt_root):
+    """The hook reading a DeepSpeed ZeRO-2 checkpoint directly on 2 ranks (no conversion): the ranks split the
+    rank files' entries and check each against its zip CRC-32 before installing anything, so both raise and
+    neither engine is touched."""
+    spec = TinySpec(stage=2)
+    save_dir = source(spec)
+    piece = piece_of(save_dir, "emb.weight", "exp_avg", "optim_states")
+    [clean] = ucp_load_errors([save_dir], spec, ckpt_root)  # negative control: the undamaged copy loads
+    assert clean["errors"] == [None, None]
+    flip_bit(piece.path, piece.byte_offset + 4 * (piece.numel // 2) + 1)
+    [result] = ucp_load_errors([save_dir], spec, ckpt_root)
+    for error in result["errors"]:
+        assert error is not None and "fails its CRC-32" in error and Path(piece.path).name in error, error
+    assert result["untouched_on"] == [True, True]
 

@@ -66,12 +66,22 @@ def check_sources(plan: ConversionPlan, segments: Iterable[SourceSegment]) -> No
                 continue
             first = bisect.bisect_left(begins, entry.start)
             inside = [s for s in mine[first:bisect.bisect_left(begins, entry.end)] if s[2] <= entry.end]
-            found = entry_crc(path, entry, inside)
-            if found != entry.crc32:
-                raise CorruptCheckpointError(
-                    f"{path}: tensor data '{entry.name}' fails its CRC-32 (the zip records {entry.crc32:08x}, its "
-                    f"bytes give {found:08x}); the file is damaged: save the checkpoint again or restore the file "
-                    "from a copy")
+            _compare(path, entry, entry_crc(path, entry, inside))
+
+
+def check_entry(path: str, entry: ZipEntry) -> None:
+    """Read `entry` of rank file `path` whole; raise `CorruptCheckpointError` unless it has the CRC-32 its
+    zip records (the zero-conversion load's check, `ucp.deepspeed.load_source`)."""
+    if entry.crc32 != 0:
+        _compare(path, entry, entry_crc(path, entry, []))
+
+
+def _compare(path: str, entry: ZipEntry, found: int) -> None:
+    if found != entry.crc32:
+        raise CorruptCheckpointError(
+            f"{path}: tensor data '{entry.name}' fails its CRC-32 (the zip records {entry.crc32:08x}, its "
+            f"bytes give {found:08x}); the file is damaged: save the checkpoint again or restore the file "
+            "from a copy")
 
 
 def entry_crc(path: str, entry: ZipEntry, segments: list[SourceSegment]) -> int:

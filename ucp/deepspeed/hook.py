@@ -21,10 +21,13 @@ committed, and runs at exit too; see `ucp.deepspeed.async_save`). The `"ucp"` co
   bytes, and broadcast. False makes every rank read every tensor it touches whole, as stock
   `load_universal` does (for comparison).
 * `load_optimizer_states` (bool, default true), `load_lr_scheduler_states` (bool, default true).
-* `check_first` (bool, default true): read and check every byte a rank will load before installing
+* `check_first` (bool, default true): read and check every byte the load will use before installing
   any, so that a damaged checkpoint raises `CorruptCheckpointError` on every rank with the engine
-  untouched. This reads the rank's bytes twice (the second time usually from the page cache); false
-  reads once and installs layer by layer, so damage found at layer k leaves layers before k loaded.
+  untouched. From a ucp checkpoint each rank checks exactly what it will read (its chunks' CRC-32s);
+  from a DeepSpeed checkpoint, whose zip records one CRC-32 per rank-file entry, the job's ranks
+  split the entries and check each whole. This reads the bytes twice (the second time usually from
+  the page cache); false reads once and installs layer by layer, unchecked for a DeepSpeed source,
+  and damage found at layer k of a ucp checkpoint leaves layers before k loaded.
 * `strict` (bool, default true): a checkpoint parameter the model lacks is an error (tied weights:
   see below).
 * `layout` (dict, or path to its JSON): an explicit `ucp.hmp.layout.Layout`, for heterogeneous model
@@ -296,8 +299,8 @@ def _load_tensors(source: Source, target: Target, state_names: list[str], bypass
     me = dist.get_rank() if dist.is_initialized() else 0
     groups = _dp_groups(target)
     owners = _shared_owners(source, target, state_names, groups) if bypass else {}
-    if check_first and source.checks:
-        _check_all(source, target, state_names, owners, me, bypass, stats)
+    if check_first:
+        _check_first(source, target, state_names, owners, me, bypass, stats)
     target.prepare_states(state_names)
     damaged: UcpError | None = None
     for layer in _layers(target.tensors):
@@ -325,20 +328,16 @@ def _load_tensors(source: Source, target: Target, state_names: list[str], bypass
     _agree(damaged, CorruptCheckpointError)
 
 
-def _check_all(source: Source, target: Target, state_names: list[str], owners: dict, me: int, bypass: bool,
-               stats: LoadStats) -> None:
-    """Read and check every byte this rank will load, layer by layer, installing nothing: a damaged
-    checkpoint raises on every rank before the engine is touched."""
-    scratch = LoadStats()
+def _check_first(source: Source, target: Target, state_names: list[str], owners: dict, me: int, bypass: bool,
+                 stats: LoadStats) -> None:
+    """Read and check every byte the load will use, installing nothing: a damaged checkpoint raises on
+    every rank before any engine is touched (`Source.check_first`; no collective until the verdict)."""
+    layers = ({(t.name, s): t for t in layer for s in _states_of(t, state_names)} for layer in _layers(target.tensors))
     damaged: UcpError | None = None
-    for layer in _layers(target.tensors):
-        wants = {(t.name, s): t for t in layer for s in _states_of(t, state_names)}
-        try:
-            source.read(wants, _mine(wants, owners, me), bypass, scratch)
-        except UcpError as exc:
-            damaged = exc
-            break
-    stats.bytes_checked_first = scratch.bytes_read
+    try:
+        source.check_first(layers, lambda wants: _mine(wants, owners, me), bypass, stats)
+    except UcpError as exc:
+        damaged = exc
     _agree(damaged, CorruptCheckpointError)
 
 

@@ -29,15 +29,19 @@ integrity is in doubt.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 
 from ucp.checkpoint import AtomicCheckpoint, PlannedCheckpoint
 from ucp.convert.assemble import materialize_tensor
 from ucp.convert.plan import ConversionPlan, StateSource
+from ucp.convert.source_check import check_entry, touched_entries
 from ucp.deepspeed.flat_runs import FlatRun, flat_runs, run_reads
+from ucp.deepspeed.readers import assign_readers
 from ucp.deepspeed.targets import TargetTensor
 from ucp.format.box_read import BoxWant, full_box, read_boxes
 from ucp.format.boxes import Box
@@ -54,7 +58,10 @@ class Source(Protocol):
     """What the hook reads tensors through (the checkpoint itself answers the checks: its index,
     optimizer and training state)."""
 
-    checks: bool  # whether `read` checks what it reads (raising CorruptCheckpointError on damage)
+    def check_first(self, layers: Iterable[dict[Key, TargetTensor]], mine: Callable[[dict], list[Key]],
+                    bypass: bool, stats) -> None:
+        """Read and check what this rank's share of the load covers, installing nothing; raise
+        `CorruptCheckpointError` on damage. Adds the bytes read to `stats.bytes_checked_first`."""
 
     def dtype(self, key: Key) -> torch.dtype:
         """The dtype the state's values come in (what the atomic format stores)."""
@@ -91,8 +98,6 @@ def _count(stats, counter: ReadCounter) -> None:
 class AtomicSource:
     """A ucp checkpoint, read through its index."""
 
-    checks = True
-
     def __init__(self, ckpt: AtomicCheckpoint):
         self.ckpt = ckpt
 
@@ -106,19 +111,32 @@ class AtomicSource:
     def shared(self, key: Key, t: TargetTensor) -> bool:
         return t.whole
 
+    def check_first(self, layers: Iterable[dict[Key, TargetTensor]], mine: Callable[[dict], list[Key]],
+                    bypass: bool, stats) -> None:
+        """Every read of the load, checked chunk by chunk as `read` checks it (see `Source.check_first`)."""
+        counter = ReadCounter()
+        for wants in layers:
+            boxes = self._boxes(wants, mine(wants), bypass)
+            read_boxes(self.ckpt.path, boxes, self.ckpt.model.chunk_bytes, counter)
+        stats.bytes_checked_first += counter.bytes
+
+    def _boxes(self, wants: dict[Key, TargetTensor], readers: list[Key], bypass: bool) -> dict[Key, BoxWant]:
+        boxes = {}
+        for key in readers:
+            t, stored = wants[key], self._stored(key)
+            boxes[key] = BoxWant(stored, t.box or full_box(stored.shape), (t.start, t.start + t.numel),
+                                 whole=not bypass)
+        return boxes
+
     def read(self, wants: dict[Key, TargetTensor], readers: list[Key], bypass: bool, stats) -> dict:
         """This rank's reads for one layer, coalesced and checked (see `Source.read`).
 
         With bypass a rank reads exactly its elements when they are contiguous in storage, else the
         covering part of its box (`ucp.format.box_read`); without, every tensor it touches whole.
         """
-        boxes = {}
-        for key in readers:
-            t, stored = wants[key], self._stored(key)
-            box = t.box or full_box(stored.shape)
-            boxes[key] = BoxWant(stored, box, (t.start, t.start + t.numel), whole=not bypass)
         counter = ReadCounter()
-        values, extra = read_boxes(self.ckpt.path, boxes, self.ckpt.model.chunk_bytes, counter)
+        values, extra = read_boxes(self.ckpt.path, self._boxes(wants, readers, bypass), self.ckpt.model.chunk_bytes,
+                                   counter)
         _count(stats, counter)
         stats.bytes_checked_extra += extra
         return values
@@ -127,15 +145,28 @@ class AtomicSource:
 class PlannedSource:
     """A DeepSpeed checkpoint, read through its conversion plan (see the module docstring)."""
 
-    checks = False
-
     def __init__(self, plan: ConversionPlan):
+        self.plan = plan
         self._params = {p.name: p for p in plan.params}
         self._params.update({alias: self._params[source] for alias, source in plan.aliases.items()})
         self._runs: dict[Key, tuple[FlatRun, ...] | None] = {}
 
     def _state(self, key: Key) -> StateSource:
         return self._params[key[0]].states[key[1]]
+
+    def check_first(self, layers: Iterable[dict[Key, TargetTensor]], mine: Callable[[dict], list[Key]],
+                    bypass: bool, stats) -> None:
+        """This rank's share of the rank files' zip entries that the plan reads, each read whole and checked
+        against the CRC-32 its zip records (`ucp.convert.source_check`): a zip records one CRC per entry (a
+        rank's whole flat partition), so the job's ranks split the entries between them, reading the
+        checkpoint once in all. Which layers this rank loads does not matter."""
+        entries = {(path, e.name): e for path, found in touched_entries(self.plan).items() for e in found}
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        owners = assign_readers({key: e.end - e.start for key, e in entries.items()}, list(range(world)))
+        for (path, name), entry in sorted(entries.items()):
+            if owners[(path, name)] == rank:
+                check_entry(path, entry)
+                stats.bytes_checked_first += entry.end - entry.start
 
     def _flat(self, key: Key) -> tuple[FlatRun, ...] | None:
         if key not in self._runs:
