@@ -217,11 +217,11 @@ class PlannedCheckpoint:
     def index(self) -> dict:
         """The index `ucp convert` would write for this checkpoint, less where its states would be stored:
         each state's entry gives its dtype and shape only."""
-        from ucp.convert.index_builder import param_entry
+        from ucp.convert.index_builder import ParamRecord, param_entry
 
         params = {}
         for p in self.plan.params:
-            params[p.name] = param_entry(p, {s: {"dtype": src.dtype, "shape": list(p.shape)}
+            params[p.name] = param_entry(ParamRecord.of(p), {s: {"dtype": src.dtype, "shape": list(p.shape)}
                                              for s, src in p.states.items()})
         return {"source": self.plan.source, "training": self.plan.training, "optimizer": self.plan.optimizer,
                 "lr_scheduler": self.plan.lr_scheduler, "client_state": self.plan.client_state, "params": params,

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 from ucp.convert.balance import plan_bins
 from ucp.convert.bin_copy import BinFile, copy_states
 from ucp.convert.executor import Executor, LocalExecutor, Report, ShuffleExecutor
-from ucp.convert.index_builder import build_index
+from ucp.convert.index_builder import build_index, records_of
 from ucp.convert.manifest import (MANIFEST_SUFFIX, BinCheck, manifest_name, remove_manifests, reusable_bin,
                                   write_manifest)
 from ucp.convert.plan import ConversionPlan, ParamPlan, StateSource
@@ -174,7 +174,7 @@ def _write_atomic(plan: ConversionPlan, output: Path, executor: Executor, *, str
     if plan.left_out:
         logger.info("left out of %s: %s", output, left_out_summary(plan.left_out))
     fsync_dir(output)
-    index = build_index(plan, fingerprint, [*kept.values(), *results], extra)
+    index = build_index(*records_of(plan), fingerprint, [*kept.values(), *results], extra)
     commit_index(output, index)
     remove_manifests(output)
     return ConvertResult(output, len(plan.params), tuple(index["files"]),

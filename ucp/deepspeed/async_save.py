@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 
 from ucp.convert.balance import TARGET_FILE_BYTES
-from ucp.convert.index_builder import build_index
-from ucp.convert.plan import BUFFER_STATE, WEIGHT_STATE, ConversionPlan, ParamPlan, StateSource
+from ucp.convert.index_builder import CheckpointRecord, ParamRecord, build_index
+from ucp.convert.plan import BUFFER_STATE, WEIGHT_STATE
 from ucp.deepspeed.autotp import tp_size
 from ucp.deepspeed.readers import assign_readers
 from ucp.deepspeed.save_files import SaveLayout, WrittenPiece, plan_layout, whole_crcs
@@ -303,27 +303,26 @@ def _commit(prepared: _Prepared, save_dir: Path, tag: str, reports: list, meta: 
     for f in prepared.layout.files:
         os.replace(partial_path(tag_dir, f.name), tag_dir / f.name)
     fsync_dir(tag_dir)
-    params = [_param_plan(p, prepared, fragments) for p in meta["params"]]
+    params = [_param_record(p, prepared, fragments) for p in meta["params"]]
     fingerprint = hashlib.sha256(f"{tag_dir}:{time.time_ns()}".encode()).hexdigest()[:32]
-    plan = ConversionPlan(params=params, source=meta["source"], optimizer=meta["optimizer"],
-                          training=meta["training"], lr_scheduler=meta["lr_scheduler"],
-                          client_state=meta["client_state"], aliases=meta["aliases"])
+    checkpoint = CheckpointRecord(source=meta["source"], training=meta["training"], optimizer=meta["optimizer"],
+                                  lr_scheduler=meta["lr_scheduler"], client_state=meta["client_state"],
+                                  aliases=meta["aliases"])
     results = [{"file": f.name, "bytes": f.size, "chunk_bytes": CHUNK_BYTES,
                 "tensors": {k: (s.begin, s.end, *crcs[k]) for k, s in prepared.layout.spans.items() if s.file == f.name}}
                for f in prepared.layout.files]
-    commit_index(tag_dir, build_index(plan, fingerprint, results))
+    commit_index(tag_dir, build_index(checkpoint, params, fingerprint, results))
     commit_latest(save_dir, tag)
 
 
-def _param_plan(p: dict, prepared: _Prepared, fragments: dict) -> ParamPlan:
-    """The parameter's index entry; its pattern says how the ranks held it (as `ucp convert` records it)."""
+def _param_record(p: dict, prepared: _Prepared, fragments: dict) -> ParamRecord:
+    """The parameter's index record; its pattern says how the ranks held it (as `ucp convert` records it)."""
     shape = tuple(p["shape"])
     first = tensor_key(p["name"], next(iter(p["states"])))
     infos = [FragmentInfo(rank, shape) if first in prepared.whole else FragmentInfo(rank, (numel,), start)
              for rank, start, numel in fragments.get(first, [])]
     spec = recognize(p["name"], shape, infos)
-    states = {s: StateSource(spec, (), dtype) for s, dtype in p["states"].items()}
-    return ParamPlan(p["name"], shape, p["kind"], states, p["group"], p["step"], p["model_dtype"])
+    return ParamRecord(p["name"], shape, p["kind"], spec, dict(p["states"]), p["model_dtype"], p["group"], p["step"])
 
 
 # -- one saver per engine, and the public entry points -------------------------------------------------
