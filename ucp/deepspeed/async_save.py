@@ -322,7 +322,8 @@ def _param_record(p: dict, prepared: _Prepared, fragments: dict) -> ParamRecord:
     infos = [FragmentInfo(rank, shape) if first in prepared.whole else FragmentInfo(rank, (numel,), start)
              for rank, start, numel in fragments.get(first, [])]
     spec = recognize(p["name"], shape, infos)
-    return ParamRecord(p["name"], shape, p["kind"], spec, dict(p["states"]), p["model_dtype"], p["group"], p["step"])
+    return ParamRecord(name=p["name"], kind=p["kind"], shape=shape, pattern=spec, dtypes=dict(p["states"]),
+                       model_dtype=p["model_dtype"], group=p["group"], step=p["step"])
 
 
 # -- one saver per engine, and the public entry points -------------------------------------------------
