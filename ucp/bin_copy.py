@@ -4,8 +4,10 @@ Most states are the bytes of a few runs of the rank files, back to back: ZeRO pa
 order less their padding, dim-0 TP shards, rank 0's copy of a replica, perhaps upcast to the
 stored dtype (`state_runs`). Those are copied block by block, a few blocks in flight on threads
 (reads, CRC-32 and writes release the GIL), each block into its place in the file, whose layout
-the header fixes in advance. Any other state (dim-1 shards, averaged partials, split-major
-storage) is assembled in memory (`ucp.assemble`) and written the same way.
+the header fixes in advance. Row-parallel TP shards (joined along dim 1, `row_parts`) are read
+whole and copied into their columns of the output on the same threads. Any other state (averaged
+partials, --strict replicas, split-major storage) is assembled in memory (`ucp.assemble`) and
+written the same way.
 
 Every byte read is CRC'd once: where a block is copied as is, each CRC of the block's pieces
 between output chunk boundaries is both an output chunk's segment (`ucp.crc.join_segments`) and
@@ -16,6 +18,7 @@ the one fsync at the end finds little left to write. Nothing here imports torch.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 import queue
 import sys
@@ -33,7 +36,7 @@ from ucp.dtypes import NUMPY_DTYPES, cast
 from ucp.errors import CorruptCheckpointError
 from ucp.fileio import open_regular, tensor_bytes
 from ucp.index import DTYPE_SIZES
-from ucp.patterns.types import Pattern
+from ucp.patterns.types import Pattern, PatternSpec
 from ucp.plan import ParamPlan, StateSource
 from ucp.safetensors_stream import StoredTensor, TensorSlot, encode_header
 from ucp.splits import to_split_major
@@ -64,28 +67,73 @@ def state_runs(source: StateSource, strict: bool = False) -> list[Run] | None:
     cast to the stored dtype); None when Union has to compute them (see the module docstring).
 
     These are the states whose Union concatenates along the first dim (or flat) and whose StripPad
-    keeps a prefix: UNIQUE, SHARD_V, and REPLICATE without `strict` (rank 0's copy).
+    keeps a prefix: UNIQUE, SHARD_V, REPLICATE without `strict` (rank 0's copy), and the same over
+    pieces that are themselves such states (a TP shard that ZeRO partitioned: Shard-Hy along dim 0).
     """
-    spec, frags = source.spec, source.fragments
-    if spec.inner is not None or source.groups is not None or not frags:
+    spec = source.spec
+    if spec.pattern in (Pattern.SHARD_H, Pattern.SHARD_HY) and spec.dim != 0:
+        return None  # joined along dim 1: rows interleave (`row_parts`)
+    parts = _parts(source, strict)
+    if parts is None:
         return None
-    if spec.pattern is Pattern.REPLICATE and not strict or spec.pattern is Pattern.UNIQUE and len(frags) == 1:
-        frags = frags[:1]
+    if spec.inner is not None:
+        pattern = Pattern.SHARD_V if spec.pattern is Pattern.SHARD_HY else spec.pattern
+        spec = dataclasses.replace(spec, pattern=pattern, inner=None, shard_shapes=None)
+    return _joined(spec, parts, strict)
+
+
+def row_parts(source: StateSource, strict: bool = False) -> list[tuple[tuple[int, ...], list[Run]]] | None:
+    """A 2-D state that Union joins along dim 1 from pieces that are runs (row-parallel TP shards, whole or
+    ZeRO-partitioned): each piece's (shape, runs); None for any other state, or where StripPad would cut."""
+    spec = source.spec
+    if spec.pattern not in (Pattern.SHARD_H, Pattern.SHARD_HY) or spec.dim != 1 or len(spec.shape) != 2:
+        return None
+    parts = _parts(source, strict)
+    if parts is None or any(len(shape) != 2 or shape[0] != spec.shape[0] for shape, _ in parts) \
+            or sum(shape[1] for shape, _ in parts) != spec.shape[1]:
+        return None
+    return parts
+
+
+def _parts(source: StateSource, strict: bool) -> list[tuple[tuple[int, ...], list[Run]]] | None:
+    """The pieces Union joins, as (shape, runs): the fragments, or the outer pieces their inner pattern rebuilds."""
+    spec, frags = source.spec, source.fragments
+    if not frags or len({f.piece.dtype for f in frags}) != 1:
+        return None
+    if spec.inner is None:
+        if source.groups is not None:
+            return None
+        return [(f.info.shape, [Run(f.piece.path, f.piece.byte_offset, f.piece.numel, f.piece.dtype)]) for f in frags]
+    if source.groups is None or spec.shard_shapes is None or len(spec.shard_shapes) != len(source.groups):
+        return None
+    parts, start = [], 0
+    for size, shape in zip(source.groups, spec.shard_shapes):
+        inner = StateSource(dataclasses.replace(spec.inner, shape=tuple(shape)), frags[start:start + size], source.dtype)
+        start += size
+        runs = state_runs(inner, strict)
+        if runs is None:
+            return None
+        parts.append((tuple(shape), runs))
+    return parts
+
+
+def _joined(spec: PatternSpec, parts: list[tuple[tuple[int, ...], list[Run]]], strict: bool) -> list[Run] | None:
+    """Union and StripPad of pieces given as (shape, runs), as runs; None where that is not a prefix of them."""
+    if spec.pattern is Pattern.REPLICATE and not strict or spec.pattern is Pattern.UNIQUE and len(parts) == 1:
+        parts = parts[:1]
     elif spec.pattern is not Pattern.SHARD_V:
         return None
-    if len({f.piece.dtype for f in frags}) != 1:
-        return None
-    flat = spec.flat or all(len(f.info.shape) == 1 for f in frags) and len(spec.shape) != 1
-    if not flat and any(len(f.info.shape) != len(spec.shape) or tuple(f.info.shape[1:]) != tuple(spec.shape[1:])
-                        for f in frags):
+    flat = spec.flat or all(len(shape) == 1 for shape, _ in parts) and len(spec.shape) != 1
+    if not flat and any(len(shape) != len(spec.shape) or tuple(shape[1:]) != tuple(spec.shape[1:])
+                        for shape, _ in parts):
         return None  # StripPad would cut along another dim than the first
-    runs, left = [], spec.numel
-    for f in frags:
-        take = min(left, f.piece.numel)
+    out, left = [], spec.numel
+    for run in (run for _, runs in parts for run in runs):
+        take = min(left, run.numel)
         if take:
-            runs.append(Run(f.piece.path, f.piece.byte_offset, take, f.piece.dtype))
+            out.append(dataclasses.replace(run, numel=take))
         left -= take
-    return runs if left == 0 else None  # too few elements: Union's own error says which
+    return out if left == 0 else None  # too few elements: Union's own error says which
 
 
 class BinFile:
@@ -211,6 +259,28 @@ class Copier:
     def submit(self, block: Block) -> Future:
         return self._pool.submit(self._copy, block)
 
+    def submit_rows(self, parts: list[tuple[tuple[int, ...], list[Run]]], dtype: str, dest: int) -> Future:
+        return self._pool.submit(self._interleave, parts, dtype, dest)
+
+    def _interleave(self, parts: list[tuple[tuple[int, ...], list[Run]]], dtype: str,
+                    dest: int) -> tuple[list[Segment], list[SourceSegment]]:
+        """Pieces joined along dim 1: each read whole (and CRC'd), then copied into its columns of the output."""
+        rows = parts[0][0][0]
+        out = np.empty((rows, sum(shape[1] for shape, _ in parts)), dtype=NUMPY_DTYPES[dtype])
+        read: list[SourceSegment] = []
+        column = 0
+        for (_, width), runs in parts:
+            piece = np.empty(rows * width, dtype=NUMPY_DTYPES[runs[0].dtype])
+            start = 0
+            for run in runs:
+                raw = piece[start:start + run.numel].view(np.uint8)
+                self.sources.read(run.path, memoryview(raw), run.offset)
+                read.append((run.path, run.offset, run.offset + raw.nbytes, zlib.crc32(raw)))
+                start += run.numel
+            out[:, column:column + width] = cast(piece.reshape(rows, width), runs[0].dtype, dtype)
+            column += width
+        return self.write(out, dest), read
+
     def _copy(self, block: Block) -> tuple[list[Segment], list[SourceSegment]]:
         run, buffer = block.run, self._buffers.get()
         itemsize, out_itemsize = DTYPE_SIZES[run.dtype], DTYPE_SIZES[block.dtype]
@@ -265,8 +335,12 @@ def copy_states(out: BinFile, params: tuple[ParamPlan, ...], slots: list[TensorS
                 slot = next(keys)
                 begin = out.begins[slot.key]
                 runs = state_runs(source, strict) if p.splits is None else None
+                rows = row_parts(source, strict) if p.splits is None and runs is None else None
                 if runs is not None:
                     futures = [copier.submit(b) for b in blocks(runs, begin, source.dtype)]
+                    pending.append((source, slot.key, begin, begin + slot.nbytes, futures, []))
+                elif rows is not None:
+                    futures = [copier.submit_rows(rows, source.dtype, begin)]
                     pending.append((source, slot.key, begin, begin + slot.nbytes, futures, []))
                 else:
                     segments, read = _assembled(copier, p, source, begin, strict)
