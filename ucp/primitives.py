@@ -128,10 +128,11 @@ def _mean(pieces: Sequence[Array], dtype: str | None) -> Array:
         for piece in pieces[1:]:
             total = from_values(as_values(total, dtype) + as_values(piece, dtype), dtype)
         return from_values(as_values(total, dtype) / np.float32(len(pieces)), dtype)
-    total = 0 + pieces[0]  # sum() starts from 0: 0 + (-0.0) is +0.0, which a copy would not give
-    for piece in pieces[1:]:
-        total += piece
-    return total / len(pieces)
+    with np.errstate(all="ignore"):  # numpy warns of overflow and NaN where torch computes quietly
+        total = 0 + pieces[0]  # sum() starts from 0: 0 + (-0.0) is +0.0, which a copy would not give
+        for piece in pieces[1:]:
+            total += piece
+        return total / len(pieces)
 
 
 def _same_copy(a: Array, b: Array, dtype: str | None = None) -> bool:
