@@ -306,18 +306,22 @@ class Copier:
         return written, read
 
     def write(self, data: np.ndarray, dest: int) -> list[Segment]:
-        """Write `data` at byte `dest` of the output; the CRC-32 of its pieces between chunk boundaries
-        (each piece CRC'd and written in turn, while it is in the cache)."""
-        raw = tensor_bytes(data)
-        segments = []
-        for lo, hi in chunk_bounds(dest, dest + len(raw), self.out.chunk_bytes):
-            piece = raw[lo - dest:hi - dest]
-            segments.append((lo, hi, zlib.crc32(piece)))
-            self.out.write(piece, lo)
-        return segments
+        return write_array(self.out, data, dest)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def write_array(out: BinFile, data: np.ndarray, dest: int) -> list[Segment]:
+    """Write `data` at byte `dest` of `out`; the CRC-32 of its pieces between chunk boundaries (each piece
+    CRC'd and written in turn, while it is in the cache)."""
+    raw = tensor_bytes(np.require(data, requirements="C"))
+    segments = []
+    for lo, hi in chunk_bounds(dest, dest + len(raw), out.chunk_bytes):
+        piece = raw[lo - dest:hi - dest]
+        segments.append((lo, hi, zlib.crc32(piece)))
+        out.write(piece, lo)
+    return segments
 
 
 def copy_states(out: BinFile, params: tuple[ParamPlan, ...], slots: list[TensorSlot], strict: bool,
@@ -371,4 +375,4 @@ def _assembled(copier: Copier, p: ParamPlan, source: StateSource, begin: int,
     tensor = assemble(source, pieces, name=p.name, strict=strict)
     if p.splits is not None:
         tensor = to_split_major(tensor, *p.splits)
-    return copier.write(np.ascontiguousarray(tensor), begin), read
+    return copier.write(tensor, begin), read
