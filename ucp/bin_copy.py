@@ -259,6 +259,22 @@ class Copier:
     def submit(self, block: Block) -> Future:
         return self._pool.submit(self._copy, block)
 
+    def submit_checksum(self, path: str, begin: int, end: int) -> Future:
+        return self._pool.submit(self._checksum, path, begin, end)
+
+    def _checksum(self, path: str, begin: int, end: int) -> tuple[list[Segment], list[SourceSegment]]:
+        """Source bytes no output needs, read and CRC'd only (a piece at a time, as copies are)."""
+        buffer = self._buffers.get()
+        read: list[SourceSegment] = []
+        try:
+            for lo in range(begin, end, PIECE_BYTES):
+                raw = buffer[:min(PIECE_BYTES, end - lo)]
+                self.sources.read(path, memoryview(raw), lo)
+                read.append((path, lo, lo + raw.nbytes, zlib.crc32(raw)))
+        finally:
+            self._buffers.put(buffer)
+        return [], read
+
     def submit_rows(self, parts: list[tuple[tuple[int, ...], list[Run]]], dtype: str, dest: int) -> Future:
         return self._pool.submit(self._interleave, parts, dtype, dest)
 
@@ -340,11 +356,13 @@ def copy_states(out: BinFile, params: tuple[ParamPlan, ...], slots: list[TensorS
                 begin = out.begins[slot.key]
                 runs = state_runs(source, strict) if p.splits is None else None
                 rows = row_parts(source, strict) if p.splits is None and runs is None else None
-                if runs is not None:
-                    futures = [copier.submit(b) for b in blocks(runs, begin, source.dtype)]
-                    pending.append((source, slot.key, begin, begin + slot.nbytes, futures, []))
-                elif rows is not None:
-                    futures = [copier.submit_rows(rows, source.dtype, begin)]
+                if runs is not None or rows is not None:
+                    if runs is not None:
+                        futures = [copier.submit(b) for b in blocks(runs, begin, source.dtype)]
+                    else:
+                        futures = [copier.submit_rows(rows, source.dtype, begin)]
+                        runs = [run for _, part in rows for run in part]
+                    futures += [copier.submit_checksum(*unread) for unread in unread_bytes(source, runs)]
                     pending.append((source, slot.key, begin, begin + slot.nbytes, futures, []))
                 else:
                     segments, read = _assembled(copier, p, source, begin, strict)
@@ -364,6 +382,20 @@ def copy_states(out: BinFile, params: tuple[ParamPlan, ...], slots: list[TensorS
         copier.close()
         sources.close()
     return stored, source_segments
+
+
+def unread_bytes(source: StateSource, runs: list[Run]) -> list[tuple[str, int, int]]:
+    """(path, begin, end) of the bytes of `source`'s fragments that `runs` leave out: the other copies of a
+    replica, the padding past a state's last element. Checked all the same, on the copy threads, so that the
+    driver has next to nothing left to read to check whole zip entries (`ucp.source_check`)."""
+    used = {(run.path, run.offset): run.numel * DTYPE_SIZES[run.dtype] for run in runs}  # runs start at pieces
+    out = []
+    for f in source.fragments:
+        begin, end = f.piece.byte_offset, f.piece.byte_offset + f.piece.numel * DTYPE_SIZES[f.piece.dtype]
+        begin += used.get((f.piece.path, begin), 0)
+        if begin < end:
+            out.append((f.piece.path, begin, end))
+    return out
 
 
 def _assembled(copier: Copier, p: ParamPlan, source: StateSource, begin: int,
