@@ -12,7 +12,9 @@ written the same way.
 Every byte read is CRC'd once: where a block is copied as is, each CRC of the block's pieces
 between output chunk boundaries is both an output chunk's segment (`ucp.crc.join_segments`) and
 a segment of the source zip entry it came from, which the driver checks (`ucp.source_check`).
-An upcast block's source bytes get a CRC of their own. Writeback is started as blocks land, so
+An upcast block's source bytes get a CRC of their own, and so do the bytes of a state's fragments
+that no output needs (the other copies of a replica, padding: `unread_bytes`), read on the same
+threads, so that every entry the conversion reads is covered. Writeback is started as blocks land, so
 the one fsync at the end finds little left to write. Nothing here imports torch.
 """
 from __future__ import annotations
@@ -24,7 +26,7 @@ import queue
 import sys
 import threading
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -341,7 +343,7 @@ def write_array(out: BinFile, data: np.ndarray, dest: int) -> list[Segment]:
 
 
 def copy_states(out: BinFile, params: tuple[ParamPlan, ...], slots: list[TensorSlot], strict: bool,
-                after_state) -> tuple[dict[str, StoredTensor], list[SourceSegment]]:
+                after_state: Callable[[StateSource], None]) -> tuple[dict[str, StoredTensor], list[SourceSegment]]:
     """Write every state of `params` (in `slots` order) into `out`; where each landed, and the source
     segments read. `after_state(source)` runs once a state is written (progress)."""
     sources = Sources()
