@@ -50,12 +50,12 @@ if tree:
 STARTUP = PRELUDE + """
 import time
 t = time.perf_counter()
-import ucp.cli.commands, ucp.convert, ucp.converters.deepspeed_zero
+import ucp.cli.commands, ucp.convert, ucp.converters.dispatch
 print(time.perf_counter() - t)
 """
 PHASE_RUN = PRELUDE + """
 import json, shutil, threading, time, zlib
-import ucp.convert, ucp.convert.assemble, ucp.converters.deepspeed_zero as zero, ucp.format.fileio, ucp.format.safetensors_stream as st
+import ucp.convert, ucp.convert.assemble, ucp.converters.dispatch as zero, ucp.format.fileio, ucp.format.safetensors_stream as st
 from ucp.convert.executor import LocalExecutor
 spent = {{}}
 lock = threading.Lock()

@@ -1,6 +1,6 @@
-"""The local conversion (`ucp.convert.bin_copy`: numpy, blocks copied by offset, no torch) writes exactly the bytes of
-the torch path: Union/StripPad on torch tensors streamed by `StreamingWriter` (`ucp.convert.driver.stream_bin`, the
-Ray backend's reducer), for every source family of the suite. And `ucp convert` imports no torch."""
+"""The local conversion (`ucp.convert.bin_copy`: numpy, blocks copied by offset, no torch) and the Ray backend's reducer
+(`ucp.convert.driver.stream_bin`) write exactly the bytes of the torch path (Union/StripPad on torch tensors, streamed by
+`StreamingWriter`), for every source family of the suite. And `ucp convert` imports no torch."""
 from __future__ import annotations
 
 import subprocess
@@ -13,11 +13,14 @@ from support.checkpoints import TinySpec
 from support.fragments import torch_fragment
 from test_convert_autotp import AUTOTP
 from support.parallel import build_family
-from ucp.convert.assemble import assemble
+from ucp.convert.assemble import assemble, materialize
 from ucp.convert.balance import plan_bins
 from ucp.convert.driver import WriteBin, bin_slots, source_fingerprint, stream_bin, write_bin
 from ucp.convert.split_policy import SplitPolicy, apply_split_policy
 from ucp.converters.dispatch import plan_deepspeed
+from ucp.format.folder import FORMAT_NAME, tensor_key
+from ucp.format.safetensors_stream import StreamingWriter
+from ucp.format.splits import to_split_major
 
 TINY = [TinySpec(stage=0), TinySpec(stage=1), TinySpec(stage=2), TinySpec(stage=3),
         TinySpec(stage=1, dtype="bf16", world_size=3), TinySpec(stage=3, dtype="bf16", world_size=3),
@@ -25,10 +28,26 @@ TINY = [TinySpec(stage=0), TinySpec(stage=1), TinySpec(stage=2), TinySpec(stage=
 
 
 def torch_path_bin(task: WriteBin) -> dict:
-    """The bin as the torch path writes it: fragments read as torch tensors, Union/StripPad/cast by torch."""
+    """The bin as the torch path writes it: fragments read as torch tensors, Union/StripPad/cast and split-major
+    by torch, the file streamed tensor by tensor by `StreamingWriter` (the writer of `ucp export`); its record."""
+    writer = StreamingWriter(str(Path(task.output) / task.file_name), bin_slots(task.params),
+                             metadata={"format": FORMAT_NAME}, chunk_bytes=task.chunk_bytes)
+    stored = {}
+    for p in task.params:
+        for state, source in p.states.items():
+            tensor = assemble(source, [torch_fragment(f) for f in source.fragments], name=p.name, strict=task.strict)
+            if p.splits is not None:
+                tensor = to_split_major(tensor, *p.splits)
+            stored[tensor_key(p.name, state)] = writer.write(tensor_key(p.name, state), tensor)
+    writer.close()
+    return {"file": task.file_name, "bytes": writer.size, "chunk_bytes": task.chunk_bytes,
+            "tensors": {k: (s.begin, s.end, s.crc32, s.chunk_crc32) for k, s in stored.items()}}
+
+
+def ray_path_bin(task: WriteBin) -> dict:
+    """The bin as the Ray backend's reducer writes it (`stream_bin`: states assembled in memory), in this process."""
     return stream_bin(task, lambda nbytes: None,
-                      lambda p, source: assemble(source, [torch_fragment(f) for f in source.fragments],
-                                                 name=p.name, strict=task.strict))
+                      lambda p, source: materialize(source, name=p.name, strict=task.strict))
 
 
 def assert_same_bytes(save_dir: Path, tmp_path: Path, *, strict: bool = False, splits: SplitPolicy | None = None,
@@ -47,6 +66,8 @@ def assert_same_bytes(save_dir: Path, tmp_path: Path, *, strict: bool = False, s
         want = torch_path_bin(WriteBin(str(theirs), name, tuple(params), strict, fingerprint, chunk_bytes))
         assert (ours / name).read_bytes() == (theirs / name).read_bytes(), name
         assert got.pop("sources") and got == want
+        (ours / name).unlink()
+        assert ray_path_bin(task) == want and (ours / name).read_bytes() == (theirs / name).read_bytes(), name
         assert len(want["tensors"]) == len(bin_slots(tuple(params)))
 
 

@@ -4,24 +4,29 @@ Most states are the bytes of a few runs of the rank files, back to back: ZeRO pa
 order less their padding, dim-0 TP shards, rank 0's copy of a replica, perhaps upcast to the
 stored dtype (`state_runs`). Those are copied block by block, a few blocks in flight on threads
 (reads, CRC-32 and writes release the GIL), each block into its place in the file, whose layout
-the header fixes in advance. Any other state (dim-1 shards, averaged partials, split-major
-storage) is assembled in memory (`ucp.convert.assemble`) and written the same way.
+the header fixes in advance. Row-parallel TP shards (joined along dim 1, `row_parts`) are read
+whole and copied into their columns of the output on the same threads. Any other state (averaged
+partials, --strict replicas, split-major storage) is assembled in memory (`ucp.convert.assemble`) and
+written the same way.
 
 Every byte read is CRC'd once: where a block is copied as is, each CRC of the block's pieces
 between output chunk boundaries is both an output chunk's segment (`ucp.format.crc.join_segments`) and
 a segment of the source zip entry it came from, which the driver checks (`ucp.convert.source_check`).
-An upcast block's source bytes get a CRC of their own. Writeback is started as blocks land, so
+An upcast block's source bytes get a CRC of their own, and so do the bytes of a state's fragments
+that no output needs (the other copies of a replica, padding: `unread_bytes`), read on the same
+threads, so that every entry the conversion reads is covered. Writeback is started as blocks land, so
 the one fsync at the end finds little left to write. Nothing here imports torch.
 """
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 import queue
 import sys
 import threading
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -36,7 +41,7 @@ from ucp.format.fileio import open_regular, tensor_bytes
 from ucp.format.index import DTYPE_SIZES
 from ucp.format.safetensors_stream import StoredTensor, TensorSlot, encode_header
 from ucp.format.splits import to_split_major
-from ucp.patterns.types import Pattern
+from ucp.patterns.types import Pattern, PatternSpec
 
 BLOCK_BYTES = 8 << 20  # a block: the bytes one thread copies as one task
 # A block moves through a buffer this large, a piece at a time: read, CRC'd and written while the
@@ -64,28 +69,73 @@ def state_runs(source: StateSource, strict: bool = False) -> list[Run] | None:
     cast to the stored dtype); None when Union has to compute them (see the module docstring).
 
     These are the states whose Union concatenates along the first dim (or flat) and whose StripPad
-    keeps a prefix: UNIQUE, SHARD_V, and REPLICATE without `strict` (rank 0's copy).
+    keeps a prefix: UNIQUE, SHARD_V, REPLICATE without `strict` (rank 0's copy), and the same over
+    pieces that are themselves such states (a TP shard that ZeRO partitioned: Shard-Hy along dim 0).
     """
-    spec, frags = source.spec, source.fragments
-    if spec.inner is not None or source.groups is not None or not frags:
+    spec = source.spec
+    if spec.pattern in (Pattern.SHARD_H, Pattern.SHARD_HY) and spec.dim != 0:
+        return None  # joined along dim 1: rows interleave (`row_parts`)
+    parts = _parts(source, strict)
+    if parts is None:
         return None
-    if spec.pattern is Pattern.REPLICATE and not strict or spec.pattern is Pattern.UNIQUE and len(frags) == 1:
-        frags = frags[:1]
+    if spec.inner is not None:
+        pattern = Pattern.SHARD_V if spec.pattern is Pattern.SHARD_HY else spec.pattern
+        spec = dataclasses.replace(spec, pattern=pattern, inner=None, shard_shapes=None)
+    return _joined(spec, parts, strict)
+
+
+def row_parts(source: StateSource, strict: bool = False) -> list[tuple[tuple[int, ...], list[Run]]] | None:
+    """A 2-D state that Union joins along dim 1 from pieces that are runs (row-parallel TP shards, whole or
+    ZeRO-partitioned): each piece's (shape, runs); None for any other state, or where StripPad would cut."""
+    spec = source.spec
+    if spec.pattern not in (Pattern.SHARD_H, Pattern.SHARD_HY) or spec.dim != 1 or len(spec.shape) != 2:
+        return None
+    parts = _parts(source, strict)
+    if parts is None or any(len(shape) != 2 or shape[0] != spec.shape[0] for shape, _ in parts) \
+            or sum(shape[1] for shape, _ in parts) != spec.shape[1]:
+        return None
+    return parts
+
+
+def _parts(source: StateSource, strict: bool) -> list[tuple[tuple[int, ...], list[Run]]] | None:
+    """The pieces Union joins, as (shape, runs): the fragments, or the outer pieces their inner pattern rebuilds."""
+    spec, frags = source.spec, source.fragments
+    if not frags or len({f.piece.dtype for f in frags}) != 1:
+        return None
+    if spec.inner is None:
+        if source.groups is not None:
+            return None
+        return [(f.info.shape, [Run(f.piece.path, f.piece.byte_offset, f.piece.numel, f.piece.dtype)]) for f in frags]
+    if source.groups is None or spec.shard_shapes is None or len(spec.shard_shapes) != len(source.groups):
+        return None
+    parts, start = [], 0
+    for size, shape in zip(source.groups, spec.shard_shapes):
+        inner = StateSource(dataclasses.replace(spec.inner, shape=tuple(shape)), frags[start:start + size], source.dtype)
+        start += size
+        runs = state_runs(inner, strict)
+        if runs is None:
+            return None
+        parts.append((tuple(shape), runs))
+    return parts
+
+
+def _joined(spec: PatternSpec, parts: list[tuple[tuple[int, ...], list[Run]]], strict: bool) -> list[Run] | None:
+    """Union and StripPad of pieces given as (shape, runs), as runs; None where that is not a prefix of them."""
+    if spec.pattern is Pattern.REPLICATE and not strict or spec.pattern is Pattern.UNIQUE and len(parts) == 1:
+        parts = parts[:1]
     elif spec.pattern is not Pattern.SHARD_V:
         return None
-    if len({f.piece.dtype for f in frags}) != 1:
-        return None
-    flat = spec.flat or all(len(f.info.shape) == 1 for f in frags) and len(spec.shape) != 1
-    if not flat and any(len(f.info.shape) != len(spec.shape) or tuple(f.info.shape[1:]) != tuple(spec.shape[1:])
-                        for f in frags):
+    flat = spec.flat or all(len(shape) == 1 for shape, _ in parts) and len(spec.shape) != 1
+    if not flat and any(len(shape) != len(spec.shape) or tuple(shape[1:]) != tuple(spec.shape[1:])
+                        for shape, _ in parts):
         return None  # StripPad would cut along another dim than the first
-    runs, left = [], spec.numel
-    for f in frags:
-        take = min(left, f.piece.numel)
+    out, left = [], spec.numel
+    for run in (run for _, runs in parts for run in runs):
+        take = min(left, run.numel)
         if take:
-            runs.append(Run(f.piece.path, f.piece.byte_offset, take, f.piece.dtype))
+            out.append(dataclasses.replace(run, numel=take))
         left -= take
-    return runs if left == 0 else None  # too few elements: Union's own error says which
+    return out if left == 0 else None  # too few elements: Union's own error says which
 
 
 class BinFile:
@@ -211,6 +261,44 @@ class Copier:
     def submit(self, block: Block) -> Future:
         return self._pool.submit(self._copy, block)
 
+    def submit_checksum(self, path: str, begin: int, end: int) -> Future:
+        return self._pool.submit(self._checksum, path, begin, end)
+
+    def _checksum(self, path: str, begin: int, end: int) -> tuple[list[Segment], list[SourceSegment]]:
+        """Source bytes no output needs, read and CRC'd only (a piece at a time, as copies are)."""
+        buffer = self._buffers.get()
+        read: list[SourceSegment] = []
+        try:
+            for lo in range(begin, end, PIECE_BYTES):
+                raw = buffer[:min(PIECE_BYTES, end - lo)]
+                self.sources.read(path, memoryview(raw), lo)
+                read.append((path, lo, lo + raw.nbytes, zlib.crc32(raw)))
+        finally:
+            self._buffers.put(buffer)
+        return [], read
+
+    def submit_rows(self, parts: list[tuple[tuple[int, ...], list[Run]]], dtype: str, dest: int) -> Future:
+        return self._pool.submit(self._interleave, parts, dtype, dest)
+
+    def _interleave(self, parts: list[tuple[tuple[int, ...], list[Run]]], dtype: str,
+                    dest: int) -> tuple[list[Segment], list[SourceSegment]]:
+        """Pieces joined along dim 1: each read whole (and CRC'd), then copied into its columns of the output."""
+        rows = parts[0][0][0]
+        out = np.empty((rows, sum(shape[1] for shape, _ in parts)), dtype=NUMPY_DTYPES[dtype])
+        read: list[SourceSegment] = []
+        column = 0
+        for (_, width), runs in parts:
+            piece = np.empty(rows * width, dtype=NUMPY_DTYPES[runs[0].dtype])
+            start = 0
+            for run in runs:
+                raw = piece[start:start + run.numel].view(np.uint8)
+                self.sources.read(run.path, memoryview(raw), run.offset)
+                read.append((run.path, run.offset, run.offset + raw.nbytes, zlib.crc32(raw)))
+                start += run.numel
+            out[:, column:column + width] = cast(piece.reshape(rows, width), runs[0].dtype, dtype)
+            column += width
+        return self.write(out, dest), read
+
     def _copy(self, block: Block) -> tuple[list[Segment], list[SourceSegment]]:
         run, buffer = block.run, self._buffers.get()
         itemsize, out_itemsize = DTYPE_SIZES[run.dtype], DTYPE_SIZES[block.dtype]
@@ -236,22 +324,26 @@ class Copier:
         return written, read
 
     def write(self, data: np.ndarray, dest: int) -> list[Segment]:
-        """Write `data` at byte `dest` of the output; the CRC-32 of its pieces between chunk boundaries
-        (each piece CRC'd and written in turn, while it is in the cache)."""
-        raw = tensor_bytes(data)
-        segments = []
-        for lo, hi in chunk_bounds(dest, dest + len(raw), self.out.chunk_bytes):
-            piece = raw[lo - dest:hi - dest]
-            segments.append((lo, hi, zlib.crc32(piece)))
-            self.out.write(piece, lo)
-        return segments
+        return write_array(self.out, data, dest)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
+def write_array(out: BinFile, data: np.ndarray, dest: int) -> list[Segment]:
+    """Write `data` at byte `dest` of `out`; the CRC-32 of its pieces between chunk boundaries (each piece
+    CRC'd and written in turn, while it is in the cache)."""
+    raw = tensor_bytes(np.require(data, requirements="C"))
+    segments = []
+    for lo, hi in chunk_bounds(dest, dest + len(raw), out.chunk_bytes):
+        piece = raw[lo - dest:hi - dest]
+        segments.append((lo, hi, zlib.crc32(piece)))
+        out.write(piece, lo)
+    return segments
+
+
 def copy_states(out: BinFile, params: tuple[ParamPlan, ...], slots: list[TensorSlot], strict: bool,
-                after_state) -> tuple[dict[str, StoredTensor], list[SourceSegment]]:
+                after_state: Callable[[StateSource], None]) -> tuple[dict[str, StoredTensor], list[SourceSegment]]:
     """Write every state of `params` (in `slots` order) into `out`; where each landed, and the source
     segments read. `after_state(source)` runs once a state is written (progress)."""
     sources = Sources()
@@ -265,8 +357,14 @@ def copy_states(out: BinFile, params: tuple[ParamPlan, ...], slots: list[TensorS
                 slot = next(keys)
                 begin = out.begins[slot.key]
                 runs = state_runs(source, strict) if p.splits is None else None
-                if runs is not None:
-                    futures = [copier.submit(b) for b in blocks(runs, begin, source.dtype)]
+                rows = row_parts(source, strict) if p.splits is None and runs is None else None
+                if runs is not None or rows is not None:
+                    if runs is not None:
+                        futures = [copier.submit(b) for b in blocks(runs, begin, source.dtype)]
+                    else:
+                        futures = [copier.submit_rows(rows, source.dtype, begin)]
+                        runs = [run for _, part in rows for run in part]
+                    futures += [copier.submit_checksum(*unread) for unread in unread_bytes(source, runs)]
                     pending.append((source, slot.key, begin, begin + slot.nbytes, futures, []))
                 else:
                     segments, read = _assembled(copier, p, source, begin, strict)
@@ -288,6 +386,20 @@ def copy_states(out: BinFile, params: tuple[ParamPlan, ...], slots: list[TensorS
     return stored, source_segments
 
 
+def unread_bytes(source: StateSource, runs: list[Run]) -> list[tuple[str, int, int]]:
+    """(path, begin, end) of the bytes of `source`'s fragments that `runs` leave out: the other copies of a
+    replica, the padding past a state's last element. Checked all the same, on the copy threads, so that the
+    driver has next to nothing left to read to check whole zip entries (`ucp.convert.source_check`)."""
+    used = {(run.path, run.offset): run.numel * DTYPE_SIZES[run.dtype] for run in runs}  # runs start at pieces
+    out = []
+    for f in source.fragments:
+        begin, end = f.piece.byte_offset, f.piece.byte_offset + f.piece.numel * DTYPE_SIZES[f.piece.dtype]
+        begin += used.get((f.piece.path, begin), 0)
+        if begin < end:
+            out.append((f.piece.path, begin, end))
+    return out
+
+
 def _assembled(copier: Copier, p: ParamPlan, source: StateSource, begin: int,
                strict: bool) -> tuple[list[Segment], list[SourceSegment]]:
     """A state Union computes: its fragments read whole (and CRC'd), assembled, written at `begin`."""
@@ -297,4 +409,4 @@ def _assembled(copier: Copier, p: ParamPlan, source: StateSource, begin: int,
     tensor = assemble(source, pieces, name=p.name, strict=strict)
     if p.splits is not None:
         tensor = to_split_major(tensor, *p.splits)
-    return copier.write(np.ascontiguousarray(tensor), begin), read
+    return copier.write(tensor, begin), read

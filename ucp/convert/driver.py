@@ -23,10 +23,11 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+
+import numpy as np
 
 from ucp.convert.balance import plan_bins
-from ucp.convert.bin_copy import BinFile, copy_states
+from ucp.convert.bin_copy import BinFile, copy_states, write_array
 from ucp.convert.executor import Executor, LocalExecutor, Report, ShuffleExecutor
 from ucp.convert.index_builder import build_index, records_of
 from ucp.convert.manifest import (MANIFEST_SUFFIX, BinCheck, manifest_name, remove_manifests, reusable_bin,
@@ -37,16 +38,13 @@ from ucp.convert.source_check import check_sources
 from ucp.convert.split_policy import SplitPolicy, apply_split_policy
 from ucp.converters.trainer_folders import left_out_summary
 from ucp.errors import OutputExistsError, UcpError
-from ucp.format.crc import CHUNK_BYTES
+from ucp.format.crc import CHUNK_BYTES, join_segments
 from ucp.format.fileio import writing_alone
 from ucp.format.folder import (FORMAT_NAME, INDEX_NAME, PARTIAL_SUFFIX, commit_index, data_file_name, fsync_dir,
                                is_ucp_file, load_index, tensor_key)
 from ucp.format.index import stored_shape
-from ucp.format.safetensors_stream import StreamingWriter, TensorSlot
+from ucp.format.safetensors_stream import StoredTensor, TensorSlot
 from ucp.format.splits import to_split_major
-
-if TYPE_CHECKING:
-    import torch
 
 logger = logging.getLogger("ucp.convert")
 
@@ -211,6 +209,38 @@ def write_bin(task: WriteBin, report: Report) -> dict:
     Its result is the bin's index record (as `stream_bin`'s) plus `sources`: the CRC-32s of the
     source bytes it read, for `ucp.convert.source_check` (not kept in the manifest).
     """
+    result, sources = _write_file(task, report, lambda out, slots, after_state: copy_states(
+        out, task.params, slots, task.strict, after_state))
+    return {**result, "sources": sources}
+
+
+def stream_bin(task: WriteBin, report: Report,
+               state_array: Callable[[ParamPlan, StateSource], np.ndarray]) -> dict:
+    """Write every state of the bin's parameters, as `state_array` gives it, into one safetensors file
+    (the Ray backend's reducer, whose fragments come from the object store; the same bytes as `write_bin`'s)."""
+
+    def fill(out: BinFile, slots: list[TensorSlot], after_state: Callable[[StateSource], None]):
+        stored, keys = {}, iter(slots)
+        for p in task.params:
+            for source in p.states.values():
+                slot = next(keys)
+                array = state_array(p, source)
+                if p.splits is not None:
+                    array = to_split_major(array, *p.splits)
+                if array.nbytes != slot.nbytes:
+                    raise ValueError(f"{slot.key}: got {array.nbytes} bytes, the header says {slot.nbytes}")
+                begin, end = out.begins[slot.key], out.begins[slot.key] + slot.nbytes
+                whole, chunks = join_segments(write_array(out, array, begin), begin, end, out.chunk_bytes)
+                stored[slot.key] = StoredTensor(slot.key, begin, end, whole, tuple(chunks))
+                after_state(source)
+        return stored, []
+
+    return _write_file(task, report, fill)[0]
+
+
+def _write_file(task: WriteBin, report: Report, fill) -> tuple[dict, list]:
+    """The bin's file, written by `fill(file, slots, after_state)` (which returns where each state landed and
+    the source segments read); durable (fsynced, renamed, directory fsynced) before its manifest is written."""
     final = os.path.join(task.output, task.file_name)
     partial = final + PARTIAL_SUFFIX
     slots = bin_slots(task.params)
@@ -225,7 +255,7 @@ def write_bin(task: WriteBin, report: Report) -> dict:
     out = None
     try:
         out = BinFile(partial, slots, {"format": FORMAT_NAME}, task.chunk_bytes)
-        stored, sources = copy_states(out, task.params, slots, task.strict, after_state)
+        stored, sources = fill(out, slots, after_state)
         out.close()
     except BaseException:
         if out is not None:
@@ -235,46 +265,11 @@ def write_bin(task: WriteBin, report: Report) -> dict:
         raise
     os.replace(partial, final)
     fsync_dir(Path(task.output))
+    # The size the header planned and the writes filled, never read back: another process may own the path by now.
     result = {"file": task.file_name, "bytes": out.size, "chunk_bytes": task.chunk_bytes,
               "tensors": {k: (s.begin, s.end, s.crc32, s.chunk_crc32) for k, s in stored.items()}}
     write_manifest(task.output, result, task.fingerprint)
-    return {**result, "sources": sources}
-
-
-def stream_bin(task: WriteBin, report: Report,
-               state_tensor: Callable[[ParamPlan, StateSource], torch.Tensor]) -> dict:
-    """Stream every state of the bin's parameters, as `state_tensor` gives it, into one safetensors file
-    (the Ray backend's writer; the same bytes as `write_bin`'s).
-
-    The file is durable (fsynced, renamed, directory fsynced) before its manifest is written.
-    """
-    final = os.path.join(task.output, task.file_name)
-    partial = final + PARTIAL_SUFFIX
-    writer = StreamingWriter(partial, bin_slots(task.params), metadata={"format": FORMAT_NAME},
-                             chunk_bytes=task.chunk_bytes)
-    stored = {}
-    try:
-        for p in task.params:
-            for state, source in p.states.items():
-                tensor = state_tensor(p, source)
-                if p.splits is not None:
-                    tensor = to_split_major(tensor, *p.splits)
-                stored[tensor_key(p.name, state)] = writer.write(tensor_key(p.name, state), tensor)
-                report(source.nbytes)
-                if len(stored) == 1:
-                    _hold_for_tests(task.file_name)
-        writer.close()
-    except BaseException:
-        writer.abort()
-        os.remove(partial)
-        raise
-    os.replace(partial, final)
-    fsync_dir(Path(task.output))
-    # The size the writer planned and wrote, never read back: another process may own the path by now.
-    result = {"file": task.file_name, "bytes": writer.size, "chunk_bytes": task.chunk_bytes,
-              "tensors": {k: (s.begin, s.end, s.crc32, s.chunk_crc32) for k, s in stored.items()}}
-    write_manifest(task.output, result, task.fingerprint)
-    return result
+    return result, sources
 
 
 def _hold_for_tests(file_name: str) -> None:

@@ -126,4 +126,5 @@ class LocalExecutor:
                 return [f.result() for f in futures]
         finally:
             stop.set()
+            progress_queue.put(0)  # wakes the drainer now rather than at its next 0.1 s timeout
             drainer.join()

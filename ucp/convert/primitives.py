@@ -106,16 +106,17 @@ def _contiguous(x: Array) -> Array:
 
 def _mean(pieces: Sequence[Array], dtype: str | None) -> Array:
     """DeepSpeed's `sum(slices) / len(slices)`, in the same order of operations, so results agree bit for bit."""
-    if isinstance(pieces[0], np.ndarray) and dtype == "bfloat16":
-        # torch computes each bfloat16 operation in float32 and rounds the result back: so do we
-        total = from_values(0 + as_values(pieces[0], dtype), dtype)
+    with np.errstate(all="ignore"):  # numpy warns of overflow and NaN where torch computes quietly
+        if isinstance(pieces[0], np.ndarray) and dtype == "bfloat16":
+            # torch computes each bfloat16 operation in float32 and rounds the result back: so do we
+            total = from_values(0 + as_values(pieces[0], dtype), dtype)
+            for piece in pieces[1:]:
+                total = from_values(as_values(total, dtype) + as_values(piece, dtype), dtype)
+            return from_values(as_values(total, dtype) / np.float32(len(pieces)), dtype)
+        total = 0 + pieces[0]  # sum() starts from 0: 0 + (-0.0) is +0.0, which a copy would not give
         for piece in pieces[1:]:
-            total = from_values(as_values(total, dtype) + as_values(piece, dtype), dtype)
-        return from_values(as_values(total, dtype) / np.float32(len(pieces)), dtype)
-    total = 0 + pieces[0]  # sum() starts from 0: 0 + (-0.0) is +0.0, which a copy would not give
-    for piece in pieces[1:]:
-        total += piece
-    return total / len(pieces)
+            total += piece
+        return total / len(pieces)
 
 
 def _same_copy(a: Array, b: Array, dtype: str | None = None) -> bool:

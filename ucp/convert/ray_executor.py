@@ -8,8 +8,10 @@ time) and yields one object per bin, so a mapper holds one bin's share at a time
 ObjectRef through Ray's object store, from the mapper's node to the reducer's, never through the
 driver (Ray keeps returns under 100 KiB inline with their owner, the driver: the fragments of small
 parameters). One reduce task per bin Unions and StripPads each state and streams it into the bin's
-safetensors file in the output directory, through `ucp.convert.driver.stream_bin`, the writer the local
-backend uses, so the files are byte-identical. The driver plans, submits and commits the index.
+safetensors file in the output directory, through `ucp.convert.driver.stream_bin`, with the local
+backend's file writer, so the files are byte-identical. The driver plans, submits and commits the
+index. Like the local backend's, the tasks work on numpy arrays and import no torch. Unlike it, they
+do not check the rank files' CRC-32s (`ucp.convert.source_check`).
 
 Ray retries a task whose worker or node died (`MAX_RETRIES`) and rebuilds lost map outputs from
 lineage; a task that raises (a damaged shard) is not retried, and its error reaches the caller as
@@ -25,14 +27,13 @@ import shutil
 import sys
 import tempfile
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
+import numpy as np
 import ray
-import torch
 from ray.exceptions import RayError, RayTaskError
 
 from ucp.convert.assemble import assemble
@@ -40,8 +41,9 @@ from ucp.convert.driver import WriteBin, stream_bin
 from ucp.convert.executor import Report, default_workers
 from ucp.convert.plan import Fragment, Piece
 from ucp.errors import UcpError
+from ucp.format.dtypes import NUMPY_DTYPES
 from ucp.format.fileio import pread_into
-from ucp.format.safetensors_stream import TORCH_DTYPES
+from ucp.format.index import DTYPE_SIZES
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -94,7 +96,7 @@ def _layout(pieces: Sequence[Piece]) -> list[int]:
 
 def _span(piece: Piece) -> int:
     """Bytes a piece takes in a map output: its own, rounded up to 8 so every piece stays aligned."""
-    return -(-piece.numel * TORCH_DTYPES[piece.dtype].itemsize // 8) * 8
+    return -(-piece.numel * DTYPE_SIZES[piece.dtype] // 8) * 8
 
 
 @ray.remote(max_retries=MAX_RETRIES, retry_exceptions=False)
@@ -103,15 +105,15 @@ def _extract(job: MapFile):
     with ThreadPoolExecutor(READ_THREADS) as pool:
         for pieces in job.pieces:
             starts = _layout(pieces)
-            out = torch.empty(starts[-1], dtype=torch.uint8)
+            out = np.empty(starts[-1], dtype=np.uint8)
             list(pool.map(lambda start, p: pread_into(job.path, _view(out, start, p), p.byte_offset), starts, pieces))
-            yield out.numpy()
+            yield out
 
 
-def _view(buffer: torch.Tensor, start: int, piece: Piece) -> torch.Tensor:
+def _view(buffer: np.ndarray, start: int, piece: Piece) -> np.ndarray:
     """The piece's elements at byte `start` of a map output, without a copy."""
-    nbytes = piece.numel * TORCH_DTYPES[piece.dtype].itemsize
-    return buffer[start:start + nbytes].view(TORCH_DTYPES[piece.dtype])
+    nbytes = piece.numel * DTYPE_SIZES[piece.dtype]
+    return buffer[start:start + nbytes].view(NUMPY_DTYPES[piece.dtype])
 
 
 @ray.remote(max_retries=MAX_RETRIES, retry_exceptions=False)
@@ -121,14 +123,11 @@ def _reduce(task: WriteBin, paths: tuple[str, ...], *shares) -> dict:
     The shares are read-only views of the object store; fragments are views of them (Union and
     StripPad never write into their inputs), so the only copies are the ones Union makes.
     """
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="The given buffer is not writable")
-        buffers = {path: torch.frombuffer(share, dtype=torch.uint8) if share.nbytes else torch.empty(0, dtype=torch.uint8)
-                   for path, share in zip(paths, shares)}
+    buffers = {path: np.frombuffer(share, dtype=np.uint8) for path, share in zip(paths, shares)}
     # Where each piece sits in its file's share: the layout the mapper used, whatever order the writer asks in.
     where = {path: dict(zip(pieces, _layout(pieces))) for path, pieces in bin_pieces(task).items()}
 
-    def take(fragment: Fragment) -> torch.Tensor:
+    def take(fragment: Fragment) -> np.ndarray:
         path = fragment.piece.path
         return _view(buffers[path], where[path][fragment.piece], fragment.piece).reshape(fragment.info.shape)
 

@@ -32,7 +32,8 @@ def as_values(array: np.ndarray, dtype: str) -> np.ndarray:
 def from_values(values: np.ndarray, dtype: str) -> np.ndarray:
     """Numbers cast to `dtype` and held as `NUMPY_DTYPES[dtype]`, rounded as torch's `.to(dtype)` rounds."""
     if dtype != "bfloat16":
-        return values.astype(NUMPY_DTYPES[dtype], copy=False)
+        with np.errstate(all="ignore"):  # overflow to inf is the cast's result, as in torch, not a warning to print
+            return values.astype(NUMPY_DTYPES[dtype], copy=False)
     words = values.astype(np.float32, copy=False).view(np.uint32)
     rounded = ((words + (0x7FFF + ((words >> 16) & 1))) >> 16).astype(np.uint16)
     return np.where(np.isnan(values), np.uint16(_BF16_NAN), rounded)
