@@ -50,13 +50,26 @@ if tree:
 STARTUP = PRELUDE + """
 import time
 t = time.perf_counter()
-import ucp.cli.commands, ucp.convert, ucp.converters.dispatch
+import ucp.cli.commands, ucp.convert, ucp.converters
 print(time.perf_counter() - t)
 """
 PHASE_RUN = PRELUDE + """
-import json, shutil, threading, time, zlib
-import ucp.convert, ucp.convert.assemble, ucp.converters.dispatch as zero, ucp.format.fileio, ucp.format.safetensors_stream as st
-from ucp.convert.executor import LocalExecutor
+import importlib, json, shutil, threading, time, zlib
+
+def first(*names):  # this checkout's module, or its name before the package move (a --tree of an older commit)
+    for name in names:
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            pass
+    raise ImportError(names)
+
+zero = first("ucp.converters.dispatch", "ucp.converters.deepspeed_zero")
+assemble = first("ucp.convert.assemble", "ucp.assemble")
+st = first("ucp.format.safetensors_stream", "ucp.safetensors_stream")
+crc = first("ucp.format.crc", "ucp.crc")
+LocalExecutor = first("ucp.convert.executor", "ucp.executor").LocalExecutor
+convert = first("ucp.convert.driver", "ucp.convert").convert
 spent = {{}}
 lock = threading.Lock()
 
@@ -83,11 +96,11 @@ class Crc:  # zlib as the writers see it, with crc32 timed
                 spent["checksum"] = spent.get("checksum", 0.0) + time.perf_counter() - t
 
 timed(zero, "plan_deepspeed", "plan")
-timed(ucp.convert.assemble, "pread_into", "read")
+timed(assemble, "pread_into", "read")
 for name in ("union", "strip_pad"):
-    timed(ucp.convert.assemble, name, "union")
+    timed(assemble, name, "union")
 try:  # the copy path (ucp.convert.bin_copy)
-    import ucp.convert.bin_copy as bc
+    bc = first("ucp.convert.bin_copy", "ucp.bin_copy")
     bc.THREADS = 1  # one block at a time, so that the phases add up to the run
     bc.zlib = Crc()
     timed(bc.Sources, "read", "read")
@@ -95,8 +108,7 @@ try:  # the copy path (ucp.convert.bin_copy)
     timed(bc.BinFile, "write", "write")
     timed(bc.BinFile, "close", "fsync")
 except ImportError:  # the streaming writer of earlier versions: write() includes its CRCs, subtracted below
-    import ucp.format.crc
-    def _timed_crcs(data, begin, chunk_bytes, _f=ucp.format.crc.segment_crcs):
+    def _timed_crcs(data, begin, chunk_bytes, _f=crc.segment_crcs):
         t = time.perf_counter()
         try:
             return _f(data, begin, chunk_bytes)
@@ -109,7 +121,7 @@ except ImportError:  # the streaming writer of earlier versions: write() include
 out = {output!r}
 shutil.rmtree(out, ignore_errors=True)
 t = time.perf_counter()
-ucp.convert.convert({source!r}, out, workers=1, executor=LocalExecutor(1, progress=False))
+convert({source!r}, out, workers=1, executor=LocalExecutor(1, progress=False))
 spent["run"] = time.perf_counter() - t
 if "write+checksum" in spent:
     spent["write"] = spent.pop("write+checksum") - spent.get("checksum", 0.0)
