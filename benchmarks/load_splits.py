@@ -29,15 +29,14 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+from ucp.checkpoint import AtomicCheckpoint
+from ucp.convert.split_policy import SplitPolicy
+from ucp.convert.tensors import write_tensors
+from ucp.hmp.layout import Layout, Replica, Stage
+from ucp.hmp.model_shapes import ModelConfig
+from ucp.hmp.slice_load import load_slices
 
-from support.atomic import ADAM_STATES, write_checkpoint  # noqa: E402
-from ucp.checkpoint import AtomicCheckpoint  # noqa: E402
-from ucp.hmp.slice_load import load_slices  # noqa: E402
-from ucp.hmp.layout import Layout, Replica, Stage  # noqa: E402
-from ucp.hmp.model_shapes import ModelConfig  # noqa: E402
-from ucp.convert.split_policy import SplitPolicy  # noqa: E402
+ADAM_STATES = ("fp32", "exp_avg", "exp_avg_sq")
 
 MODEL = ModelConfig("llama-20m", hidden_size=512, intermediate_size=1408, num_layers=4, num_heads=8,
                     num_kv_heads=2, vocab_size=8000)
@@ -74,8 +73,8 @@ def main(argv: list[str] | None = None) -> int:
         table = MODEL.param_table()
         g = torch.Generator().manual_seed(0)
         tensors = {s.name: {state: torch.randn(s.shape, generator=g) for state in ADAM_STATES} for s in table}
-        split = write_checkpoint(work / "split", tensors, SplitPolicy(4))
-        plain = write_checkpoint(work / "plain", tensors)
+        split = write_tensors(work / "split", tensors, splits=SplitPolicy(4))
+        plain = write_tensors(work / "plain", tensors)
         del tensors
         size = sum(f.stat().st_size for f in split.glob("data-*"))
         lines = [f"{MODEL.name}: {MODEL.num_params / 1e6:.1f} M parameters x 3 states (fp32, exp_avg, exp_avg_sq) = "

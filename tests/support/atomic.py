@@ -2,9 +2,8 @@
 copies of a checkpoint with an edited index (bad input for loaders), and the comparison of two
 checkpoints tensor for tensor (an asynchronous save against `ucp convert` of the same step).
 
-Each state's bytes go to a raw source file; a `ConversionPlan` with one Unique fragment per state
-points at them, and `ucp.convert.driver.write_atomic` converts it as it would a DeepSpeed checkpoint:
-same bins, same split-major transform, same index.
+The checkpoints are written by `ucp.convert.tensors.write_tensors`: the conversion's own writer,
+split-major transform and index builder.
 """
 from __future__ import annotations
 
@@ -15,52 +14,26 @@ from pathlib import Path
 
 import torch
 
-from ucp.convert.driver import write_atomic
-from ucp.convert.executor import LocalExecutor
-from ucp.convert.plan import ConversionPlan, Fragment, ParamPlan, Piece, StateSource
-from ucp.convert.split_policy import SplitPolicy, apply_split_policy
-from ucp.format.fileio import tensor_bytes
+from ucp.convert.split_policy import SplitPolicy
+from ucp.convert.tensors import write_tensors
 from ucp.format.folder import tensor_key
 from ucp.format.safetensors_stream import StreamingWriter, TensorSlot
-from ucp.patterns import FragmentInfo, Pattern, PatternSpec
 
 ADAM_STATES = ("fp32", "exp_avg", "exp_avg_sq")
 
 
 def write_checkpoint(out: Path, tensors: dict[str, dict[str, torch.Tensor]], policy: SplitPolicy | None = None,
-                     workers: int = 1, chunk_bytes: int = 4) -> Path:
-    """A ucp checkpoint at `out` holding tensors[name][state] (fp32), cut by `policy` when given.
+                     chunk_bytes: int = 4) -> Path:
+    """A ucp checkpoint at `out` holding tensors[name][state] (fp32) of one AdamW param group at step 1, cut by
+    `policy` when given (`ucp.convert.tensors.write_tensors`).
 
     Chunk checksums cover one fp32 element each by default, so a partial read is checked without
     widening and these tests see exactly the reads their layouts call for (test_chunk_checksums.py
     covers the widening)."""
-    out = Path(out)
-    source = out.parent / (out.name + ".src")
-    source.mkdir(parents=True, exist_ok=True)
-    raw = source / "states.bin"
-    params, offset = [], 0
-    with open(raw, "wb") as f:
-        for name, states in tensors.items():
-            sources = {}
-            for state, t in states.items():
-                t = t.detach().to(torch.float32).contiguous()
-                f.write(tensor_bytes(t))
-                shape = tuple(t.shape)
-                spec = PatternSpec(Pattern.UNIQUE, shape)
-                sources[state] = StateSource(spec, (Fragment(FragmentInfo(0, shape), Piece(str(raw), offset, t.numel(),
-                                                                                           "float32")),))
-                offset += t.numel() * 4
-            shape = tuple(next(iter(states.values())).shape)
-            params.append(ParamPlan(name, shape, "param", sources, group=0, step=1.0))
-    state_names = [s for s in next(iter(tensors.values())) if s != "fp32"]
-    plan = ConversionPlan(params, {"framework": "test"},
-                          {"type": "AdamW", "states": state_names,
-                           "param_groups": [{"hyperparams": {"lr": 0.1}, "params": list(tensors)}]},
-                          source_files=[str(raw)])
-    if policy is not None:
-        plan = apply_split_policy(plan, policy)
-    write_atomic(plan, out, LocalExecutor(workers, progress=False), chunk_bytes=chunk_bytes)
-    return out
+    states = [s for s in next(iter(tensors.values())) if s != "fp32"]
+    optimizer = {"type": "AdamW", "states": states, "param_groups": [{"hyperparams": {"lr": 0.1}, "params": list(tensors)}]}
+    as_fp32 = {name: {state: t.detach().to(torch.float32) for state, t in st.items()} for name, st in tensors.items()}
+    return write_tensors(out, as_fp32, optimizer=optimizer, step=1.0, splits=policy, chunk_bytes=chunk_bytes)
 
 
 def with_edited_index(path: Path, copy: Path, edit: Callable[[dict], None]) -> Path:
