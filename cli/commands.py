@@ -8,7 +8,8 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from ucp.cli.tables import describe, human_bytes
+from ucp.cli.tables import describe
+from ucp.sizes import human_bytes
 
 if TYPE_CHECKING:
     from ucp.convert.split_policy import SplitPolicy

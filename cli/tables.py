@@ -1,7 +1,9 @@
-"""How the command line shows things: aligned tables, byte sizes, and a checkpoint's summary."""
+"""How the command line shows things: aligned tables, and a checkpoint's summary."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+from ucp.sizes import human_bytes
 
 
 def table(rows: Sequence[Sequence[str]], right: Sequence[int] = (), indent: str = "") -> list[str]:
@@ -9,14 +11,6 @@ def table(rows: Sequence[Sequence[str]], right: Sequence[int] = (), indent: str 
     widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
     return [indent + "  ".join(cell.rjust(w) if c in right else cell.ljust(w)
                                for c, (cell, w) in enumerate(zip(row, widths))).rstrip() for row in rows]
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def describe(ckpt, infos) -> str:

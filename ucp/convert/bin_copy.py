@@ -34,10 +34,9 @@ import numpy as np
 
 from ucp.convert.assemble import assemble, read_fragment
 from ucp.convert.plan import ParamPlan, StateSource
-from ucp.errors import CorruptCheckpointError
 from ucp.format.crc import chunk_bounds, join_segments
 from ucp.format.dtypes import NUMPY_DTYPES, cast
-from ucp.format.fileio import open_regular, tensor_bytes
+from ucp.format.fileio import open_regular, read_exactly, tensor_bytes
 from ucp.format.index import DTYPE_SIZES
 from ucp.format.safetensors_stream import StoredTensor, TensorSlot, encode_header
 from ucp.format.splits import to_split_major
@@ -212,13 +211,7 @@ class Sources:
             if path not in self._fds:
                 self._fds[path] = open_regular(path)
             fd = self._fds[path]
-        done = 0
-        while done < len(view):
-            got = os.preadv(fd, [view[done:]], offset + done)
-            if got == 0:
-                raise CorruptCheckpointError(f"{path}: ends at byte {offset + done}, expected at least "
-                                             f"{offset + len(view)}; the file is truncated, copy it again")
-            done += got
+        read_exactly(fd, path, view, offset)
 
     def close(self) -> None:
         for fd in self._fds.values():

@@ -44,6 +44,7 @@ from ucp.errors import UcpError
 from ucp.format.dtypes import NUMPY_DTYPES
 from ucp.format.fileio import pread_into
 from ucp.format.index import DTYPE_SIZES
+from ucp.sizes import human_bytes
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -188,7 +189,7 @@ class RayExecutor:
             return []
         maps = shuffle_plan(tasks)
         self._log(f"convert: {len(maps)} map tasks (one per source file) → {len(tasks)} reduce tasks "
-                  f"(one per data file), {_human(total_bytes)}")
+                  f"(one per data file), {human_bytes(total_bytes)}")
         reducers = _submit_shuffle(tasks, maps)
         sizes = [sum(p.nbytes for p in t.params) for t in tasks]
         return self._gather(reducers, [t.file_name for t in tasks], sizes, "convert")
@@ -205,7 +206,7 @@ class RayExecutor:
                     results[i] = _result(ref, labels[i])
                     done, done_bytes = done + 1, done_bytes + sizes[i]
                     self._log(f"{desc}: {labels[i]} done ({done}/{len(refs)}"
-                              f"{', ' + _human(done_bytes) + ' of ' + _human(sum(sizes)) if sum(sizes) else ''}, "
+                              f"{', ' + human_bytes(done_bytes) + ' of ' + human_bytes(sum(sizes)) if sum(sizes) else ''}, "
                               f"{time.monotonic() - start:.1f} s)")
                 if not ready:
                     self._log(f"{desc}: {done}/{len(refs)} done, running ({time.monotonic() - start:.0f} s)")
@@ -250,14 +251,6 @@ def _result(ref, label: str):
 
 def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 # --------------------------------------------------------------------------------------------------

@@ -101,6 +101,17 @@ def read_regular(path: str) -> bytes:
         os.close(fd)
 
 
+def read_exactly(fd: int, path: str, view: memoryview, offset: int) -> None:
+    """Fill `view` with the bytes of open file `path` (`fd`) from `offset`; a file that ends first is truncated."""
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got == 0:
+            raise CorruptCheckpointError(f"{path}: ends at byte {offset + done}, expected at least "
+                                         f"{offset + len(view)}; the file is truncated, copy it again")
+        done += got
+
+
 def pread_into(path: str, out: ArrayT, offset: int, counter: ReadCounter | None = None) -> ArrayT:
     """Fill contiguous `out` with the bytes of `path` starting at `offset`; returns `out`."""
     view = tensor_bytes(out)
@@ -108,13 +119,7 @@ def pread_into(path: str, out: ArrayT, offset: int, counter: ReadCounter | None 
         return out
     fd = open_regular(path)
     try:
-        done = 0
-        while done < len(view):
-            got = os.preadv(fd, [view[done:]], offset + done)
-            if got == 0:
-                raise CorruptCheckpointError(f"{path}: ends at byte {offset + done}, expected at least "
-                                             f"{offset + len(view)}; the file is truncated, copy it again")
-            done += got
+        read_exactly(fd, path, view, offset)
     finally:
         os.close(fd)
     if counter is not None:
