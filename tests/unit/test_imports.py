@@ -40,3 +40,10 @@ def test_generic_folder_names_are_not_installed_top_level(tmp_path):
 def test_export_pulls_in_neither_transformers_nor_deepspeed_until_it_checks_an_architecture():
     assert imported("ucp.export, ucp.export.hf, ucp.export.dcp, ucp.export.model_config",
                     ("ray", "deepspeed", "transformers")) == []
+
+
+def test_conversion_modules_import_no_torch():
+    """`ucp convert` (plan, copy, checks, the Ray tasks' writer) runs without torch; torch stays at the engine edge."""
+    assert imported("ucp.convert, ucp.converters.deepspeed_zero, ucp.convert.source_check, ucp.cli.commands",
+                    ("torch",)) == []
+    assert imported("ucp.checkpoint", ("torch",)) == ["torch"]  # negative control: the probe sees torch
