@@ -44,6 +44,7 @@ def test_export_pulls_in_neither_transformers_nor_deepspeed_until_it_checks_an_a
 
 def test_conversion_modules_import_no_torch():
     """`ucp convert` (plan, copy, checks, the Ray tasks' writer) runs without torch; torch stays at the engine edge."""
-    assert imported("ucp.convert, ucp.converters.deepspeed_zero, ucp.convert.source_check, ucp.cli.commands",
+    assert imported("ucp.convert, ucp.convert.driver, ucp.convert.bin_copy, ucp.converters.dispatch, "
+                    "ucp.convert.source_check, ucp.convert.tensors, ucp.cli.commands",
                     ("torch",)) == []
     assert imported("ucp.checkpoint", ("torch",)) == ["torch"]  # negative control: the probe sees torch
