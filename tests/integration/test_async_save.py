@@ -1,6 +1,6 @@
 """Asynchronous saves straight into the atomic format (ucp.deepspeed.save / "ucp": {"save": ...}).
 
-Pure parts first (CRC combining, the shared file layout, disjoint writes by several "ranks", one
+Pure parts first (CRC combining, the shared file arranged, disjoint writes by several "ranks", one
 save in flight at a time), then real DeepSpeed runs on CPU: train while saving every few steps,
 compare the result tensor for tensor with `ucp convert` of DeepSpeed's own synchronous checkpoint of
 the same step, resume it at another DP degree and ZeRO stage, and kill or fail a writer mid-save.
@@ -26,9 +26,9 @@ from support.checkpoints import (TinySpec, read_tag, start_ucp_save_run, trained
                                  uninterrupted_losses)
 from ucp.cli.main import main as cli_main
 from ucp.convert import convert
-from ucp.deepspeed import save_files as save_layout, save_writer
-from ucp.deepspeed.save_files import plan_layout, whole_crcs
-from ucp.deepspeed.save_writer import BackgroundSave, Piece, SnapshotBuffer, write_pieces
+from ucp.deepspeed import save_files, save_writer
+from ucp.deepspeed.save_files import arrange_files, whole_crcs
+from ucp.deepspeed.save_writer import BackgroundSave, SavePiece, SnapshotBuffer, write_pieces
 from ucp.errors import IncompleteCheckpointError, SaveError
 from ucp.format.crc import chunk_bounds, crc32_combine
 from ucp.format.fileio import tensor_bytes
@@ -57,7 +57,7 @@ def test_crc32_combine_equals_the_crc_of_the_concatenation():
     assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b) + 1) != zlib.crc32(a + b)
 
 
-# -- the layout every rank computes alike ----------------------------------------------------------------
+# -- the arrangement of files every rank computes alike ----------------------------------------------------------------
 
 SLOTS = [TensorSlot("l1.weight:fp32", "float32", (9, 7)), TensorSlot("l1.bias:fp32", "float32", (9,)),
          TensorSlot("l1.weight:exp_avg", "float32", (9, 7)), TensorSlot("l1.bias:exp_avg", "float32", (9,)),
@@ -79,35 +79,35 @@ def _reference_file(tmp_path, tensors) -> bytes:
     return path.read_bytes()
 
 
-def test_layout_places_every_byte_where_the_streaming_writer_does(tmp_path):
+def test_the_arranged_files_place_every_byte_where_the_streaming_writer_does(tmp_path):
     tensors = _tensors()
-    layout = plan_layout(SLOTS, 1 << 30, META)
-    assert [f.name for f in layout.files] == ["data-00000-of-00001.safetensors"]
-    image = bytearray(layout.files[0].size)
-    image[:len(layout.files[0].header)] = layout.files[0].header
-    for key, span in layout.spans.items():
+    arranged = arrange_files(SLOTS, 1 << 30, META)
+    assert [f.name for f in arranged.files] == ["data-00000-of-00001.safetensors"]
+    image = bytearray(arranged.files[0].size)
+    image[:len(arranged.files[0].header)] = arranged.files[0].header
+    for key, span in arranged.spans.items():
         image[span.begin:span.end] = tensor_bytes(tensors[key])
     assert bytes(image) == _reference_file(tmp_path, tensors)
-    piece = layout.piece("l1.weight:exp_avg", 10, 20, 4)
-    assert (piece.begin, piece.end) == (layout.spans["l1.weight:exp_avg"].begin + 40,
-                                        layout.spans["l1.weight:exp_avg"].begin + 120)
+    piece = arranged.piece("l1.weight:exp_avg", 10, 20, 4)
+    assert (piece.begin, piece.end) == (arranged.spans["l1.weight:exp_avg"].begin + 40,
+                                        arranged.spans["l1.weight:exp_avg"].begin + 120)
     with pytest.raises(ValueError, match="outside the tensor"):
-        layout.piece("l1.bias:fp32", 5, 5, 4)
+        arranged.piece("l1.bias:fp32", 5, 5, 4)
 
 
-def test_layout_splits_into_files_of_bounded_size_in_order():
-    layout = plan_layout(SLOTS, 300, META)
-    names = [f.name for f in layout.files]
+def test_the_arrangement_splits_into_files_of_bounded_size_in_order():
+    arranged = arrange_files(SLOTS, 300, META)
+    names = [f.name for f in arranged.files]
     assert names == [f"data-{i:05d}-of-{len(names):05d}.safetensors" for i in range(len(names))] and len(names) > 2
-    order = [(names.index(layout.spans[s.key].file), layout.spans[s.key].begin) for s in SLOTS]
+    order = [(names.index(arranged.spans[s.key].file), arranged.spans[s.key].begin) for s in SLOTS]
     assert order == sorted(order)  # the slots' order is kept across and within files
-    for f in layout.files:
-        held = [s for s in SLOTS if layout.spans[s.key].file == f.name]
+    for f in arranged.files:
+        held = [s for s in SLOTS if arranged.spans[s.key].file == f.name]
         assert f.size == len(f.header) + sum(s.nbytes for s in held)
         assert sum(s.nbytes for s in held) <= 300 or len(held) == 1
 
 
-def _rank_pieces(layout, tensors, rank: int, ranks: int):
+def _rank_pieces(arranged, tensors, rank: int, ranks: int):
     """Rank r of `ranks` holds the r-th contiguous run of every tensor's flattened elements (ZeRO-3 style)."""
     pieces, sources = [], {}
     for s in SLOTS:
@@ -115,8 +115,8 @@ def _rank_pieces(layout, tensors, rank: int, ranks: int):
         per = -(-numel // ranks)
         start, stop = min(numel, rank * per), min(numel, (rank + 1) * per)
         if stop > start:
-            span = layout.piece(s.key, start, stop - start, TORCH_DTYPES[s.dtype].itemsize)
-            pieces.append(Piece(s.key, span.file, span.begin, span.end, s.dtype, start))
+            span = arranged.piece(s.key, start, stop - start, TORCH_DTYPES[s.dtype].itemsize)
+            pieces.append(SavePiece(s.key, span.file, span.begin, span.end, s.dtype, start))
             sources[s.key] = tensors[s.key].reshape(-1)[start:stop]
     return pieces, sources
 
@@ -126,19 +126,19 @@ def test_ranks_writing_disjoint_pieces_make_the_file_and_its_checksums(chunk, tm
     monkeypatch.setattr(save_writer, "_CHUNK", chunk)
     # Checksum chunks of 16 bytes, so that the ranks' pieces start and end inside chunks.
     monkeypatch.setattr(save_writer, "CHUNK_BYTES", 16)
-    monkeypatch.setattr(save_layout, "CHUNK_BYTES", 16)
+    monkeypatch.setattr(save_files, "CHUNK_BYTES", 16)
     tensors = _tensors()
-    layout = plan_layout(SLOTS, 1 << 30, META)
+    arranged = arrange_files(SLOTS, 1 << 30, META)
     reports = []
     for rank in (2, 1, 0):  # the header writer (rank 0) comes last: its ftruncate must keep the others' bytes
-        pieces, sources = _rank_pieces(layout, tensors, rank, 3)
+        pieces, sources = _rank_pieces(arranged, tensors, rank, 3)
         buffer = SnapshotBuffer(pieces)
         buffer.fill([sources[p.key] for p in buffer.pieces])
-        reports += write_pieces(tmp_path, layout.files, buffer, headers=rank == 0)
+        reports += write_pieces(tmp_path, arranged.files, buffer, headers=rank == 0)
     written = (tmp_path / "data-00000-of-00001.safetensors.partial").read_bytes()
     assert written == _reference_file(tmp_path, tensors)
-    crcs = whole_crcs(layout, reports)
-    spans = layout.spans
+    crcs = whole_crcs(arranged, reports)
+    spans = arranged.spans
     assert crcs == {key: (zlib.crc32(tensor_bytes(t)),
                           [zlib.crc32(written[lo:hi]) for lo, hi in chunk_bounds(spans[key].begin, spans[key].end, 16)])
                     for key, t in tensors.items()}
@@ -147,18 +147,18 @@ def test_ranks_writing_disjoint_pieces_make_the_file_and_its_checksums(chunk, tm
         assert all(torch.equal(f.get_tensor(k), t) for k, t in tensors.items())
     # Negative control: a missing piece is found, not papered over.
     with pytest.raises(SaveError, match="no rank wrote bytes"):
-        whole_crcs(layout, [r for r in reports if r.key != "l1.weight:fp32" or r.begin != layout.spans[r.key].begin])
+        whole_crcs(arranged, [r for r in reports if r.key != "l1.weight:fp32" or r.begin != arranged.spans[r.key].begin])
 
 
 def test_pieces_adjacent_in_the_file_leave_in_one_write():
-    layout = plan_layout(SLOTS, 1 << 30, META)
+    arranged = arrange_files(SLOTS, 1 << 30, META)
     # A ZeRO-1/2 rank holds the tail of one tensor and the head of the next: adjacent in the state-major file.
-    tail = layout.piece("l1.weight:fp32", 40, 23, 4)
-    head = layout.piece("l1.bias:fp32", 0, 4, 4)
-    apart = layout.piece("l1.weight:exp_avg", 40, 23, 4)
-    buffer = SnapshotBuffer([Piece("l1.bias:fp32", head.file, head.begin, head.end, "float32", 0),
-                             Piece("l1.weight:fp32", tail.file, tail.begin, tail.end, "float32", 40),
-                             Piece("l1.weight:exp_avg", apart.file, apart.begin, apart.end, "float32", 40)])
+    tail = arranged.piece("l1.weight:fp32", 40, 23, 4)
+    head = arranged.piece("l1.bias:fp32", 0, 4, 4)
+    apart = arranged.piece("l1.weight:exp_avg", 40, 23, 4)
+    buffer = SnapshotBuffer([SavePiece("l1.bias:fp32", head.file, head.begin, head.end, "float32", 0),
+                             SavePiece("l1.weight:fp32", tail.file, tail.begin, tail.end, "float32", 40),
+                             SavePiece("l1.weight:exp_avg", apart.file, apart.begin, apart.end, "float32", 40)])
     assert [(r.begin, r.end) for r in buffer.runs] == [(tail.begin, head.end), (apart.begin, apart.end)]
     assert buffer.nbytes == (23 + 4 + 23) * 4
 

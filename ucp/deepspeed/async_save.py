@@ -9,7 +9,7 @@ A save, on every rank of the data-parallel group:
    every fp32 master and optimizer moment, plus the replicated tensors (ZeRO-0 parameters, frozen
    parameters, buffers) that byte balancing gives it; rank 0 also copies the step,
    hyper-parameters, scheduler and client state. Then training goes on.
-2. (writer thread) pwrites the snapshot at its final offsets in the shared data files, whose layout
+2. (writer thread) pwrites the snapshot at its final offsets in the shared data files, whose arrangement
    every rank computes alike (`ucp.deepspeed.save_files`), fsyncs them, and reports per-piece CRCs to rank 0
    over a gloo group of its own (the training thread owns the training group).
 3. (rank 0's writer) when every rank reported success: renames the data files into place, commits
@@ -40,8 +40,8 @@ from ucp.convert.index_builder import CheckpointRecord, ParamRecord, build_index
 from ucp.convert.plan import BUFFER_STATE, WEIGHT_STATE
 from ucp.deepspeed.autotp import tp_size
 from ucp.deepspeed.readers import assign_readers
-from ucp.deepspeed.save_files import SaveLayout, WrittenPiece, plan_layout, whole_crcs
-from ucp.deepspeed.save_writer import BackgroundSave, Piece, SnapshotBuffer, hold_for_tests, partial_path, write_pieces
+from ucp.deepspeed.save_files import SaveFiles, WrittenPiece, arrange_files, whole_crcs
+from ucp.deepspeed.save_writer import BackgroundSave, SavePiece, SnapshotBuffer, hold_for_tests, partial_path, write_pieces
 from ucp.deepspeed.targets import Target, TargetTensor, Zero3Target, module_aliases, target_for
 from ucp.errors import ConfigError, OutputExistsError, SaveError, UnsupportedLayoutError
 from ucp.format import loss_scale
@@ -69,14 +69,14 @@ class _Prepared:
     """Layout and snapshot buffer for one set of optimizer states, reused by every save."""
 
     moments: tuple[str, ...]
-    layout: SaveLayout
+    files: SaveFiles
     buffer: SnapshotBuffer
     sources: tuple[tuple[TargetTensor, str], ...]   # the live tensor of each buffer piece, in buffer order
     whole: frozenset[str]                           # keys stored whole by one owner (not partitioned)
 
 
 class Saver:
-    """Saves one engine: its process group, layout, snapshot buffer and the save in flight."""
+    """Saves one engine: its process group, the arrangement of its files, snapshot buffer and the save in flight."""
 
     def __init__(self, engine):
         if (getattr(engine, "mp_world_size", 1) > 1 or getattr(engine, "pipeline_parallelism", False)
@@ -141,7 +141,7 @@ class Saver:
         self.job.wait()
         return self.stats
 
-    # -- layout and buffer, rebuilt only when the optimizer's states change (e.g. after the first step)
+    # -- files and buffer, rebuilt only when the optimizer's states change (e.g. after the first step)
 
     def _prepare(self) -> _Prepared:
         moments = tuple(self.target.state_names())
@@ -150,7 +150,7 @@ class Saver:
         self._prepared = None  # free the old buffer before allocating the new one
         entries = _entries(self.target, moments)
         slots = [TensorSlot(tensor_key(t.name, s), dtype, t.shape) for t, s, dtype in entries]
-        layout = plan_layout(slots, TARGET_FILE_BYTES, {"format": FORMAT_NAME})
+        files = arrange_files(slots, TARGET_FILE_BYTES, {"format": FORMAT_NAME})
         whole = {tensor_key(t.name, s): t.numel * TORCH_DTYPES[dtype].itemsize for t, s, dtype in entries if t.whole}
         owners = assign_readers(whole, self.ranks)
         pieces, sources = [], {}
@@ -158,11 +158,11 @@ class Saver:
             key = tensor_key(t.name, state)
             if t.numel == 0 or owners.get(key, self.rank) != self.rank:
                 continue
-            span = layout.piece(key, t.start, t.numel, TORCH_DTYPES[dtype].itemsize)
-            pieces.append(Piece(key, span.file, span.begin, span.end, dtype, t.start))
+            span = files.piece(key, t.start, t.numel, TORCH_DTYPES[dtype].itemsize)
+            pieces.append(SavePiece(key, span.file, span.begin, span.end, dtype, t.start))
             sources[key] = (t, state)
         buffer = SnapshotBuffer(pieces, pin=torch.device(self.engine.device).type == "cuda")
-        self._prepared = _Prepared(moments, layout, buffer, tuple(sources[p.key] for p in buffer.pieces),
+        self._prepared = _Prepared(moments, files, buffer, tuple(sources[p.key] for p in buffer.pieces),
                                    frozenset(whole))
         return self._prepared
 
@@ -174,7 +174,7 @@ class Saver:
         try:
             if event is not None:  # the device-to-host copies into the pinned buffer are done
                 event.synchronize()
-            written = write_pieces(tag_dir, prepared.layout.files, prepared.buffer, headers=self.leader,
+            written = write_pieces(tag_dir, prepared.files.files, prepared.buffer, headers=self.leader,
                                    after_first_write=lambda: hold_for_tests(tag, self.rank))
             report = [(w.key, p.start, p.numel, w.begin, w.end, w.segments)
                       for w, p in zip(written, prepared.buffer.pieces)]
@@ -299,8 +299,8 @@ def _commit(prepared: _Prepared, save_dir: Path, tag: str, reports: list, meta: 
         for key, start, numel, begin, end, segments in report:
             written.append(WrittenPiece(key, begin, end, tuple(map(tuple, segments))))
             fragments.setdefault(key, []).append((rank_index, start, numel))
-    crcs = whole_crcs(prepared.layout, written)
-    for f in prepared.layout.files:
+    crcs = whole_crcs(prepared.files, written)
+    for f in prepared.files.files:
         os.replace(partial_path(tag_dir, f.name), tag_dir / f.name)
     fsync_dir(tag_dir)
     params = [_param_record(p, prepared, fragments) for p in meta["params"]]
@@ -309,8 +309,8 @@ def _commit(prepared: _Prepared, save_dir: Path, tag: str, reports: list, meta: 
                                   lr_scheduler=meta["lr_scheduler"], client_state=meta["client_state"],
                                   aliases=meta["aliases"])
     results = [{"file": f.name, "bytes": f.size, "chunk_bytes": CHUNK_BYTES,
-                "tensors": {k: (s.begin, s.end, *crcs[k]) for k, s in prepared.layout.spans.items() if s.file == f.name}}
-               for f in prepared.layout.files]
+                "tensors": {k: (s.begin, s.end, *crcs[k]) for k, s in prepared.files.spans.items() if s.file == f.name}}
+               for f in prepared.files.files]
     commit_index(tag_dir, build_index(checkpoint, params, fingerprint, results))
     commit_latest(save_dir, tag)
 

@@ -1,7 +1,7 @@
 """Where an asynchronous save puts every byte: each data file's header and each tensor's byte range.
 
 Every rank knows every tensor's name, shape and stored dtype, so every rank computes the same
-layout without talking, then writes the elements it holds straight to their final offsets in the
+arrangement without talking, then writes the elements it holds straight to their final offsets in the
 shared data files (ranks write disjoint byte ranges). Rank 0 combines the per-piece CRCs the ranks
 report into each whole tensor's CRC-32 (`whole_crcs`), then commits the index.
 
@@ -23,7 +23,7 @@ from ucp.format.safetensors_stream import TensorSlot, encode_header
 
 
 @dataclass(frozen=True)
-class FileLayout:
+class SaveFile:
     name: str
     header: bytes  # written at offset 0 by one rank
     size: int      # bytes of the whole file
@@ -39,8 +39,8 @@ class Span:
 
 
 @dataclass(frozen=True)
-class SaveLayout:
-    files: tuple[FileLayout, ...]
+class SaveFiles:
+    files: tuple[SaveFile, ...]
     spans: dict[str, Span]  # safetensors key -> where the tensor lies
 
     def piece(self, key: str, start: int, numel: int, itemsize: int) -> Span:
@@ -54,8 +54,8 @@ class SaveLayout:
         return Span(whole.file, begin, end)
 
 
-def plan_layout(slots: Sequence[TensorSlot], max_file_bytes: int,
-                metadata: dict[str, str] | None = None) -> SaveLayout:
+def arrange_files(slots: Sequence[TensorSlot], max_file_bytes: int,
+                metadata: dict[str, str] | None = None) -> SaveFiles:
     """Pack `slots` in order into data files of about `max_file_bytes` each (at least one tensor per file)."""
     if not slots:
         raise ValueError("a checkpoint needs at least one tensor")
@@ -76,8 +76,8 @@ def plan_layout(slots: Sequence[TensorSlot], max_file_bytes: int,
         for slot in bundle:
             spans[slot.key] = Span(name, cursor, cursor + slot.nbytes)
             cursor += slot.nbytes
-        files.append(FileLayout(name, header, cursor))
-    return SaveLayout(tuple(files), spans)
+        files.append(SaveFile(name, header, cursor))
+    return SaveFiles(tuple(files), spans)
 
 
 @dataclass(frozen=True)
@@ -91,17 +91,17 @@ class WrittenPiece:
     segments: tuple[tuple[int, int, int], ...]
 
 
-_SAME_MODEL = ("; the ranks computed different layouts: every rank must save the same model, with the same "
+_SAME_MODEL = ("; the ranks arranged the files differently: every rank must save the same model, with the same "
                "parameters, shapes and optimizer states")
 
 
-def whole_crcs(layout: SaveLayout, pieces: Iterable[WrittenPiece]) -> dict[str, tuple[int, list[int]]]:
+def whole_crcs(files: SaveFiles, pieces: Iterable[WrittenPiece]) -> dict[str, tuple[int, list[int]]]:
     """Each tensor's CRC-32 and chunk CRC-32s, combined from the pieces the ranks wrote; they must tile it."""
     by_key: dict[str, list[WrittenPiece]] = {}
     for piece in pieces:
         by_key.setdefault(piece.key, []).append(piece)
     crcs = {}
-    for key, span in layout.spans.items():
+    for key, span in files.spans.items():
         cursor, segments = span.begin, []
         for piece in sorted(by_key.pop(key, []), key=lambda p: p.begin):
             if piece.begin != cursor:
@@ -117,5 +117,5 @@ def whole_crcs(layout: SaveLayout, pieces: Iterable[WrittenPiece]) -> dict[str, 
         except ValueError as exc:
             raise SaveError(f"{span.file}: {key}: {exc}{_SAME_MODEL}") from None
     if by_key:
-        raise SaveError(f"a rank wrote '{next(iter(by_key))}', which the layout does not hold{_SAME_MODEL}")
+        raise SaveError(f"a rank wrote '{next(iter(by_key))}', which the save's files do not hold{_SAME_MODEL}")
     return crcs

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from ucp.deepspeed.save_files import FileLayout, WrittenPiece
+from ucp.deepspeed.save_files import SaveFile, WrittenPiece
 from ucp.errors import SaveError
 from ucp.format.crc import CHUNK_BYTES, chunk_bounds
 from ucp.format.fileio import tensor_bytes
@@ -35,7 +35,7 @@ logger = logging.getLogger("ucp.save")
 
 
 @dataclass(frozen=True)
-class Piece:
+class SavePiece:
     """Elements [start, start + numel) of tensor `key`, stored as `dtype` at bytes [begin, end) of `file`."""
 
     key: str
@@ -65,7 +65,7 @@ class Run:
 class SnapshotBuffer:
     """One host buffer holding every piece of this rank, in file order, reused save after save."""
 
-    def __init__(self, pieces: Sequence[Piece], pin: bool = False):
+    def __init__(self, pieces: Sequence[SavePiece], pin: bool = False):
         self.pieces = sorted(pieces, key=lambda p: (p.file, p.begin))
         self.offsets = []
         self.runs: list[Run] = []
@@ -97,7 +97,7 @@ def partial_path(directory: Path, file: str) -> Path:
     return directory / (file + PARTIAL_SUFFIX)
 
 
-def write_pieces(directory: Path, files: Sequence[FileLayout], buffer: SnapshotBuffer, *, headers: bool,
+def write_pieces(directory: Path, files: Sequence[SaveFile], buffer: SnapshotBuffer, *, headers: bool,
                  after_first_write: Callable[[], None] = lambda: None) -> list[WrittenPiece]:
     """pwrite this rank's pieces (and with `headers` every file's header) into `<file>.partial`; fsync.
 
