@@ -41,9 +41,11 @@ from pathlib import Path
 import psutil
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
+sys.path.insert(0, str(HERE))  # benchmarks/convert.py, beside this script
 
-from convert import build_checkpoint, ds_to_universal_script, free_port, tree_size  # noqa: E402
+from convert import base_env, build_checkpoint, ds_to_universal_script, free_port, tree_size  # noqa: E402
+
+TINY_TRAIN_SCRIPT = HERE.parent / "tests" / "support" / "train_tiny.py"  # run as a script, not imported
 
 POLL_S = 0.02
 RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "DS_ACCELERATOR": "cpu"}
@@ -143,10 +145,21 @@ def ray_cluster(root: Path, cpus: int):
 
 
 def tiny_checkpoint(cache: Path) -> Path:
-    from support.checkpoints import TinySpec, build_checkpoint as build_tiny
-
-    os.environ.update({"DS_ACCELERATOR": "cpu"})
-    return build_tiny(TinySpec(stage=1), cache / "tiny")
+    """The tests' tiny model (ZeRO-1, fp32, 2 ranks, 3 steps), trained once into `cache/tiny`."""
+    folder = cache / "tiny"
+    if (folder / ".done").is_file():
+        return folder / "ckpt"
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(TINY_TRAIN_SCRIPT),
+           "--stage", "1", "--steps", "3", "--save-dir", str(folder / "ckpt"),
+           "--losses-out", str(folder / "losses.json")]
+    with open(folder / "train.log", "w") as log:
+        if subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=base_env()).returncode != 0:
+            sys.exit(f"training the tiny checkpoint failed; see {folder / 'train.log'}")
+    (folder / ".done").touch()
+    return folder / "ckpt"
 
 
 def ucp(*args: str) -> list[str]:
