@@ -258,6 +258,27 @@ def test_task_error_is_not_retried_and_reaches_the_caller(cluster, tiny_checkpoi
     assert not (tmp_path / "out" / INDEX_NAME).exists()
 
 
+def test_a_flipped_bit_read_by_a_map_task_is_refused(cluster, tiny_checkpoint, tmp_path):
+    """The reducers CRC the pieces the map tasks read, and the driver checks them against the rank files' zip
+    CRC-32s before it commits anything, as the local backend does."""
+    from ucp.convert.ray_executor import RayExecutor
+
+    source = tmp_path / "src"
+    shutil.copytree(tiny_checkpoint(SPECS[0]), source)
+    plan = plan_deepspeed(source)
+    piece = next(f.piece for p in plan.params for s in p.states.values() for f in s.fragments
+                 if "optim_states" in f.piece.path and f.piece.numel > 4)
+    with open(piece.path, "r+b") as f:  # after planning: only the bytes a map task reads are damaged
+        f.seek(piece.byte_offset + 5)
+        byte = f.read(1)[0]
+        f.seek(piece.byte_offset + 5)
+        f.write(bytes([byte ^ 0x10]))
+    with RayExecutor(cluster.address, WORKERS, progress=False) as executor:
+        with pytest.raises(CorruptCheckpointError, match=f"{piece.path}: tensor data .* fails its CRC-32"):
+            write_atomic(plan, tmp_path / "out", executor)
+    assert not (tmp_path / "out" / INDEX_NAME).exists()
+
+
 def test_submit_runs_the_conversion_as_a_ray_job(cluster, tiny_checkpoint, reference, tmp_path, capsys):
     spec = SPECS[0]
     out = tmp_path / "out"

@@ -160,14 +160,14 @@ def _write_atomic(plan: ConversionPlan, output: Path, executor: Executor, *, str
     todo = [t for t in tasks if t.file_name not in kept]
     total = sum(p.nbytes for t in todo for p in t.params)
     if isinstance(executor, ShuffleExecutor):
-        results = executor.write_bins(todo, total_bytes=total)  # its map tasks read the sources: not checked
+        results = executor.write_bins(todo, total_bytes=total)
     else:
         results = executor.map(write_bin, todo, total_bytes=total, desc="convert")
-        try:
-            check_sources(plan, [s for r in results for s in r.pop("sources")])
-        except UcpError:
-            remove_manifests(output)  # so that no --resume keeps a file converted from damaged bytes
-            raise
+    try:
+        check_sources(plan, [s for r in results for s in r.pop("sources")])
+    except UcpError:
+        remove_manifests(output)  # so that no --resume keeps a file converted from damaged bytes
+        raise
     extra = {name: copy_extra_file(Path(source), output / name) for name, source in plan.extra_files.items()}
     if plan.left_out:
         logger.info("left out of %s: %s", output, left_out_summary(plan.left_out))

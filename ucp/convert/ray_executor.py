@@ -10,8 +10,9 @@ driver (Ray keeps returns under 100 KiB inline with their owner, the driver: the
 parameters). One reduce task per bin Unions and StripPads each state and streams it into the bin's
 safetensors file in the output directory, through `ucp.convert.driver.stream_bin`, with the local
 backend's file writer, so the files are byte-identical. The driver plans, submits and commits the
-index. Like the local backend's, the tasks work on numpy arrays and import no torch. Unlike it, they
-do not check the rank files' CRC-32s (`ucp.convert.source_check`).
+index. Like the local backend's, the tasks work on numpy arrays and import no torch, and the bytes the
+map tasks read are checked against the rank files' own CRC-32s (`ucp.convert.source_check`): each
+reducer CRCs the pieces it receives, and the driver joins them per zip entry.
 
 Ray retries a task whose worker or node died (`MAX_RETRIES`) and rebuilds lost map outputs from
 lineage; a task that raises (a damaged shard) is not retried, and its error reaches the caller as
@@ -27,6 +28,7 @@ import shutil
 import sys
 import tempfile
 import time
+import zlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -122,7 +124,9 @@ def _reduce(task: WriteBin, paths: tuple[str, ...], *shares) -> dict:
     """Reduce: Union → StripPad each state from the mappers' shares and stream the bin's file.
 
     The shares are read-only views of the object store; fragments are views of them (Union and
-    StripPad never write into their inputs), so the only copies are the ones Union makes.
+    StripPad never write into their inputs), so the only copies are the ones Union makes. The
+    result carries the CRC-32 of every piece's source bytes (`sources`), which the driver checks
+    against the rank files' own CRCs (`ucp.convert.source_check`), as the local backend's are.
     """
     buffers = {path: np.frombuffer(share, dtype=np.uint8) for path, share in zip(paths, shares)}
     # Where each piece sits in its file's share: the layout the mapper used, whatever order the writer asks in.
@@ -132,9 +136,17 @@ def _reduce(task: WriteBin, paths: tuple[str, ...], *shares) -> dict:
         path = fragment.piece.path
         return _view(buffers[path], where[path][fragment.piece], fragment.piece).reshape(fragment.info.shape)
 
-    return stream_bin(task, _no_progress,
-                      lambda p, source: assemble(source, [take(f) for f in source.fragments], name=p.name,
-                                                 strict=task.strict))
+    result = stream_bin(task, _no_progress,
+                        lambda p, source: assemble(source, [take(f) for f in source.fragments], name=p.name,
+                                                   strict=task.strict))
+    return {**result, "sources": [_source_segment(path, piece, buffers[path], start)
+                                  for path, starts in where.items() for piece, start in starts.items()]}
+
+
+def _source_segment(path: str, piece: Piece, buffer: np.ndarray, start: int) -> tuple[str, int, int, int]:
+    """(file, begin, end, CRC-32) of a piece's bytes as the mapper read them from the rank file."""
+    nbytes = piece.numel * DTYPE_SIZES[piece.dtype]
+    return path, piece.byte_offset, piece.byte_offset + nbytes, zlib.crc32(buffer[start:start + nbytes])
 
 
 @ray.remote(max_retries=MAX_RETRIES, retry_exceptions=False)
