@@ -1,4 +1,4 @@
-"""SIGKILL at random moments of `ucp export` and of a training job's asynchronous saves.
+"""SIGKILL at random moments of `ucp convert`, `ucp export` and a training job's asynchronous saves.
 
 The moments are drawn from a seeded generator over the length of a clean run, so every run of the suite
 tries the same spread of them. Whatever the moment: no process is left behind, nothing half-written looks
@@ -27,6 +27,7 @@ from ucp.format.folder import INDEX_NAME
 
 pytestmark = pytest.mark.slow
 
+CONVERT_KILLS = 6
 EXPORT_KILLS = 6
 SAVE_KILLS = 3
 
@@ -77,6 +78,33 @@ def kill_tree(proc: subprocess.Popen) -> list[int]:
             pass
     proc.wait()
     return [p.pid for p in family]
+
+
+def files_of(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def test_a_conversion_killed_at_any_moment_resumes_byte_equal(tiny_checkpoint, tmp_path):
+    source = tiny_checkpoint(TinySpec(stage=2))
+
+    def convert(out: Path, *extra: str) -> list[str]:
+        return ucp_command("convert", "--input", str(source), "--output", str(out), "--workers", "2", "--quiet", *extra)
+
+    clean = tmp_path / "clean"
+    start = time.monotonic()
+    subprocess.run(convert(clean), check=True)
+    length = time.monotonic() - start
+    reference = files_of(clean)
+    rng = random.Random("convert")
+    for i in range(CONVERT_KILLS):
+        out = tmp_path / f"out{i}"
+        proc = subprocess.Popen(convert(out))
+        time.sleep(rng.uniform(0.2, length * 1.2))
+        pids = kill_tree(proc)  # the driver and its pool workers at once
+        wait_for(lambda: all(gone(pid) for pid in pids), timeout=30, what="every process of the conversion to end")
+        if not (out / INDEX_NAME).exists():  # not committed: --resume finishes it
+            subprocess.run(convert(out, "--resume"), check=True)
+        assert files_of(out) == reference  # committed or resumed: byte for byte a clean run's
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
