@@ -23,11 +23,12 @@ committed, and runs at exit too; see `ucp.deepspeed.async_save`). The `"ucp"` co
 * `load_optimizer_states` (bool, default true), `load_lr_scheduler_states` (bool, default true).
 * `check_first` (bool, default true): read and check every byte the load will use before installing
   any, so that a damaged checkpoint raises `CorruptCheckpointError` on every rank with the engine
-  untouched. From a ucp checkpoint each rank checks exactly what it will read (its chunks' CRC-32s);
-  from a DeepSpeed checkpoint, whose zip records one CRC-32 per rank-file entry, the job's ranks
-  split the entries and check each whole. This reads the bytes twice (the second time usually from
-  the page cache); false reads once and installs layer by layer, unchecked for a DeepSpeed source,
-  and damage found at layer k of a ucp checkpoint leaves layers before k loaded.
+  untouched. From a ucp checkpoint each rank checks exactly what it will read (its chunks' CRC-32s)
+  and keeps up to 1 GiB of it to install, reading again only what did not fit; from a DeepSpeed
+  checkpoint, whose zip records one CRC-32 per rank-file entry, the job's ranks split the entries
+  and check each whole (the checkpoint read once more across the job). False reads once and installs
+  layer by layer: unchecked for a DeepSpeed source, and damage found at layer k of a ucp checkpoint
+  leaves layers before k loaded.
 * `strict` (bool, default true): a checkpoint parameter the model lacks is an error (tied weights:
   see below).
 * `layout` (dict, or path to its JSON): an explicit `ucp.hmp.layout.Layout`, for heterogeneous model
@@ -91,7 +92,8 @@ class LoadStats:
 
     bytes_read: int = 0
     bytes_checked_extra: int = 0  # of bytes_read: read only to check whole chunks around a partial read
-    bytes_checked_first: int = 0  # not in bytes_read: read by the check before anything is installed (check_first)
+    bytes_read_again: int = 0  # not in bytes_read: what check_first read but could not keep, read again to install
+    bytes_checked_sources: int = 0  # not in bytes_read: DeepSpeed rank-file entries read whole to check their CRCs
     read_calls: int = 0
     bytes_broadcast: int = 0
     tensors: int = 0

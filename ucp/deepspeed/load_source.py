@@ -52,6 +52,7 @@ from ucp.format.index import StoredState
 from ucp.format.safetensors_stream import TORCH_DTYPES
 
 Key = tuple[str, str]
+KEEP_BYTES = 1 << 30  # of what the check before a load read, kept for the load itself
 
 
 class Source(Protocol):
@@ -61,7 +62,7 @@ class Source(Protocol):
     def check_first(self, layers: Iterable[dict[Key, TargetTensor]], mine: Callable[[dict], list[Key]],
                     bypass: bool, stats) -> None:
         """Read and check what this rank's share of the load covers, installing nothing; raise
-        `CorruptCheckpointError` on damage. Adds the bytes read to `stats.bytes_checked_first`."""
+        `CorruptCheckpointError` on damage. Counts what it reads in `stats`."""
 
     def dtype(self, key: Key) -> torch.dtype:
         """The dtype the state's values come in (what the atomic format stores)."""
@@ -90,16 +91,29 @@ def _of_box(full: torch.Tensor, box: Box | None) -> torch.Tensor:
     return full.reshape(-1)
 
 
+def _held_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """The memory `tensors` keep alive: their storages' bytes, each storage once (reads share buffers)."""
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
 def _count(stats, counter: ReadCounter) -> None:
     stats.bytes_read += counter.bytes
     stats.read_calls += counter.calls
 
 
 class AtomicSource:
-    """A ucp checkpoint, read through its index."""
+    """A ucp checkpoint, read through its index.
 
-    def __init__(self, ckpt: AtomicCheckpoint):
+    The check before the load (`check_first`) keeps what it read, up to `keep_bytes`, for `read` to
+    install without reading it again; whatever did not fit is read again (counted in
+    `bytes_read_again`), so memory stays bounded by `keep_bytes` plus one layer.
+    """
+
+    def __init__(self, ckpt: AtomicCheckpoint, keep_bytes: int = KEEP_BYTES):
         self.ckpt = ckpt
+        self.keep_bytes = keep_bytes
+        self._kept: dict[Key, torch.Tensor] = {}
+        self._checked = False
 
     def _stored(self, key: Key) -> StoredState:
         name, state = key
@@ -113,12 +127,19 @@ class AtomicSource:
 
     def check_first(self, layers: Iterable[dict[Key, TargetTensor]], mine: Callable[[dict], list[Key]],
                     bypass: bool, stats) -> None:
-        """Every read of the load, checked chunk by chunk as `read` checks it (see `Source.check_first`)."""
-        counter = ReadCounter()
+        """Every read of the load, checked chunk by chunk as `read` checks it (see `Source.check_first`); whole
+        layers of what it read are kept while they fit in `keep_bytes`."""
+        counter, kept = ReadCounter(), 0
+        self._checked = True
         for wants in layers:
-            boxes = self._boxes(wants, mine(wants), bypass)
-            read_boxes(self.ckpt.path, boxes, self.ckpt.model.chunk_bytes, counter)
-        stats.bytes_checked_first += counter.bytes
+            values, extra = read_boxes(self.ckpt.path, self._boxes(wants, mine(wants), bypass),
+                                       self.ckpt.model.chunk_bytes, counter)
+            stats.bytes_checked_extra += extra
+            size = _held_bytes(values.values())
+            if kept + size <= self.keep_bytes:
+                self._kept.update(values)
+                kept += size
+        _count(stats, counter)
 
     def _boxes(self, wants: dict[Key, TargetTensor], readers: list[Key], bypass: bool) -> dict[Key, BoxWant]:
         boxes = {}
@@ -134,11 +155,18 @@ class AtomicSource:
         With bypass a rank reads exactly its elements when they are contiguous in storage, else the
         covering part of its box (`ucp.format.box_read`); without, every tensor it touches whole.
         """
-        counter = ReadCounter()
-        values, extra = read_boxes(self.ckpt.path, self._boxes(wants, readers, bypass), self.ckpt.model.chunk_bytes,
-                                   counter)
-        _count(stats, counter)
-        stats.bytes_checked_extra += extra
+        values = {key: self._kept.pop(key) for key in readers if key in self._kept}
+        rest = [key for key in readers if key not in values]
+        if rest:
+            counter = ReadCounter()
+            got, extra = read_boxes(self.ckpt.path, self._boxes(wants, rest, bypass), self.ckpt.model.chunk_bytes,
+                                    counter)
+            values.update(got)
+            if self._checked:  # read and checked once already: not the load's share of the checkpoint again
+                stats.bytes_read_again += counter.bytes
+            else:
+                _count(stats, counter)
+                stats.bytes_checked_extra += extra
         return values
 
 
@@ -166,7 +194,7 @@ class PlannedSource:
         for (path, name), entry in sorted(entries.items()):
             if owners[(path, name)] == rank:
                 check_entry(path, entry)
-                stats.bytes_checked_first += entry.end - entry.start
+                stats.bytes_checked_sources += entry.end - entry.start
 
     def _flat(self, key: Key) -> tuple[FlatRun, ...] | None:
         if key not in self._runs:
