@@ -167,3 +167,23 @@ def test_negative_control_another_partition_differs(sources):
     mine, other = _read(planned, ("l1.weight", "fp32"), first)[0], _read(atomic, ("l1.weight", "fp32"), second)[0]
     n = min(mine.numel(), other.numel())  # the partitions hold 32 and 31 elements
     assert not torch.equal(mine[:n], other[:n])
+
+
+@pytest.mark.parametrize("keep_bytes", [1 << 30, 0], ids=["kept", "read-again"])
+def test_what_check_first_keeps_or_reads_again_installs_the_same_values(sources, keep_bytes):
+    """The check before a load keeps what fits in `keep_bytes` (read once) and reads the rest again: either
+    way the install pass gets exactly the values a single pass reads."""
+    _, single, _ = sources["z2-fp32-dp2"]
+    checked = AtomicSource(single.ckpt, keep_bytes=keep_bytes)
+    layers = [{(name, state): t for state in entry["states"]
+               for t in _partitions(name, tuple(entry["shape"]), entry["kind"], 2)[1:]}
+              for name, entry in single.ckpt.index["params"].items()]
+    stats = LoadStats()
+    checked.check_first(iter(layers), lambda wants: list(wants), True, stats)
+    first = stats.bytes_read
+    for wants in layers:
+        got = checked.read(wants, list(wants), True, stats)
+        want = single.read(wants, list(wants), True, LoadStats())
+        assert all(torch.equal(got[k], want[k]) for k in wants)
+    assert stats.bytes_read == first  # the install pass added nothing to the load's own reads
+    assert stats.bytes_read_again == (0 if keep_bytes else first)  # kept whole, or read again whole
