@@ -37,7 +37,8 @@ committed, and runs at exit too; see `ucp.deepspeed.async_save`). The `"ucp"` co
   exposes the whole model's `ucp_param_table`; every rank reads exactly its slices
   (`ucp.deepspeed.placement`).
 
-Loading is layer by layer: a rank holds its own shard plus one layer's states at a time.
+Loading is layer by layer: a rank holds its own shard plus one layer's states at a time (with
+`check_first`, plus up to 1 GiB of what the check read, kept for the install).
 
 Tied weights (one Parameter under two names, e.g. `lm_head.weight` and `model.embed_tokens.weight`)
 are one parameter: the checkpoint records the second name as an alias of the first (its index's
