@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from ucp.convert.source_check import EntryChecks
 from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError, UcpError
 from ucp.format.fileio import ReadCounter, read_regular
 from ucp.format.folder import INDEX_NAME, latest_checkpoint, read_index
@@ -176,6 +177,7 @@ class PlannedCheckpoint:
         self.plan = plan_deepspeed(path, tag)
         self._params = {p.name: p for p in self.plan.params}
         self.counter = ReadCounter()
+        self._sources = EntryChecks()
 
     @property
     def names(self) -> list[str]:
@@ -204,6 +206,8 @@ class PlannedCheckpoint:
         return "float32" if state == STEP_STATE and p.step is not None else p.states[state].dtype
 
     def tensor(self, name: str, state: str = "fp32", *, verify: bool = True) -> torch.Tensor:
+        """The state, merged from the rank files. With `verify`, every zip entry it comes from is checked
+        against its CRC-32 (the first time) and replicated copies must agree."""
         from ucp.convert.assemble import materialize_tensor
 
         p = self._param(name)
@@ -211,6 +215,8 @@ class PlannedCheckpoint:
             return torch.tensor(p.step, dtype=torch.float32)
         if state not in p.states:
             raise KeyError(f"{name}: no state '{state}' (has {', '.join(self.states(name))})")
+        if verify:  # the rank files' own CRC-32s, each entry once
+            self._sources.check(p.states[state])
         return materialize_tensor(p.states[state], name=name, strict=verify, counter=self.counter)
 
     @functools.cached_property
@@ -270,8 +276,8 @@ class PlannedCheckpoint:
         return self.extra_file_path(name).read_bytes()
 
     def verify(self) -> list[str]:
-        """Every problem found reading each state of each parameter whole, as a conversion would
-        (replicated copies compared): DeepSpeed's files carry no checksums to check."""
+        """Every problem found reading each state of each parameter whole, as a conversion would: each
+        zip entry against the CRC-32 the rank file records, replicated copies compared."""
         problems = []
         for name, p in self._params.items():
             for state in p.states:

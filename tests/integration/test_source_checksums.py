@@ -6,6 +6,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from support.checkpoints import TinySpec, ucp_load_errors
 from ucp.cli.main import main
@@ -109,3 +110,20 @@ def test_a_flipped_bit_in_a_rank_file_stops_a_zero_conversion_load_on_every_rank
         assert error is not None and "fails its CRC-32" in error and Path(piece.path).name in error, error
     assert result["untouched_on"] == [True, True]
 
+
+
+def test_a_flipped_bit_is_refused_when_a_deepspeed_checkpoint_is_read_directly(source):
+    """`open_checkpoint` on a DeepSpeed folder (what inspect and export read through) checks every zip entry a
+    tensor comes from against its CRC-32, the first time; tensors of undamaged entries still read."""
+    import ucp
+    from ucp.errors import CorruptCheckpointError
+
+    save_dir = source(TinySpec(stage=2))
+    piece = piece_of(save_dir, "emb.weight", "exp_avg", "optim_states")
+    clean = ucp.open_checkpoint(save_dir).tensor("emb.weight", "exp_avg")  # negative control
+    flip_bit(piece.path, piece.byte_offset + 4 * (piece.numel // 2) + 1)
+    ckpt = ucp.open_checkpoint(save_dir)
+    with pytest.raises(CorruptCheckpointError, match=f"{piece.path}: tensor data .* fails its CRC-32"):
+        ckpt.tensor("emb.weight", "exp_avg")
+    assert not torch.equal(ckpt.tensor("emb.weight", "exp_avg", verify=False), clean)  # the damage is real
+    assert ckpt.tensor("proj.weight").shape == ckpt.shape("proj.weight")  # a model-states entry: intact

@@ -19,7 +19,7 @@ import zlib
 from collections import defaultdict
 from collections.abc import Iterable
 
-from ucp.convert.plan import ConversionPlan
+from ucp.convert.plan import ConversionPlan, StateSource
 from ucp.converters.torch_zip import ZipEntry, storage_entries
 from ucp.errors import CorruptCheckpointError
 from ucp.format.crc import crc32_combine
@@ -67,6 +67,31 @@ def check_sources(plan: ConversionPlan, segments: Iterable[SourceSegment]) -> No
             first = bisect.bisect_left(begins, entry.start)
             inside = [s for s in mine[first:bisect.bisect_left(begins, entry.end)] if s[2] <= entry.end]
             _compare(path, entry, entry_crc(path, entry, inside))
+
+
+class EntryChecks:
+    """The zip entries a reader of a DeepSpeed checkpoint takes states from, each read whole and checked the
+    first time one of its states is read (`ucp.open_checkpoint` on a DeepSpeed folder, and what reads
+    through it: inspect, export)."""
+
+    def __init__(self) -> None:
+        self._entries: dict[str, tuple[list[int], list[ZipEntry]]] = {}
+        self._checked: set[tuple[str, str]] = set()
+
+    def check(self, source: StateSource) -> None:
+        """Raise `CorruptCheckpointError` unless every entry `source`'s fragments lie in has its CRC-32."""
+        for f in source.fragments:
+            starts, entries = self._of(f.piece.path)
+            i = bisect.bisect_right(starts, f.piece.byte_offset) - 1
+            if i >= 0 and (f.piece.path, entries[i].name) not in self._checked:
+                check_entry(f.piece.path, entries[i])
+                self._checked.add((f.piece.path, entries[i].name))
+
+    def _of(self, path: str) -> tuple[list[int], list[ZipEntry]]:
+        if path not in self._entries:
+            entries = sorted(storage_entries(path).values(), key=lambda e: e.start) if zipfile.is_zipfile(path) else []
+            self._entries[path] = ([e.start for e in entries], entries)
+        return self._entries[path]
 
 
 def check_entry(path: str, entry: ZipEntry) -> None:
