@@ -80,3 +80,20 @@ def ds_universal_of(run_dir: Path) -> Path:
     save_dir = Path(run_dir) / "ckpt"
     tag = read_tag(save_dir)
     return run_ds_to_universal(save_dir / tag, Path(run_dir) / "ds_universal" / tag)
+
+
+def compare_with_ds_universal(ckpt, reference: dict[str, dict[str, torch.Tensor]]) -> int:
+    """Assert that every state in `reference` (ds_to_universal's output, `load_ds_universal`) equals ucp's, cast to
+    fp32 and reshaped as ds_to_universal writes it; returns how many states were compared."""
+    compared = 0
+    for name, states in reference.items():
+        for state, expected in states.items():
+            got = ckpt.tensor(name, state)
+            assert torch.equal(got, expected.float().reshape(got.shape)), (name, state)
+            compared += 1
+    return compared
+
+
+def trainable_count(ckpt) -> int:
+    """How many trainable parameters the checkpoint holds."""
+    return sum(1 for n in ckpt.names if ckpt.info(n).kind == "param")
