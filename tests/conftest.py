@@ -43,6 +43,23 @@ def tiny_checkpoint(ckpt_root):
 
 
 @pytest.fixture(scope="session")
+def tiny_conversion(tiny_checkpoint, tmp_path_factory):
+    """Factory: ``tiny_conversion(TinySpec(...)) -> folder``, ``ucp convert --workers 2`` of the tiny checkpoint
+    (once per session; tests copy it before damaging it)."""
+    from ucp.convert import convert
+
+    memo: dict[TinySpec, Path] = {}
+
+    def make(spec: TinySpec) -> Path:
+        if spec not in memo:
+            memo[spec] = convert(tiny_checkpoint(spec), tmp_path_factory.mktemp("ucp") / spec.name, workers=2,
+                                 progress=False).output
+        return memo[spec]
+
+    return make
+
+
+@pytest.fixture(scope="session")
 def ds_universal(ckpt_root, tiny_checkpoint):
     """Factory: ``ds_universal(TinySpec(...)) -> out_dir`` of DeepSpeed's ds_to_universal.py.
 

@@ -12,7 +12,6 @@ import ucp
 from support.checkpoints import (BUFFER_SHAPES, FROZEN_PARAM_SHAPES, PARAM_GROUPS, TRAINABLE_PARAM_SHAPES, TinySpec,
                                  load_ds_universal, trained_state)
 from support.fp16 import needs_cpu_fp16
-from ucp.convert import convert
 from ucp.convert.plan import BUFFER, FROZEN, TRAINABLE
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -28,14 +27,12 @@ SPECS = [
 
 
 @pytest.fixture(scope="module")
-def converted(tiny_checkpoint, tmp_path_factory):
+def converted(tiny_conversion):
     memo = {}
 
     def make(spec: TinySpec):
         if spec not in memo:
-            out = tmp_path_factory.mktemp("ucp") / spec.name
-            convert(tiny_checkpoint(spec), out, workers=2, progress=False)
-            memo[spec] = ucp.open_checkpoint(out)
+            memo[spec] = ucp.open_checkpoint(tiny_conversion(spec))
         return memo[spec]
 
     return make

@@ -14,7 +14,6 @@ import ucp
 from support.atomic import with_edited_index
 from support.checkpoints import TinySpec, ucp_load_errors, ucp_resume, ucp_stats, uninterrupted_losses
 from support.fp16 import needs_cpu_fp16
-from ucp.convert import convert
 
 RESUME_STEPS = 2
 CASES = [  # (saved at, resumed at)
@@ -43,20 +42,6 @@ def tolerance(source: TinySpec, target: TinySpec) -> float:
     return 2e-2
 
 
-@pytest.fixture(scope="module")
-def ucp_checkpoint(tiny_checkpoint, tmp_path_factory):
-    memo = {}
-
-    def make(spec: TinySpec):
-        if spec not in memo:
-            out = tmp_path_factory.mktemp("atomic") / spec.name
-            convert(tiny_checkpoint(spec), out, workers=2, progress=False)
-            memo[spec] = out
-        return memo[spec]
-
-    return make
-
-
 def checkpoint_bytes(path) -> int:
     index = ucp.open_checkpoint(path).index
     return sum(s["offsets"][1] - s["offsets"][0] for e in index["params"].values() for s in e["states"].values())
@@ -73,8 +58,8 @@ def largest_layer_bytes(path) -> int:
 
 
 @pytest.mark.parametrize("source,target", [needs_cpu_fp16(*c) for c in CASES], ids=lambda s: s.name)
-def test_resume_continues_the_uninterrupted_run(source, target, ucp_checkpoint, ckpt_root):
-    path = ucp_checkpoint(source)
+def test_resume_continues_the_uninterrupted_run(source, target, tiny_conversion, ckpt_root):
+    path = tiny_conversion(source)
     resumed = ucp_resume(path, target, RESUME_STEPS, source.steps, ckpt_root)
     straight = uninterrupted_losses(dataclasses.replace(source, steps=0), source.steps + RESUME_STEPS, ckpt_root)
     assert resumed.losses == pytest.approx(straight[source.steps:], rel=tolerance(source, target))
@@ -94,12 +79,12 @@ def test_negative_control_without_the_checkpoint_losses_differ(ckpt_root):
     assert fresh != pytest.approx(straight[source.steps:], rel=1e-2)
 
 
-def test_without_bypass_every_rank_reads_everything(ucp_checkpoint, ckpt_root):
+def test_without_bypass_every_rank_reads_everything(tiny_conversion, ckpt_root):
     # Under ZeRO-3 every rank holds a part of every parameter, so with bypassing off each reads the
     # whole checkpoint, as stock load_universal does. (Under ZeRO-1/2 a rank skips the parameters it
     # holds no part of, as stock DeepSpeed does too.)
     source, target = TinySpec(stage=1), TinySpec(stage=3, world_size=3)
-    path = ucp_checkpoint(source)
+    path = tiny_conversion(source)
     resumed = ucp_resume(path, target, 1, source.steps, ckpt_root, bypass=False)
     stats = ucp_stats(resumed)
     assert [s["bytes_read"] - s["bytes_checked_extra"] for s in stats] == [checkpoint_bytes(path)] * 3
@@ -107,8 +92,8 @@ def test_without_bypass_every_rank_reads_everything(ucp_checkpoint, ckpt_root):
     assert resumed.losses == pytest.approx(straight[source.steps:source.steps + 1], rel=1e-6)
 
 
-def test_bad_checkpoints_are_refused_before_the_engine_is_touched(ucp_checkpoint, ckpt_root, tmp_path):
-    path = ucp_checkpoint(TinySpec(stage=1))
+def test_bad_checkpoints_are_refused_before_the_engine_is_touched(tiny_conversion, ckpt_root, tmp_path):
+    path = tiny_conversion(TinySpec(stage=1))
 
     def drop(index):
         del index["params"]["l1.bias"]

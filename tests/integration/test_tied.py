@@ -58,19 +58,6 @@ def test_module_aliases_name_each_parameter_held_twice_as_deepspeed_does():
 # -- real DeepSpeed runs --------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def converted(tiny_checkpoint, tmp_path_factory):
-    memo = {}
-
-    def make(spec: TinySpec):
-        if spec not in memo:
-            memo[spec] = convert(tiny_checkpoint(spec), tmp_path_factory.mktemp("tied") / spec.name, workers=2,
-                                 progress=False).output
-        return memo[spec]
-
-    return make
-
-
-@pytest.fixture(scope="module")
 def async_run(ckpt_root):
     """SAVED's model trained from scratch for its steps + RESUME_STEPS, saving with ucp every SAVE_EVERY steps."""
     return ucp_save_run(dataclasses.replace(SAVED, steps=0), SAVED.steps + RESUME_STEPS, SAVE_EVERY, ckpt_root)
@@ -90,9 +77,9 @@ def _reference(spec: TinySpec, save_dir, ckpt_root) -> dict[str, dict[str, torch
 
 
 @pytest.mark.parametrize("spec", SOURCES, ids=lambda s: s.name)
-def test_a_tied_weight_is_recorded_once_as_an_alias_equal_to_zero_to_fp32(spec, converted, tiny_checkpoint,
+def test_a_tied_weight_is_recorded_once_as_an_alias_equal_to_zero_to_fp32(spec, tiny_conversion, tiny_checkpoint,
                                                                            ckpt_root):
-    ckpt = ucp.open_checkpoint(converted(spec))
+    ckpt = ucp.open_checkpoint(tiny_conversion(spec))
     assert ckpt.index["aliases"] == ckpt.aliases == ALIASES
     # The same parameters whatever the ZeRO stage: no frozen copy of the alias, no data of its own.
     assert set(ckpt.names) == TRAINABLE | UNTRAINED
@@ -120,8 +107,8 @@ def test_negative_control_the_module_copy_of_a_bf16_alias_is_not_its_weight(tiny
     assert not torch.equal(module["head.weight"].float(), _reference(spec, save_dir, ckpt_root)["head.weight"]["fp32"])
 
 
-def test_inspect_shows_the_alias(converted, capsys):
-    assert cli_main(["inspect", str(converted(SAVED))]) == 0
+def test_inspect_shows_the_alias(tiny_conversion, capsys):
+    assert cli_main(["inspect", str(tiny_conversion(SAVED))]) == 0
     assert "alias  head.weight -> emb.weight" in capsys.readouterr().out
 
 
@@ -140,8 +127,8 @@ def test_format_deepspeed_writes_for_the_alias_what_ds_to_universal_writes(tiny_
 
 
 @pytest.mark.parametrize("source", SOURCES, ids=lambda s: s.name)
-def test_strict_resume_of_the_tied_model_continues_the_uninterrupted_run(source, converted, async_run, ckpt_root):
-    path = converted(source)
+def test_strict_resume_of_the_tied_model_continues_the_uninterrupted_run(source, tiny_conversion, async_run, ckpt_root):
+    path = tiny_conversion(source)
     target = RESUMED_AT[source.stage]
     resumed = ucp_resume(path, target, RESUME_STEPS, source.steps, ckpt_root)
     if source.dtype == "fp32":
@@ -159,14 +146,14 @@ def test_strict_resume_of_the_tied_model_continues_the_uninterrupted_run(source,
     assert sum(s["bytes_read"] - s["bytes_checked_extra"] for s in ucp_stats(resumed)) == stored
 
 
-def test_an_async_save_of_the_tied_model_equals_converting_deepspeeds_save(async_run, converted, ckpt_root, tmp_path):
+def test_an_async_save_of_the_tied_model_equals_converting_deepspeeds_save(async_run, tiny_conversion, ckpt_root, tmp_path):
     # Saving does not disturb training: the first steps are DeepSpeed's own run's, to the bit.
     assert async_run.losses[:SAVED.steps] == trained_losses(SAVED, ckpt_root)
     saved = ucp.open_checkpoint(async_run.save_dir / f"global_step{SAVED.steps}")
     assert saved.aliases == ALIASES and saved.verify() == []
-    assert_same_checkpoint(saved, ucp.open_checkpoint(converted(SAVED)))
+    assert_same_checkpoint(saved, ucp.open_checkpoint(tiny_conversion(SAVED)))
     # Negative control: the same conversion without its alias must fail the same comparison.
-    bare = with_edited_index(converted(SAVED), tmp_path / "bare", lambda index: index.update(aliases={}))
+    bare = with_edited_index(tiny_conversion(SAVED), tmp_path / "bare", lambda index: index.update(aliases={}))
     with pytest.raises(AssertionError, match="aliases"):
         assert_same_checkpoint(saved, ucp.open_checkpoint(bare))
 
@@ -187,9 +174,9 @@ def untied_copy(path: Path, copy: Path, other: bool) -> Path:
     return with_added_param(path, copy, "head.weight", "emb.weight", states, _untie)
 
 
-def test_an_untied_checkpoint_loads_into_the_tied_model_only_when_both_copies_are_equal(converted, ckpt_root,
+def test_an_untied_checkpoint_loads_into_the_tied_model_only_when_both_copies_are_equal(tiny_conversion, ckpt_root,
                                                                                         tmp_path):
-    path = converted(SAVED)
+    path = tiny_conversion(SAVED)
     equal = untied_copy(path, tmp_path / "equal", other=False)
     other = untied_copy(path, tmp_path / "other", other=True)
     results = ucp_load_errors([equal, other], SAVED, ckpt_root)
@@ -198,8 +185,8 @@ def test_an_untied_checkpoint_loads_into_the_tied_model_only_when_both_copies_ar
     assert "pass strict=False" in results[1]["error"] and results[1]["untouched"]
 
 
-def test_a_tied_checkpoint_gives_an_untied_copy_its_sources_weight_and_states(converted, ckpt_root, tmp_path):
-    path = converted(SAVED)
+def test_a_tied_checkpoint_gives_an_untied_copy_its_sources_weight_and_states(tiny_conversion, ckpt_root, tmp_path):
+    path = tiny_conversion(SAVED)
     untied = TinySpec(stage=1, tie="untied")
     loaded = ucp_resume(path, untied, 0, SAVED.steps, ckpt_root, dump_state=True)
     state = torch.load(loaded.state_path, weights_only=False)["params"]
