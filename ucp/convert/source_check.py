@@ -40,13 +40,20 @@ def touched_entries(plan: ConversionPlan) -> dict[str, list[ZipEntry]]:
                 starts[f.piece.path].add(f.piece.byte_offset)
     touched = {}
     for path, offsets in starts.items():
-        if not zipfile.is_zipfile(path):
-            continue
-        entries = sorted(storage_entries(path).values(), key=lambda e: e.start)
-        begins = [e.start for e in entries]
-        hit = {bisect.bisect_right(begins, o) - 1 for o in offsets}
-        touched[path] = [e for i, e in enumerate(entries) if i in hit or e.end - e.start <= SMALL_ENTRY_BYTES]
+        begins, entries = entries_in_file_order(path)
+        if entries:
+            hit = {bisect.bisect_right(begins, o) - 1 for o in offsets}
+            touched[path] = [e for i, e in enumerate(entries) if i in hit or e.end - e.start <= SMALL_ENTRY_BYTES]
     return touched
+
+
+def entries_in_file_order(path: str) -> tuple[list[int], list[ZipEntry]]:
+    """The storage entries of rank file `path` in file order, and where each starts (none for a file that is
+    no zip archive: a plan built by hand over raw bytes)."""
+    if not zipfile.is_zipfile(path):
+        return [], []
+    entries = sorted(storage_entries(path).values(), key=lambda e: e.start)
+    return [e.start for e in entries], entries
 
 
 def check_sources(plan: ConversionPlan, segments: Iterable[SourceSegment]) -> None:
@@ -89,8 +96,7 @@ class EntryChecks:
 
     def _of(self, path: str) -> tuple[list[int], list[ZipEntry]]:
         if path not in self._entries:
-            entries = sorted(storage_entries(path).values(), key=lambda e: e.start) if zipfile.is_zipfile(path) else []
-            self._entries[path] = ([e.start for e in entries], entries)
+            self._entries[path] = entries_in_file_order(path)
         return self._entries[path]
 
 

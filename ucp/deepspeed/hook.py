@@ -280,15 +280,20 @@ def layer_of(name: str) -> str:
     return m.group(1) if m else name.rsplit(".", 1)[0]
 
 
-def _layers(tensors: list[TargetTensor]) -> Iterator[list[TargetTensor]]:
+def _layers(tensors: list[TargetTensor], state_names: list[str]) -> Iterator[dict[tuple[str, str], TargetTensor]]:
+    """What the load wants, one layer at a time: (name, state) -> the tensor that takes it."""
     batch: list[TargetTensor] = []
     for t in tensors:
         if batch and layer_of(t.name) != layer_of(batch[-1].name):
-            yield batch
+            yield _wants(batch, state_names)
             batch = []
         batch.append(t)
     if batch:
-        yield batch
+        yield _wants(batch, state_names)
+
+
+def _wants(layer: list[TargetTensor], state_names: list[str]) -> dict[tuple[str, str], TargetTensor]:
+    return {(t.name, s): t for t in layer for s in _states_of(t, state_names)}
 
 
 def _states_of(t: TargetTensor, state_names: list[str]) -> list[str]:
@@ -306,8 +311,7 @@ def _load_tensors(source: Source, target: Target, state_names: list[str], bypass
         _check_first(source, target, state_names, owners, me, bypass, stats)
     target.prepare_states(state_names)
     damaged: UcpError | None = None
-    for layer in _layers(target.tensors):
-        wants = {(t.name, s): t for t in layer for s in _states_of(t, state_names)}
+    for wants in _layers(target.tensors, state_names):
         try:
             values = source.read(wants, _mine(wants, owners, me), bypass, stats)
         except UcpError as exc:  # damaged bytes: keep the group's broadcasts going, then raise on every rank
@@ -335,10 +339,9 @@ def _check_first(source: Source, target: Target, state_names: list[str], owners:
                  stats: LoadStats) -> None:
     """Read and check every byte the load will use, installing nothing: a damaged checkpoint raises on
     every rank before any engine is touched (`Source.check_first`; no collective until the verdict)."""
-    layers = ({(t.name, s): t for t in layer for s in _states_of(t, state_names)} for layer in _layers(target.tensors))
     damaged: UcpError | None = None
     try:
-        source.check_first(layers, lambda wants: _mine(wants, owners, me), bypass, stats)
+        source.check_first(_layers(target.tensors, state_names), lambda wants: _mine(wants, owners, me), bypass, stats)
     except UcpError as exc:
         damaged = exc
     _agree(damaged, CorruptCheckpointError)
