@@ -72,7 +72,7 @@ from convert_ray import tiny_checkpoint  # noqa: E402
 
 from ucp.convert.balance import plan_bins  # noqa: E402
 from ucp.convert.driver import WriteBin  # noqa: E402
-from ucp.convert.index_builder import build_index, records_of  # noqa: E402
+from ucp.convert.index_builder import WrittenFile, build_index, records_of  # noqa: E402
 from ucp.convert.plan import WEIGHT_STATE, ConversionPlan  # noqa: E402
 from ucp.convert.ray_executor import shuffle_plan  # noqa: E402
 from ucp.converters import deepspeed_slices, deepspeed_zero3  # noqa: E402
@@ -81,6 +81,8 @@ from ucp.converters.tag_folder import TagDir  # noqa: E402
 from ucp.converters.torch_zip import DtypeName, LazyStorage, LazyTensor, load_lazy  # noqa: E402
 from ucp.format.crc import CHUNK_BYTES  # noqa: E402
 from ucp.format.folder import data_file_name, tensor_key  # noqa: E402
+from ucp.format.index import index_json  # noqa: E402
+from ucp.format.safetensors_stream import StoredTensor  # noqa: E402
 from ucp.patterns import Pattern  # noqa: E402
 from ucp.sizes import human_bytes  # noqa: E402
 
@@ -276,7 +278,7 @@ def plan_of(src: Synthetic) -> ConversionPlan:
         deepspeed_slices.load_dict = deepspeed_zero3.load_dict = real
 
 
-def fake_results(tasks: list[WriteBin]) -> list[dict]:
+def fake_results(tasks: list[WriteBin]) -> list[WrittenFile]:
     """What the workers report per data file: each state's byte range, CRC-32 and one CRC-32 per chunk."""
     results = []
     for task in tasks:
@@ -285,9 +287,10 @@ def fake_results(tasks: list[WriteBin]) -> list[dict]:
             for state, source in p.states.items():
                 n = source.nbytes
                 crcs = [(offset + c * CHUNK_BYTES) * 2654435761 & 0xFFFFFFFF for c in range(-(-n // CHUNK_BYTES))]
-                where[tensor_key(p.name, state)] = (offset, offset + n, crcs[0], crcs)
+                key = tensor_key(p.name, state)
+                where[key] = StoredTensor(key, offset, offset + n, crcs[0], tuple(crcs))
                 offset += n
-        results.append({"file": task.file_name, "bytes": offset, "chunk_bytes": CHUNK_BYTES, "tensors": where})
+        results.append(WrittenFile(task.file_name, offset, CHUNK_BYTES, where))
     return results
 
 
@@ -303,7 +306,7 @@ def pipeline(src: Synthetic, workers: int, clock: Callable[[str, Callable], obje
         return plan, len(bins), None
     results = fake_results(tasks)
     index = clock("index", lambda: build_index(*records_of(plan), "0" * 32, results))
-    text = clock("json", lambda: json.dumps(index, indent=1))  # as format.folder.commit_index writes it
+    text = clock("json", lambda: json.dumps(index_json(index), indent=1))  # as format.folder.commit_index writes it
     return plan, len(bins), len(text)
 
 

@@ -126,9 +126,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
     ckpt = open_checkpoint(args.path, args.tag)
     problems = ckpt.verify()
     if isinstance(ckpt, AtomicCheckpoint):
-        tensors = sum(len(e["states"]) for e in ckpt.index["params"].values())
+        tensors = sum(len(e.states) for e in ckpt.index.params.values())
         what = f"{tensors} tensors"
-        done = f"{tensors} tensors, {len(ckpt.index['files'])} files, every checksum matches"
+        done = f"{tensors} tensors, {len(ckpt.index.files)} files, every checksum matches"
     else:
         what = f"DeepSpeed checkpoint {ckpt.source['path']}"
         done = (f"read whole from {ckpt.source['path']}; DeepSpeed's files carry no checksums, "

@@ -5,7 +5,6 @@ names (`exp_avg`, `exp_avg_sq` for Adam), `step`; buffers hold one state, `value
 """
 from __future__ import annotations
 
-import functools
 import os
 import zlib
 from dataclasses import dataclass
@@ -17,7 +16,7 @@ from ucp.convert.source_check import EntryChecks
 from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError, UcpError
 from ucp.format.fileio import ReadCounter, read_regular
 from ucp.format.folder import INDEX_NAME, latest_checkpoint, read_index
-from ucp.format.index import StoredState, header_problems
+from ucp.format.index import ExtraFile, Index, ParamEntry, StoredState, header_problems
 from ucp.format.safetensors_stream import read_stored
 from ucp.format.splits import from_split_major
 
@@ -40,27 +39,25 @@ class AtomicCheckpoint:
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
-        self.index, self.model = read_index(self.path)  # the JSON, and its checked typed model
+        self.index: Index = read_index(self.path)  # checked in full (ucp.format.index)
         self.counter = ReadCounter()
 
     @property
     def names(self) -> list[str]:
-        return list(self.index["params"])
+        return list(self.index.params)
 
     @property
     def aliases(self) -> dict[str, str]:
         """alias -> source: the second names of tied weights, each stored once under its source's name."""
-        return dict(self.index.get("aliases", {}))
+        return dict(self.index.aliases)
 
     def info(self, name: str) -> ParamInfo:
         e = self.entry(name)
-        states = tuple(e["states"]) + ((STEP_STATE,) if "step" in e else ())
-        nbytes = sum(s["offsets"][1] - s["offsets"][0] for s in e["states"].values())
-        return ParamInfo(name, tuple(e["shape"]), e["kind"], states, e.get("pattern", {}).get("pattern", "?"),
-                         nbytes, e.get("group"))
+        states = tuple(e.states) + ((STEP_STATE,) if e.step is not None else ())
+        return ParamInfo(name, e.shape, e.kind, states, (e.pattern or {}).get("pattern", "?"), e.nbytes, e.group)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self.entry(name)["shape"])
+        return self.entry(name).shape
 
     def states(self, name: str) -> tuple[str, ...]:
         return self.info(name).states
@@ -68,16 +65,20 @@ class AtomicCheckpoint:
     def dtype(self, name: str, state: str = "fp32") -> str:
         """The dtype `tensor(name, state)` returns ("float32" but for buffers), without reading it."""
         e = self.entry(name)
-        return "float32" if state == STEP_STATE and "step" in e else e["states"][state]["dtype"]
+        return "float32" if state == STEP_STATE and e.step is not None else e.states[state].dtype
+
+    def step_of(self, name: str) -> float | None:
+        """The optimizer step parameter `name`'s moments were last updated at, if it is trainable."""
+        return self.entry(name).step
 
     def tensor(self, name: str, state: str = "fp32", *, verify: bool = True) -> torch.Tensor:
         """One state of one parameter in its full, unsharded shape (checksum-verified by default)."""
         e = self.entry(name)
-        if state == STEP_STATE and "step" in e:
-            return torch.tensor(e["step"], dtype=torch.float32)
-        if state not in e["states"]:
+        if state == STEP_STATE and e.step is not None:
+            return torch.tensor(e.step, dtype=torch.float32)
+        if state not in e.states:
             raise KeyError(f"{name}: no state '{state}' (has {', '.join(self.states(name))})")
-        s = self.model.params[self.model.aliases.get(name, name)].states[state]
+        s = e.states[state]
         stored = read_stored(str(self.path / s.file), s.begin, s.end, s.dtype, s.shape,
                              s.crc32 if verify else None, self.counter)
         if s.splits is not None:  # stored split-major: put the logical order back (a no-op along dim 0)
@@ -86,28 +87,33 @@ class AtomicCheckpoint:
 
     @property
     def step(self) -> int | None:
-        return self.index.get("training", {}).get("global_steps")
+        return self.index.run.training.get("global_steps")
+
+    @property
+    def training(self) -> dict:
+        """global_steps, global_samples, skipped_steps and, for fp16, the loss scaler's state."""
+        return self.index.run.training
 
     @property
     def optimizer(self) -> dict | None:
-        return self.index.get("optimizer")
+        return self.index.run.optimizer
 
     @property
     def lr_scheduler(self):
-        return self.index.get("lr_scheduler")
+        return self.index.run.lr_scheduler
 
     @property
     def client_state(self) -> dict:
-        return self.index.get("client_state", {})
+        return self.index.run.client_state
 
     @property
     def source(self) -> dict:
-        return self.index.get("source", {})
+        return self.index.run.source
 
     @property
     def extra_files(self) -> list[str]:
         """The small files carried along from the source (a Trainer's config, tokenizer, trainer_state)."""
-        return list(self.index.get("extra_files", {}))
+        return list(self.index.extra_files)
 
     def extra_file_path(self, name: str) -> Path:
         self._extra(name)
@@ -117,9 +123,9 @@ class AtomicCheckpoint:
         """The bytes of an extra file, checked against the size and CRC-32 the index records."""
         record = self._extra(name)
         data = read_regular(str(self.extra_file_path(name)))
-        if len(data) != record["bytes"] or zlib.crc32(data) != record["crc32"]:
+        if len(data) != record.nbytes or zlib.crc32(data) != record.crc32:
             raise CorruptCheckpointError(f"{self.path / name}: differs from what {INDEX_NAME} records "
-                                         f"({record['bytes']} bytes, CRC-32 {record['crc32']}); convert the "
+                                         f"({record.nbytes} bytes, CRC-32 {record.crc32}); convert the "
                                          "checkpoint again")
         return data
 
@@ -130,9 +136,9 @@ class AtomicCheckpoint:
         ranges, dtypes and shapes, no overlaps, plain regular files.
         """
         problems = []
-        for data in self.model.files.values():
+        for data in self.index.files.values():
             problems += header_problems(self.path / data.name, data, self._states_in(data.name))
-        for name, entry in self.model.params.items():
+        for name, entry in self.index.params.items():
             for state, s in entry.states.items():
                 try:
                     read_stored(str(self.path / s.file), s.begin, s.end, s.dtype, s.shape, s.crc32)
@@ -141,7 +147,7 @@ class AtomicCheckpoint:
         return problems + self._verify_extra_files()
 
     def _states_in(self, file_name: str) -> list[StoredState]:
-        return [s for e in self.model.params.values() for s in e.states.values() if s.file == file_name]
+        return [s for e in self.index.params.values() for s in e.states.values() if s.file == file_name]
 
     def _verify_extra_files(self) -> list[str]:
         problems = []
@@ -152,17 +158,17 @@ class AtomicCheckpoint:
                 problems.append(str(exc))
         return problems
 
-    def _extra(self, name: str) -> dict:
+    def _extra(self, name: str) -> ExtraFile:
         try:
-            return self.index.get("extra_files", {})[name]
+            return self.index.extra_files[name]
         except KeyError:
             raise KeyError(f"{self.path}: no extra file '{name}' (has {', '.join(self.extra_files) or 'none'})") \
                 from None
 
-    def entry(self, name: str) -> dict:
+    def entry(self, name: str) -> ParamEntry:
         """The index entry of parameter `name`, or of the source of `name` when it is a tied alias."""
         try:
-            return self.index["params"][self.index.get("aliases", {}).get(name, name)]
+            return self.index.entry(name)
         except KeyError:
             raise KeyError(f"{self.path}: no parameter '{name}'") from None
 
@@ -219,30 +225,18 @@ class PlannedCheckpoint:
             self._sources.check(p.states[state])
         return materialize_tensor(p.states[state], name=name, strict=verify, counter=self.counter)
 
-    @functools.cached_property
-    def index(self) -> dict:
-        """The index `ucp convert` would write for this checkpoint, less where its states would be stored:
-        each state's entry gives its dtype and shape only."""
-        from ucp.convert.index_builder import ParamRecord, param_entry
-
-        params = {}
-        for p in self.plan.params:
-            params[p.name] = param_entry(ParamRecord.of(p), {s: {"dtype": src.dtype, "shape": list(p.shape)}
-                                             for s, src in p.states.items()})
-        return {"source": self.plan.source, "training": self.plan.training, "optimizer": self.plan.optimizer,
-                "lr_scheduler": self.plan.lr_scheduler, "client_state": self.plan.client_state, "params": params,
-                "aliases": dict(self.plan.aliases)}
-
-    def entry(self, name: str) -> dict:
-        """The index entry of parameter `name`, or of the source of `name` when it is a tied alias."""
-        try:
-            return self.index["params"][self.plan.aliases.get(name, name)]
-        except KeyError:
-            raise KeyError(f"{self.path}: no parameter '{name}'") from None
+    def step_of(self, name: str) -> float | None:
+        """The optimizer step parameter `name`'s moments were last updated at, if it is trainable."""
+        return self._param(name).step
 
     @property
     def step(self) -> int | None:
         return self.plan.training.get("global_steps")
+
+    @property
+    def training(self) -> dict:
+        """global_steps, global_samples, skipped_steps and, for fp16, the loss scaler's state."""
+        return self.plan.training
 
     @property
     def optimizer(self) -> dict | None:

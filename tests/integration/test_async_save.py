@@ -32,7 +32,7 @@ from ucp.deepspeed.save_writer import BackgroundSave, SavePiece, SnapshotBuffer,
 from ucp.errors import IncompleteCheckpointError, SaveError
 from ucp.format.crc import chunk_bounds, crc32_combine
 from ucp.format.fileio import tensor_bytes
-from ucp.format.folder import FORMAT_NAME
+from ucp.format.index import FORMAT_NAME
 from ucp.format.safetensors_stream import TORCH_DTYPES, StreamingWriter, TensorSlot
 
 META = {"format": FORMAT_NAME}

@@ -112,11 +112,11 @@ def test_damaged_output_fails_verify_and_reads(source, tmp_path, capsys):
     assert run_cli(capsys, "verify", str(out))[0] == 0
     ckpt = ucp.open_checkpoint(out)
     name = "emb.weight"
-    entry = ckpt.index["params"][name]["states"]["exp_avg"]
-    with open(out / entry["file"], "r+b") as f:
-        f.seek(entry["offsets"][0])
+    entry = ckpt.index.params[name].states["exp_avg"]
+    with open(out / entry.file, "r+b") as f:
+        f.seek(entry.begin)
         byte = f.read(1)
-        f.seek(entry["offsets"][0])
+        f.seek(entry.begin)
         f.write(bytes([byte[0] ^ 0xFF]))
     code, _, err = run_cli(capsys, "verify", str(out))
     assert code == 1 and f"{name}:exp_avg" in err

@@ -38,7 +38,7 @@ def flipped(converted, tmp_path, offset_in_state: int, name: str = NAME):
 
     copy = tmp_path / "flipped"
     shutil.copytree(converted, copy)
-    s = ucp.open_checkpoint(copy).model.params[name].states[STATE]
+    s = ucp.open_checkpoint(copy).index.params[name].states[STATE]
     with open(copy / s.file, "r+b") as f:
         f.seek(s.begin + offset_in_state)
         byte = f.read(1)[0]
@@ -49,9 +49,9 @@ def flipped(converted, tmp_path, offset_in_state: int, name: str = NAME):
 
 def test_every_state_records_the_crc_of_each_chunk(converted):
     ckpt = ucp.open_checkpoint(converted)
-    assert ckpt.index["chunk_bytes"] == CHUNK
+    assert ckpt.index.chunk_bytes == CHUNK
     checked = 0
-    for entry in ckpt.model.params.values():
+    for entry in ckpt.index.params.values():
         for s in entry.states.values():
             data = (converted / s.file).read_bytes()
             bounds = chunk_bounds(s.begin, s.end, CHUNK)
@@ -72,7 +72,7 @@ def test_a_partial_read_is_widened_to_whole_chunks_and_checked(converted, tmp_pa
     full = ucp.open_checkpoint(converted).tensor(NAME, STATE).reshape(-1)
     got, stats = read_part(converted, 46, 45)  # bytes [184, 364) of the state: ends on the state's end
     assert torch.equal(got, full[46:])
-    s = ucp.open_checkpoint(converted).model.params[NAME].states[STATE]
+    s = ucp.open_checkpoint(converted).index.params[NAME].states[STATE]
     cover_begin = s.begin + 184 - (s.begin + 184) % CHUNK
     assert stats.bytes_read == s.end - cover_begin and stats.bytes_checked_extra == (s.begin + 184) % CHUNK
     # A flipped bit in a chunk of this read is caught; one in a chunk it does not touch is not its business.

@@ -132,7 +132,7 @@ def test_zero0_bf16_equals_the_saved_masters_and_moments(autotp, converted):
 @pytest.mark.parametrize("run", RUNS)
 def test_patterns_and_metadata(run, converted):
     ckpt, tied = converted(run), "tied" in run
-    pattern = {n: ckpt.index["params"][n]["pattern"] for n in ckpt.names}
+    pattern = {n: ckpt.index.params[n].pattern for n in ckpt.names}
     q, o = pattern["model.layers.0.self_attn.q_proj.weight"], pattern["model.layers.1.mlp.down_proj.weight"]
     assert (q["dim"], o["dim"]) == (0, 1)
     assert ("lm_head.weight" in ckpt.names) != tied  # a tied head is an alias, not a parameter
@@ -234,7 +234,7 @@ def test_pattern_flags_settle_an_undeclared_layout(undeclared, converted, tmp_pa
     for name in ckpt.names:
         for state in ckpt.states(name):
             assert torch.equal(ckpt.tensor(name, state), declared.tensor(name, state)), (name, state)
-    assert ckpt.index["params"]["model.norm.weight"]["pattern"]["pattern"] == "replicate"  # inferred, checked
+    assert ckpt.index.params["model.norm.weight"].pattern["pattern"] == "replicate"  # inferred, checked
 
 
 def test_negative_control_a_wrong_pattern_flag_fails_the_comparison(undeclared, converted, tmp_path):

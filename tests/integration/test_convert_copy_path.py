@@ -18,7 +18,8 @@ from ucp.convert.balance import plan_bins
 from ucp.convert.driver import WriteBin, bin_slots, source_fingerprint, stream_bin, write_bin
 from ucp.convert.split_policy import SplitPolicy, apply_split_policy
 from ucp.converters.dispatch import plan_deepspeed
-from ucp.format.folder import FORMAT_NAME, tensor_key
+from ucp.format.index import FORMAT_NAME
+from ucp.format.folder import tensor_key
 from ucp.format.safetensors_stream import StreamingWriter
 from ucp.format.splits import to_split_major
 

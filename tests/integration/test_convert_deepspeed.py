@@ -91,16 +91,16 @@ def test_every_parameter_frozen_and_buffer_present_with_metadata(spec, converted
 def test_output_is_few_safetensors_files_and_json_only(converted):
     ckpt = converted(SPECS[0])
     files = sorted(p.name for p in ckpt.path.iterdir())
-    assert files == sorted(["ucp_index.json", *ckpt.index["files"]])
-    assert all(f.endswith(".safetensors") for f in ckpt.index["files"])
+    assert files == sorted(["ucp_index.json", *ckpt.index.files])
+    assert all(f.endswith(".safetensors") for f in ckpt.index.files)
     seen = 0
-    for file_name in ckpt.index["files"]:
+    for file_name in ckpt.index.files:
         with safe_open(str(ckpt.path / file_name), framework="pt") as f:
             for key in f.keys():
                 name, state = key.rsplit(":", 1)
                 assert torch.equal(f.get_tensor(key), ckpt.tensor(name, state))
                 seen += 1
-    assert seen == sum(len(e["states"]) for e in ckpt.index["params"].values())
+    assert seen == sum(len(e.states) for e in ckpt.index.params.values())
     assert ckpt.verify() == []
 
 

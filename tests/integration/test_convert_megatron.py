@@ -116,7 +116,7 @@ def test_equals_live_engine_state(run, megatron, converted):
 @pytest.mark.parametrize("run", RUNS)
 def test_patterns_and_metadata(run, converted):
     ckpt = converted(run)
-    pattern = {n: ckpt.index["params"][n]["pattern"] for n in ckpt.names}
+    pattern = {n: ckpt.index.params[n].pattern for n in ckpt.names}
     assert pattern[QKV]["pattern"] == "shard_nc" and pattern[QKV]["sub_widths"] == [[4, 4], [2, 2], [2, 2]]
     assert pattern[GATE_UP]["pattern"] == "shard_nc" and pattern[GATE_UP]["sub_widths"] == [[6, 6], [6, 6]]
     assert (pattern["2.self_attention.dense.weight"]["pattern"], pattern["2.self_attention.dense.weight"]["dim"]) == (
@@ -125,7 +125,7 @@ def test_patterns_and_metadata(run, converted):
     assert pattern[SCALE]["pattern"] == "partial" and pattern["3.weight"]["pattern"] == "replicate"
     assert all(p["inner"]["flat"] for n, p in pattern.items() if ckpt.info(n).kind == "param")  # ZeRO-partitioned
     assert (ckpt.source["tp"], ckpt.source["pp"], ckpt.source["dp"], ckpt.source["zero_stage"]) == (2, 2, 1, 1)
-    assert ckpt.index["params"]["1.mlp.dense_4h_to_h.weight"]["model_dtype"] == (
+    assert ckpt.index.params["1.mlp.dense_4h_to_h.weight"].model_dtype == (
         "bfloat16" if run == "z1-bf16" else "float32")
     assert ckpt.client_state["client_marker"] == 23
     # A buffer no list names is read from the TP ranks' layer files, its equal copies checked: Replicate.
@@ -225,7 +225,7 @@ def test_pattern_flag_overrides_a_declared_list(megatron, converted, tmp_path):
     out = tmp_path / "out"
     convert(megatron / "z1-fp32" / "ckpt", out, progress=False, patterns={r"\d+\.mlp\.input_scale": "replicate"})
     ckpt = ucp.open_checkpoint(out)
-    assert ckpt.index["params"][SCALE]["pattern"]["pattern"] == "replicate"
+    assert ckpt.index.params[SCALE].pattern["pattern"] == "replicate"
     ranks = reference_state(megatron / "z1-fp32")["ranks"]
     rank0 = next(r["params"][SCALE] for r in ranks if r["tp_rank"] == 0 and SCALE in r["params"])
     assert torch.equal(ckpt.tensor(SCALE), rank0["fp32"])

@@ -111,8 +111,8 @@ def test_zero0_equals_the_saved_slots(run, moe, converted):
             if masters:
                 assert torch.equal(ckpt.tensor(name, "fp32"), masters[slot]), (f, name)
     assert ckpt.source["zero_stage"] == 0 and ckpt.source["ep"] == ep
-    assert ckpt.index["params"]["head.weight"]["pattern"]["pattern"] == "replicate"
-    assert ckpt.index["params"][EXPERT.format(3)]["pattern"]["pattern"] == ("replicate" if ep == 1 else "unique")
+    assert ckpt.index.params["head.weight"].pattern["pattern"] == "replicate"
+    assert ckpt.index.params[EXPERT.format(3)].pattern["pattern"] == ("replicate" if ep == 1 else "unique")
 
 
 @pytest.mark.parametrize("run", RUNS)
@@ -128,7 +128,7 @@ def test_experts_keep_global_ids_and_distinct_values(run, moe, converted):
                             weights_only=False)[EXPERT.format(e)]
         assert torch.equal(weights[e].to(module.dtype), module), (run, e)
     # ZeRO-1/2 partitions an expert as flat runs; ZeRO-0 keeps it whole in one EP rank's file.
-    assert ckpt.index["params"][EXPERT.format(3)]["pattern"].get("flat", False) == ("-z0" not in run)
+    assert ckpt.index.params[EXPERT.format(3)].pattern.get("flat", False) == ("-z0" not in run)
 
 
 def test_equals_ds_to_universal_at_ep1(moe, converted):

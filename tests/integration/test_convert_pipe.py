@@ -84,17 +84,17 @@ def test_equals_live_engine_state(run, pipe, converted):
 @pytest.mark.parametrize("run", RUNS)
 def test_patterns_buffers_and_metadata(run, pipe, converted):
     ckpt = converted(run)
-    tied = ckpt.index["params"][TIED]["pattern"]
+    tied = ckpt.index.params[TIED].pattern
     # ZeRO-1 partitions each stage's copy (flat runs); fp32 ZeRO-0 keeps it whole.
     assert tied["pattern"] == Pattern.REPLICATE.value and ("inner" not in tied if run == "z0-fp32" else
                                                            tied["inner"]["flat"])
-    assert ckpt.index["params"]["3.weight"]["pattern"]["pattern"] == Pattern.UNIQUE.value
+    assert ckpt.index.params["3.weight"].pattern["pattern"] == Pattern.UNIQUE.value
     # Buffers of layers 1 and 2 (Block.scale = linspace(1, 0.5, 6) + seed), read from the layer files.
     for layer in (1, 2):
         assert ckpt.info(f"{layer}.scale").kind == "buffer"
         assert torch.equal(ckpt.tensor(f"{layer}.scale", "value"), torch.linspace(1.0, 0.5, 6) + layer)
     assert ckpt.source["pp"] == 2 and ckpt.source["tp"] == 1
-    assert ckpt.index["params"]["1.fc1.weight"]["model_dtype"] == ("bfloat16" if "bf16" in run else "float32")
+    assert ckpt.index.params["1.fc1.weight"].model_dtype == ("bfloat16" if "bf16" in run else "float32")
     assert ckpt.client_state["client_marker"] == 11
     layer_files = sorted(p.name for p in (pipe / run / "ckpt").glob("*/layer_*"))
     assert layer_files[0] == ("layer_00-model_00-model_states.pt" if "topology" in run else "layer_00-model_states.pt")

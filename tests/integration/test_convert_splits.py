@@ -38,16 +38,16 @@ def converted(tiny_checkpoint, tmp_path_factory):
 def test_split_conversion_holds_the_same_tensors(converted):
     _, plain, split = converted
     a, b = ucp.open_checkpoint(plain), ucp.open_checkpoint(split)
-    assert b.index["splits"] == {"global_split": 3} and a.index["splits"] == {"global_split": 1}
-    assert b.index["params"]["l2.weight"]["states"]["exp_avg"]["splits"] == {"dim": 1, "count": 3}
-    assert "splits" not in b.index["params"]["l2.bias"]["states"]["fp32"]
+    assert b.index.global_split == 3 and a.index.global_split == 1
+    assert b.index.params["l2.weight"].states["exp_avg"].splits == (1, 3)
+    assert b.index.params["l2.bias"].states["fp32"].splits is None
     assert b.verify() == []
     for name in a.names:
         for state in a.states(name):
             assert torch.equal(a.tensor(name, state), b.tensor(name, state)), (name, state)
     # Row-parallel states really are stored in another order (negative control for the check above).
-    e = b.index["params"]["l2.weight"]["states"]["fp32"]
-    raw = torch.from_file(str(split / e["file"]), size=e["offsets"][1], dtype=torch.uint8)[e["offsets"][0]:]
+    e = b.index.params["l2.weight"].states["fp32"]
+    raw = torch.from_file(str(split / e.file), size=e.end, dtype=torch.uint8)[e.begin:]
     assert not torch.equal(raw.view(torch.float32).reshape(5, 9), a.tensor("l2.weight"))
 
 

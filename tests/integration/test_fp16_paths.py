@@ -69,7 +69,7 @@ def converted_pair(tiny_checkpoint, tmp_path_factory):
 def test_convert_records_fp16_precision_and_loss_scale(converted_pair):
     _, fp16, _ = converted_pair
     assert fp16.source["precision"] == "fp16"
-    assert fp16.index["training"]["loss_scaler"] == SCALER_STATE
+    assert fp16.training["loss_scaler"] == SCALER_STATE
 
 
 def test_convert_keeps_fp32_masters_and_moments_of_an_fp16_run(converted_pair):
@@ -83,7 +83,7 @@ def test_convert_keeps_fp16_frozen_parameters_in_fp16(converted_pair):
     bf16, fp16, fp16_dir = converted_pair
     for name in FROZEN_PARAM_SHAPES:
         got = fp16.tensor(name, "fp32")
-        assert fp16.index["params"][name]["model_dtype"] == "float16"
+        assert fp16.index.params[name].model_dtype == "float16"
         assert torch.equal(got.float(), bf16.tensor(name, "fp32").half().float()), name
     # The planned (zero-conversion) reader agrees with the converted checkpoint.
     planned = ucp.open_checkpoint(fp16_dir)

@@ -108,7 +108,7 @@ def read_everything(folder: Path, capsys) -> None:
             for state in ckpt.states(name):
                 ckpt.tensor(name, state)
         ckpt.verify()
-        for data in ckpt.model.files.values():  # only plain regular files inside the folder were accepted
+        for data in ckpt.index.files.values():  # only plain regular files inside the folder were accepted
             path = folder / data.name
             assert path.parent == folder and path.is_file() and not path.is_symlink()
     except UcpError:

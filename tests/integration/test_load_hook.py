@@ -51,9 +51,8 @@ def largest_layer_bytes(path) -> int:
     from ucp.deepspeed.hook import layer_of
 
     layers: dict[str, int] = {}
-    for name, e in ucp.open_checkpoint(path).index["params"].items():
-        nbytes = sum(s["offsets"][1] - s["offsets"][0] for s in e["states"].values())
-        layers[layer_of(name)] = layers.get(layer_of(name), 0) + nbytes
+    for name, e in ucp.open_checkpoint(path).index.params.items():
+        layers[layer_of(name)] = layers.get(layer_of(name), 0) + e.nbytes
     return max(layers.values())
 
 

@@ -64,9 +64,8 @@ def bytes_read(run) -> int:
 
 def stored_bytes(path, names=None) -> int:
     """The bytes of every state of `names` (all parameters by default) in the checkpoint at `path`."""
-    params = ucp.open_checkpoint(path).index["params"]
-    return sum(s["offsets"][1] - s["offsets"][0] for name in (names or params)
-               for s in params[name]["states"].values())
+    params = ucp.open_checkpoint(path).index.params
+    return sum(params[name].nbytes for name in (names or params))
 
 
 # -- pipeline parallelism ------------------------------------------------------------------------------

@@ -91,8 +91,8 @@ def tp_rank_bytes(path, tied: bool, rank: int) -> int:
     for name in ckpt.names:
         shape = ckpt.shape(name)
         numel = torch.empty(shape, device="meta")[tp_box(name, shape, tied, rank)].numel()
-        for state in ckpt.index["params"][name]["states"].values():
-            total += numel * TORCH_DTYPES[state["dtype"]].itemsize
+        for state in ckpt.index.params[name].states.values():
+            total += numel * TORCH_DTYPES[state.dtype].itemsize
     return total
 
 

@@ -119,13 +119,13 @@ def _partitions(name: str, shape: tuple[int, ...], kind: str, dp: int) -> list[T
 @pytest.mark.parametrize("spec", SOURCES)
 def test_every_partition_equals_the_converted_one_and_reads_only_its_bytes(spec, sources):
     planned, atomic, plan = sources[spec]
-    for name, entry in atomic.ckpt.index["params"].items():
-        shape = tuple(entry["shape"])
-        for state in entry["states"]:
+    for name, entry in atomic.ckpt.index.params.items():
+        shape = entry.shape
+        for state in entry.states:
             key = (name, state)
             itemsize = TORCH_DTYPES[plan.param(name).states[state].fragments[0].piece.dtype].itemsize
             for dp in (1, 2, 3):
-                for t in _partitions(name, shape, entry["kind"], dp):
+                for t in _partitions(name, shape, entry.kind, dp):
                     if t.numel == 0:
                         continue
                     got, stats = _read(planned, key, t)
@@ -141,12 +141,12 @@ def test_every_partition_equals_the_converted_one_and_reads_only_its_bytes(spec,
 @pytest.mark.parametrize("spec", SOURCES)
 def test_boxes_and_whole_tensors_equal_the_converted_ones(spec, sources):
     planned, atomic, _ = sources[spec]
-    for name, entry in atomic.ckpt.index["params"].items():
-        shape = tuple(entry["shape"])
+    for name, entry in atomic.ckpt.index.params.items():
+        shape = entry.shape
         boxes = [None]
         if len(shape) == 2:  # cut along rows; along columns
             boxes += [((1, shape[0]), (0, shape[1])), ((0, shape[0]), (1, shape[1] - 1))]
-        for state in entry["states"]:
+        for state in entry.states:
             key = (name, state)
             for box in boxes:
                 n = math.prod(hi - lo for lo, hi in box) if box else math.prod(shape)
@@ -175,9 +175,8 @@ def test_what_check_first_keeps_or_reads_again_installs_the_same_values(sources,
     way the install pass gets exactly the values a single pass reads."""
     _, single, _ = sources["z2-fp32-dp2"]
     checked = AtomicSource(single.ckpt, keep_bytes=keep_bytes)
-    layers = [{(name, state): t for state in entry["states"]
-               for t in _partitions(name, tuple(entry["shape"]), entry["kind"], 2)[1:]}
-              for name, entry in single.ckpt.index["params"].items()]
+    layers = [{(name, state): t for state in entry.states for t in _partitions(name, entry.shape, entry.kind, 2)[1:]}
+              for name, entry in single.ckpt.index.params.items()]
     stats = LoadStats()
     checked.check_first(iter(layers), lambda wants: list(wants), True, stats)
     first = stats.bytes_read

@@ -80,12 +80,11 @@ def _reference(spec: TinySpec, save_dir, ckpt_root) -> dict[str, dict[str, torch
 def test_a_tied_weight_is_recorded_once_as_an_alias_equal_to_zero_to_fp32(spec, tiny_conversion, tiny_checkpoint,
                                                                            ckpt_root):
     ckpt = ucp.open_checkpoint(tiny_conversion(spec))
-    assert ckpt.index["aliases"] == ckpt.aliases == ALIASES
+    assert ckpt.index.aliases == ckpt.aliases == ALIASES
     # The same parameters whatever the ZeRO stage: no frozen copy of the alias, no data of its own.
     assert set(ckpt.names) == TRAINABLE | UNTRAINED
     assert {n for n in ckpt.names if ckpt.info(n).kind == "param"} == TRAINABLE
-    assert not any(key.startswith("head.weight:") for e in ckpt.index["params"].values() for key in
-                   [s["key"] for s in e["states"].values()])
+    assert not any(s.key.startswith("head.weight:") for e in ckpt.index.params.values() for s in e.states.values())
     assert ckpt.verify() == []
     reference = _reference(spec, tiny_checkpoint(spec), ckpt_root)
     for name, states in reference.items():
@@ -141,8 +140,7 @@ def test_strict_resume_of_the_tied_model_continues_the_uninterrupted_run(source,
         tolerance = 1e-3
     assert resumed.losses == pytest.approx(straight[source.steps:], rel=tolerance)
     # The alias is read as its source, once: the group reads the checkpoint's bytes exactly once.
-    stored = sum(s["offsets"][1] - s["offsets"][0] for e in ucp.open_checkpoint(path).index["params"].values()
-                 for s in e["states"].values())
+    stored = sum(e.nbytes for e in ucp.open_checkpoint(path).index.params.values())
     assert sum(s["bytes_read"] - s["bytes_checked_extra"] for s in ucp_stats(resumed)) == stored
 
 

@@ -16,7 +16,8 @@ import torch
 
 from ucp.convert.split_policy import SplitPolicy
 from ucp.convert.tensors import write_tensors
-from ucp.format.folder import tensor_key
+from ucp.format.folder import INDEX_NAME, tensor_key
+from ucp.format.index import ParamEntry, index_json
 from ucp.format.safetensors_stream import StreamingWriter, TensorSlot
 
 ADAM_STATES = ("fp32", "exp_avg", "exp_avg_sq")
@@ -70,22 +71,30 @@ def with_added_param(path: Path, copy: Path, name: str, like: str, states: dict[
     return copy
 
 
-def _entry(e: dict) -> dict:
+def _entry(e: ParamEntry) -> tuple:
     # ZeRO-3 files keep each parameter's tail padding, which the live ranks' runs exclude, so the
     # informational pattern's `padded_size` may differ; what the pattern is may not.
-    return {k: v for k, v in e.items() if k not in ("states", "pattern")} | {
-        "pattern": {k: v for k, v in e["pattern"].items() if k != "padded_size"}}
+    return (e.kind, e.shape, e.group, e.step, e.model_dtype, list(e.states),
+            {k: v for k, v in (e.pattern or {}).items() if k != "padded_size"})
+
+
+def assert_index_round_trips(ckpt) -> None:
+    """The typed index a reader gets holds all of the JSON its writer committed: stored again, it is that JSON."""
+    assert index_json(ckpt.index) == json.loads((ckpt.path / INDEX_NAME).read_text())
 
 
 def assert_same_checkpoint(saved, converted):
     """Every state of every parameter torch.equal, and the same metadata, but for where it came from."""
+    assert_index_round_trips(saved)
+    assert_index_round_trips(converted)
     assert saved.names == converted.names
     for name in converted.names:
-        a, b = saved.index["params"][name], converted.index["params"][name]
+        a, b = saved.index.params[name], converted.index.params[name]
         assert _entry(a) == _entry(b), name
-        assert list(a["states"]) == list(b["states"]), name
-        for state in b["states"]:
+        for state in b.states:
             x, y = saved.tensor(name, state), converted.tensor(name, state)
             assert x.dtype == y.dtype and torch.equal(x, y), (name, state)
-    for key in ("training", "optimizer", "lr_scheduler", "client_state", "splits", "aliases"):
-        assert saved.index[key] == converted.index[key], key
+    for key in ("training", "optimizer", "lr_scheduler", "client_state"):
+        assert getattr(saved.index.run, key) == getattr(converted.index.run, key), key
+    assert saved.index.global_split == converted.index.global_split
+    assert saved.index.aliases == converted.index.aliases

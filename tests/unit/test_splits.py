@@ -166,7 +166,7 @@ def test_row_parallel_slices_from_a_row_major_checkpoint_are_still_right(tmp_pat
 def test_negative_control_row_major_reading_of_split_major_bytes_is_wrong(tmp_path):
     table, tensors, ckpt = _hmp_case(tmp_path, 4)
     entry = json.loads((ckpt / "ucp_index.json").read_text())["params"]["layers.0.fc2.weight"]["states"]["fp32"]
-    stored = AtomicCheckpoint(ckpt).model.params["layers.0.fc2.weight"].states["fp32"]
+    stored = AtomicCheckpoint(ckpt).index.params["layers.0.fc2.weight"].states["fp32"]
     blind = dataclasses.replace(stored, splits=None)
     box = ((0, 6), (2, 4))
     good, bad = (plan_slice_read(("w", "fp32"), s, box) for s in (stored, blind))
@@ -185,20 +185,20 @@ def test_split_files_open_with_stock_safetensors_and_verify(tmp_path):
     table, tensors, ckpt = _hmp_case(tmp_path, 4)
     reader = AtomicCheckpoint(ckpt)
     assert reader.verify() == []
-    entry = reader.index["params"]["layers.0.fc2.weight"]["states"]["fp32"]
-    with safe_open(str(ckpt / entry["file"]), "pt") as f:
-        stored = f.get_tensor(entry["key"])
+    entry = reader.index.params["layers.0.fc2.weight"].states["fp32"]
+    with safe_open(str(ckpt / entry.file), "pt") as f:
+        stored = f.get_tensor(entry.key)
     assert stored.shape == (48,)   # flat: split-major bytes are never taken for the logical [6, 8]
     assert torch.equal(from_split_major(stored, (6, 8), 1, 4), tensors["layers.0.fc2.weight"]["fp32"])
-    with safe_open(str(ckpt / entry["file"]), "pt") as f:
+    with safe_open(str(ckpt / entry.file), "pt") as f:
         assert f.get_tensor("layers.0.fc1.weight:fp32").shape == (8, 6)   # dim-0 splits are plain row-major
 
 
 def test_whole_reads_are_checksummed(tmp_path):
     table, tensors, ckpt = _hmp_case(tmp_path, 4)
-    entry = AtomicCheckpoint(ckpt).index["params"]["layers.0.norm.weight"]["states"]["fp32"]
-    with open(ckpt / entry["file"], "r+b") as f:
-        f.seek(entry["offsets"][0])
+    entry = AtomicCheckpoint(ckpt).index.params["layers.0.norm.weight"].states["fp32"]
+    with open(ckpt / entry.file, "r+b") as f:
+        f.seek(entry.begin)
         f.write(b"\xff\xff\xff\xff")
     from ucp.errors import CorruptCheckpointError
     with pytest.raises(CorruptCheckpointError, match="layers.0.norm.weight:fp32 fails its checksum"):

@@ -25,7 +25,7 @@ def test_numpy_and_torch_tensors_read_back_equal_with_their_dtypes(tmp_path):
     assert torch.equal(ckpt.tensor("b.bias"), torch.arange(4, dtype=torch.float32))
     assert ckpt.tensor("c.weight").dtype == torch.bfloat16
     assert torch.equal(ckpt.tensor("c.weight"), tensors["c.weight"]["fp32"])
-    assert ckpt.optimizer["type"] == "AdamW" and ckpt.index["params"]["a.weight"]["step"] == 3.0
+    assert ckpt.optimizer["type"] == "AdamW" and ckpt.index.params["a.weight"].step == 3.0
 
 
 def test_a_non_empty_output_and_a_missing_weight_are_refused(tmp_path):

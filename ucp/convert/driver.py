@@ -29,7 +29,7 @@ import numpy as np
 from ucp.convert.balance import plan_bins
 from ucp.convert.bin_copy import BinFile, copy_states, write_array
 from ucp.convert.executor import Executor, LocalExecutor, Report, ShuffleExecutor
-from ucp.convert.index_builder import build_index, records_of
+from ucp.convert.index_builder import WrittenFile, build_index, records_of
 from ucp.convert.manifest import (MANIFEST_SUFFIX, BinCheck, manifest_name, remove_manifests, reusable_bin,
                                   write_manifest)
 from ucp.convert.plan import ConversionPlan, ParamPlan, StateSource
@@ -40,9 +40,9 @@ from ucp.converters.trainer_folders import left_out_summary
 from ucp.errors import OutputExistsError, UcpError
 from ucp.format.crc import CHUNK_BYTES, join_segments
 from ucp.format.fileio import writing_alone
-from ucp.format.folder import (FORMAT_NAME, INDEX_NAME, PARTIAL_SUFFIX, commit_index, data_file_name, fsync_dir,
-                               is_ucp_file, load_index, tensor_key)
-from ucp.format.index import stored_shape
+from ucp.format.folder import (INDEX_NAME, PARTIAL_SUFFIX, commit_index, data_file_name, fsync_dir, is_ucp_file,
+                               read_index, tensor_key)
+from ucp.format.index import FORMAT_NAME, ExtraFile, stored_shape
 from ucp.format.safetensors_stream import StoredTensor, TensorSlot
 from ucp.format.splits import to_split_major
 
@@ -119,11 +119,11 @@ def prepare_output(output: Path, fingerprint: str, resume: bool = False,
     deleted, unless `resume` asks to keep them for `keep_finished`.
     """
     if (output / INDEX_NAME).is_file():
-        existing = load_index(output)
-        if existing.get("source", {}).get("fingerprint") == fingerprint:
+        existing = read_index(output).run.source
+        if existing.get("fingerprint") == fingerprint:
             return True
         raise OutputExistsError(f"{output}: already holds a different checkpoint (converted from "
-                                f"{existing.get('source', {}).get('path', 'elsewhere')}); choose another --output "
+                                f"{existing.get('path', 'elsewhere')}); choose another --output "
                                 "or delete it")
     if output.exists():
         foreign = [n for n in os.listdir(output)
@@ -151,8 +151,8 @@ def _write_atomic(plan: ConversionPlan, output: Path, executor: Executor, *, str
     fingerprint = source_fingerprint(plan, chunk_bytes)
     if prepare_output(output, fingerprint, resume, frozenset(plan.extra_files)):
         remove_manifests(output)  # left behind when a run died between its commit and this cleanup
-        index = load_index(output)
-        return ConvertResult(output, len(index["params"]), tuple(index["files"]), 0, already_done=True)
+        index = read_index(output)
+        return ConvertResult(output, len(index.params), tuple(index.files), 0, already_done=True)
     bins = plan_bins(plan, executor.workers)
     tasks = [WriteBin(str(output), data_file_name(i, len(bins)), tuple(b), strict, fingerprint, chunk_bytes)
              for i, b in enumerate(bins)]
@@ -164,7 +164,7 @@ def _write_atomic(plan: ConversionPlan, output: Path, executor: Executor, *, str
     else:
         results = executor.map(write_bin, todo, total_bytes=total, desc="convert")
     try:
-        check_sources(plan, [s for r in results for s in r.pop("sources")])
+        check_sources(plan, [s for r in results for s in r.sources])
     except UcpError:
         remove_manifests(output)  # so that no --resume keeps a file converted from damaged bytes
         raise
@@ -172,15 +172,15 @@ def _write_atomic(plan: ConversionPlan, output: Path, executor: Executor, *, str
     if plan.left_out:
         logger.info("left out of %s: %s", output, left_out_summary(plan.left_out))
     fsync_dir(output)
-    index = build_index(*records_of(plan), fingerprint, [*kept.values(), *results], extra)
+    index = build_index(*records_of(plan), fingerprint, [*kept.values(), *(r.file for r in results)], extra)
     commit_index(output, index)
     remove_manifests(output)
-    return ConvertResult(output, len(plan.params), tuple(index["files"]),
-                         sum(f["bytes"] for f in index["files"].values()), files_written=len(todo) + len(extra) + 1,
+    return ConvertResult(output, len(plan.params), tuple(index.files),
+                         sum(f.nbytes for f in index.files.values()), files_written=len(todo) + len(extra) + 1,
                          redone=sum(len(t.params) for t in todo))
 
 
-def keep_finished(output: Path, tasks: list[WriteBin], executor: Executor) -> dict[str, dict]:
+def keep_finished(output: Path, tasks: list[WriteBin], executor: Executor) -> dict[str, WrittenFile]:
     """--resume: the results of bins whose data files an earlier run finished and that are still intact.
 
     Everything else ucp left in `output` (partial files, files of bins that are redone, files of a
@@ -203,19 +203,23 @@ def bin_slots(params: tuple[ParamPlan, ...]) -> list[TensorSlot]:
             for p in params for state, source in p.states.items()]
 
 
-def write_bin(task: WriteBin, report: Report) -> dict:
-    """A reduce task that Extracts its own fragments, by byte offset from the rank files.
+@dataclass(frozen=True)
+class WrittenBin:
+    """What a reduce task returns: the data file it wrote, and the CRC-32 segments of the source bytes it
+    read, (path, begin, end, crc32) each, for `ucp.convert.source_check` (not kept in the manifest)."""
 
-    Its result is the bin's index record (as `stream_bin`'s) plus `sources`: the CRC-32s of the
-    source bytes it read, for `ucp.convert.source_check` (not kept in the manifest).
-    """
-    result, sources = _write_file(task, report, lambda out, slots, after_state: copy_states(
-        out, task.params, slots, task.strict, after_state))
-    return {**result, "sources": sources}
+    file: WrittenFile
+    sources: tuple[tuple[str, int, int, int], ...]
+
+
+def write_bin(task: WriteBin, report: Report) -> WrittenBin:
+    """A reduce task that Extracts its own fragments, by byte offset from the rank files."""
+    return WrittenBin(*_write_file(task, report, lambda out, slots, after_state: copy_states(
+        out, task.params, slots, task.strict, after_state)))
 
 
 def stream_bin(task: WriteBin, report: Report,
-               state_array: Callable[[ParamPlan, StateSource], np.ndarray]) -> dict:
+               state_array: Callable[[ParamPlan, StateSource], np.ndarray]) -> WrittenFile:
     """Write every state of the bin's parameters, as `state_array` gives it, into one safetensors file
     (the Ray backend's reducer, whose fragments come from the object store; the same bytes as `write_bin`'s)."""
 
@@ -238,7 +242,7 @@ def stream_bin(task: WriteBin, report: Report,
     return _write_file(task, report, fill)[0]
 
 
-def _write_file(task: WriteBin, report: Report, fill) -> tuple[dict, list]:
+def _write_file(task: WriteBin, report: Report, fill) -> tuple[WrittenFile, tuple]:
     """The bin's file, written by `fill(file, slots, after_state)` (which returns where each state landed and
     the source segments read); durable (fsynced, renamed, directory fsynced) before its manifest is written."""
     final = os.path.join(task.output, task.file_name)
@@ -266,10 +270,9 @@ def _write_file(task: WriteBin, report: Report, fill) -> tuple[dict, list]:
     os.replace(partial, final)
     fsync_dir(Path(task.output))
     # The size the header planned and the writes filled, never read back: another process may own the path by now.
-    result = {"file": task.file_name, "bytes": out.size, "chunk_bytes": task.chunk_bytes,
-              "tensors": {k: (s.begin, s.end, s.crc32, s.chunk_crc32) for k, s in stored.items()}}
-    write_manifest(task.output, result, task.fingerprint)
-    return result, sources
+    written = WrittenFile(task.file_name, out.size, task.chunk_bytes, stored)
+    write_manifest(task.output, written, task.fingerprint)
+    return written, tuple(sources)
 
 
 def _hold_for_tests(file_name: str) -> None:
@@ -290,7 +293,7 @@ def _hold_for_tests(file_name: str) -> None:
         time.sleep(0.05)
 
 
-def copy_extra_file(source: Path, target: Path) -> dict:
+def copy_extra_file(source: Path, target: Path) -> ExtraFile:
     """Copy a small side file (see `ucp.converters.trainer_folders`) durably; its index record: size and CRC-32."""
     data = source.read_bytes()
     partial = target.with_name(target.name + PARTIAL_SUFFIX)
@@ -299,4 +302,4 @@ def copy_extra_file(source: Path, target: Path) -> dict:
         f.flush()
         os.fsync(f.fileno())
     os.replace(partial, target)
-    return {"bytes": len(data), "crc32": zlib.crc32(data)}
+    return ExtraFile(target.name, len(data), zlib.crc32(data))

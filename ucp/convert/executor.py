@@ -41,7 +41,7 @@ class ShuffleExecutor(Executor, Protocol):
     tasks run `ucp.convert.driver.stream_bin` on them. The Ray backend is one.
     """
 
-    def write_bins(self, tasks: Sequence[Any], *, total_bytes: int) -> list[dict]:
+    def write_bins(self, tasks: Sequence[Any], *, total_bytes: int) -> list[Any]:
         ...
 
 

@@ -1,21 +1,21 @@
-"""The index a conversion or an asynchronous save commits (docs/FORMAT.md): built from records of what was
-stored and where each tensor landed.
+"""The index a conversion or an asynchronous save commits (docs/FORMAT.md), built as the typed
+`ucp.format.index.Index` from what each parameter is and where each of its states landed.
 
-A conversion makes its records from its plan (`records_of`); an asynchronous save makes them from the
-live engine. Either way the index comes out of `build_index` alone, and is read back through
-`ucp.format.index.parse_index` alone.
+A conversion describes its parameters from its plan (`records_of`); an asynchronous save describes them
+from the live engine. Either way the index comes out of `build_index` alone, is stored through
+`ucp.format.index.index_json` and read back through `ucp.format.index.parse_index`.
 """
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ucp.convert.plan import ConversionPlan, ParamPlan
 from ucp.errors import UcpError
 from ucp.format.crc import CHUNK_BYTES
-from ucp.format.folder import FORMAT_NAME, FORMAT_VERSION, tensor_key
+from ucp.format.folder import tensor_key
+from ucp.format.index import FORMAT_VERSION, DataFile, ExtraFile, Index, ParamEntry, RunRecord, StoredState
+from ucp.format.safetensors_stream import StoredTensor
 from ucp.patterns.types import PatternSpec
-from ucp.version import __version__
 
 
 @dataclass(frozen=True)
@@ -38,83 +38,48 @@ class ParamRecord:
                    {state: source.dtype for state, source in p.states.items()}, p.model_dtype, p.group, p.step,
                    p.splits)
 
+    def entry(self, states: dict[str, StoredState]) -> ParamEntry:
+        """This parameter's index entry, with `states` where its states are stored."""
+        return ParamEntry(self.name, self.kind, self.shape, states, self.group, self.step, self.pattern.to_json(),
+                          self.model_dtype)
+
 
 @dataclass(frozen=True)
-class CheckpointRecord:
-    """What the index says of the checkpoint as a whole."""
+class WrittenFile:
+    """One data file as its writer reports it: its size and where each tensor landed."""
 
-    source: dict
-    training: dict
-    optimizer: dict | None
-    lr_scheduler: object
-    client_state: dict
-    aliases: dict[str, str]  # a tied weight's second name -> the parameter stored
-
-    @classmethod
-    def of(cls, plan: ConversionPlan) -> CheckpointRecord:
-        return cls(plan.source, plan.training, plan.optimizer, plan.lr_scheduler, plan.client_state,
-                   dict(plan.aliases))
+    name: str
+    nbytes: int
+    chunk_bytes: int
+    tensors: dict[str, StoredTensor]  # key -> where its bytes landed, and their checksums
 
 
-def records_of(plan: ConversionPlan) -> tuple[CheckpointRecord, list[ParamRecord]]:
-    return CheckpointRecord.of(plan), [ParamRecord.of(p) for p in plan.params]
+def records_of(plan: ConversionPlan) -> tuple[RunRecord, dict[str, str], list[ParamRecord]]:
+    run = RunRecord(plan.source, plan.training, plan.optimizer, plan.lr_scheduler, plan.client_state)
+    return run, dict(plan.aliases), [ParamRecord.of(p) for p in plan.params]
 
 
-def build_index(checkpoint: CheckpointRecord, params: list[ParamRecord], fingerprint: str, results: list[dict],
-                extra: dict[str, dict] | None = None) -> dict:
-    """The index of a checkpoint of `params`, stored as `results` (one per data file) say, with the `extra`
-    files copied."""
-    where = {key: (r["file"], *span) for r in results for key, span in r["tensors"].items()}
+def build_index(run: RunRecord, aliases: dict[str, str], params: list[ParamRecord], fingerprint: str,
+                written: list[WrittenFile], extra: dict[str, ExtraFile] | None = None) -> Index:
+    """The index of a checkpoint of `params`, stored as `written` says, with the `extra` files copied."""
+    where = {key: (f.name, t) for f in written for key, t in f.tensors.items()}
     entries = {}
     for p in params:
         states = {}
         for state, dtype in p.dtypes.items():
-            file_name, begin, end, crc, chunks = where[tensor_key(p.name, state)]
-            states[state] = {"file": file_name, "key": tensor_key(p.name, state), "dtype": dtype,
-                             "shape": list(p.shape), "offsets": [begin, end], "crc32": crc,
-                             "chunk_crc32": list(chunks)}
-            if p.splits is not None:
-                states[state]["splits"] = {"dim": p.splits[0], "count": p.splits[1]}
-        entries[p.name] = param_entry(p, states)
-    return {
-        "format": FORMAT_NAME,
-        "format_version": FORMAT_VERSION,
-        "created_by": f"ucp {__version__}",
-        "source": {**checkpoint.source, "fingerprint": fingerprint},
-        "training": checkpoint.training,
-        "optimizer": checkpoint.optimizer,
-        "lr_scheduler": checkpoint.lr_scheduler,
-        "client_state": _jsonable(checkpoint.client_state),
-        "splits": {"global_split": max((p.splits[1] for p in params if p.splits), default=1)},
-        "files": {r["file"]: {"bytes": r["bytes"]} for r in sorted(results, key=lambda r: r["file"])},
-        "chunk_bytes": _one_chunk_size(results),
-        "extra_files": extra or {},
-        "aliases": dict(checkpoint.aliases),
-        "params": entries,
-    }
+            file_name, t = where[tensor_key(p.name, state)]
+            states[state] = StoredState(file_name, t.key, dtype, p.shape, t.begin, t.end, t.crc32, p.splits,
+                                        tuple(t.chunk_crc32))
+        entries[p.name] = p.entry(states)
+    files = {f.name: DataFile(f.name, f.nbytes, min((t.begin for t in f.tensors.values()), default=f.nbytes))
+             for f in sorted(written, key=lambda f: f.name)}  # ucp's writers start tensor data at the first tensor
+    return Index(FORMAT_VERSION, files, entries, dict(aliases), _one_chunk_size(written),
+                 replace(run, source={**run.source, "fingerprint": fingerprint}), dict(extra or {}),
+                 max((p.splits[1] for p in params if p.splits), default=1))
 
 
-def _one_chunk_size(results: list[dict]) -> int:
-    sizes = {r["chunk_bytes"] for r in results}
+def _one_chunk_size(written: list[WrittenFile]) -> int:
+    sizes = {f.chunk_bytes for f in written}
     if len(sizes) > 1:
         raise UcpError(f"data files written with different chunk sizes {sorted(sizes)}; convert again")
     return sizes.pop() if sizes else CHUNK_BYTES
-
-
-def param_entry(p: ParamRecord, states: dict[str, dict]) -> dict:
-    """A parameter's index entry (docs/FORMAT.md), with `states` its states' entries."""
-    entry = {"kind": p.kind, "shape": list(p.shape), "model_dtype": p.model_dtype, "pattern": p.pattern.to_json(),
-             "states": states}
-    if p.group is not None:
-        entry["group"] = p.group
-    if p.step is not None:
-        entry["step"] = p.step
-    return entry
-
-
-def _jsonable(value):
-    try:
-        json.dumps(value)
-        return value
-    except (TypeError, ValueError):
-        return {k: repr(v) for k, v in value.items()}

@@ -17,7 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ucp.convert.executor import Report
+from ucp.convert.index_builder import WrittenFile
 from ucp.format.folder import DATA_PREFIX, PARTIAL_SUFFIX, fsync_dir
+from ucp.format.safetensors_stream import StoredTensor
 
 MANIFEST_SUFFIX = ".json"
 _CHUNK = 16 << 20
@@ -41,15 +43,15 @@ def is_manifest(name: str) -> bool:
     return name.startswith(DATA_PREFIX) and name.endswith(MANIFEST_SUFFIX)
 
 
-def write_manifest(output: str, result: dict, fingerprint: str) -> None:
-    """Record a durable data file (a bin task's `result`) for a later --resume."""
-    data_path = os.path.join(output, result["file"])
-    tensors = [[key, begin, end, crc, list(chunks)] for key, (begin, end, crc, chunks) in result["tensors"].items()]
+def write_manifest(output: str, written: WrittenFile, fingerprint: str) -> None:
+    """Record a durable data file (what a bin task wrote) for a later --resume."""
+    data_path = os.path.join(output, written.name)
+    tensors = [[key, s.begin, s.end, s.crc32, list(s.chunk_crc32)] for key, s in written.tensors.items()]
     with open(data_path, "rb") as f:
-        header_crc = _crc_range(f, 0, _header_end(tensors, result["bytes"]))
-    body = {"fingerprint": fingerprint, "file": result["file"], "bytes": result["bytes"],
-            "chunk_bytes": result["chunk_bytes"], "header_crc32": header_crc, "tensors": tensors}
-    final = os.path.join(output, manifest_name(result["file"]))
+        header_crc = _crc_range(f, 0, _header_end(tensors, written.nbytes))
+    body = {"fingerprint": fingerprint, "file": written.name, "bytes": written.nbytes,
+            "chunk_bytes": written.chunk_bytes, "header_crc32": header_crc, "tensors": tensors}
+    final = os.path.join(output, manifest_name(written.name))
     with open(final + PARTIAL_SUFFIX, "w") as f:
         json.dump(body, f)
         f.flush()
@@ -58,8 +60,8 @@ def write_manifest(output: str, result: dict, fingerprint: str) -> None:
     fsync_dir(Path(output))
 
 
-def reusable_bin(check: BinCheck, report: Report) -> dict | None:
-    """The bin's result as its writer returned it, if its data file is intact and from this conversion.
+def reusable_bin(check: BinCheck, report: Report) -> WrittenFile | None:
+    """The bin's data file as its writer reported it, if its data file is intact and from this conversion.
 
     None when the manifest is missing, damaged, from another source or another bin layout, or when
     the data file's size or any checksum (header or tensor) disagrees with it.
@@ -82,8 +84,8 @@ def reusable_bin(check: BinCheck, report: Report) -> dict | None:
     except (OSError, ValueError, KeyError, TypeError, IndexError):
         return None
     report(body["bytes"])
-    return {"file": check.file_name, "bytes": body["bytes"], "chunk_bytes": body["chunk_bytes"],
-            "tensors": {key: (begin, end, crc, tuple(chunks)) for key, begin, end, crc, chunks in tensors}}
+    return WrittenFile(check.file_name, body["bytes"], body["chunk_bytes"],
+                       {key: StoredTensor(key, begin, end, crc, tuple(chunks)) for key, begin, end, crc, chunks in tensors})
 
 
 def remove_manifests(output: Path) -> None:

@@ -39,7 +39,7 @@ import ray
 from ray.exceptions import RayError, RayTaskError
 
 from ucp.convert.assemble import assemble
-from ucp.convert.driver import WriteBin, stream_bin
+from ucp.convert.driver import WriteBin, WrittenBin, stream_bin
 from ucp.convert.executor import Report, default_workers
 from ucp.convert.plan import Fragment, Piece
 from ucp.errors import UcpError
@@ -120,7 +120,7 @@ def _view(buffer: np.ndarray, start: int, piece: Piece) -> np.ndarray:
 
 
 @ray.remote(max_retries=MAX_RETRIES, retry_exceptions=False)
-def _reduce(task: WriteBin, paths: tuple[str, ...], *shares) -> dict:
+def _reduce(task: WriteBin, paths: tuple[str, ...], *shares) -> WrittenBin:
     """Reduce: Union → StripPad each state from the mappers' shares and stream the bin's file.
 
     The shares are read-only views of the object store; fragments are views of them (Union and
@@ -136,11 +136,11 @@ def _reduce(task: WriteBin, paths: tuple[str, ...], *shares) -> dict:
         path = fragment.piece.path
         return _view(buffers[path], where[path][fragment.piece], fragment.piece).reshape(fragment.info.shape)
 
-    result = stream_bin(task, _no_progress,
-                        lambda p, source: assemble(source, [take(f) for f in source.fragments], name=p.name,
-                                                   strict=task.strict))
-    return {**result, "sources": [_source_segment(path, piece, buffers[path], start)
-                                  for path, starts in where.items() for piece, start in starts.items()]}
+    written = stream_bin(task, _no_progress,
+                         lambda p, source: assemble(source, [take(f) for f in source.fragments], name=p.name,
+                                                    strict=task.strict))
+    return WrittenBin(written, tuple(_source_segment(path, piece, buffers[path], start)
+                                     for path, starts in where.items() for piece, start in starts.items()))
 
 
 def _source_segment(path: str, piece: Piece, buffer: np.ndarray, start: int) -> tuple[str, int, int, int]:
@@ -196,7 +196,7 @@ class RayExecutor:
         refs = [_run.remote(fn, t) for t in tasks]
         return self._gather(refs, [f"task {i}" for i in range(len(tasks))], [0] * len(tasks), desc)
 
-    def write_bins(self, tasks: Sequence[WriteBin], *, total_bytes: int) -> list[dict]:
+    def write_bins(self, tasks: Sequence[WriteBin], *, total_bytes: int) -> list[WrittenBin]:
         if not tasks:
             return []
         maps = shuffle_plan(tasks)

@@ -65,9 +65,9 @@ def write_tensors(output: str | os.PathLike, tensors: dict[str, dict[str, np.nda
         if any(output.iterdir()):
             raise OutputExistsError(f"{output}: is not empty; write the tensors into a new or empty folder")
         task = WriteBin(str(output), data_file_name(0, 1), tuple(plan.params), False, fingerprint, chunk_bytes)
-        result = stream_bin(task, lambda nbytes: None, lambda p, source: arrays[(p.name, _state_of(p, source))])
+        written = stream_bin(task, lambda nbytes: None, lambda p, source: arrays[(p.name, _state_of(p, source))])
         fsync_dir(output)
-        commit_index(output, build_index(*records_of(plan), fingerprint, [result]))
+        commit_index(output, build_index(*records_of(plan), fingerprint, [written]))
         remove_manifests(output)
     return output
 

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from ucp.convert.balance import TARGET_FILE_BYTES
-from ucp.convert.index_builder import CheckpointRecord, ParamRecord, build_index
+from ucp.convert.index_builder import ParamRecord, WrittenFile, build_index
 from ucp.convert.plan import BUFFER_STATE, WEIGHT_STATE
 from ucp.deepspeed.autotp import tp_size
 from ucp.deepspeed.readers import assign_readers
@@ -46,8 +46,9 @@ from ucp.deepspeed.targets import Target, TargetTensor, Zero3Target, module_alia
 from ucp.errors import ConfigError, OutputExistsError, SaveError, UnsupportedLayoutError
 from ucp.format import loss_scale
 from ucp.format.crc import CHUNK_BYTES
-from ucp.format.folder import FORMAT_NAME, INDEX_NAME, commit_index, commit_latest, fsync_dir, tensor_key
-from ucp.format.safetensors_stream import TORCH_DTYPES, TensorSlot
+from ucp.format.folder import INDEX_NAME, commit_index, commit_latest, fsync_dir, tensor_key
+from ucp.format.index import FORMAT_NAME, RunRecord
+from ucp.format.safetensors_stream import TORCH_DTYPES, StoredTensor, TensorSlot
 from ucp.patterns.recognize import FragmentInfo, recognize
 
 logger = logging.getLogger("ucp.save")
@@ -305,13 +306,11 @@ def _commit(prepared: _Prepared, save_dir: Path, tag: str, reports: list, meta: 
     fsync_dir(tag_dir)
     params = [_param_record(p, prepared, fragments) for p in meta["params"]]
     fingerprint = hashlib.sha256(f"{tag_dir}:{time.time_ns()}".encode()).hexdigest()[:32]
-    checkpoint = CheckpointRecord(source=meta["source"], training=meta["training"], optimizer=meta["optimizer"],
-                                  lr_scheduler=meta["lr_scheduler"], client_state=meta["client_state"],
-                                  aliases=meta["aliases"])
-    results = [{"file": f.name, "bytes": f.size, "chunk_bytes": CHUNK_BYTES,
-                "tensors": {k: (s.begin, s.end, *crcs[k]) for k, s in prepared.files.spans.items() if s.file == f.name}}
+    run = RunRecord(meta["source"], meta["training"], meta["optimizer"], meta["lr_scheduler"], meta["client_state"])
+    written = [WrittenFile(f.name, f.size, CHUNK_BYTES, {k: StoredTensor(k, s.begin, s.end, *crcs[k])
+                                                         for k, s in prepared.files.spans.items() if s.file == f.name})
                for f in prepared.files.files]
-    commit_index(tag_dir, build_index(checkpoint, params, fingerprint, results))
+    commit_index(tag_dir, build_index(run, meta["aliases"], params, fingerprint, written))
     commit_latest(save_dir, tag)
 
 

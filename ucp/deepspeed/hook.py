@@ -171,7 +171,7 @@ def load(engine, path: str | os.PathLike, *, bypass: bool = True, load_optimizer
         _restore_loss_scale(ckpt, engine)
     with torch.no_grad():
         target.finish()
-    training = ckpt.index.get("training", {})
+    training = ckpt.training
     for key in ("global_steps", "global_samples", "skipped_steps"):
         if key in training:
             setattr(engine, key, int(training[key]))
@@ -194,17 +194,16 @@ def _place(engine, target: Target, layout, param_table) -> set[str]:
 
 def _check(ckpt: Checkpoint, target: Target, engine, load_optimizer_states: bool, strict: bool,
            model_names: set[str] | None = None) -> list[str]:
-    params = ckpt.index["params"]
+    params = set(ckpt.names)
     for t in target.tensors:
         if t.name not in params and t.name not in ckpt.aliases:
             raise CheckpointMismatchError(f"{ckpt.path}: has no parameter '{t.name}', which the model has; "
                                           "was it saved from another model?")
-        entry = ckpt.entry(t.name)  # a tied alias the model keeps untied gets its source's weight and states
-        saved = tuple(entry["shape"])
-        if saved != t.shape:
-            raise CheckpointMismatchError(f"{t.name}: the checkpoint holds shape {saved}, the model {t.shape}")
-        if t.kind == "param" and load_optimizer_states and entry["kind"] != "param":
-            raise CheckpointMismatchError(f"{t.name}: trainable in the model but {entry['kind']} in the "
+        saved = ckpt.info(t.name)  # a tied alias the model keeps untied gets its source's weight and states
+        if saved.shape != t.shape:
+            raise CheckpointMismatchError(f"{t.name}: the checkpoint holds shape {saved.shape}, the model {t.shape}")
+        if t.kind == "param" and load_optimizer_states and saved.kind != "param":
+            raise CheckpointMismatchError(f"{t.name}: trainable in the model but {saved.kind} in the "
                                           "checkpoint, which has no optimizer state for it; pass "
                                           "load_optimizer_states=False to load weights only")
     tied = module_aliases(engine.module)
@@ -219,7 +218,7 @@ def _check(ckpt: Checkpoint, target: Target, engine, load_optimizer_states: bool
                                           "the model does not have; pass strict=False to ignore them")
     saved_states = _optimizer_states(ckpt, target, engine) if load_optimizer_states else []
     for t in target.tensors:
-        missing = [s for s in _states_of(t, saved_states) if s not in ckpt.entry(t.name)["states"]]
+        missing = [s for s in _states_of(t, saved_states) if s not in ckpt.states(t.name)]
         if missing:
             raise CheckpointMismatchError(f"{ckpt.path}: parameter '{t.name}' has no state '{missing[0]}'; the "
                                           "index is damaged, convert the checkpoint again")
@@ -241,11 +240,11 @@ def _optimizer_states(ckpt: AtomicCheckpoint, target: Target, engine) -> list[st
 
 def _check_untied_copy(ckpt: AtomicCheckpoint, alias: str, source: str) -> None:
     """The model ties `alias` to `source`, the checkpoint holds both: only equal copies make one parameter."""
-    if source not in ckpt.index["params"] and source not in ckpt.aliases:
+    if source not in ckpt.names and source not in ckpt.aliases:
         return  # reported as a missing parameter
-    copy, kept = ckpt.entry(alias), ckpt.entry(source)
-    for state in copy["states"]:
-        if (state not in kept["states"] or copy["shape"] != kept["shape"]
+    copy, kept = ckpt.info(alias), ckpt.info(source)
+    for state in copy.states:
+        if (state not in kept.states or copy.shape != kept.shape
                 or not torch.equal(ckpt.tensor(alias, state), ckpt.tensor(source, state))):
             raise CheckpointMismatchError(
                 f"{alias}: the model ties it to '{source}', but the checkpoint holds it untied with another "
@@ -413,8 +412,9 @@ def _broadcast(source: Source, key: tuple[str, str], t: TargetTensor, value, own
 def _restore_steps(ckpt: Checkpoint, target: Target) -> None:
     groups: dict[int, set] = {}
     for t in target.tensors:
-        if t.kind == "param" and t.group is not None and "step" in ckpt.entry(t.name):
-            groups.setdefault(t.group, set()).add(ckpt.entry(t.name)["step"])
+        step = ckpt.step_of(t.name) if t.kind == "param" and t.group is not None else None
+        if step is not None:
+            groups.setdefault(t.group, set()).add(step)
     for group, steps in groups.items():
         if len(steps) != 1:
             raise CheckpointMismatchError(f"{ckpt.path}: parameters of optimizer group {group} were saved at "
@@ -424,7 +424,7 @@ def _restore_steps(ckpt: Checkpoint, target: Target) -> None:
 
 def _restore_loss_scale(ckpt: Checkpoint, engine) -> None:
     """fp16 only: the dynamic loss scale and its counters continue where training stopped."""
-    saved = ckpt.index.get("training", {}).get("loss_scaler")
+    saved = ckpt.training.get("loss_scaler")
     scaler = loss_scale.live_scaler(engine.optimizer)
     if saved and scaler is not None:
         loss_scale.restore(saved, scaler)

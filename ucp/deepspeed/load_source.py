@@ -117,7 +117,7 @@ class AtomicSource:
 
     def _stored(self, key: Key) -> StoredState:
         name, state = key
-        return self.ckpt.model.params[self.ckpt.model.aliases.get(name, name)].states[state]  # an alias: its source
+        return self.ckpt.index.entry(name).states[state]  # an alias: its source
 
     def dtype(self, key: Key) -> torch.dtype:
         return TORCH_DTYPES[self._stored(key).dtype]
@@ -133,7 +133,7 @@ class AtomicSource:
         self._checked = True
         for wants in layers:
             values, extra = read_boxes(self.ckpt.path, self._boxes(wants, mine(wants), bypass),
-                                       self.ckpt.model.chunk_bytes, counter)
+                                       self.ckpt.index.chunk_bytes, counter)
             stats.bytes_checked_extra += extra
             size = _held_bytes(values.values())
             if kept + size <= self.keep_bytes:
@@ -159,7 +159,7 @@ class AtomicSource:
         rest = [key for key in readers if key not in values]
         if rest:
             counter = ReadCounter()
-            got, extra = read_boxes(self.ckpt.path, self._boxes(wants, rest, bypass), self.ckpt.model.chunk_bytes,
+            got, extra = read_boxes(self.ckpt.path, self._boxes(wants, rest, bypass), self.ckpt.index.chunk_bytes,
                                     counter)
             values.update(got)
             if self._checked:  # read and checked once already: not the load's share of the checkpoint again

@@ -12,10 +12,8 @@ import os
 from pathlib import Path
 
 from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
-from ucp.format.index import Index, parse_index
+from ucp.format.index import Index, index_json, parse_index
 
-FORMAT_NAME = "ucp-atomic"
-FORMAT_VERSION = 1
 INDEX_NAME = "ucp_index.json"
 DATA_PREFIX = "data-"
 PARTIAL_SUFFIX = ".partial"
@@ -36,13 +34,13 @@ def is_ucp_file(name: str) -> bool:
     return name == INDEX_NAME or name.startswith(DATA_PREFIX) or name.startswith(INDEX_NAME)
 
 
-def commit_index(directory: str | os.PathLike, index: dict) -> Path:
+def commit_index(directory: str | os.PathLike, index: Index) -> Path:
     """Write the index atomically: temp file, fsync, rename, fsync the directory."""
     directory = Path(directory)
     final = directory / INDEX_NAME
     tmp = directory / (INDEX_NAME + PARTIAL_SUFFIX)
     with open(tmp, "w") as f:
-        json.dump(index, f, indent=1, sort_keys=False)
+        json.dump(index_json(index), f, indent=1, sort_keys=False)
         f.write("\n")
         f.flush()
         os.fsync(f.fileno())
@@ -80,13 +78,9 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def load_index(directory: str | os.PathLike) -> dict:
-    """The committed index of a ucp checkpoint, checked in full, or a clear error saying why there is none."""
-    return read_index(directory)[0]
-
-
-def read_index(directory: str | os.PathLike) -> tuple[dict, Index]:
-    """The committed index as JSON and as its checked, typed model (see `ucp.format.index`)."""
+def read_index(directory: str | os.PathLike) -> Index:
+    """The committed index of a ucp checkpoint, checked in full (see `ucp.format.index`), or a clear error
+    saying why there is none."""
     directory = Path(directory)
     path = directory / INDEX_NAME
     if not path.is_file():
@@ -100,13 +94,4 @@ def read_index(directory: str | os.PathLike) -> tuple[dict, Index]:
             index = json.load(f)
     except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, over-long integers
         raise CorruptCheckpointError(f"{path}: damaged index ({exc}); convert the checkpoint again") from None
-    if not isinstance(index, dict) or index.get("format") != FORMAT_NAME:
-        raise CorruptCheckpointError(f"{path}: not a {FORMAT_NAME} index; convert the checkpoint again")
-    version = index.get("format_version")
-    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
-        raise CorruptCheckpointError(f"{path}: format_version {version!r} is not a version number; the index is "
-                                     "damaged, convert the checkpoint again")
-    if version > FORMAT_VERSION:
-        raise CorruptCheckpointError(f"{path}: format version {version} is newer than this ucp reads "
-                                     f"({FORMAT_VERSION}); upgrade ucp")
-    return index, parse_index(index, directory, path)
+    return parse_index(index, directory, path)

@@ -1,6 +1,8 @@
-"""The index of a ucp checkpoint as a typed model, checked in full before any tensor byte is read.
+"""The index of a ucp checkpoint as one typed model, for writing it and for reading it back.
 
-`parse_index(raw, directory)` accepts exactly what docs/FORMAT.md specifies and turns anything else
+Writers (`ucp convert`, the asynchronous save, `write_tensors`) build an `Index` and store it through
+`index_json`; readers (the hook, HMP slice loads, inspect, verify, export) get one from `parse_index`
+and never see the JSON. `parse_index(raw, directory)` accepts exactly what docs/FORMAT.md specifies and turns anything else
 into one `CorruptCheckpointError` naming the index, the field and the fix: wrong types, negative or
 huge numbers, unknown dtypes, a state whose byte range does not fit its dtype and shape, ranges that
 start inside the safetensors header, run past their file or overlap another, and file names that are
@@ -15,17 +17,20 @@ import os
 import stat
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ucp.errors import CorruptCheckpointError
 from ucp.format.crc import CHUNK_BYTES, chunk_bounds
+from ucp.version import __version__
 
 DTYPE_SIZES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
                "int8": 1, "uint8": 1, "bool": 1}
 SAFETENSORS_DTYPES = {"float32": "F32", "float64": "F64", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
                       "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
 KINDS = ("param", "frozen", "buffer")
+FORMAT_NAME = "ucp-atomic"
+FORMAT_VERSION = 1
 HEADER_LENGTH_BYTES = 8
 _FIX = "convert the checkpoint again, or restore the folder from a copy"
 
@@ -52,11 +57,17 @@ class StoredState:
 @dataclass(frozen=True)
 class ParamEntry:
     name: str
-    kind: str
+    kind: str  # one of KINDS
     shape: tuple[int, ...]
     states: dict[str, StoredState]
-    group: int | None = None
-    step: float | None = None
+    group: int | None = None  # the optimizer param group it was trained in
+    step: float | None = None  # the optimizer step its moments were last updated at
+    pattern: dict | None = None  # how the ranks that saved it held it (PatternSpec.to_json); informational
+    model_dtype: str | None = None  # the dtype the training model held it in
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.states.values())
 
 
 @dataclass(frozen=True)
@@ -67,12 +78,93 @@ class DataFile:
 
 
 @dataclass(frozen=True)
+class ExtraFile:
+    """A small file carried along from the source (a Trainer's config, tokenizer, trainer_state)."""
+
+    name: str
+    nbytes: int
+    crc32: int
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """What the index keeps of the training run beside its tensors, as the engine saved it."""
+
+    source: dict = field(default_factory=dict)  # what was converted or saved: framework, degrees, fingerprint
+    training: dict = field(default_factory=dict)  # global_steps, global_samples, skipped_steps, loss_scaler
+    optimizer: dict | None = None  # type, states, param_groups (hyperparams and member names)
+    lr_scheduler: object = None  # the scheduler's state_dict
+    client_state: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class Index:
     version: int
     files: dict[str, DataFile]
     params: dict[str, ParamEntry]
     aliases: dict[str, str]  # a tied weight's second name -> the parameter stored
     chunk_bytes: int = CHUNK_BYTES  # the runs that states' chunk checksums cover
+    run: RunRecord = field(default_factory=RunRecord)
+    extra_files: dict[str, ExtraFile] = field(default_factory=dict)
+    global_split: int | None = 1  # the most pieces any state is stored split into (ucp.format.splits); None: not recorded
+    created_by: str = f"ucp {__version__}"
+
+    def entry(self, name: str) -> ParamEntry:
+        """The entry of parameter `name`, or of the parameter a tied alias `name` is stored as."""
+        return self.params[self.aliases.get(name, name)]
+
+
+def index_json(index: Index) -> dict:
+    """The JSON docs/FORMAT.md specifies for `index` (what `parse_index` reads back)."""
+    return {
+        "format": FORMAT_NAME,
+        "format_version": index.version,
+        "created_by": index.created_by,
+        "source": index.run.source,
+        "training": index.run.training,
+        "optimizer": index.run.optimizer,
+        "lr_scheduler": index.run.lr_scheduler,
+        "client_state": _jsonable(index.run.client_state),
+        "splits": {} if index.global_split is None else {"global_split": index.global_split},
+        "files": {f.name: {"bytes": f.nbytes} for f in sorted(index.files.values(), key=lambda f: f.name)},
+        "chunk_bytes": index.chunk_bytes,
+        "extra_files": {e.name: {"bytes": e.nbytes, "crc32": e.crc32} for e in index.extra_files.values()},
+        "aliases": dict(index.aliases),
+        "params": {p.name: _param_json(p) for p in index.params.values()},
+    }
+
+
+def _param_json(p: ParamEntry) -> dict:
+    entry: dict = {"kind": p.kind, "shape": list(p.shape)}
+    if p.model_dtype is not None:
+        entry["model_dtype"] = p.model_dtype
+    if p.pattern is not None:
+        entry["pattern"] = p.pattern
+    entry["states"] = {state: _state_json(s) for state, s in p.states.items()}
+    if p.group is not None:
+        entry["group"] = p.group
+    if p.step is not None:
+        entry["step"] = p.step
+    return entry
+
+
+def _state_json(s: StoredState) -> dict:
+    out: dict = {"file": s.file, "key": s.key, "dtype": s.dtype, "shape": list(s.shape), "offsets": [s.begin, s.end],
+                 "crc32": s.crc32}
+    if s.chunk_crc32 is not None:
+        out["chunk_crc32"] = list(s.chunk_crc32)
+    if s.splits is not None:
+        out["splits"] = {"dim": s.splits[0], "count": s.splits[1]}
+    return out
+
+
+def _jsonable(value: dict) -> dict:
+    """A client state JSON can hold, or the repr of each value where it cannot."""
+    try:
+        json.dumps(value)
+        return value
+    except (TypeError, ValueError):
+        return {k: repr(v) for k, v in value.items()}
 
 
 class _Fields:
@@ -106,8 +198,16 @@ def parse_index(raw, directory: str | os.PathLike, index_path: str | os.PathLike
     and their header lengths read; no tensor byte is read)."""
     directory = Path(directory)
     path = Path(index_path) if index_path is not None else directory / "ucp_index.json"
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT_NAME:
+        raise CorruptCheckpointError(f"{path}: not a {FORMAT_NAME} index; convert the checkpoint again")
+    version = raw.get("format_version")
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise CorruptCheckpointError(f"{path}: format_version {version!r} is not a version number; the index is "
+                                     "damaged, convert the checkpoint again")
+    if version > FORMAT_VERSION:
+        raise CorruptCheckpointError(f"{path}: format version {version} is newer than this ucp reads "
+                                     f"({FORMAT_VERSION}); upgrade ucp")
     top = _Fields("index", raw, path)
-    version = top.count("format_version")
     chunk_bytes = top.count("chunk_bytes", required=False, limit=1 << 40)
     if chunk_bytes == 0:
         raise _bad(path, "index.chunk_bytes", "must be at least 1")
@@ -119,14 +219,16 @@ def parse_index(raw, directory: str | os.PathLike, index_path: str | os.PathLike
     for name, entry in top.get("params", (dict,)).items():
         params[name] = _param(path, name, _Fields(f"params[{name!r}]", entry, path), files, chunk_bytes)
     _no_overlaps(path, params)
-    _training_state(top, path)
+    extra_files = {}
     for name, meta in (top.get("extra_files", (dict,), required=False) or {}).items():
         fields = _Fields(f"extra_files[{name!r}]", meta, path)
-        fields.count("bytes")
-        fields.count("crc32", limit=0xFFFFFFFF)
         if not _plain_name(name) or name in files:
             raise _bad(path, f"extra_files[{name!r}]", "is not a plain file name of its own in the folder")
-    return Index(version, files, params, _aliases(top, path, params), chunk_bytes)
+        extra_files[name] = ExtraFile(name, fields.count("bytes"), fields.count("crc32", limit=0xFFFFFFFF))
+    splits = top.get("splits", (dict,), required=False)
+    global_split = _Fields("index.splits", splits, path).count("global_split", required=False) if splits else None
+    return Index(version, files, params, _aliases(top, path, params), chunk_bytes, _run_record(top, path),
+                 extra_files, global_split, top.get("created_by", (str,), required=False) or "")
 
 
 def _aliases(top: _Fields, path: Path, params: dict[str, ParamEntry]) -> dict[str, str]:
@@ -138,20 +240,15 @@ def _aliases(top: _Fields, path: Path, params: dict[str, ParamEntry]) -> dict[st
     return dict(aliases)
 
 
-def _training_state(top: _Fields, path: Path) -> None:
-    """The JSON records beside the tensors, in the shapes their readers (hook, inspect) rely on."""
-    for key in ("source", "client_state"):
-        top.get(key, (dict,), required=False)
-    splits = top.get("splits", (dict,), required=False)
-    if splits is not None:
-        _Fields("index.splits", splits, path).count("global_split", required=False)
-    top.get("lr_scheduler", (dict, type(None)), required=False)
-    training = top.get("training", (dict,), required=False)
-    if training is not None:
-        fields = _Fields("index.training", training, path)
-        for key in ("global_steps", "global_samples", "skipped_steps"):
-            fields.count(key, required=False)
-        fields.get("loss_scaler", (dict,), required=False)
+def _run_record(top: _Fields, path: Path) -> RunRecord:
+    """The JSON records beside the tensors, checked to have the shapes their readers (hook, inspect) rely on."""
+    source, client_state = (top.get(key, (dict,), required=False) or {} for key in ("source", "client_state"))
+    lr_scheduler = top.get("lr_scheduler", (dict, type(None)), required=False)
+    training = top.get("training", (dict,), required=False) or {}
+    fields = _Fields("index.training", training, path)
+    for key in ("global_steps", "global_samples", "skipped_steps"):
+        fields.count(key, required=False)
+    fields.get("loss_scaler", (dict,), required=False)
     optimizer = top.get("optimizer", (dict, type(None)), required=False)
     if optimizer is not None:
         fields = _Fields("index.optimizer", optimizer, path)
@@ -163,6 +260,7 @@ def _training_state(top: _Fields, path: Path) -> None:
             group.get("hyperparams", (dict,))
             if not all(isinstance(n, str) for n in group.get("params", (list,))):
                 raise _bad(path, f"{group.where}.params", "must be a list of parameter names")
+    return RunRecord(source, training, optimizer, lr_scheduler, client_state)
 
 
 def _data_file(directory: Path, path: Path, name: str, recorded: int) -> DataFile:
@@ -216,7 +314,7 @@ def _param(path: Path, name: str, entry: _Fields, files: dict[str, DataFile], ch
     for state, stored in entry.get("states", (dict,)).items():
         states[state] = _state(path, _Fields(f"{entry.where}.states[{state!r}]", stored, path), shape, files,
                                chunk_bytes)
-    return ParamEntry(name, kind, shape, states, group, step)
+    return ParamEntry(name, kind, shape, states, group, step, pattern, model_dtype)
 
 
 def _state(path: Path, fields: _Fields, shape: tuple[int, ...], files: dict[str, DataFile],

@@ -55,7 +55,7 @@ def load_slices(layout: Layout, rank: int, path: str | os.PathLike, table: Itera
                 states: Sequence[str] = ("fp32",), *, verify: bool = True) -> LoadedSlices:
     """`states` of every parameter of `table` that `rank` holds under `layout`, from the checkpoint at `path`."""
     ckpt = AtomicCheckpoint(path)
-    global_split = ckpt.index.get("splits", {}).get("global_split") or layout.split_count()
+    global_split = ckpt.index.global_split or layout.split_count()
     table = list(table)
     _check(ckpt, table, states)
     owned = layout.rank_slices(rank, table, global_split)
@@ -63,17 +63,17 @@ def load_slices(layout: Layout, rank: int, path: str | os.PathLike, table: Itera
     if layout.zero_stage:
         specs = {spec.name: spec for spec in table}
         out.shards = {name: layout.zero_shard(rank, specs[name]) for name in owned}
-    model = ckpt.model
+    index = ckpt.index
     wants = {}
     for name, piece in owned.items():
         for state in states:
-            stored = model.params[name].states[state]
+            stored = index.params[name].states[state]
             itemsize = DTYPE_SIZES[stored.dtype]
             shard = out.shards.get(name) if state != "fp32" else None
             out.share_bytes += (shard[1] - shard[0] if shard else math.prod(b - a for a, b in piece.box)) * itemsize
             wants[(name, state)] = BoxWant(stored, piece.box, shard)
     counter = ReadCounter()
-    values, out.bytes_checked_extra = read_boxes(ckpt.path, wants, model.chunk_bytes, counter, verify)
+    values, out.bytes_checked_extra = read_boxes(ckpt.path, wants, index.chunk_bytes, counter, verify)
     for (name, state), value in values.items():
         if wants[(name, state)].run is not None and value.untyped_storage().nbytes() > value.nbytes:
             value = value.clone()  # a shard cut from a larger read: do not keep the whole read alive
@@ -83,7 +83,7 @@ def load_slices(layout: Layout, rank: int, path: str | os.PathLike, table: Itera
 
 
 def _check(ckpt: AtomicCheckpoint, table: list[ParamSpec], states: Sequence[str]) -> None:
-    params = ckpt.model.params
+    params = ckpt.index.params
     for spec in table:
         if spec.name not in params:
             raise CheckpointMismatchError(f"{ckpt.path}: has no parameter '{spec.name}', which the model has; was it "

@@ -1,0 +1,55 @@
+"""One typed model of the index for writing and reading: what a writer builds is what a reader parses."""
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from ucp.convert.split_policy import SplitPolicy
+from ucp.convert.tensors import write_tensors
+from ucp.errors import CorruptCheckpointError
+from ucp.format.folder import INDEX_NAME, commit_index, read_index
+from ucp.format.index import index_json, parse_index
+
+OPTIMIZER = {"type": "AdamW", "states": ["exp_avg"], "param_groups": [{"hyperparams": {"lr": 0.1},
+                                                                      "params": ["a.weight", "b.weight"]}]}
+
+
+def _written(tmp_path, splits=None):
+    rng = np.random.default_rng(0)
+    tensors = {name: {"fp32": rng.standard_normal(shape, dtype=np.float32),
+                      "exp_avg": rng.standard_normal(shape, dtype=np.float32)}
+               for name, shape in (("a.weight", (4, 6)), ("b.weight", (6,)))}
+    return write_tensors(tmp_path / "ckpt", tensors, optimizer=OPTIMIZER, step=5.0, splits=splits)
+
+
+@pytest.mark.parametrize("splits", [None, SplitPolicy(2, ((r"a\.weight", 1), (r".*", 0)))], ids=["whole", "split"])
+def test_the_json_a_writer_commits_parses_into_a_model_that_stores_it_again_unchanged(tmp_path, splits):
+    folder = _written(tmp_path, splits)
+    raw = json.loads((folder / INDEX_NAME).read_text())
+    index = parse_index(raw, folder)
+    assert index_json(index) == raw
+    assert parse_index(index_json(index), folder) == index
+    entry = index.params["a.weight"]
+    assert entry.step == 5.0 and entry.group == 0 and entry.kind == "param" and entry.pattern["pattern"] == "unique"
+    assert index.run.optimizer == OPTIMIZER and index.created_by.startswith("ucp ")
+    assert index.global_split == (1 if splits is None else 2)
+    assert entry.states["fp32"].splits == (None if splits is None else (1, 2))
+
+
+def test_a_model_committed_again_is_read_back_equal(tmp_path):
+    folder = _written(tmp_path)
+    index = read_index(folder)
+    edited = dataclasses.replace(index, aliases={"c.weight": "a.weight"},
+                                 run=dataclasses.replace(index.run, client_state={"marker": 7}))
+    commit_index(folder, edited)
+    assert read_index(folder) == edited
+    assert read_index(folder).entry("c.weight") == index.params["a.weight"]
+
+
+def test_a_model_naming_a_missing_parameter_as_an_alias_is_refused_on_reading(tmp_path):
+    folder = _written(tmp_path)
+    index = read_index(folder)
+    commit_index(folder, dataclasses.replace(index, aliases={"c.weight": "z.weight"}))
+    with pytest.raises(CorruptCheckpointError, match=r"aliases\['c.weight'\] must name a stored parameter"):
+        read_index(folder)
