@@ -150,8 +150,8 @@ def test_boxes_and_whole_tensors_equal_the_converted_ones(spec, sources):
             key = (name, state)
             for box in boxes:
                 n = math.prod(hi - lo for lo, hi in box) if box else math.prod(shape)
-                whole = TargetTensor(name, entry["kind"], shape, 0, n, True, lambda s: None, box=box)
-                part = TargetTensor(name, entry["kind"], shape, 1, n - 2, False, lambda s: None, box=box)
+                whole = TargetTensor(name, entry.kind, shape, 0, n, True, lambda s: None, box=box)
+                part = TargetTensor(name, entry.kind, shape, 1, n - 2, False, lambda s: None, box=box)
                 for t in (whole, part):
                     for bypass in (True, False):
                         got, _ = _read(planned, key, t, bypass=bypass)
