@@ -16,10 +16,11 @@ from support.parallel import build_family
 from ucp.convert.assemble import assemble, materialize
 from ucp.convert.balance import plan_bins
 from ucp.convert.driver import WriteBin, bin_slots, source_fingerprint, stream_bin, write_bin
+from ucp.convert.index_builder import WrittenFile
 from ucp.convert.split_policy import SplitPolicy, apply_split_policy
 from ucp.converters.dispatch import plan_deepspeed
-from ucp.format.index import FORMAT_NAME
 from ucp.format.folder import tensor_key
+from ucp.format.index import FORMAT_NAME
 from ucp.format.safetensors_stream import StreamingWriter
 from ucp.format.splits import to_split_major
 
@@ -28,7 +29,7 @@ TINY = [TinySpec(stage=0), TinySpec(stage=1), TinySpec(stage=2), TinySpec(stage=
         TinySpec(stage=1, dtype="bf16", tie="tied"), TinySpec(stage=2, tie="tied")]
 
 
-def torch_path_bin(task: WriteBin) -> dict:
+def torch_path_bin(task: WriteBin) -> WrittenFile:
     """The bin as the torch path writes it: fragments read as torch tensors, Union/StripPad/cast and split-major
     by torch, the file streamed tensor by tensor by `StreamingWriter` (the writer of `ucp export`); its record."""
     writer = StreamingWriter(str(Path(task.output) / task.file_name), bin_slots(task.params),
@@ -41,11 +42,10 @@ def torch_path_bin(task: WriteBin) -> dict:
                 tensor = to_split_major(tensor, *p.splits)
             stored[tensor_key(p.name, state)] = writer.write(tensor_key(p.name, state), tensor)
     writer.close()
-    return {"file": task.file_name, "bytes": writer.size, "chunk_bytes": task.chunk_bytes,
-            "tensors": {k: (s.begin, s.end, s.crc32, s.chunk_crc32) for k, s in stored.items()}}
+    return WrittenFile(task.file_name, writer.size, task.chunk_bytes, stored)
 
 
-def ray_path_bin(task: WriteBin) -> dict:
+def ray_path_bin(task: WriteBin) -> WrittenFile:
     """The bin as the Ray backend's reducer writes it (`stream_bin`: states assembled in memory), in this process."""
     return stream_bin(task, lambda nbytes: None,
                       lambda p, source: materialize(source, name=p.name, strict=task.strict))
@@ -66,10 +66,10 @@ def assert_same_bytes(save_dir: Path, tmp_path: Path, *, strict: bool = False, s
         got = write_bin(task, lambda nbytes: None)
         want = torch_path_bin(WriteBin(str(theirs), name, tuple(params), strict, fingerprint, chunk_bytes))
         assert (ours / name).read_bytes() == (theirs / name).read_bytes(), name
-        assert got.pop("sources") and got == want
+        assert got.sources and got.file == want
         (ours / name).unlink()
         assert ray_path_bin(task) == want and (ours / name).read_bytes() == (theirs / name).read_bytes(), name
-        assert len(want["tensors"]) == len(bin_slots(tuple(params)))
+        assert len(want.tensors) == len(bin_slots(tuple(params)))
 
 
 @pytest.mark.slow

@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 
 import ucp
-from support.atomic import with_edited_index
+from support.atomic import stored_bytes, with_edited_index
 from support.checkpoints import TinySpec, ucp_load_errors, ucp_resume, ucp_stats, uninterrupted_losses
 from support.fp16 import needs_cpu_fp16
 
@@ -42,11 +42,6 @@ def tolerance(source: TinySpec, target: TinySpec) -> float:
     return 2e-2
 
 
-def checkpoint_bytes(path) -> int:
-    index = ucp.open_checkpoint(path).index
-    return sum(s["offsets"][1] - s["offsets"][0] for e in index["params"].values() for s in e["states"].values())
-
-
 def largest_layer_bytes(path) -> int:
     from ucp.deepspeed.hook import layer_of
 
@@ -65,9 +60,9 @@ def test_resume_continues_the_uninterrupted_run(source, target, tiny_conversion,
     # Redundancy bypassing: the data-parallel group reads the checkpoint exactly once between them.
     stats = ucp_stats(resumed)
     assert len(stats) == target.world_size
-    assert sum(s["bytes_read"] - s["bytes_checked_extra"] for s in stats) == checkpoint_bytes(path)
+    assert sum(s["bytes_read"] - s["bytes_checked_extra"] for s in stats) == stored_bytes(path)
     # Layer by layer: no rank ever held more than the largest layer's states at once.
-    assert max(s["peak_layer_bytes"] for s in stats) <= largest_layer_bytes(path) < checkpoint_bytes(path)
+    assert max(s["peak_layer_bytes"] for s in stats) <= largest_layer_bytes(path) < stored_bytes(path)
 
 
 def test_negative_control_without_the_checkpoint_losses_differ(ckpt_root):
@@ -86,7 +81,7 @@ def test_without_bypass_every_rank_reads_everything(tiny_conversion, ckpt_root):
     path = tiny_conversion(source)
     resumed = ucp_resume(path, target, 1, source.steps, ckpt_root, bypass=False)
     stats = ucp_stats(resumed)
-    assert [s["bytes_read"] - s["bytes_checked_extra"] for s in stats] == [checkpoint_bytes(path)] * 3
+    assert [s["bytes_read"] - s["bytes_checked_extra"] for s in stats] == [stored_bytes(path)] * 3
     straight = uninterrupted_losses(dataclasses.replace(source, steps=0), source.steps + RESUME_STEPS, ckpt_root)
     assert resumed.losses == pytest.approx(straight[source.steps:source.steps + 1], rel=1e-6)
 

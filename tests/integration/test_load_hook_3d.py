@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import ucp
-from support.atomic import with_added_param, with_edited_index
+from support.atomic import stored_bytes, with_added_param, with_edited_index
 from support.resume_3d import Layout, resume_run, source_run
 from ucp.convert import convert
 
@@ -60,12 +60,6 @@ def resume(path, layout: Layout, root, *extra: str) -> tuple[list[float], object
 def bytes_read(run) -> int:
     """What all ranks of the resumed run read from storage together."""
     return sum(rank["bytes_read"] - rank["bytes_checked_extra"] for rank in json.loads((run / "stats.json").read_text()))
-
-
-def stored_bytes(path, names=None) -> int:
-    """The bytes of every state of `names` (all parameters by default) in the checkpoint at `path`."""
-    params = ucp.open_checkpoint(path).index.params
-    return sum(params[name].nbytes for name in (names or params))
 
 
 # -- pipeline parallelism ------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ import pytest
 import torch
 
 import ucp
+from support.atomic import stored_bytes
 from support.llama_tp_runs import build_sources, load_stats, losses, resume
 from ucp.convert import convert
 from ucp.convert.split_policy import SplitPolicy
@@ -79,11 +80,6 @@ def sources(ckpt_root, tmp_path_factory):
     return {"tp2": (out / "tp2", losses(tp2 / "tied-z1")), "dp2": (out / "dp2", losses(dp2 / "untied-z1"))}
 
 
-def checkpoint_bytes(path) -> int:
-    index = ucp.open_checkpoint(path).index
-    return sum(s["offsets"][1] - s["offsets"][0] for e in index["params"].values() for s in e["states"].values())
-
-
 def tp_rank_bytes(path, tied: bool, rank: int) -> int:
     """The bytes of TP rank `rank`'s boxes of every state: what its DP group needs."""
     ckpt = ucp.open_checkpoint(path)
@@ -119,7 +115,7 @@ def test_tp2_to_1_continues_the_uninterrupted_run(sources, ckpt_root):
     # in another order (~1e-7 apart in fp32), as another DP degree does.
     assert losses(run / "z2") == pytest.approx(straight[SAVED_AT:], rel=1e-6)
     # One DP group of 2, no TP: together the ranks read the checkpoint exactly once.
-    assert sum(s["bytes_read"] - s["bytes_checked_extra"] for s in load_stats(run / "z2")) == checkpoint_bytes(path)
+    assert sum(s["bytes_read"] - s["bytes_checked_extra"] for s in load_stats(run / "z2")) == stored_bytes(path)
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import ucp
+from support.atomic import stored_bytes
 from support.checkpoints import (SUPPORT_DIR, TinySpec, read_tag, tag_dir, ucp_load_errors, ucp_resume, ucp_stats,
                                  uninterrupted_losses)
 from support.launch import run_torchrun
@@ -89,11 +90,6 @@ def buffer_bytes(save_dir: Path) -> int:
                for s in p.states.values())
 
 
-def converted_bytes(path: Path) -> int:
-    index = ucp.open_checkpoint(path).index
-    return sum(s["offsets"][1] - s["offsets"][0] for e in index["params"].values() for s in e["states"].values())
-
-
 @pytest.mark.parametrize("source,target", CASES, ids=lambda s: s.name)
 def test_loads_equal_loads_of_the_converted_checkpoint(source, target, tiny_checkpoint, converted, ckpt_root):
     raw = tiny_checkpoint(source)
@@ -111,7 +107,7 @@ def test_loads_equal_loads_of_the_converted_checkpoint(source, target, tiny_chec
     assert sum(reads) == needed_source_bytes(raw)
     assert all(reads) or target.world_size == 1
     if source.dtype == "fp32":  # the same bytes the converted checkpoint stores, and its load reads
-        assert sum(reads) == converted_bytes(converted(source)) == sum(r["stats"][0]["bytes_read"] - r["stats"][0]["bytes_checked_extra"] for r in ranks)
+        assert sum(reads) == stored_bytes(converted(source)) == sum(r["stats"][0]["bytes_read"] - r["stats"][0]["bytes_checked_extra"] for r in ranks)
     if target.stage == 3:  # each rank exactly its own partitions, plus its share of the replicated buffers
         own = [zero3_partition_bytes(raw, rank, target.world_size) for rank in range(target.world_size)]
         assert all(read >= mine for read, mine in zip(reads, own))

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+import ucp
+
 from ucp.convert.split_policy import SplitPolicy
 from ucp.convert.tensors import write_tensors
 from ucp.format.folder import INDEX_NAME, tensor_key
@@ -78,6 +80,12 @@ def _entry(e: ParamEntry) -> tuple:
             {k: v for k, v in (e.pattern or {}).items() if k != "padded_size"})
 
 
+def stored_bytes(path, names=None) -> int:
+    """The bytes of every state of `names` (all parameters by default) in the ucp checkpoint at `path`."""
+    params = ucp.open_checkpoint(path).index.params
+    return sum(params[name].nbytes for name in (names or params))
+
+
 def assert_index_round_trips(ckpt) -> None:
     """The typed index a reader gets holds all of the JSON its writer committed: stored again, it is that JSON."""
     assert index_json(ckpt.index) == json.loads((ckpt.path / INDEX_NAME).read_text())
@@ -96,5 +104,5 @@ def assert_same_checkpoint(saved, converted):
             assert x.dtype == y.dtype and torch.equal(x, y), (name, state)
     for key in ("training", "optimizer", "lr_scheduler", "client_state"):
         assert getattr(saved.index.run, key) == getattr(converted.index.run, key), key
-    assert saved.index.global_split == converted.index.global_split
-    assert saved.index.aliases == converted.index.aliases
+    assert saved.index.global_split == converted.index.global_split, "global_split"
+    assert saved.index.aliases == converted.index.aliases, "aliases"
