@@ -257,9 +257,11 @@ def test_padded_rows_keep_what_the_engine_holds():
     """The last rank's shard has 3 rows for a 2-row block: its ZeRO runs are cut at the block's 8 elements."""
     shard = torch.full((3, 4), -1.0)
     logical, block = rank_block("vocab", ENTRIES, 1, 2)
-    runs = [_tensor(shard, 0, 6, False), _tensor(shard, 6, 6, False), _tensor(shard, 0, 12, True)]
-    for t in runs:
-        to_box(t, logical, block, dp_group=None)
+    shards = (_tensor(shard, 0, 6, False), _tensor(shard, 6, 6, False), _tensor(shard, 0, 12, True))
+    runs = [to_box(t, logical, block, dp_group=None) for t in shards]
+    # The shard descriptions stay as they were: a box is a new TargetTensor.
+    assert [(t.shape, t.box, t.start, t.numel) for t in shards] == [((3, 4), None, 0, 6), ((3, 4), None, 6, 6),
+                                                                    ((3, 4), None, 0, 12)]
     assert [(t.shape, t.box, t.start, t.numel) for t in runs] == [
         ((5, 4), ((3, 5), (0, 4)), 0, 6), ((5, 4), ((3, 5), (0, 4)), 6, 2), ((5, 4), ((3, 5), (0, 4)), 0, 8)]
     runs[1].install("fp32", torch.tensor([6.0, 7.0]))
@@ -268,8 +270,7 @@ def test_padded_rows_keep_what_the_engine_holds():
 
 
 def test_a_replicated_tensor_is_the_whole_tensor():
-    t = _tensor(torch.zeros(6), 0, 6, True)
-    to_box(t, *rank_block("rep", ENTRIES, 1, 2), dp_group="dp")
+    t = to_box(_tensor(torch.zeros(6), 0, 6, True), *rank_block("rep", ENTRIES, 1, 2), dp_group="dp")
     assert (t.shape, t.box, t.numel, t.dp_group) == ((6,), None, 6, "dp")
 
 

@@ -23,8 +23,6 @@ would interleave pad and real elements in the flattened shard and is refused.
 """
 from __future__ import annotations
 
-import math
-
 from ucp.converters.deepspeed_declared import RankBlock, affine_params, declared_blocks
 from ucp.deepspeed.targets import Target, TargetTensor
 from ucp.errors import UnsupportedLayoutError
@@ -55,9 +53,7 @@ def with_tensor_parallel(target: Target) -> Target:
     for t in target.tensors:
         if t.name in blocks:
             _check_shard(t, blocks[t.name][1])
-    for t in target.tensors:
-        if t.name in blocks:
-            to_box(t, *blocks[t.name], target.dp_group)
+    target.tensors = [to_box(t, *blocks[t.name], target.dp_group) if t.name in blocks else t for t in target.tensors]
     return target
 
 
@@ -106,15 +102,8 @@ def _check_shard(t: TargetTensor, block: RankBlock) -> None:
                                      f"affine_map says {block.shard_shape}; the map does not describe this module")
 
 
-def to_box(t: TargetTensor, logical: tuple[int, ...], block: RankBlock, dp_group) -> None:
-    """Re-describe `t`, listed as the rank's shard, as `block`'s box of the full tensor of shape `logical`."""
-    t.shape = logical
-    t.box = None if block.box == tuple((0, n) for n in logical) else block.box
-    wanted = math.prod(hi - lo for lo, hi in block.box)  # the shard's first elements; pad rows follow them
-    end = min(t.start + t.numel, wanted)
-    if end - t.start != t.numel:
-        numel, view = max(0, end - t.start), t.view
-        t.start, t.numel = min(t.start, wanted), numel
-        t.view = lambda state: view(state).narrow(0, 0, numel)
-    if t.dp_group is None:
-        t.dp_group = dp_group  # the ranks of this TP rank: they share the box
+def to_box(t: TargetTensor, logical: tuple[int, ...], block: RankBlock, dp_group) -> TargetTensor:
+    """`t`, listed as the rank's shard, as `block`'s box of the full tensor of shape `logical`, shared by
+    `dp_group` (the ranks of this TP rank) unless it already has a group of its own (pipeline, experts)."""
+    boxed = t.as_box(logical, None if block.box == tuple((0, n) for n in logical) else block.box)
+    return boxed if t.dp_group is not None else boxed.shared_by(dp_group)

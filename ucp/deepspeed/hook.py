@@ -55,7 +55,7 @@ Target layouts: ZeRO stage 0-3 at any data-parallel degree, fp32/fp16/bf16 (`ucp
 DeepSpeed AutoTP tensor parallelism with ZeRO 0-3, where each TP rank loads the box of every full
 tensor that the engine's own `affine_map` gives it (`ucp.deepspeed.autotp`); `PipelineModule`
 engines at any number of stages, each stage loading its own layers (a tied module on every stage
-that uses it) within its data-parallel group (`ucp.deepspeed.pipe_target`); native DeepSpeed MoE at
+that uses it) within its data-parallel group (`ucp.deepspeed.targets`); native DeepSpeed MoE at
 any `ep_size`, each rank loading the experts of the global ids it owns within its
 expert-data-parallel group (`ucp.deepspeed.moe_target`); and an explicit `layout`.
 """

@@ -54,9 +54,6 @@ def checkpoint_name(experts: dict[str, LocalExpertTensor], name: str) -> str:
     return experts[name].global_name if name in experts else name
 
 
-def use_expert_groups(target, experts: dict[str, LocalExpertTensor]) -> None:
-    """Expert tensors (already under their global names) are shared by their expert-data-parallel group."""
-    groups = {e.global_name: e.dp_group for e in experts.values()}
-    for t in target.tensors:
-        if t.name in groups:
-            t.dp_group = groups[t.name]
+def expert_groups(experts: dict[str, LocalExpertTensor]) -> dict[str, object]:
+    """Each expert tensor's global name -> its expert-data-parallel group, the ranks that share it."""
+    return {e.global_name: e.dp_group for e in experts.values()}

@@ -46,6 +46,7 @@ def place_by_layout(target: Target, layout: Layout, table: Iterable[ParamSpec], 
     specs = {s.name: s for s in table}
     owned = layout.rank_slices(rank, table)
     held = {t.name for t in target.tensors}
+    placed = []
     for t in target.tensors:
         spec = specs.get(t.name)
         if spec is None:
@@ -57,9 +58,10 @@ def place_by_layout(target: Target, layout: Layout, table: Iterable[ParamSpec], 
             where = f"box {piece.box}" if piece else "no slice of it"
             raise LayoutError(f"{t.name}: rank {rank}'s module holds shape {t.shape}, but the layout gives it "
                               f"{where}; build the module from the same layout")
-        t.shape, t.box = spec.shape, piece.box
+        placed.append(t.as_box(spec.shape, piece.box))
     missing = sorted(set(owned) - held)
     if missing:
         raise LayoutError(f"{missing[0]}: the layout gives rank {rank} a slice of it ({len(missing)} such tensors), "
                           "but its module lacks it; build the module from the same layout")
+    target.tensors = placed
     return set(specs)

@@ -10,8 +10,15 @@ One adapter per optimizer family, chosen from the engine before anything is touc
 * ZeRO-3 (`DeepSpeedZeroOptimizer_Stage3`) — each parameter is partitioned on its own; rank r
   holds elements [r*pn, (r+1)*pn) (pn = ceil(numel / dp)), packed per sub-group in order.
 
-Pipeline stages (`ucp.deepspeed.pipe_target`) and MoE experts (`ucp.deepspeed.moe_target`) adjust
-any family's tensors: their data-parallel groups, expert names, and the names of the whole model.
+`target_for` then puts any family's tensors in the groups that share them: a `PipelineModule` stage's
+tensors in the stage's data-parallel group (the ranks of the same stage). A stage's module names its
+layers as the whole model does (`<layer index>.<param>`, `tied_modules.<key>.<param>`), which are the
+names the pipeline converter writes; a tied module on every stage that uses it loads the same atomic
+tensor; no stage alone knows the whole model, so the strict check uses every stage's names. MoE
+experts, under their global names (`ucp.deepspeed.moe_target`), go in their expert-data-parallel
+groups. AutoTP (`ucp.deepspeed.autotp`) and an explicit layout (`ucp.deepspeed.placement`) make each
+tensor a box of the full tensor. A `TargetTensor` is never changed in place: each of these steps
+replaces the target's tensors by new ones, through `TargetTensor.shared_by` and `TargetTensor.as_box`.
 
 Frozen parameters and buffers are restored too (ZeRO-3 frozen parameters are partitioned like the
 others). Optimizer states are created when the engine has not stepped yet.
@@ -21,14 +28,15 @@ an asynchronous save (`ucp.deepspeed.async_save`) snapshots out of it, so both s
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from ucp.deepspeed.moe_target import checkpoint_name, local_expert_tensors, use_expert_groups
-from ucp.deepspeed.pipe_target import is_pipeline, use_stage_groups
+from ucp.deepspeed.moe_target import checkpoint_name, expert_groups, local_expert_tensors
 from ucp.errors import UnsupportedLayoutError
 from ucp.format.boxes import Box
 
@@ -41,7 +49,7 @@ OPTIMIZER_STATES = {
 }
 
 
-@dataclass
+@dataclass(frozen=True)
 class TargetTensor:
     """One model tensor on this rank: what it wants of the full tensor and how to install it.
 
@@ -64,11 +72,31 @@ class TargetTensor:
     def install(self, state: str, value: torch.Tensor) -> None:
         self.view(state).copy_(value)
 
+    def shared_by(self, dp_group) -> TargetTensor:
+        """This tensor, its box shared by the ranks of `dp_group`."""
+        return dataclasses.replace(self, dp_group=dp_group)
+
+    def as_box(self, full_shape: tuple[int, ...], box: Box | None) -> TargetTensor:
+        """This tensor, which holds the module's shard, as `box` of the full tensor of `full_shape` (None: all
+        of it). A shard longer than its box (padded rows at the end) keeps the box's elements only: `start`
+        and `numel` are cut at the box's size, and the view with them."""
+        size = math.prod(hi - lo for lo, hi in box) if box is not None else math.prod(full_shape)
+        end = min(self.start + self.numel, size)
+        numel = max(0, end - self.start)
+        view = self.view if numel == self.numel else _first(self.view, numel)
+        return dataclasses.replace(self, shape=tuple(full_shape), box=box, start=min(self.start, size), numel=numel,
+                                   view=view)
+
+
+def _first(view: View, numel: int) -> View:
+    """`view` cut to its first `numel` elements."""
+    def first(state: str) -> torch.Tensor:
+        return view(state).narrow(0, 0, numel)
+    return first
+
 
 class Target:
     """The tensors of one engine on one rank, in model order, plus the hooks around loading them."""
-
-    family = "?"
 
     def __init__(self, engine):
         self.engine = engine
@@ -117,11 +145,14 @@ def target_for(engine) -> Target:
     """The adapter for `engine`'s optimizer family, its tensors in their pipeline-stage or expert groups."""
     target = _family_target(engine)
     experts = local_expert_tensors(engine.module)
-    if is_pipeline(engine):
-        use_stage_groups(target)
-    if experts:
-        use_expert_groups(target, experts)
-    if is_pipeline(engine) or experts:
+    pipeline = bool(getattr(engine, "pipeline_parallelism", False))  # a PipelineModule: this rank is one stage
+    groups = {}
+    if pipeline:
+        stage = engine.grid.get_data_parallel_group()  # the ranks of the same stage
+        groups = {t.name: stage for t in target.tensors}
+    groups |= expert_groups(experts)
+    target.tensors = [t.shared_by(groups[t.name]) if t.name in groups else t for t in target.tensors]
+    if pipeline or experts:
         target.every_rank_names = _every_rank_names(target)
     return target
 
@@ -197,8 +228,6 @@ def _empty_state(flat: torch.Tensor, names: list[str]) -> dict:
 
 
 class Zero0Target(Target):
-    family = "ZeRO-0"
-
     def __init__(self, engine):
         super().__init__(engine)
         names = _names(engine)
@@ -238,8 +267,6 @@ class Zero0Target(Target):
 
 class Zero0MixedTarget(Target):
     """ZeRO-0 with fp16/bf16: fp32 masters per parameter in `fp32_groups`, the module holds low precision."""
-
-    family = "ZeRO-0 (mixed precision)"
 
     def __init__(self, engine):
         super().__init__(engine)
@@ -324,8 +351,6 @@ class Zero12Target(_FlatPartitionTarget):
     """ZeRO-1/2 (`DeepSpeedZeroOptimizer`), and `BF16_Optimizer` (bf16 with fp32 gradient accumulation,
     or a bf16 pipeline without ZeRO), which keeps the same flat fp32 partitions linked to each parameter."""
 
-    family = "ZeRO-1/2"
-
     def __init__(self, engine):
         super().__init__(engine)
         names = _names(engine)
@@ -372,8 +397,6 @@ def _zero3_frozen(target: Target, name: str, p) -> TargetTensor:
 
 
 class Zero3Target(_FlatPartitionTarget):
-    family = "ZeRO-3"
-
     def __init__(self, engine):
         super().__init__(engine)
         names = _names(engine)
