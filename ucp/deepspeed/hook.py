@@ -194,7 +194,8 @@ def _place(engine, target: Target, layout, param_table) -> set[str]:
 
 def _check(ckpt: Checkpoint, target: Target, engine, load_optimizer_states: bool, strict: bool,
            model_names: set[str] | None = None) -> list[str]:
-    params = set(ckpt.names)
+    names = ckpt.names  # in the checkpoint's order, which errors name the first of
+    params = set(names)
     for t in target.tensors:
         if t.name not in params and t.name not in ckpt.aliases:
             raise CheckpointMismatchError(f"{ckpt.path}: has no parameter '{t.name}', which the model has; "
@@ -212,7 +213,7 @@ def _check(ckpt: Checkpoint, target: Target, engine, load_optimizer_states: bool
             if alias in params:
                 _check_untied_copy(ckpt, alias, source)
         known = (model_names if model_names is not None else target.model_names()) | set(tied)
-        extra = [n for n in [*params, *ckpt.aliases] if n not in known]
+        extra = [n for n in [*names, *ckpt.aliases] if n not in known]
         if extra:
             raise CheckpointMismatchError(f"{ckpt.path}: holds parameter '{extra[0]}' ({len(extra)} in all) that "
                                           "the model does not have; pass strict=False to ignore them")
