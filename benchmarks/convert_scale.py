@@ -458,6 +458,8 @@ def table(runs: list[Measured]) -> list[str]:
                      f"{peak / m.fragments:.0f} | "
                      f"{human_bytes(m.index_bytes) if m.index_bytes else '—'} |")
     frags = [m.fragments for m in runs]
+    if len(set(frags)) < 2:
+        return lines  # a slope needs two sizes
     lines += ["", "Log-log slope against the fragment count (1.00 = linear):", "",
               "| stage | time slope | µs / fragment, smallest → largest | peak RSS growth slope |",
               "|---|---:|---|---:|"]
