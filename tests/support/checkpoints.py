@@ -412,12 +412,12 @@ def ucp_save_run(spec: TinySpec, steps: int, every: int, root: Path) -> RunResul
 
 def start_ucp_save_run(spec: TinySpec, steps: int, every: int, root: Path,
                        hold_dir: Path) -> tuple[subprocess.Popen, Path]:
-    """Like ``ucp_save_run``, but started in the background with ``$UCP_TEST_HOLD_DIR=hold_dir``.
+    """Like ``ucp_save_run``, but started in the background, its saves open to faults.
 
-    Files in ``hold_dir`` stall or fail the writers (see ``ucp.deepspeed.save_writer.hold_for_tests``).
+    Files in ``hold_dir`` stall or fail the writers (see ``support.save_faults``).
     Returns the torchrun process and the run folder (``train.log``; saves under ``ucp/``).
     """
     run_dir = _ucp_save_dir(spec, root)
-    proc = start_torchrun(TRAIN_SCRIPT, _ucp_save_args(spec, run_dir, steps, every), spec.world_size,
-                          run_dir / "train.log", {"UCP_TEST_HOLD_DIR": str(hold_dir)})
+    proc = start_torchrun(TRAIN_SCRIPT, [*_ucp_save_args(spec, run_dir, steps, every), "--ucp-save-faults",
+                                         str(hold_dir)], spec.world_size, run_dir / "train.log")
     return proc, run_dir

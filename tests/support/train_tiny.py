@@ -153,6 +153,8 @@ def parse_args(argv=None):
                    help="save asynchronously with ucp into this folder (config \"ucp\": {\"save\": ...}); the run "
                    "waits for the last save before it ends")
     p.add_argument("--ucp-save-every", type=int, default=1, help="with --ucp-save-dir: every K optimizer steps")
+    p.add_argument("--ucp-save-faults", metavar="DIR", default=None,
+                   help="with --ucp-save-dir: files in DIR stall or fail the saves' writers (support/save_faults.py)")
     p.add_argument("--ucp-expect-error", type=str, default=None,
                    help="load each of the comma-separated --ucp-load paths after deepspeed.initialize expecting "
                    "a ucp error; write [{path, error, untouched}] to this JSON file, where untouched says "
@@ -347,6 +349,10 @@ def main(argv=None):
         engine, _, _, _ = ucp.deepspeed.initialize(model=model, model_parameters=model.param_groups(),
                                                    config=config)
         engine.ucp_client_state = dict(CLIENT_STATE)  # what the periodic saves record as client state
+        if args.ucp_save_faults:
+            from save_faults import install
+
+            install(args.ucp_save_faults)
     else:
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.param_groups(), config=config)
     if args.ucp_load:

@@ -84,8 +84,8 @@ def reusable_bin(check: BinCheck, report: Report) -> WrittenFile | None:
     except (OSError, ValueError, KeyError, TypeError, IndexError):
         return None
     report(body["bytes"])
-    return WrittenFile(check.file_name, body["bytes"], body["chunk_bytes"],
-                       {key: StoredTensor(key, begin, end, crc, tuple(chunks)) for key, begin, end, crc, chunks in tensors})
+    stored = {key: StoredTensor(key, begin, end, crc, tuple(chunks)) for key, begin, end, crc, chunks in tensors}
+    return WrittenFile(check.file_name, body["bytes"], body["chunk_bytes"], stored)
 
 
 def remove_manifests(output: Path) -> None:

@@ -41,7 +41,7 @@ from ucp.convert.plan import BUFFER_STATE, WEIGHT_STATE
 from ucp.deepspeed.autotp import tp_size
 from ucp.deepspeed.readers import assign_readers
 from ucp.deepspeed.save_files import SaveFiles, WrittenPiece, arrange_files, whole_crcs
-from ucp.deepspeed.save_writer import BackgroundSave, SavePiece, SnapshotBuffer, hold_for_tests, partial_path, write_pieces
+from ucp.deepspeed.save_writer import BackgroundSave, SavePiece, SnapshotBuffer, partial_path, write_pieces
 from ucp.deepspeed.targets import Target, TargetTensor, Zero3Target, module_aliases, target_for
 from ucp.errors import ConfigError, OutputExistsError, SaveError, UnsupportedLayoutError
 from ucp.format import loss_scale
@@ -175,8 +175,7 @@ class Saver:
         try:
             if event is not None:  # the device-to-host copies into the pinned buffer are done
                 event.synchronize()
-            written = write_pieces(tag_dir, prepared.files.files, prepared.buffer, headers=self.leader,
-                                   after_first_write=lambda: hold_for_tests(tag, self.rank))
+            written = write_pieces(tag_dir, prepared.files.files, prepared.buffer, headers=self.leader)
             report = [(w.key, p.start, p.numel, w.begin, w.end, w.segments)
                       for w, p in zip(written, prepared.buffer.pieces)]
         except Exception as exc:  # reported to rank 0, which then does not commit

@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -97,8 +96,8 @@ def partial_path(directory: Path, file: str) -> Path:
     return directory / (file + PARTIAL_SUFFIX)
 
 
-def write_pieces(directory: Path, files: Sequence[SaveFile], buffer: SnapshotBuffer, *, headers: bool,
-                 after_first_write: Callable[[], None] = lambda: None) -> list[WrittenPiece]:
+def write_pieces(directory: Path, files: Sequence[SaveFile], buffer: SnapshotBuffer, *, headers: bool
+                 ) -> list[WrittenPiece]:
     """pwrite this rank's pieces (and with `headers` every file's header) into `<file>.partial`; fsync.
 
     Every rank opens the shared partial files without truncating them; the rank writing headers
@@ -127,8 +126,6 @@ def write_pieces(directory: Path, files: Sequence[SaveFile], buffer: SnapshotBuf
                     if a < b:
                         _checksum(segments[i], view[a:b], buffer.pieces[i].begin + a - buffer.offsets[i])
                 _pwrite_all(fds[run.file], view[lo:hi], run.begin + lo - run.offset)
-                if lo == 0:
-                    after_first_write()
         for fd in fds.values():
             os.fsync(fd)
     finally:
@@ -157,29 +154,6 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
     done = 0
     while done < len(data):
         done += os.pwrite(fd, data[done:done + _CHUNK], offset + done)
-
-
-def hold_for_tests(tag: str, rank: int) -> None:
-    """Fault injection for tests/integration/test_async_save.py, inert unless $UCP_TEST_HOLD_DIR is set.
-
-    With `$UCP_TEST_HOLD_DIR/<tag>.rank<r>.fail` present, rank r's writer fails as a full disk
-    would. While `$UCP_TEST_HOLD_DIR/<tag>.hold` exists, every rank's writer stops after its first
-    write, having written its pid to `<tag>.rank<r>.pid`, so a test can kill it mid-save.
-    """
-    folder = os.environ.get("UCP_TEST_HOLD_DIR")
-    if not folder:
-        return
-    if os.path.exists(os.path.join(folder, f"{tag}.rank{rank}.fail")):
-        raise OSError(28, "No space left on device (injected by $UCP_TEST_HOLD_DIR)")
-    hold = os.path.join(folder, f"{tag}.hold")
-    if not os.path.exists(hold):
-        return
-    pid_file = os.path.join(folder, f"{tag}.rank{rank}.pid")
-    with open(pid_file + PARTIAL_SUFFIX, "w") as f:
-        f.write(str(os.getpid()))
-    os.replace(pid_file + PARTIAL_SUFFIX, pid_file)
-    while os.path.exists(hold):
-        time.sleep(0.05)
 
 
 class BackgroundSave:

@@ -2,12 +2,12 @@
 
 Writers (`ucp convert`, the asynchronous save, `write_tensors`) build an `Index` and store it through
 `index_json`; readers (the hook, HMP slice loads, inspect, verify, export) get one from `parse_index`
-and never see the JSON. `parse_index(raw, directory)` accepts exactly what docs/FORMAT.md specifies and turns anything else
-into one `CorruptCheckpointError` naming the index, the field and the fix: wrong types, negative or
-huge numbers, unknown dtypes, a state whose byte range does not fit its dtype and shape, ranges that
-start inside the safetensors header, run past their file or overlap another, and file names that are
-not plain names of regular files inside the checkpoint folder (a symlink, a FIFO or `../x` is
-refused; files are opened with O_NOFOLLOW | O_NONBLOCK and checked with S_ISREG).
+and never see the JSON. `parse_index(raw, directory)` accepts exactly what docs/FORMAT.md specifies
+and turns anything else into one `CorruptCheckpointError` naming the index, the field and the fix:
+wrong types, negative or huge numbers, unknown dtypes, a state whose byte range does not fit its dtype
+and shape, ranges that start inside the safetensors header, run past their file or overlap another,
+and file names that are not plain names of regular files inside the checkpoint folder (a symlink, a
+FIFO or `../x` is refused; files are opened with O_NOFOLLOW | O_NONBLOCK and checked with S_ISREG).
 """
 from __future__ import annotations
 
@@ -106,7 +106,7 @@ class Index:
     chunk_bytes: int = CHUNK_BYTES  # the runs that states' chunk checksums cover
     run: RunRecord = field(default_factory=RunRecord)
     extra_files: dict[str, ExtraFile] = field(default_factory=dict)
-    global_split: int | None = 1  # the most pieces any state is stored split into (ucp.format.splits); None: not recorded
+    global_split: int | None = 1  # the most pieces a state is stored split into (ucp.format.splits); None: unknown
     created_by: str = f"ucp {__version__}"
 
     def entry(self, name: str) -> ParamEntry:
