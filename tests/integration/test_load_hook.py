@@ -61,6 +61,9 @@ def test_resume_continues_the_uninterrupted_run(source, target, tiny_conversion,
     stats = ucp_stats(resumed)
     assert len(stats) == target.world_size
     assert sum(s["bytes_read"] - s["bytes_checked_extra"] for s in stats) == stored_bytes(path)
+    # Every byte is checked, and none read only for that: the chunks where two ranks' partitions meet are
+    # checked from the two parts, each rank's CRC-32 of its own (checked_read.close_chunks).
+    assert sum(s["bytes_checked_extra"] for s in stats) == 0
     # Layer by layer: no rank ever held more than the largest layer's states at once.
     assert max(s["peak_layer_bytes"] for s in stats) <= largest_layer_bytes(path) < stored_bytes(path)
 

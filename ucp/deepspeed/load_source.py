@@ -43,10 +43,11 @@ from ucp.convert.source_check import check_entry, touched_entries
 from ucp.deepspeed.flat_runs import FlatRun, flat_runs, run_reads
 from ucp.deepspeed.readers import assign_readers
 from ucp.deepspeed.targets import TargetTensor
+from ucp.errors import UcpError
 from ucp.format.box_read import BoxWant, full_box, read_boxes
 from ucp.format.boxes import Box
 from ucp.format.byte_ranges import ByteRange
-from ucp.format.checked_read import fetch
+from ucp.format.checked_read import OpenChunk, close_chunks, fetch
 from ucp.format.fileio import ReadCounter
 from ucp.format.index import StoredState
 from ucp.format.safetensors_stream import TORCH_DTYPES
@@ -96,6 +97,15 @@ def _held_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
 
 
+def _all_ranks(opened: list[OpenChunk]) -> list[OpenChunk]:
+    """Every rank's open chunks (collective over the world; each rank's own without distributed)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return opened
+    found = [None] * dist.get_world_size()
+    dist.all_gather_object(found, opened)
+    return [c for chunks in found for c in chunks]
+
+
 def _count(stats, counter: ReadCounter) -> None:
     stats.bytes_read += counter.bytes
     stats.read_calls += counter.calls
@@ -127,18 +137,28 @@ class AtomicSource:
 
     def check_first(self, layers: Iterable[dict[Key, TargetTensor]], mine: Callable[[dict], list[Key]],
                     bypass: bool, stats) -> None:
-        """Every read of the load, checked chunk by chunk as `read` checks it (see `Source.check_first`); whole
-        layers of what it read are kept while they fit in `keep_bytes`."""
-        counter, kept = ReadCounter(), 0
+        """Every read of the load, checked chunk by chunk (see `Source.check_first`); whole layers of what it
+        read are kept while they fit in `keep_bytes`. A chunk that a rank reads only part of (where ZeRO
+        partitions meet) is checked from the parts the ranks read, exchanged once (a collective), rather
+        than read whole by each (`ucp.format.checked_read.close_chunks`)."""
+        counter, kept, opened = ReadCounter(), 0, []
         self._checked = True
-        for wants in layers:
-            values, extra = read_boxes(self.ckpt.path, self._boxes(wants, mine(wants), bypass),
-                                       self.ckpt.index.chunk_bytes, counter)
-            stats.bytes_checked_extra += extra
-            size = _held_bytes(values.values())
-            if kept + size <= self.keep_bytes:
-                self._kept.update(values)
-                kept += size
+        damaged = None
+        try:
+            for wants in layers:
+                values, extra = read_boxes(self.ckpt.path, self._boxes(wants, mine(wants), bypass),
+                                           self.ckpt.index.chunk_bytes, counter, open_chunks=opened)
+                stats.bytes_checked_extra += extra
+                size = _held_bytes(values.values())
+                if kept + size <= self.keep_bytes:
+                    self._kept.update(values)
+                    kept += size
+        except UcpError as exc:  # still meet the others in the exchange below
+            damaged = exc
+        everyone = _all_ranks(opened)
+        if damaged is not None:
+            raise damaged
+        stats.bytes_checked_extra += close_chunks(self.ckpt.path, opened, everyone, counter)
         _count(stats, counter)
 
     def _boxes(self, wants: dict[Key, TargetTensor], readers: list[Key], bypass: bool) -> dict[Key, BoxWant]:

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from ucp.format.boxes import Box
-from ucp.format.checked_read import Key, read_checked
+from ucp.format.checked_read import Key, OpenChunk, read_checked
 from ucp.format.fileio import ReadCounter
 from ucp.format.index import StoredState
 from ucp.format.safetensors_stream import TORCH_DTYPES
@@ -36,12 +36,13 @@ class BoxWant:
 
 
 def read_boxes(root: Path, wants: dict[Key, BoxWant], chunk_bytes: int, counter: ReadCounter,
-               verify: bool = True) -> tuple[dict[Key, torch.Tensor], int]:
+               verify: bool = True, open_chunks: list[OpenChunk] | None = None) -> tuple[dict[Key, torch.Tensor], int]:
     """Each want's box (a tensor of the box's shape) or run (1-D), from the checkpoint folder `root`; and
-    how many bytes were read beyond the wanted ones to check them (`verify`)."""
+    how many bytes were read beyond the wanted ones to check them (`verify`). With `open_chunks`, the chunks
+    a read holds only part of are left there for `checked_read.close_chunks`."""
     plans = {key: _plan(key, want) for key, want in wants.items()}
     chunks, extra = read_checked(root, {key: (want.stored, plans[key].range) for key, want in wants.items()},
-                                 chunk_bytes, counter, verify)
+                                 chunk_bytes, counter, verify, open_chunks)
     return {key: _cut(chunks[key], want, plans[key]) for key, want in wants.items()}, extra
 
 

@@ -4,21 +4,41 @@ A read of part of a state is widened to the state's chunk boundaries (`cover`), 
 then holds is checked against the chunk CRC-32 the index records (`check`); a whole state is checked
 against its CRC-32. A state recorded without chunk checksums (checkpoints of format 1 written before
 them) is read whole to be checked. No byte reaches a model unchecked.
+
+Ranks that read neighbouring parts of a state (ZeRO partitions) need not each read the chunks their
+boundary cuts: given `open_chunks`, a read stays exact, its whole chunks are checked, and each chunk it
+holds only part of becomes an `OpenChunk` carrying that part's CRC-32. `close_chunks` then checks each
+such chunk from the parts every rank read, joined with `crc32_combine`, reading only the bytes no rank
+read.
 """
 from __future__ import annotations
 
 import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ucp.errors import CorruptCheckpointError
 from ucp.format.byte_ranges import ByteRange, coalesce
-from ucp.format.crc import chunk_bounds
+from ucp.format.crc import chunk_bounds, crc32_combine
 from ucp.format.fileio import ReadCounter, pread_into, tensor_bytes
 from ucp.format.index import StoredState
 
 Key = tuple[str, str]
+
+
+@dataclass(frozen=True)
+class OpenChunk:
+    """A chunk of a stored state of which a read holds only `part` = (begin, end, CRC-32 of those bytes)."""
+
+    file: str
+    begin: int
+    end: int
+    crc32: int  # of the whole chunk, as the index records it
+    part: tuple[int, int, int]
+    where: str  # the state, for the error
 
 
 def cover(stored: StoredState, wanted: ByteRange, chunk_bytes: int) -> ByteRange:
@@ -61,17 +81,79 @@ def fetch(root: Path, ranges: list[ByteRange], counter: ReadCounter) -> dict[Byt
 
 
 def read_checked(root: Path, wanted: dict[Key, tuple[StoredState, ByteRange]], chunk_bytes: int,
-                 counter: ReadCounter, verify: bool = True) -> tuple[dict[Key, torch.Tensor], int]:
+                 counter: ReadCounter, verify: bool = True,
+                 open_chunks: list[OpenChunk] | None = None) -> tuple[dict[Key, torch.Tensor], int]:
     """The bytes of each wanted range of a stored state, checked (see the module docstring), and how many
-    bytes were read beyond the wanted ones to check them. Touching reads of a file are coalesced."""
-    covers = {key: cover(stored, rng, chunk_bytes) if verify else rng for key, (stored, rng) in wanted.items()}
+    bytes were read beyond the wanted ones to check them. Touching reads of a file are coalesced. With
+    `open_chunks`, partial chunks are not widened but appended there, for `close_chunks`."""
+    def to_read(stored: StoredState, rng: ByteRange) -> ByteRange:
+        if not verify or open_chunks is not None and stored.chunk_crc32 is not None:
+            return rng
+        return cover(stored, rng, chunk_bytes)
+
+    covers = {key: to_read(stored, rng) for key, (stored, rng) in wanted.items()}
     fetched = fetch(root, [c for c in covers.values() if c.nbytes], counter)
     out = {}
     for key, (stored, rng) in wanted.items():
         read = covers[key]
         data = fetched.get(read, torch.empty(0, dtype=torch.uint8))
-        if verify:
-            check(data, read, stored, chunk_bytes, f"{root / stored.file}: {key[0]}:{key[1]}")
+        where = f"{root / stored.file}: {key[0]}:{key[1]}"
+        if verify and read == rng and open_chunks is not None and stored.chunk_crc32 is not None:
+            open_chunks += _check_whole_chunks(data, read, stored, chunk_bytes, where)
+        elif verify:
+            check(data, read, stored, chunk_bytes, where)
         out[key] = data.narrow(0, rng.begin - read.begin, rng.nbytes)
     extra = sum(c.nbytes for c in covers.values()) - sum(rng.nbytes for _, rng in wanted.values())
     return out, extra
+
+
+def _check_whole_chunks(data: torch.Tensor, read: ByteRange, stored: StoredState, chunk_bytes: int,
+                        where: str) -> list[OpenChunk]:
+    """Check the chunks of `stored` that `read` holds whole; the ones it holds part of, open."""
+    raw, opened = tensor_bytes(data), []
+    for lo, hi in chunk_bounds(read.begin, read.end, chunk_bytes):
+        first = max(stored.begin, lo // chunk_bytes * chunk_bytes)
+        bounds = (first, min(stored.end, (lo // chunk_bytes + 1) * chunk_bytes))
+        expected = stored.chunk_crc32[len(chunk_bounds(stored.begin, first, chunk_bytes))]
+        crc = zlib.crc32(raw[lo - read.begin:hi - read.begin])
+        if (lo, hi) != bounds:
+            opened.append(OpenChunk(stored.file, *bounds, expected, (lo, hi, crc), where))
+        elif crc != expected:
+            raise CorruptCheckpointError(f"{where} bytes [{lo}, {hi}) fail their checksum; the file is damaged, "
+                                         "convert again or restore it from a copy")
+    return opened
+
+
+def close_chunks(root: Path, mine: Sequence[OpenChunk], everyone: Sequence[OpenChunk], counter: ReadCounter) -> int:
+    """Check each chunk of `mine` from the parts of it in `everyone` (every rank's open chunks, `mine` among
+    them), joined in file order; bytes of the chunk no rank read are read here. Returns how many were."""
+    parts: dict[tuple[str, int], set[tuple[int, int, int]]] = {}
+    for c in everyone:
+        parts.setdefault((c.file, c.begin), set()).add(c.part)
+    extra, done = 0, set()
+    for c in mine:
+        if (c.file, c.begin) in done:
+            continue
+        done.add((c.file, c.begin))
+        crc, read = _joined(root / c.file, parts[(c.file, c.begin)], c.begin, c.end, counter)
+        extra += read
+        if crc != c.crc32:
+            raise CorruptCheckpointError(f"{c.where} bytes [{c.begin}, {c.end}) fail their checksum; the file is "
+                                         "damaged, convert again or restore it from a copy")
+    return extra
+
+
+def _joined(path: Path, parts: set[tuple[int, int, int]], begin: int, end: int,
+            counter: ReadCounter) -> tuple[int, int]:
+    """The CRC-32 of bytes [begin, end) of `path` from `parts` (begin, end, CRC-32) of them, in file order,
+    reading what no part covers; and how many bytes that read."""
+    crc, cursor, read = 0, begin, 0
+    while cursor < end:
+        step = max((p for p in parts if p[0] == cursor), key=lambda p: p[1], default=None)
+        if step is None:  # a gap: up to the next part
+            stop = min((p[0] for p in parts if p[0] > cursor), default=end)
+            buf = torch.empty(stop - cursor, dtype=torch.uint8)
+            pread_into(str(path), buf, cursor, counter)
+            step, read = (cursor, stop, zlib.crc32(tensor_bytes(buf))), read + stop - cursor
+        crc, cursor = crc32_combine(crc, step[2], step[1] - step[0]), step[1]
+    return crc, read

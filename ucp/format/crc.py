@@ -61,7 +61,8 @@ def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
 # A stored state also records the CRC-32 of each of its chunks: the runs of its bytes between file
 # offsets that are multiples of `chunk_bytes` (the first and last chunk may be shorter). A reader of
 # part of a state widens its read to those boundaries and checks every chunk it read, so a partial
-# read is verified at the cost of at most two partial chunks more (docs/FORMAT.md, "Checksums").
+# read is verified at the cost of at most two partial chunks more; ranks reading neighbouring parts
+# can instead join their parts' CRC-32s (`crc32_combine`; docs/FORMAT.md, "Checksums").
 
 CHUNK_BYTES = 1 << 20
 
