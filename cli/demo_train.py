@@ -95,4 +95,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    import ucp.deepspeed
+
     main()
+    ucp.deepspeed.finish()  # exit 0 every time: no gloo thread outlives the interpreter (docs/RELIABILITY.md)

@@ -20,6 +20,7 @@ import accelerate  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
+import ucp.deepspeed  # noqa: E402
 import ucp.transformers  # noqa: E402
 
 
@@ -65,3 +66,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # Last: wait for saves, tear down gloo and exit 0. Without it, a gloo thread still busy as the interpreter
+    # finalizes can abort the process after all its work is done (docs/RELIABILITY.md, "Exit aborts").
+    ucp.deepspeed.finish()

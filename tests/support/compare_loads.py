@@ -106,10 +106,6 @@ def main():
 
 
 if __name__ == "__main__":
+    import ucp.deepspeed
     main()
-    # Every rank has passed the barrier and rank 0 has written its results: leave without interpreter
-    # finalization, where gloo/DeepSpeed objects still alive now and then abort the process ("terminate
-    # called without an active exception", seen on this machine with stock DeepSpeed runs too).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    ucp.deepspeed.finish()

@@ -128,6 +128,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from script_exit import exit_without_finalizing
+    import ucp.deepspeed
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    exit_without_finalizing(main())
+    ucp.deepspeed.finish(main())

@@ -124,8 +124,8 @@ def load_dcp(model, optimizer, folder) -> None:
 
 
 if __name__ == "__main__":
-    from script_exit import exit_without_finalizing
+    import ucp.deepspeed
     from multi_run import run_all
 
-    exit_without_finalizing(run_all(train_one,
+    ucp.deepspeed.finish(run_all(train_one,
                                     "{model: llama|gpt2, stage, dtype: fp32|bf16, save_dir, dump_state, after}"))

@@ -199,6 +199,6 @@ def swap_row_parallel_blocks() -> None:
 
 
 if __name__ == "__main__":
-    from script_exit import exit_without_finalizing
-    exit_without_finalizing(run_all(train_one, "{stage, dtype, tied, save_dir, dump_state, frozen, llama, resume options}",
+    import ucp.deepspeed
+    ucp.deepspeed.finish(run_all(train_one, "{stage, dtype, tied, save_dir, dump_state, frozen, llama, resume options}",
                                     add_arguments=lambda p: p.add_argument("--tp", type=int, default=2)))

@@ -397,5 +397,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from script_exit import exit_without_finalizing
-    exit_without_finalizing(main())
+    import ucp.deepspeed
+    ucp.deepspeed.finish(main())

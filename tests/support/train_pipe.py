@@ -127,5 +127,5 @@ def train_one(run: dict, args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    from script_exit import exit_without_finalizing
-    exit_without_finalizing(run_all(train_one, "{stage, dtype, topology, save_dir, dump_state}"))
+    import ucp.deepspeed
+    ucp.deepspeed.finish(run_all(train_one, "{stage, dtype, topology, save_dir, dump_state}"))

@@ -398,12 +398,16 @@ class SaveEvery:
         engine.step = step_and_save
 
 
-def _wait_all() -> None:
+def wait_all() -> list[SaveError]:
+    """Wait for every engine's save in flight; the failures, each logged (at exit, and by `finish`)."""
+    failed = []
     for saver in list(_LIVE):
         try:
             saver.wait()
         except SaveError as exc:
             logger.error("ucp: at exit: %s", exc)
+            failed.append(exc)
+    return failed
 
 
-atexit.register(_wait_all)
+atexit.register(wait_all)
