@@ -22,8 +22,9 @@ LAYERS = (
     ("ucp.converters",),
     ("ucp.convert", "ucp.checkpoint"),
     ("ucp.hmp",),
+    ("ucp.elastic",),
     ("ucp.deepspeed",),
-    ("ucp.export", "ucp.transformers", "ucp.accelerate"),
+    ("ucp.export", "ucp.transformers", "ucp.accelerate", "ucp.elastic.ray_train"),
     ("ucp.cli",),
     ("ucp",),
 )

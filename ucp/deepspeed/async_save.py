@@ -43,6 +43,7 @@ from ucp.deepspeed.readers import assign_readers
 from ucp.deepspeed.save_files import SaveFiles, WrittenPiece, arrange_files, whole_crcs
 from ucp.deepspeed.save_writer import BackgroundSave, SavePiece, SnapshotBuffer, partial_path, write_pieces
 from ucp.deepspeed.targets import Target, TargetTensor, Zero3Target, module_aliases, target_for
+from ucp.elastic.resume import prune
 from ucp.errors import ConfigError, OutputExistsError, SaveError, UnsupportedLayoutError
 from ucp.format import loss_scale
 from ucp.format.crc import CHUNK_BYTES
@@ -99,6 +100,7 @@ class Saver:
         self.job = BackgroundSave()
         self.last_step: int | None = None
         self.stats: SaveStats | None = None
+        self.keep: int | None = None  # after each commit, keep this many committed checkpoints (all when None)
         self._prepared: _Prepared | None = None
         _LIVE.add(self)
 
@@ -187,6 +189,8 @@ class Saver:
                 _commit(prepared, save_dir, tag, reports, meta)
             except Exception as exc:
                 outcome = str(exc) if isinstance(exc, SaveError) else f"{tag_dir}: {type(exc).__name__}: {exc}"
+        if self.leader and outcome is None and self.keep is not None:
+            _prune(save_dir, self.keep)
         outcome = self._broadcast(outcome)
         if outcome is not None:
             raise SaveError(f"{outcome}; {save_dir / 'latest'} still names the previous checkpoint (fix the cause "
@@ -313,6 +317,17 @@ def _commit(prepared: _Prepared, save_dir: Path, tag: str, reports: list, meta: 
     commit_latest(save_dir, tag)
 
 
+def _prune(save_dir: Path, keep: int) -> None:
+    """Retention after a commit; a checkpoint that cannot be removed stays, said in the log (the save stands)."""
+    try:
+        removed = prune(save_dir, keep)
+    except OSError as exc:
+        logger.warning("ucp: keeping old checkpoints in %s: %s", save_dir, exc)
+        return
+    for tag in removed:
+        logger.info("ucp: removed %s (\"keep\": %d)", tag, keep)
+
+
 def _param_record(p: dict, prepared: _Prepared, fragments: dict) -> ParamRecord:
     """The parameter's index record; its pattern says how the ranks held it (as `ucp convert` records it)."""
     shape = tuple(p["shape"])
@@ -361,24 +376,30 @@ def wait(engine) -> SaveStats | None:
 
 @dataclass(frozen=True)
 class SaveEvery:
-    """The `"save"` section of the `"ucp"` config: save into `dir` after every `every`-th optimizer step."""
+    """The `"save"` section of the `"ucp"` config: save into `dir` after every `every`-th optimizer step, and
+    keep the newest `keep` committed checkpoints there (all when None; `ucp.elastic.resume.prune`)."""
 
     dir: str
     every: int
+    keep: int | None = None
 
     @classmethod
     def from_config(cls, options) -> SaveEvery:
         if not isinstance(options, dict) or not isinstance(options.get("dir"), (str, os.PathLike)):
             raise ConfigError(f'"ucp": {{"save": {options!r}}}: needs "dir", the folder to save into, e.g. '
                               '{"dir": "/ckpt/ucp", "every": 100}')
-        every = options.get("every")
-        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
-            raise ConfigError(f'"ucp": {{"save": {{"every": {every!r}}}}}: must be a positive number of optimizer '
-                              'steps')
-        unknown = set(options) - {"dir", "every"}
+        for key in ("every", "keep"):
+            value = options.get(key)
+            if key == "keep" and value is None:
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                what = "optimizer steps" if key == "every" else "checkpoints to keep (at least 1)"
+                raise ConfigError(f'"ucp": {{"save": {{"{key}": {value!r}}}}}: must be a positive number of {what}')
+        unknown = set(options) - {"dir", "every", "keep"}
         if unknown:
-            raise ConfigError(f'"ucp": {{"save": ...}}: unknown key {sorted(unknown)[0]!r}; known: "dir", "every"')
-        return cls(os.fspath(options["dir"]), every)
+            raise ConfigError(f'"ucp": {{"save": ...}}: unknown key {sorted(unknown)[0]!r}; known: "dir", "every", '
+                              '"keep"')
+        return cls(os.fspath(options["dir"]), options["every"], options.get("keep"))
 
     def install(self, engine) -> None:
         """Wrap `engine.step` to save after every `every`-th optimizer step.
@@ -387,6 +408,7 @@ class SaveEvery:
         """
         saver = saver_for(engine)
         saver.last_step = engine.global_steps
+        saver.keep = self.keep
         step: Callable = engine.step
 
         def step_and_save(*args, **kwargs):

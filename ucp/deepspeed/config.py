@@ -12,6 +12,7 @@ import os
 from ucp.errors import ConfigError
 
 CONFIG_KEY = "ucp"
+AUTO = "auto"  # "load": resume from the save folder's newest committed checkpoint, or start fresh
 # Keys that `ucp.deepspeed.load` takes, with the types each accepts.
 LOAD_OPTIONS: dict[str, tuple[type, ...]] = {
     "bypass": (bool,),
@@ -21,7 +22,7 @@ LOAD_OPTIONS: dict[str, tuple[type, ...]] = {
     "check_first": (bool,),
     "layout": (dict, str, os.PathLike),
 }
-KNOWN_KEYS = ("load", "save", *LOAD_OPTIONS)
+KNOWN_KEYS = ("load", "save", "elastic", *LOAD_OPTIONS)
 
 
 def ucp_options(config: dict | None) -> dict:
@@ -37,7 +38,7 @@ def ucp_options(config: dict | None) -> dict:
             hint = f'did you mean "{close[0]}"? ' if close else ""
             raise ConfigError(f'"ucp": unknown key "{key}"; {hint}known keys: {", ".join(KNOWN_KEYS)}')
         if key == "load" and not isinstance(value, (str, os.PathLike)):
-            raise ConfigError(f'"ucp": {{"load": {value!r}}}: must be the path of a checkpoint')
+            raise ConfigError(f'"ucp": {{"load": {value!r}}}: must be the path of a checkpoint, or "auto"')
         if key in LOAD_OPTIONS and not isinstance(value, LOAD_OPTIONS[key]):
             kinds = " or ".join(t.__name__ for t in LOAD_OPTIONS[key])
             raise ConfigError(f'"ucp": {{"{key}": {value!r}}}: must be {kinds}')

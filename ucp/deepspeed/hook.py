@@ -9,12 +9,21 @@ committed, and runs at exit too; see `ucp.deepspeed.async_save`). The `"ucp"` co
 
 * `load` (str): the atomic checkpoint to restore, or a save directory (its `latest` is restored);
   or a DeepSpeed checkpoint (save directory with `latest`, or a tag folder), resharded on the fly
-  without conversion (`ucp.deepspeed.load_source`).
-* `save` (dict): `{"dir": str, "every": int}` saves asynchronously into `<dir>/global_step<N>`
-  after every `every`-th optimizer step (`engine.step` is wrapped; nothing else to call), and
-  moves `<dir>/latest` once each is committed. A save that finds the previous one still writing
-  waits for it, with a warning. Client state for these saves is `engine.ucp_client_state` (a
-  dict) when set. Data parallelism (ZeRO 0-3) only.
+  without conversion (`ucp.deepspeed.load_source`); or
+  `"auto"`: the newest committed checkpoint of the `save` folder that passes its checks (an older one,
+  with a warning naming both, when the newest is damaged), or a fresh start when there is none; one
+  line on rank 0 says which (`ucp.deepspeed.elastic.resume_auto`). The same command then serves the
+  first start and every restart.
+* `save` (dict): `{"dir": str, "every": int, "keep": int}` saves asynchronously into
+  `<dir>/global_step<N>` after every `every`-th optimizer step (`engine.step` is wrapped; nothing
+  else to call), and moves `<dir>/latest` once each is committed; with `keep`, only the newest `keep`
+  committed checkpoints stay (never the one `latest` names, nor one being read). A save that finds
+  the previous one still writing waits for it, with a warning. Client state for these saves is
+  `engine.ucp_client_state` (a dict) when set. Data parallelism (ZeRO 0-3) only.
+* `elastic` (dict): `{"global_batch": B, "micro_batch": m}` sets DeepSpeed's batch keys for the
+  current world size so that every optimizer step sees the same B samples at any world size, in
+  uneven shares where B does not divide (`ucp.elastic.shares`); pair it with
+  `ucp.elastic.ElasticBatchSampler`, which continues one global sample order from the checkpoint.
 * `bypass` (bool, default true): redundancy-bypassing read. Each rank reads its own ZeRO
   partitions straight from storage, and every tensor that all ranks of the data-parallel group
   need whole (ZeRO-0 models, frozen parameters, buffers) is read by one rank, chosen to balance
@@ -65,6 +74,7 @@ import copy
 import json
 import os
 import re
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -74,13 +84,18 @@ import torch.distributed as dist
 from ucp.checkpoint import AtomicCheckpoint, PlannedCheckpoint, open_checkpoint
 from ucp.deepspeed.async_save import SaveEvery, SaveStats, save, wait
 from ucp.deepspeed.autotp import with_tensor_parallel
-from ucp.deepspeed.config import load_options, ucp_options, without_ucp
+from ucp.deepspeed.config import AUTO, load_options, ucp_options, without_ucp
+from ucp.deepspeed.elastic import StepBook, check_engine, resume_auto, with_batch_keys, world_size
 from ucp.deepspeed.load_source import Source, box_numel, source_for
 from ucp.deepspeed.placement import as_layout, place_by_layout
 from ucp.deepspeed.readers import assign_readers
 from ucp.deepspeed.targets import OPTIMIZER_STATES, Target, TargetTensor, module_aliases, target_for
-from ucp.errors import CheckpointMismatchError, CorruptCheckpointError, UcpError, UnsupportedLayoutError
+from ucp import errors
+from ucp.elastic.shares import ElasticBatch
+from ucp.errors import (CheckpointMismatchError, ConfigError, CorruptCheckpointError, UcpError,
+                        UnsupportedLayoutError)
 from ucp.format import loss_scale
+from ucp.format.folder import INDEX_NAME, latest_checkpoint, reading
 from ucp.hmp.layout import Layout, ParamSpec
 
 Checkpoint = AtomicCheckpoint | PlannedCheckpoint
@@ -110,6 +125,7 @@ def initialize(*args, **kwargs):
     """
     import deepspeed
 
+    called = time.time()
     config_key = "config" if kwargs.get("config") is not None else "config_params"
     config = kwargs.get(config_key)
     if config is None and args and getattr(args[0], "deepspeed_config", None):
@@ -118,17 +134,31 @@ def initialize(*args, **kwargs):
         with open(config) as f:
             config = json.load(f)
     options = ucp_options(config)
+    save_every = SaveEvery.from_config(options["save"]) if "save" in options else None
+    auto = options.get("load") == AUTO
+    if auto and save_every is None:
+        raise ConfigError('"ucp": {"load": "auto"} resumes from the save folder: add "save": {"dir": ..., "every": ...}')
+    batch = ElasticBatch.from_config(options["elastic"], world_size()) if "elastic" in options else None
     if options:
-        kwargs = {**kwargs, config_key: without_ucp(config)}
+        ds_config = without_ucp(config)
+        kwargs = {**kwargs, config_key: with_batch_keys(ds_config, batch) if batch else ds_config}
         if args and getattr(args[0], "deepspeed_config", None):
             args = (copy.copy(args[0]), *args[1:])
             args[0].deepspeed_config = None
-    save_every = SaveEvery.from_config(options["save"]) if "save" in options else None
     result = deepspeed.initialize(*args, **kwargs)
-    if options.get("load"):
-        load(result[0], options["load"], **load_options(options))
+    engine = result[0]
+    if batch is not None:
+        check_engine(engine, batch)
+        engine.ucp_elastic = batch
+    resumed = None
+    if auto:
+        resumed = resume_auto(engine, save_every.dir, load, **load_options(options))
+    elif options.get("load"):
+        load(engine, options["load"], **load_options(options))
+    if batch is not None or auto:
+        StepBook(engine, batch, save_every.dir if auto else None, resumed, called).install()
     if save_every is not None:
-        save_every.install(result[0])
+        save_every.install(engine)
     return result
 
 
@@ -150,6 +180,23 @@ def load(engine, path: str | os.PathLike, *, bypass: bool = True, load_optimizer
     layout gives this rank; `param_table` (default: the module's `ucp_param_table`) describes the
     full model.
     """
+    with reading(_tag_folder(path)):
+        return _load(engine, path, bypass, load_optimizer_states, load_lr_scheduler_states, strict, check_first,
+                     layout, param_table)
+
+
+def _tag_folder(path: str | os.PathLike) -> str | os.PathLike:
+    """The checkpoint folder `path` names (a save folder's `latest`), for the reading lock."""
+    if os.path.isfile(os.path.join(path, INDEX_NAME)):
+        return path
+    try:
+        return latest_checkpoint(path) or path
+    except (OSError, ValueError):  # an unreadable `latest`: the load itself says what is wrong with it
+        return path
+
+
+def _load(engine, path, bypass, load_optimizer_states, load_lr_scheduler_states, strict, check_first, layout,
+          param_table) -> dict:
     target = target_for(engine)
     try:
         ckpt = open_checkpoint(path)
@@ -254,19 +301,24 @@ def _check_untied_copy(ckpt: AtomicCheckpoint, alias: str, source: str) -> None:
 
 def _agree(error: UcpError | None, kind: type[UcpError] | None = None) -> None:
     """Every rank raises if any rank found a mismatch (pipeline stages, expert ranks and layout slices
-    differ between ranks) or damaged bytes, so none goes on into collectives the others never join;
-    the others raise `kind` (default `CheckpointMismatchError`) naming the rank that found it."""
+    differ between ranks) or damaged bytes, so none goes on into collectives the others never join.
+    The others raise the same class as the rank that found it (else `kind`, default
+    `CheckpointMismatchError`), naming that rank, so every rank can take the same decision on it."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         if error is not None:
             raise error
         return
     found = [None] * dist.get_world_size()
-    dist.all_gather_object(found, None if error is None else str(error))
+    dist.all_gather_object(found, None if error is None else (type(error).__name__, str(error)))
     if error is not None:
         raise error
     first = next(((rank, f) for rank, f in enumerate(found) if f is not None), None)
     if first is not None:
-        raise (kind or CheckpointMismatchError)(f"rank {first[0]}: {first[1]}")
+        rank, (name, message) = first
+        cls = getattr(errors, name, None)
+        if not (isinstance(cls, type) and issubclass(cls, UcpError)):
+            cls = kind or CheckpointMismatchError
+        raise cls(f"rank {rank}: {message}")
 
 
 # -- tensors, layer by layer ----------------------------------------------------------------------------

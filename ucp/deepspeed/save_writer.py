@@ -159,14 +159,16 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
 class BackgroundSave:
     """At most one save in flight: a writer thread per save, its failure kept for the next call.
 
-    A new save waits, with a log message, for the previous one to finish writing: the snapshot
-    buffer is reused, so memory stays at one snapshot whatever the save frequency.
+    A new save waits for the previous one to finish writing: the snapshot buffer is reused, so memory
+    stays at one snapshot whatever the save frequency. The first such wait is a warning, later ones are
+    counted at info level (`stalls`), so that saving every step does not flood the log.
     """
 
     def __init__(self) -> None:
         self._thread: threading.Thread | None = None
         self._label = ""
         self._error: BaseException | None = None
+        self.stalls = 0
 
     @property
     def busy(self) -> bool:
@@ -182,8 +184,11 @@ class BackgroundSave:
     def wait_turn(self, label: str) -> None:
         """`wait`, saying in the log when the save in flight holds up save `label`."""
         if self.busy:
-            logger.warning("ucp: save %s waits for save %s, which is still writing (one save is in flight at a "
-                           "time; save less often to avoid this stall)", label, self._label)
+            self.stalls += 1
+            logger.log(logging.WARNING if self.stalls == 1 else logging.INFO,
+                       "ucp: save %s waits for save %s, which is still writing (one save is in flight at a time; "
+                       "save less often to avoid this stall; said once, then counted at info level)", label,
+                       self._label)
         self.wait()
 
     def wait(self) -> None:

@@ -7,8 +7,11 @@ replaced atomically only after that checkpoint's index is committed.
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
@@ -68,6 +71,50 @@ def latest_checkpoint(save_dir: str | os.PathLike) -> Path | None:
         return None
     folder = Path(save_dir) / pointer.read_text().strip()
     return folder if (folder / INDEX_NAME).is_file() else None
+
+
+def _lock_path(directory: Path) -> Path:
+    """The lock file of a tag folder: beside it, so that reading never writes into a checkpoint."""
+    return directory.parent / f".{directory.name}.lock"
+
+
+@contextmanager
+def reading(directory: str | os.PathLike) -> Iterator[None]:
+    """Hold a shared lock on a checkpoint folder while reading it, so retention (`"keep"`) leaves it alone.
+
+    Where the lock cannot be taken (a read-only folder), the read goes on without it."""
+    try:
+        fd = os.open(_lock_path(Path(directory)), os.O_RDONLY | os.O_CREAT, 0o644)
+    except OSError:
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def locked_for_removal(directory: str | os.PathLike) -> Iterator[bool]:
+    """Whether no reader holds `directory` (`reading`); while True, none can start until the block ends."""
+    lock = _lock_path(Path(directory))
+    try:
+        fd = os.open(lock, os.O_RDONLY | os.O_CREAT, 0o644)
+    except OSError:
+        yield True
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        yield False
+        return
+    try:
+        yield True
+        lock.unlink(missing_ok=True)
+    finally:
+        os.close(fd)
 
 
 def fsync_dir(directory: Path) -> None:

@@ -1,0 +1,49 @@
+"""Elastic DeepSpeed training under torchrun: lose a node or a worker, keep training, get it back.
+
+Each agent is a "node"; on one machine, start several (each its own terminal), all with the same rendezvous:
+
+    torchrun --nnodes=1:4 --nproc-per-node=1 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:29400 \\
+        --rdzv-id=demo --max-restarts=10 --monitor-interval=1 --rdzv-conf=last_call_timeout=2 \\
+        examples/elastic/torchrun/train.py --save-dir /tmp/elastic --steps 40
+
+Kill one agent (and its worker) and the others restart their workers at the new world size, which resume from
+the newest committed ucp checkpoint; start an agent again and the job grows back at the next restart. The first
+agent hosts the rendezvous store: keep it (or run the store elsewhere, --rdzv-endpoint) alive. On GPUs, drop
+DS_ACCELERATOR and the gloo backend.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")   # CPU only
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import deepspeed  # noqa: E402
+
+import ucp.deepspeed  # noqa: E402
+from training import Run, train  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--save-dir", required=True, help="where ucp saves, and resumes from after a restart")
+    p.add_argument("--steps", type=int, default=16, help="optimizer steps the run trains in all")
+    p.add_argument("--stage", type=int, default=1, help="ZeRO stage")
+    p.add_argument("--global-batch", type=int, default=10, help="samples per optimizer step, at any world size")
+    p.add_argument("--micro-batch", type=int, default=2, help="the most samples per forward pass")
+    p.add_argument("--every", type=int, default=1, help="save every this many optimizer steps")
+    p.add_argument("--keep", type=int, default=3, help="committed checkpoints to keep")
+    p.add_argument("--losses-out", help="append each step's loss here (JSON lines, rank 0)")
+    p.add_argument("--stock", action="store_true", help="negative control: DistributedSampler, no \"elastic\"")
+    args = p.parse_args()
+    deepspeed.init_distributed(dist_backend="gloo")   # CPU only
+    train(Run(args.save_dir, args.steps, args.stage, args.global_batch, args.micro_batch, args.every, args.keep,
+              args.losses_out, args.stock))
+
+
+if __name__ == "__main__":
+    main()
+    ucp.deepspeed.finish()   # exit 0 every time (docs/RELIABILITY.md, "Processes end with their exit code")

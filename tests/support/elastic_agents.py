@@ -1,0 +1,131 @@
+"""torchrun elastic agents on this machine, each a "node" of one worker, for fault tests (loopback only).
+
+Every agent runs `torchrun --nnodes=MIN:MAX --nproc-per-node=1 --rdzv-backend=c10d` against one rendezvous
+on 127.0.0.1, whose store this process hosts (as a job's launcher or a head node would), so that any agent can
+be taken away. A node lost is its agent and every process under it killed with SIGKILL; a worker lost is one
+worker process.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+
+from support.launch import ds_env, free_port
+from support.processes import wait_for
+
+
+class ElasticJob:
+    def __init__(self, script: Path, args: list[str], workdir: Path, nodes: str = "1:4", max_restarts: int = 10):
+        self.script, self.args, self.workdir = script, [str(a) for a in args], workdir
+        self.nodes, self.max_restarts = nodes, max_restarts
+        from torch.distributed import TCPStore
+
+        self.port = free_port()
+        self.store = TCPStore("127.0.0.1", self.port, is_master=True, multi_tenant=True, wait_for_workers=False)
+        self.agents: list[subprocess.Popen] = []
+        workdir.mkdir(parents=True, exist_ok=True)
+
+    def start_agent(self) -> int:
+        """Start one more agent; its index."""
+        index = len(self.agents)
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={self.nodes}", "--nproc-per-node=1",
+               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{self.port}", "--rdzv-id=ucp-test",
+               "--rdzv-conf=is_host=false,last_call_timeout=2,join_timeout=300,keep_alive_interval=1,keep_alive_max_attempt=3", f"--max-restarts={self.max_restarts}",
+               "--monitor-interval=0.5", str(self.script), *self.args]
+        log = open(self.workdir / f"agent{index}.log", "w")
+        # A fresh store for the workers of each rendezvous round: with the agents' shared store (torch's
+        # default), a restarted gloo worker can read a dead worker's address left from the last round and hang
+        # in connect (docs/RELIABILITY.md).
+        env = ds_env({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "LOGLEVEL": "INFO"})
+        self.agents.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True))
+        log.close()
+        return index
+
+    def workers(self, index: int) -> list[psutil.Process]:
+        try:
+            return psutil.Process(self.agents[index].pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+
+    def lose_node(self, index: int) -> None:
+        """The node is gone: its agent and every process under it, SIGKILL."""
+        victims = self.workers(index)
+        os.kill(self.agents[index].pid, signal.SIGKILL)
+        for p in victims:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        self.agents[index].wait()
+
+    def lose_worker(self, index: int) -> None:
+        """One worker process dies (SIGKILL); its agent lives on."""
+        workers = wait_for(lambda: [p for p in self.workers(index) if "train" in " ".join(p.cmdline())], 120,
+                           f"agent {index}'s worker")
+        workers[0].kill()
+
+    def join_while_paused(self) -> int:
+        """Start one more agent while every worker is stopped (SIGSTOP), so that the job cannot finish before the
+        new agent is waiting in the rendezvous; the running agents then restart their workers with it."""
+        running = [i for i, a in enumerate(self.agents) if a.poll() is None]
+        workers = [p for i in running for p in self.workers(i)]
+        seen = self._detections(running)
+        for p in workers:
+            p.suspend()
+        try:
+            index = self.start_agent()
+            wait_for(lambda: self._detections(running) > seen, 300, f"the running agents to see agent {index} wait")
+        finally:
+            for p in workers:
+                try:
+                    p.resume()
+                except psutil.NoSuchProcess:
+                    pass
+        return index
+
+    def _detections(self, agents: list[int]) -> int:
+        """How often these agents logged that new nodes wait to join (they then restart their workers)."""
+        return sum((self.workdir / f"agent{i}.log").read_text(errors="replace").count("new nodes from group_rank")
+                   for i in agents)
+
+    def wait(self, timeout: float = 600) -> dict[int, int]:
+        """Exit codes of the agents still running (those not killed), once all have ended."""
+        codes = {}
+        for i, agent in enumerate(self.agents):
+            if agent.returncode is None or agent.returncode >= 0:
+                codes[i] = agent.wait(timeout=timeout)
+        return codes
+
+    def stop(self) -> None:
+        for i, agent in enumerate(self.agents):
+            if agent.poll() is None:
+                self.lose_node(i)
+
+    def logs(self, tail: int | None = 4000) -> str:
+        """Every agent's log (the last `tail` characters of each; all with None)."""
+        texts = [(self.workdir / f"agent{i}.log").read_text(errors="replace") for i in range(len(self.agents))]
+        return "\n".join(f"--- agent {i} ---\n" + (t if tail is None else t[-tail:]) for i, t in enumerate(texts))
+
+
+def read_losses(path: Path) -> list[dict]:
+    """The JSON lines the training script appended, one per step it finished (a step redone appears again)."""
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:  # a line being written
+            pass
+    return out
+
+
+def reached(path: Path, step: int, world: int | None = None):
+    """A predicate for `wait_for`: a step >= `step` was logged (at `world` ranks, when given)."""
+    return lambda: any(r["step"] >= step and (world is None or r["world"] == world) for r in read_losses(path))

@@ -1,0 +1,163 @@
+"""The engine's side of elastic training: batch keys for this world size, resume-or-start, step bookkeeping.
+
+`ucp.deepspeed.initialize` calls these for the `"elastic"` section and `"load": "auto"` (see
+`ucp.elastic` for the parts that know no engine):
+
+* `with_batch_keys` sets DeepSpeed's three batch keys from `"elastic"` for the current world size
+  (DeepSpeed refuses a train_batch_size that is not micro x accumulation x world).
+* `resume_auto` loads the newest committed checkpoint of the save folder that passes its checks, falling
+  back to older ones with a warning naming both (the newer ones are set aside as `<tag>.damaged`), or
+  starts fresh; every rank takes the same decision.
+* `StepBook` wraps `engine.step`: after each optimizer step it keeps `global_samples` at B per step
+  (DeepSpeed adds its nominal train_batch_size), records the job's progress, and after the first step
+  of a restarted job logs what the restart cost (`ucp.elastic.restart`).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch.distributed as dist
+
+from ucp.elastic.restart import Progress, RestartReport, read_progress, record_progress
+from ucp.elastic.resume import candidates, set_aside
+from ucp.elastic.shares import BATCH_KEYS, ElasticBatch
+from ucp.errors import ConfigError, CorruptCheckpointError, UnsupportedLayoutError
+
+logger = logging.getLogger("ucp.elastic")
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    """This run's world size: torch.distributed's when it is up, else the launcher's WORLD_SIZE."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def with_batch_keys(config: dict, batch: ElasticBatch) -> dict:
+    """`config` with DeepSpeed's batch keys for `batch`; keys the config gave otherwise are replaced, and said."""
+    keys = batch.deepspeed_keys()
+    replaced = {k: config[k] for k in BATCH_KEYS if k in config and config[k] not in (keys[k], "auto")}
+    if replaced and _rank() == 0:
+        logger.warning("ucp: \"elastic\" sets DeepSpeed's batch keys for %d ranks: %s (the config said %s)",
+                       batch.world, keys, replaced)
+    return {**config, **keys}
+
+
+def check_engine(engine, batch: ElasticBatch) -> None:
+    """Elastic batches share samples over data-parallel ranks only."""
+    if getattr(engine, "mp_world_size", 1) > 1 or getattr(engine, "pipeline_parallelism", False):
+        raise UnsupportedLayoutError('"ucp": {"elastic": ...} shares the global batch over data-parallel ranks; '
+                                     "this engine uses tensor or pipeline parallelism too: drop \"elastic\" and set "
+                                     "DeepSpeed's batch keys yourself")
+    if engine.dp_world_size != batch.world:
+        raise ConfigError(f'"ucp": {{"elastic": ...}}: the engine runs {engine.dp_world_size} data-parallel ranks, '
+                          f"but WORLD_SIZE said {batch.world}; call deepspeed.init_distributed() before "
+                          "ucp.deepspeed.initialize")
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """What `resume_auto` loaded (path None: started fresh), its step, and how long the load took."""
+
+    path: Path | None
+    step: int
+    load_s: float
+
+
+def resume_auto(engine, save_dir: str | os.PathLike, load: Callable[..., dict], **load_kwargs) -> Resumed:
+    """Load the newest committed checkpoint of `save_dir` that passes its checks, or start fresh.
+
+    Rank 0 lists the candidates and every rank tries the same ones in the same order; `load` raises the
+    same error on every rank, with the engine untouched (`check_first`), so all fall back together.
+    """
+    found = [str(p) for p in candidates(save_dir)] if _rank() == 0 else None
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        box = [found]
+        dist.broadcast_object_list(box, src=0)
+        found = box[0]
+    failed: list[tuple[str, str]] = []
+    for path in found:
+        began = time.perf_counter()
+        try:
+            load(engine, path, **load_kwargs)
+        except CorruptCheckpointError as exc:
+            failed.append((path, str(exc)))
+            if _rank() == 0:
+                later = found[len(failed)] if len(failed) < len(found) else None
+                logger.warning("ucp: %s fails its checks (%s); %s", path, exc,
+                               f"falling back to {later}" if later else "no older committed checkpoint is left")
+            continue
+        if failed and _rank() == 0:
+            moved = set_aside([Path(p) for p, _ in failed], Path(path))
+            logger.warning("ucp: set aside %s, so that training saves those steps again", ", ".join(map(str, moved)))
+        if failed and dist.is_available() and dist.is_initialized():
+            dist.barrier()  # every rank's first save comes after the renames
+        if _rank() == 0:
+            logger.warning("ucp: resuming from %s (step %d) on %d ranks", path, engine.global_steps, world_size())
+        return Resumed(Path(path), engine.global_steps, time.perf_counter() - began)
+    if failed:
+        listed = "; ".join(f"{p}: {e}" for p, e in failed)
+        raise CorruptCheckpointError(f"{save_dir}: every committed checkpoint fails its checks ({listed}); restore "
+                                     "one from a copy, or move them away to start fresh")
+    if _rank() == 0:
+        logger.warning("ucp: no committed checkpoint in %s: starting fresh", save_dir)
+    return Resumed(None, 0, 0.0)
+
+
+class StepBook:
+    """Bookkeeping after each optimizer step (module docstring); installed by wrapping `engine.step`."""
+
+    def __init__(self, engine, batch: ElasticBatch | None, progress_dir: str | None, resumed: Resumed | None,
+                 called: float):
+        self.engine = engine
+        self.batch = batch
+        self.progress_dir = progress_dir if _rank() == 0 else None
+        self.resumed = resumed
+        self.called = called  # time.time() when ucp.deepspeed.initialize was called
+        self.before = read_progress(progress_dir) if self.progress_dir else None
+        self.loaded_at = time.time()
+
+    def install(self) -> None:
+        step = self.engine.step
+
+        def step_and_book(*args, **kwargs):
+            steps = self.engine.global_steps
+            result = step(*args, **kwargs)
+            if self.engine.global_steps != steps:
+                self.after_step()
+            return result
+
+        self.engine.step = step_and_book
+
+    def after_step(self) -> None:
+        engine = self.engine
+        if self.batch is not None:
+            engine.global_samples += self.batch.global_batch - engine.train_batch_size()
+        if self.progress_dir is None:
+            return
+        now = time.time()
+        record_progress(self.progress_dir, Progress(engine.global_steps, now, world_size()))
+        if self.before is not None:
+            report = self._report(self.before, now)
+            engine.ucp_restart = report
+            logger.warning("%s", report.line())
+            self.before = None
+
+    def _report(self, before: Progress, now: float) -> RestartReport:
+        resumed = self.resumed or Resumed(None, 0, 0.0)
+        load_began = self.loaded_at - resumed.load_s
+        started = min(max(self.called, before.time), load_began)
+        return RestartReport(
+            old_world=before.world, new_world=world_size(),
+            checkpoint=str(resumed.path) if resumed.path else None, checkpoint_step=resumed.step,
+            steps_redone=max(0, before.step - resumed.step), detection_s=started - before.time,
+            startup_s=load_began - started, load_s=resumed.load_s, first_step_s=now - self.loaded_at)

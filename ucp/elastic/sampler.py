@@ -1,0 +1,86 @@
+"""One global sample order, cut into global batches of B, whatever the world size: `ElasticBatchSampler`.
+
+    sampler = ucp.elastic.ElasticBatchSampler(dataset, engine, shuffle=True, seed=0)
+    for batch in DataLoader(dataset, batch_sampler=sampler):
+        loss = loss_fn(engine(batch["x"]), batch["y"])                 # mean over the micro-batch
+        engine.backward(loss * sampler.loss_weight(len(batch["x"])))
+        engine.step()
+
+The stream is the dataset's epochs one after the other, each a permutation drawn from `seed + epoch`
+(`torch.randperm`, the same on every machine), and global batch t is positions [t * B, (t + 1) * B) of
+it: a batch that starts near an epoch's end takes the next epoch's first samples, so no sample is
+dropped and the cut does not depend on the world size. Each rank yields its share of each global batch
+(`ucp.elastic.shares`) as the engine's A micro-batches, so every rank runs the same number per step.
+
+The sampler starts right after the samples the engine has consumed (`engine.global_samples`, which a
+ucp load restores from the checkpoint, whatever world size saved it) and then keeps its own position,
+so a DataLoader's workers may prefetch ahead of the engine. One `iter()` runs to the end of the epoch
+its first batch starts in; the next `iter()` goes on from there, as a DataLoader's epochs do.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator, Sized
+
+import torch
+
+from ucp.elastic.shares import ElasticBatch
+from ucp.errors import ConfigError
+
+
+class ElasticBatchSampler(torch.utils.data.Sampler):
+    """This rank's micro-batches (lists of dataset indices) of each global batch, in one seeded global order."""
+
+    def __init__(self, dataset: Sized, engine, shuffle: bool = True, seed: int = 0):
+        batch = getattr(engine, "ucp_elastic", None)
+        if not isinstance(batch, ElasticBatch):
+            raise ConfigError('ElasticBatchSampler needs an engine built by ucp.deepspeed.initialize with '
+                              '"ucp": {"elastic": {"global_batch": B, "micro_batch": m}} in its config')
+        self.batch = batch
+        self.size = len(dataset)
+        if self.size == 0:
+            raise ConfigError("ElasticBatchSampler: the dataset is empty")
+        self.rank = int(engine.global_rank)  # data-parallel only (ucp.deepspeed.elastic.check_engine): the dp rank
+        self.shuffle = shuffle
+        self.seed = seed
+        self.position = int(engine.global_samples)  # the next sample of the stream to train on
+        self._orders: dict[int, torch.Tensor] = {}
+
+    def loss_weight(self, samples: int) -> float:
+        """The factor for the mean loss of a micro-batch of `samples` samples, so that each step's gradient
+        is the mean over its B samples (1.0 when every micro-batch is full)."""
+        return self.batch.loss_weight(samples)
+
+    def __len__(self) -> int:
+        """The number of micro-batches the next `iter()` yields on this rank."""
+        return len(self._steps()) * self.batch.accumulation
+
+    def __iter__(self) -> Iterator[list[int]]:
+        offset = self.batch.offset(self.rank)
+        for start in self._steps():
+            first = start + offset
+            for size in self.batch.micro_sizes(self.rank):
+                yield self._indices(first, size)
+                first += size
+            self.position = start + self.batch.global_batch
+
+    def _steps(self) -> range:
+        """Stream positions of the global batches of the next `iter()`: those starting in the current epoch."""
+        end = (self.position // self.size + 1) * self.size
+        return range(self.position, end, self.batch.global_batch)
+
+    def _indices(self, first: int, count: int) -> list[int]:
+        out = []
+        for position in range(first, first + count):
+            epoch, i = divmod(position, self.size)
+            out.append(int(self._order(epoch)[i]))
+        return out
+
+    def _order(self, epoch: int) -> torch.Tensor:
+        if epoch not in self._orders:
+            if len(self._orders) > 2:  # positions only grow: the oldest epoch is done with
+                self._orders.pop(min(self._orders))
+            if self.shuffle:
+                self._orders[epoch] = torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + epoch))
+            else:
+                self._orders[epoch] = torch.arange(self.size)
+        return self._orders[epoch]

@@ -1,0 +1,91 @@
+"""How a fixed global batch of B samples is shared by W data-parallel ranks, whatever W is.
+
+Every optimizer step must see the same B samples at any world size, so that a job that loses ranks
+continues the run it was. B rarely divides by W after a loss (B = 256 on 7 GPUs), so ranks take
+uneven shares, as Elastor balances micro-batches: the first `B % W` ranks take one sample more.
+DeepSpeed needs every rank to run the same number of micro-batches per step (its gradient
+accumulation), so each rank cuts its share into A = ceil(ceil(B / W) / m) micro-batches of at most m
+samples, sizes as even as possible.
+
+The gradient stays the mean over the B samples: DeepSpeed divides each micro-batch's loss by A and
+averages gradients over the W ranks, so a micro-batch of k samples whose loss is their mean is
+weighted by k * W * A / B (`loss_weight`). With equal shares (B = W * A * m) every weight is 1.0.
+
+Pure: no torch, no DeepSpeed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ucp.errors import ConfigError
+
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+@dataclass(frozen=True)
+class ElasticBatch:
+    """`global_batch` samples per optimizer step, in micro-batches of at most `micro_batch`, over `world` ranks."""
+
+    global_batch: int
+    micro_batch: int
+    world: int
+
+    def __post_init__(self) -> None:
+        for key in ("global_batch", "micro_batch", "world"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f'"ucp": {{"elastic": {{"{key}": {value!r}}}}}: must be a positive number of '
+                                  + ("ranks" if key == "world" else "samples"))
+        if self.global_batch < self.world:
+            raise ConfigError(f'"ucp": {{"elastic": {{"global_batch": {self.global_batch}}}}} is smaller than the '
+                              f"{self.world} ranks of this run: every rank needs at least one sample per step; "
+                              "raise global_batch or run on fewer ranks")
+        smallest = self.global_batch // self.world
+        if smallest < self.accumulation:
+            raise ConfigError(
+                f'"ucp": {{"elastic": {{"global_batch": {self.global_batch}, "micro_batch": {self.micro_batch}}}}} on '
+                f"{self.world} ranks: ranks take {smallest} or {smallest + 1} samples, but every rank must run "
+                f"{self.accumulation} micro-batches of at least one sample; use micro_batch 2 or more")
+
+    @property
+    def accumulation(self) -> int:
+        """A: micro-batches per optimizer step, the same on every rank."""
+        largest = -(-self.global_batch // self.world)
+        return -(-largest // self.micro_batch)
+
+    def share(self, rank: int) -> int:
+        """Samples rank `rank` takes of each global batch."""
+        return self.global_batch // self.world + (rank < self.global_batch % self.world)
+
+    def offset(self, rank: int) -> int:
+        """Where rank `rank`'s share starts within the global batch."""
+        return rank * (self.global_batch // self.world) + min(rank, self.global_batch % self.world)
+
+    def micro_sizes(self, rank: int) -> list[int]:
+        """The sizes of rank `rank`'s A micro-batches of one step, each at least 1 and at most micro_batch."""
+        share, a = self.share(rank), self.accumulation
+        return [share // a + (j < share % a) for j in range(a)]
+
+    def loss_weight(self, samples: int) -> float:
+        """The factor for the mean loss of a micro-batch of `samples` samples (module docstring)."""
+        return samples * self.world * self.accumulation / self.global_batch
+
+    def deepspeed_keys(self) -> dict[str, int]:
+        """DeepSpeed's batch keys for this world size (its train_batch_size is nominal: micro x A x W)."""
+        a = self.accumulation
+        return {"train_batch_size": self.micro_batch * a * self.world,
+                "train_micro_batch_size_per_gpu": self.micro_batch, "gradient_accumulation_steps": a}
+
+    @classmethod
+    def from_config(cls, section, world: int) -> ElasticBatch:
+        """The `"elastic"` section of the `"ucp"` config, for a run on `world` ranks."""
+        if not isinstance(section, dict) or "global_batch" not in section or "micro_batch" not in section:
+            raise ConfigError(f'"ucp": {{"elastic": {section!r}}}: needs "global_batch" (samples per optimizer step, '
+                              'the same at every world size) and "micro_batch" (the most samples per forward pass), '
+                              'e.g. {"global_batch": 256, "micro_batch": 4}')
+        unknown = sorted(set(section) - {"global_batch", "micro_batch"})
+        if unknown:
+            raise ConfigError(f'"ucp": {{"elastic": ...}}: unknown key {unknown[0]!r}; known: "global_batch", '
+                              '"micro_batch"')
+        return cls(section["global_batch"], section["micro_batch"], world)
+
