@@ -8,8 +8,6 @@ worker process.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +15,7 @@ from pathlib import Path
 import psutil
 
 from support.launch import ds_env, free_port
-from support.processes import wait_for
+from support.processes import kill_tree, wait_for
 
 
 class ElasticJob:
@@ -55,13 +53,7 @@ class ElasticJob:
 
     def lose_node(self, index: int) -> None:
         """The node is gone: its agent and every process under it, SIGKILL."""
-        victims = self.workers(index)
-        os.kill(self.agents[index].pid, signal.SIGKILL)
-        for p in victims:
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
+        kill_tree(self.agents[index].pid)
         self.agents[index].wait()
 
     def lose_worker(self, index: int) -> None:

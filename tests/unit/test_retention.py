@@ -1,0 +1,90 @@
+"""Which checkpoints "load": "auto" tries and "keep" removes (ucp.elastic.resume), on real folders."""
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+from ucp.elastic.resume import candidates, prune, set_aside
+from ucp.format.folder import INDEX_NAME, locked_for_removal, reading
+
+
+def tag(save_dir: Path, step: int, committed: bool = True) -> Path:
+    folder = save_dir / f"global_step{step}"
+    folder.mkdir(parents=True)
+    (folder / "data-00000-of-00001.safetensors").write_bytes(b"x")
+    if committed:
+        (folder / INDEX_NAME).write_text("{}")
+    return folder
+
+
+def names(save_dir: Path) -> list[str]:
+    return sorted(p.name for p in save_dir.iterdir() if not p.name.startswith("."))
+
+
+def test_candidates_are_the_committed_ones_newest_first_even_when_latest_lags(tmp_path):
+    for step in (2, 10, 9):
+        tag(tmp_path, step)
+    tag(tmp_path, 11, committed=False)
+    (tmp_path / "latest").write_text("global_step9")   # a save killed between its index and `latest`
+    (tmp_path / "global_step12.damaged").mkdir()
+    assert [p.name for p in candidates(tmp_path)] == ["global_step10", "global_step9", "global_step2"]
+    assert candidates(tmp_path / "missing") == []
+
+
+def test_keep_removes_older_committed_and_abandoned_partial_checkpoints(tmp_path):
+    for step in (1, 2, 3, 4):
+        tag(tmp_path, step)
+    tag(tmp_path, 2 + 10, committed=False)   # a save in flight, newer than every committed one: kept
+    tag(tmp_path, 0, committed=False)        # a save killed mid-write long ago: removed
+    (tmp_path / "latest").write_text("global_step4")
+    removed = prune(tmp_path, keep=2)
+    assert sorted(p.name for p in removed) == ["global_step0", "global_step1", "global_step2"]
+    assert names(tmp_path) == ["global_step12", "global_step3", "global_step4", "latest"]
+
+
+def test_keep_never_removes_what_latest_names(tmp_path):
+    for step in (1, 2, 3):
+        tag(tmp_path, step)
+    (tmp_path / "latest").write_text("global_step1")
+    prune(tmp_path, keep=1)
+    assert names(tmp_path) == ["global_step1", "global_step3", "latest"]
+
+
+def test_keep_leaves_a_checkpoint_a_reader_holds(tmp_path):
+    for step in (1, 2, 3):
+        tag(tmp_path, step)
+    (tmp_path / "latest").write_text("global_step3")
+    with reading(tmp_path / "global_step1"):
+        prune(tmp_path, keep=1)
+        assert names(tmp_path) == ["global_step1", "global_step3", "latest"]
+    prune(tmp_path, keep=1)
+    assert names(tmp_path) == ["global_step3", "latest"]
+
+
+def test_a_reader_waits_for_a_removal_in_progress(tmp_path):
+    """The removal holds the lock exclusively: a reader that comes meanwhile waits until it is done."""
+    folder = tag(tmp_path, 1)
+    entered = threading.Event()
+
+    def read() -> None:
+        with reading(folder):
+            entered.set()
+
+    with locked_for_removal(folder) as free:
+        assert free
+        reader = threading.Thread(target=read)
+        reader.start()
+        assert not entered.wait(0.3)
+    reader.join(5)
+    assert entered.is_set()
+
+
+def test_set_aside_renames_the_failed_and_points_latest_at_the_loaded(tmp_path):
+    loaded = tag(tmp_path, 3)
+    failed = [tag(tmp_path, 5), tag(tmp_path, 4)]
+    (tmp_path / "global_step5.damaged").mkdir()
+    (tmp_path / "latest").write_text("global_step5")
+    moved = set_aside(failed, loaded)
+    assert [p.name for p in moved] == ["global_step5.damaged1", "global_step4.damaged"]
+    assert (tmp_path / "latest").read_text() == "global_step3"
+    assert [p.name for p in candidates(tmp_path)] == ["global_step3"]
