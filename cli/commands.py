@@ -112,7 +112,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                    "extra_files": ckpt.extra_files,
                    "params": [{"name": i.name, "kind": i.kind, "shape": list(i.shape), "pattern": i.pattern,
                                "states": list(i.states), "bytes": i.nbytes, "group": i.group} for i in infos],
-                   "aliases": ckpt.aliases},
+                   "aliases": ckpt.aliases,
+                   "not_saved": None if ckpt.not_saved is None else {
+                       "kind": ckpt.not_saved.kind, "reason": ckpt.not_saved.reason,
+                       "names": list(ckpt.not_saved.names)}},
                   sys.stdout, indent=1)
         print()
         return 0

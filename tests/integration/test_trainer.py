@@ -15,6 +15,7 @@ import pytest
 
 from support.hf_runs import (SAVE_STEP, SOURCE_WORLD, TOTAL_STEPS, accelerate_resume, accelerate_source, losses,
                              trainer_resume, trainer_source)
+import ucp
 from ucp.convert import convert
 
 # fp32 throughout: another world size or ZeRO stage reduces gradients in another order, ~1e-7 apart.
@@ -161,3 +162,62 @@ def test_a_ucp_section_that_plain_trainer_train_ignores_is_a_warning(ckpt_root, 
                  1, tmp_path / "train.log")
     log = (tmp_path / "train.log").read_text()
     assert log.count('the DeepSpeed config has a "ucp" section, which trainer.train() does not read') == 1
+
+
+# ---- PEFT: the Trainer saves DeepSpeed's checkpoint without the frozen base weights -------------------------
+
+LORA = "llama-lora"
+TIED_BASE = ("base_model.model.model.embed_tokens.weight", "base_model.model.lm_head.weight")
+
+
+def test_peft_checkpoint_says_what_it_leaves_out_and_resumes_at_another_layout(trainer_run, ckpt_root, tmp_path,
+                                                                               capsys):
+    """A LoRA Llama (tied) saved on 2 processes under ZeRO-2 resumes on 1 process under ZeRO-3, from its ucp
+    conversion, with the uninterrupted run's losses; its frozen base weights are the model's own."""
+    from ucp.cli.main import main as cli
+
+    checkpoint = trainer_run(LORA) / "out" / CHECKPOINT
+    converted = tmp_path / "ucp"
+    assert cli(["convert", "--input", str(checkpoint), "--output", str(converted), "--quiet"]) == 0
+    for folder in (checkpoint, converted):
+        assert cli(["inspect", str(folder)]) == 0
+        shown = capsys.readouterr().out
+        assert "not held: every frozen parameter (frozen, not saved: exclude_frozen_parameters)" in shown
+        assert f"the checkpoint names 2 of them: {', '.join(TIED_BASE)}" in shown
+        ckpt = ucp.open_checkpoint(folder)
+        assert ckpt.not_saved.names == TIED_BASE and ckpt.aliases == {}
+        assert all(".lora_" in name and ckpt.info(name).kind == "param" for name in ckpt.names)
+    run = trainer_resume(LORA, converted, 1, 3, ckpt_root)
+    resumed = losses(run / "losses.json")
+    assert resumed["first_step"] == SAVE_STEP + 1 and resumed["global_step"] == TOTAL_STEPS
+    assert resumed["losses"] == pytest.approx(uninterrupted(trainer_run(LORA)), rel=REL)
+    # Negative control: the adapters the load restores move the loss far more than REL, so a resume that left them
+    # as initialised (or took base weights from elsewhere) would fail the comparison above.
+    assert _loss_moved_by_the_adapters(ucp.open_checkpoint(converted)) > 100 * REL
+
+
+def _loss_moved_by_the_adapters(ckpt) -> float:
+    """The relative change of the freshly built LoRA model's loss on a batch once the checkpoint's adapters are set."""
+    import torch
+    from support.train_hf import TokenData, tiny_model
+
+    model = tiny_model(LORA)
+    ids = TokenData().ids[:4]
+    with torch.no_grad():
+        fresh = model(input_ids=ids, labels=ids).loss.item()
+        params = dict(model.named_parameters())
+        for name in ckpt.names:
+            params[name].copy_(ckpt.tensor(name))
+        trained = model(input_ids=ids, labels=ids).loss.item()
+    return abs(trained - fresh) / fresh
+
+
+def test_peft_checkpoint_missing_a_trainable_parameter_is_refused(trainer_run, ckpt_root):
+    """Adapters on k_proj too: the checkpoint leaves out frozen parameters only, so their absence is refused."""
+    run = trainer_resume(LORA, trainer_run(LORA) / "out" / CHECKPOINT, 1, 2, ckpt_root, check=False,
+                         extra=("--lora-targets", "q_proj,k_proj,v_proj"))
+    log = (run / "train.log").read_text()
+    assert not (run / "losses.json").exists()
+    error = [line for line in log.splitlines() if "CheckpointMismatchError: " in line][-1]
+    assert "has no parameter 'base_model.model.model.layers.0.self_attn.k_proj.lora_A.default.weight', which the " \
+           "model trains" in error and "frozen, not saved: exclude_frozen_parameters" in error, error

@@ -60,15 +60,17 @@ def trainer_source(model: str, root: Path) -> Path:
 
 def trainer_resume(model: str, resume: str | Path, world: int, stage: int, root: Path,
                    output_dir: Path | None = None, ucp_options: dict | None = None,
-                   check: bool = True) -> Path:
+                   check: bool = True, extra: tuple[str, ...] = ()) -> Path:
     """Resume `model` from `resume` through ``ucp.transformers.train`` in a fresh folder; that folder.
 
-    ``resume`` is a path or "last" (the last checkpoint-N of ``output_dir``). With ``check=False``
-    a failing run is not an error: the caller reads ``train.log``.
+    ``resume`` is a path, "last" (the last checkpoint-N of ``output_dir``, i.e. True) or "output-dir"
+    (``output_dir`` itself). With ``check=False`` a failing run is not an error: the caller reads
+    ``train.log``. ``extra`` goes to train_hf.py as it is.
     """
     folder = _fresh_run(f"hf-{model}-w{world}-z{stage}", root)
     args = ["--model", model, "--stage", str(stage), "--output-dir", str(output_dir or folder / "out"),
-            "--max-steps", str(TOTAL_STEPS), "--resume", str(resume), "--losses-out", str(folder / "losses.json")]
+            "--max-steps", str(TOTAL_STEPS), "--resume", str(resume), "--losses-out", str(folder / "losses.json"),
+            *extra]
     if ucp_options is not None:
         args += ["--ucp-options", json.dumps(ucp_options)]
     _run(SUPPORT_DIR / "train_hf.py", args, world, folder, check)
