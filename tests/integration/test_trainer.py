@@ -116,6 +116,26 @@ def test_accelerate_load_state_at_one_process(engine_from, ckpt_root, tmp_path):
     assert resumed["losses"] == pytest.approx(uninterrupted(source), rel=REL)
 
 
+def test_accelerate_keeps_the_shuffled_order_from_two_processes_to_one(ckpt_root, tmp_path):
+    """A plain DataLoader(shuffle=True), as Accelerate prepares it by default: saved on 2 processes, resumed on
+    1, the steps after the checkpoint train on the uninterrupted run's samples (in its order) to its losses."""
+    source = accelerate_source(ckpt_root, "random")
+    expected = losses(source / "losses.json")
+    run = accelerate_resume(source / "state", 1, 2, ckpt_root, sampler="random", save_dir=tmp_path / "one")
+    resumed = losses(run / "losses.json")
+    assert resumed["first_step"] == SAVE_STEP + 1
+    assert resumed["samples"] == expected["samples"][SAVE_STEP:]
+    assert resumed["losses"] == pytest.approx(expected["losses"][SAVE_STEP:], rel=REL)
+    # The 1-process run drew its order from an RNG state no file keeps: 2 processes cannot have it back, and
+    # are refused before anything is loaded.
+    refused = accelerate_resume(tmp_path / "one", 2, 2, ckpt_root, sampler="random", check=False)
+    assert not (refused / "losses.json").exists()
+    log = (refused / "train.log").read_text()
+    for rank in range(2):
+        error = [line for line in log.splitlines() if line.startswith(f"[rank{rank}]:") and "ConfigError: " in line]
+        assert error and "DataLoader 0 (RandomSampler)" in error[-1] and "use_seedable_sampler=True" in error[-1]
+
+
 def with_a_file_of_checkpoint_5(out: Path, broken: Path, name: str) -> Path:
     """checkpoint-3 of `out` copied to `broken`, its rank file `name` taken from checkpoint-5 of the same run."""
     shutil.copytree(out / CHECKPOINT, broken)

@@ -9,6 +9,12 @@ resharded for this run's layout: weights, fp32 masters, moments, step, the engin
 Accelerate's own files are read where they still apply: a scheduler it keeps outside the engine
 (`scheduler.bin`), samplers, custom objects. RNG states saved by another number of processes cannot
 be mapped to these ranks: they are left as this run has them, and a warning says so once.
+
+The prepared DataLoaders keep the sample order of the run that saved (`ucp.accelerate.data_order`:
+where Accelerate's order comes from, and which samplers ucp gives it back to); a sampler whose order
+cannot be carried to this number of processes is refused, naming the fix, before anything is loaded.
+Importing this module makes `Accelerator.prepare` record what each DataLoader's order is drawn from,
+so import it before `prepare`.
 """
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ import os
 import random
 from pathlib import Path
 
+from ucp.accelerate import data_order
 from ucp.deepspeed.config import load_options, ucp_options
 from ucp.errors import ConfigError
 
@@ -51,9 +58,10 @@ def load_state(accelerator, input_dir: str | os.PathLike, checkpoint: str | os.P
             return str(path), client_state
         return load_checkpoint
 
+    saved = saved_world_size(Path(checkpoint) if checkpoint is not None else Path(input_dir))
+    data_order.keep_order(accelerator._dataloaders, saved, accelerator.num_processes)
     for engine in engines:
         engine.load_checkpoint = ucp_load_checkpoint(engine)  # an instance attribute: this call only
-    saved = saved_world_size(Path(checkpoint) if checkpoint is not None else Path(input_dir))
     keep_rng = saved != accelerator.num_processes
     try:
         with _rng_kept() if keep_rng else contextlib.nullcontext():
@@ -82,3 +90,6 @@ def _rng_kept():
         torch.set_rng_state(states[2])
         if cuda is not None:
             torch.cuda.set_rng_state_all(cuda)
+
+
+data_order.install()
