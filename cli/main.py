@@ -113,6 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "saves it); needed by --to hf, used by --to dcp for tied weights")
     p.add_argument("--workers", type=int, default=1, metavar="N",
                    help="threads reading tensors ahead of the writer (default 1)")
+    p.add_argument("--optimizer", metavar="CLASS",
+                   help="--to dcp: the optimizer class the loading job runs, whose param-group keys the export "
+                        "holds: torch.optim.AdamW (the default when DeepSpeed ran Adam or AdamW: its "
+                        "hyper-parameters mapped onto torch's keys, refused where the update would differ), "
+                        "torch.optim.Adam, or saved (the checkpoint's own keys, the default otherwise)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
     p = sub.add_parser("inspect", help="table of parameters, shapes, patterns and sizes",

@@ -13,6 +13,7 @@ from ucp.converters.trainer_folders import side_files
 from ucp.errors import CorruptCheckpointError
 from ucp.format import loss_scale
 from ucp.format.index import NotSaved
+from ucp.format.optimizer import optimizer_record
 from ucp.patterns.recognize import recognize
 
 # Why a checkpoint lacks its frozen parameters: DeepSpeed's save_checkpoint argument that left them out.
@@ -90,7 +91,7 @@ def finish_plan(where: TagDir, model: dict, params: list[ParamPlan], hyper, mome
         state = as_python(scaler)  # a pickled LossScaler's attributes, or a ZeRO-0 optimizer dict
         training["loss_scaler"] = loss_scale.record_of(state) if isinstance(state, dict) else {}
     client = {k: as_python(v) for k, v in model.items() if k not in _MODEL_KEYS}
-    optimizer = {"type": optimizer_cfg.get("type", "unknown"), "states": moment_names, "param_groups": groups}
+    optimizer = optimizer_record(optimizer_cfg, groups, moment_names)
     side = side_files(where.save_dir)  # a Trainer's config, tokenizer and trainer_state files
     not_saved = unsaved_frozen(model, params, stage)
     return ConversionPlan(params=params, source=source, optimizer=optimizer, training=training,
