@@ -92,7 +92,7 @@ def finish_plan(where: TagDir, model: dict, params: list[ParamPlan], hyper, mome
         training["loss_scaler"] = loss_scale.record_of(state) if isinstance(state, dict) else {}
     client = {k: as_python(v) for k, v in model.items() if k not in _MODEL_KEYS}
     optimizer = optimizer_record(optimizer_cfg, groups, moment_names)
-    side = side_files(where.save_dir)  # a Trainer's config, tokenizer and trainer_state files
+    side = side_files(where.save_dir, model.get("lr_scheduler") is not None)  # a Trainer's or Accelerate's files
     not_saved = unsaved_frozen(model, params, stage)
     return ConversionPlan(params=params, source=source, optimizer=optimizer, training=training,
                           lr_scheduler=as_python(model.get("lr_scheduler")), client_state=client,

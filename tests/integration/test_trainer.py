@@ -241,3 +241,71 @@ def test_peft_checkpoint_missing_a_trainable_parameter_is_refused(trainer_run, c
     error = [line for line in log.splitlines() if "CheckpointMismatchError: " in line][-1]
     assert "has no parameter 'base_model.model.model.layers.0.self_attn.k_proj.lora_A.default.weight', which the " \
            "model trains" in error and "frozen, not saved: exclude_frozen_parameters" in error, error
+
+
+# ---- what the Trainer and Accelerate paths say ----------------------------------------------------------------
+
+
+def test_an_output_dir_resumes_from_its_last_complete_checkpoint(trainer_run, tmp_path):
+    """resume_from_checkpoint=OUTPUT_DIR takes its last checkpoint-N, as True and `ucp convert --input` do; a last
+    one whose save did not finish is refused, naming the last complete one."""
+    from ucp.errors import CheckpointNotFoundError
+    from ucp.transformers import trainer_folder
+
+    out = tmp_path / "out"
+    out.mkdir()
+    for step in (SAVE_STEP, TOTAL_STEPS):
+        (out / f"checkpoint-{step}").symlink_to(trainer_run("llama") / "out" / f"checkpoint-{step}")
+    last = out / f"checkpoint-{TOTAL_STEPS}"
+    assert trainer_folder(out, "/elsewhere") == last == trainer_folder(True, out)
+    unfinished = out / "checkpoint-7"
+    unfinished.mkdir()
+    (unfinished / "global_step7").mkdir()
+    for missing, make in [("it has no trainer_state.json", None),
+                          ("it has no 'latest' file", "trainer_state.json"),
+                          ("its 'latest' names 'global_step8', which it does not hold", "latest")]:
+        if make is not None:
+            (unfinished / make).write_text("global_step8" if make == "latest" else "{}")
+        for path in (out, True):
+            with pytest.raises(CheckpointNotFoundError) as refused:
+                trainer_folder(path, out)
+            assert str(refused.value) == (f"{unfinished}: {missing}, so the save that wrote it did not finish; the "
+                                          f"last complete one is {last.name}: pass resume_from_checkpoint='{last}'")
+
+
+def test_accelerate_state_and_its_conversion_say_what_they_hold(ckpt_root, tmp_path, capsys):
+    """inspect names the client torch AdamW; convert says the index lacks scheduler.bin's state; and a conversion
+    given alone to ucp.accelerate.load_state is refused, naming what the run needs from save_state's folder."""
+    from ucp.cli.main import main as cli
+
+    state = accelerate_source(ckpt_root) / "state"
+    assert cli(["inspect", str(state)]) == 0
+    assert "optimizer AdamW (exp_avg, exp_avg_sq)" in capsys.readouterr().out
+    converted = tmp_path / "ucp"
+    assert cli(["convert", "--input", str(state), "--output", str(converted), "--quiet"]) == 0
+    (left,) = [line for line in capsys.readouterr().err.splitlines() if "left out" in line]
+    assert "scheduler.bin (pickles, which run code when loaded; they hold an LR scheduler's state, which the " \
+           "index does not (the engine ran no scheduler): resume from this folder to restore it)" in left, left
+    assert "already in the index" not in left
+    run = accelerate_resume(converted, 1, 2, ckpt_root, check=False)
+    assert not (run / "losses.json").exists()
+    error = [line for line in (run / "train.log").read_text().splitlines() if "ConfigError: " in line][-1]
+    assert "scheduler.bin (the LambdaLR outside the engine)" in error and "checkpoint=" in error, error
+
+
+def test_a_forgotten_cpu_recipe_is_named(tmp_path):
+    """Without Accelerate's state set up first, the Trainer on CPU sees 1 of torchrun's 2 processes, and DeepSpeed
+    would stop on its batch-size arithmetic: the error names the recipe instead."""
+    from support.checkpoints import SUPPORT_DIR
+    from support.launch import run_torchrun
+
+    with pytest.raises(RuntimeError):
+        run_torchrun(SUPPORT_DIR / "train_hf.py",
+                     ["--model", "llama", "--stage", "2", "--output-dir", str(tmp_path / "out"), "--max-steps", "1",
+                      "--no-cpu-recipe", "--losses-out", str(tmp_path / "losses.json")], 2, tmp_path / "train.log")
+    log = (tmp_path / "train.log").read_text()
+    for rank in range(2):
+        error = [line for line in log.splitlines() if line.startswith(f"[rank{rank}]:") and "ConfigError: " in line]
+        assert error and "torchrun started 2 processes, but the Trainer sees 1" in error[-1]
+        assert 'accelerate.PartialState(backend="gloo")' in error[-1] and "use_configured_state" in error[-1]
+    assert "train_batch_size is not equal to" not in log

@@ -88,6 +88,8 @@ def main() -> None:
     p.add_argument("--stock", action="store_true")
     p.add_argument("--ucp-options", default=None)
     p.add_argument("--lora-targets", default=LORA_TARGETS, help="llama-lora: the modules LoRA adapts")
+    p.add_argument("--no-cpu-recipe", action="store_true",
+                   help="leave out the recipe that makes the Trainer see torchrun's world on CPU, as users forget it")
     p.add_argument("--losses-out", required=True)
     args = p.parse_args()
 
@@ -96,7 +98,8 @@ def main() -> None:
 
     import ucp.transformers
 
-    accelerate.PartialState(backend="gloo")  # the Trainer on CPU sees torchrun's world only this way
+    if not args.no_cpu_recipe:
+        accelerate.PartialState(backend="gloo")  # the Trainer on CPU sees torchrun's world only this way
     world = int(os.environ.get("WORLD_SIZE", "1"))
     config = ds_config(args.stage)
     if args.ucp_options:
@@ -107,7 +110,7 @@ def main() -> None:
         warmup_steps=1, seed=0,
         save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
         logging_steps=1, report_to=[], deepspeed=config, dataloader_drop_last=True,
-        accelerator_config={"use_configured_state": True}, disable_tqdm=True)
+        accelerator_config={"use_configured_state": not args.no_cpu_recipe}, disable_tqdm=True)
 
     class RecordingTrainer(transformers.Trainer):
         """A Trainer subclass, as users (and TRL) write them: records each micro-batch's loss."""
