@@ -103,32 +103,35 @@ def test_checkpoint_with_a_missing_rank_file_is_refused_on_every_rank(trainer_ru
                                  "zero_pp_rank_1_mp_rank_00_optim_states.pt")
 
 
+@pytest.fixture(scope="session")
+def accelerate_on_one_process(ckpt_root, tmp_path_factory) -> tuple[Path, Path]:
+    """The Accelerate source resumed on 1 process (its folder), which saves its own state after its last step
+    (that folder)."""
+    saved = tmp_path_factory.mktemp("accelerate-one") / "state"
+    return accelerate_resume(accelerate_source(ckpt_root) / "state", 1, 2, ckpt_root, save_dir=saved), saved
+
+
 @pytest.mark.parametrize("engine_from", ["raw", "ucp"])
-def test_accelerate_load_state_at_one_process(engine_from, ckpt_root, tmp_path):
+def test_accelerate_load_state_at_one_process(engine_from, accelerate_on_one_process, ckpt_root, tmp_path):
+    """Saved on 2 processes, resumed on 1: the steps after the checkpoint train on the uninterrupted run's samples,
+    in its order (a plain shuffled DataLoader, whose order Accelerate keeps in no file), to its losses."""
     source = accelerate_source(ckpt_root)
-    checkpoint = None
-    if engine_from == "ucp":
+    if engine_from == "raw":
+        run, _ = accelerate_on_one_process
+    else:
         checkpoint = tmp_path / "ucp"
         convert(source / "state", checkpoint, workers=2, progress=False)
-    run = accelerate_resume(source / "state", 1, 3 if engine_from == "ucp" else 2, ckpt_root, checkpoint)
-    resumed = losses(run / "losses.json")
-    assert resumed["first_step"] == SAVE_STEP + 1
-    assert resumed["losses"] == pytest.approx(uninterrupted(source), rel=REL)
-
-
-def test_accelerate_keeps_the_shuffled_order_from_two_processes_to_one(ckpt_root, tmp_path):
-    """A plain DataLoader(shuffle=True), as Accelerate prepares it by default: saved on 2 processes, resumed on
-    1, the steps after the checkpoint train on the uninterrupted run's samples (in its order) to its losses."""
-    source = accelerate_source(ckpt_root, "random")
-    expected = losses(source / "losses.json")
-    run = accelerate_resume(source / "state", 1, 2, ckpt_root, sampler="random", save_dir=tmp_path / "one")
-    resumed = losses(run / "losses.json")
+        run = accelerate_resume(source / "state", 1, 3, ckpt_root, checkpoint)
+    resumed, expected = losses(run / "losses.json"), losses(source / "losses.json")
     assert resumed["first_step"] == SAVE_STEP + 1
     assert resumed["samples"] == expected["samples"][SAVE_STEP:]
     assert resumed["losses"] == pytest.approx(expected["losses"][SAVE_STEP:], rel=REL)
-    # The 1-process run drew its order from an RNG state no file keeps: 2 processes cannot have it back, and
-    # are refused before anything is loaded.
-    refused = accelerate_resume(tmp_path / "one", 2, 2, ckpt_root, sampler="random", check=False)
+
+
+def test_accelerate_refuses_a_shuffled_order_it_cannot_carry(accelerate_on_one_process, ckpt_root):
+    """The 1-process run drew its order from an RNG state no file keeps: 2 processes cannot have it back, and are
+    refused before anything is loaded, on every rank."""
+    refused = accelerate_resume(accelerate_on_one_process[1], 2, 2, ckpt_root, check=False)
     assert not (refused / "losses.json").exists()
     log = (refused / "train.log").read_text()
     for rank in range(2):

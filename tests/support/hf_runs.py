@@ -7,7 +7,7 @@ runs in a fresh folder each time, since it exercises ucp's code::
 
     root/hf-<model>-<fingerprint>/out/checkpoint-3/    the Trainer's folder (global_step3/, latest, JSON files)
     root/hf-<model>-<fingerprint>/losses.json          {"losses": [...], "first_step", "global_step", "epoch"}
-    root/accelerate-<sampler>-<fingerprint>/state/     accelerator.save_state's folder
+    root/accelerate-<fingerprint>/state/               accelerator.save_state's folder
     root/runs/<label>-XXXX/                            resume runs
 """
 from __future__ import annotations
@@ -77,28 +77,28 @@ def trainer_resume(model: str, resume: str | Path, world: int, stage: int, root:
     return folder
 
 
-def accelerate_source(root: Path, sampler: str = "sequential") -> Path:
-    """A 2-process ZeRO-2 Accelerate run with `sampler` that saved its state at SAVE_STEP (built once)."""
-    folder = Path(root) / f"accelerate-{sampler}-{fingerprint()}"
+def accelerate_source(root: Path) -> Path:
+    """A 2-process ZeRO-2 Accelerate run that saved its state at SAVE_STEP (built once)."""
+    folder = Path(root) / f"accelerate-{fingerprint()}"
     with _locked(folder):
         if not _is_done(folder):
             _fresh(folder)
             run_torchrun(SUPPORT_DIR / "train_accelerate.py",
                          ["--stage", str(SOURCE_STAGE), "--steps", str(TOTAL_STEPS), "--save-at", str(SAVE_STEP),
-                          "--save-dir", str(folder / "state"), "--losses-out", str(folder / "losses.json"),
-                          "--sampler", sampler], SOURCE_WORLD, folder / "train.log")
+                          "--save-dir", str(folder / "state"), "--losses-out", str(folder / "losses.json")],
+                         SOURCE_WORLD, folder / "train.log")
             (folder / DONE).touch()
     return folder
 
 
 def accelerate_resume(state: Path, world: int, stage: int, root: Path, checkpoint: Path | None = None,
-                      sampler: str = "sequential", check: bool = True, save_dir: Path | None = None) -> Path:
+                      check: bool = True, save_dir: Path | None = None) -> Path:
     """Resume from Accelerate's `state` folder through ``ucp.accelerate.load_state``; the run's folder.
     With ``check=False`` a failing run is not an error: the caller reads ``train.log``. With ``save_dir``
     the run saves its state there after its last step."""
-    folder = _fresh_run(f"accelerate-{sampler}-w{world}-z{stage}", root)
+    folder = _fresh_run(f"accelerate-w{world}-z{stage}", root)
     args = ["--stage", str(stage), "--steps", str(TOTAL_STEPS), "--load", str(state),
-            "--losses-out", str(folder / "losses.json"), "--sampler", sampler]
+            "--losses-out", str(folder / "losses.json")]
     if checkpoint is not None:
         args += ["--checkpoint", str(checkpoint)]
     if save_dir is not None:

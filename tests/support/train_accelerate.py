@@ -1,17 +1,15 @@
 """Train a tiny tied Llama with Accelerate + DeepSpeed on CPU (torchrun, gloo), as an Accelerate user does.
 
     torchrun --nproc_per_node N train_accelerate.py --stage S --steps T [--save-at K --save-dir DIR]
-        [--load DIR [--stock]] [--sampler sequential|random|seedable] --losses-out FILE
+        [--load DIR [--stock]] --losses-out FILE
 
-The global batch is fixed (GLOBAL_BATCH = N x per-process batch). `--sampler` is the DataLoader's:
-`sequential` (shuffle=False, the default), `random` (shuffle=True, as Accelerate prepares it by
-default) or `seedable` (shuffle=True with `DataLoaderConfiguration(use_seedable_sampler=True)`). The
-LR scheduler is a torch LambdaLR that Accelerate keeps outside the engine (`scheduler.bin`). `--load`
-restores with `ucp.accelerate.load_state` (engine state from `--checkpoint` when given; `--stock`:
-`accelerator.load_state`), then iterates the loader from the start of the epoch, skipping the batches
-trained before the checkpoint, as Accelerate users do, and trains the steps after the saved one.
-`--losses-out` gets {"losses": [...], "first_step": K+1, "samples": [the sample ids of each step's
-global batch]}.
+The data is a plain `DataLoader(shuffle=True)`, as Accelerate prepares it by default, and the global
+batch is fixed (GLOBAL_BATCH = N x per-process batch). The LR scheduler is a torch LambdaLR that
+Accelerate keeps outside the engine (`scheduler.bin`). `--load` restores with `ucp.accelerate.load_state`
+(engine state from `--checkpoint` when given; `--stock`: `accelerator.load_state`), then iterates the
+loader from the start of the epoch, skipping the batches trained before the checkpoint, as Accelerate
+users do, and trains the steps after the saved one. `--losses-out` gets {"losses": [...], "first_step":
+K+1, "samples": [the sample ids of each step's global batch]}.
 """
 from __future__ import annotations
 
@@ -43,12 +41,11 @@ def main() -> None:
     p.add_argument("--load", default=None)
     p.add_argument("--checkpoint", default=None, help="the engine's state from here (e.g. a ucp conversion)")
     p.add_argument("--stock", action="store_true")
-    p.add_argument("--sampler", choices=["sequential", "random", "seedable"], default="sequential")
     p.add_argument("--losses-out", required=True)
     args = p.parse_args()
 
     import accelerate
-    from accelerate.utils import DataLoaderConfiguration, DeepSpeedPlugin
+    from accelerate.utils import DeepSpeedPlugin
 
     import ucp.accelerate
 
@@ -58,14 +55,12 @@ def main() -> None:
     config = {"zero_optimization": {"stage": args.stage}, "train_micro_batch_size_per_gpu": micro,
               "gradient_accumulation_steps": 1, "train_batch_size": GLOBAL_BATCH}
     # One scheduler step per optimizer step at any world size (Accelerate would step it once per process).
-    accelerator = accelerate.Accelerator(
-        deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config), step_scheduler_with_optimizer=False,
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=args.sampler == "seedable"))
+    accelerator = accelerate.Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config),
+                                         step_scheduler_with_optimizer=False)
     model = tiny_model("llama")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
-    loader = torch.utils.data.DataLoader(IndexedTokenData(), batch_size=micro, shuffle=args.sampler != "sequential",
-                                         drop_last=True)
+    loader = torch.utils.data.DataLoader(IndexedTokenData(), batch_size=micro, shuffle=True, drop_last=True)
     engine, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
 
     done = 0
