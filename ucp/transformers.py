@@ -25,7 +25,9 @@ A `"ucp"` section in the Trainer's DeepSpeed config is read here: its load optio
 `strict`, `load_optimizer_states`, ...) apply, and its `"load"` is the checkpoint when
 `resume_from_checkpoint` is not given. DeepSpeed itself ignores the section, so once this module is
 imported a plain `trainer.train()` whose config has one says so in a warning instead of silently
-training without it (`Trainer.train` gains that check and nothing else).
+training without it. `Trainer.train` gains that check, and one more: on CPU processes, a Trainer that sees
+one of torchrun's several processes (Accelerate's state was not set up first) stops with an error naming
+the recipe, before DeepSpeed stops on its batch-size arithmetic. Nothing else changes.
 """
 from __future__ import annotations
 
@@ -73,7 +75,7 @@ def _train(trainer, resume_from_checkpoint, **kwargs):
         return trainer.train(resume_from_checkpoint=str(folder), **kwargs)
 
 
-def _warn_of_an_unread_section(stock_train):
+def _checked_train(stock_train):
     """`Trainer.train` that warns when the DeepSpeed config's `"ucp"` section goes unread, and refuses to start
     when the Trainer sees fewer processes than torchrun started (see `_check_world`)."""
     @functools.wraps(stock_train)
@@ -88,11 +90,11 @@ def _warn_of_an_unread_section(stock_train):
     return train_checked
 
 
-def _install_warning() -> None:
+def _install_checks() -> None:
     import transformers
 
     if not getattr(transformers.Trainer.train, "ucp_checked", False):
-        transformers.Trainer.train = _warn_of_an_unread_section(transformers.Trainer.train)
+        transformers.Trainer.train = _checked_train(transformers.Trainer.train)
 
 
 def _check_world(trainer) -> None:
@@ -234,4 +236,4 @@ def _resuming_through_ucp(trainer, folder: Path, options: dict):
         del trainer._load_rng_state
 
 
-_install_warning()
+_install_checks()
