@@ -84,12 +84,16 @@ def cmd_export(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     options = dict(dtype=args.dtype, config=args.config, workers=args.workers, tag=args.tag, progress=not args.quiet)
     if args.to == "hf":
+        if args.optimizer:
+            from ucp.errors import UcpError
+
+            raise UcpError(f"--optimizer {args.optimizer} is for --to dcp; a transformers folder holds no optimizer")
         hf = to_hf(args.input, args.output, max_shard_size=args.max_shard_size, **options)
         tied = f"; tied copies stored once: {', '.join(hf.dropped)}" if hf.dropped else ""
         print(f"exported {hf.tensors} tensors into {hf.output} ({human_bytes(hf.bytes)} in {len(hf.files)} "
               f"safetensors files, {time.perf_counter() - start:.1f} s{tied})")
     else:
-        dcp = to_dcp(args.input, args.output, **options)
+        dcp = to_dcp(args.input, args.output, optimizer=args.optimizer, **options)
         print(f"exported {dcp.model_tensors} model tensors and the optimizer state of {dcp.optimizer_params} "
               f"parameters into {dcp.output} ({human_bytes(dcp.bytes)}, {time.perf_counter() - start:.1f} s)")
     return 0
@@ -112,7 +116,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                    "extra_files": ckpt.extra_files,
                    "params": [{"name": i.name, "kind": i.kind, "shape": list(i.shape), "pattern": i.pattern,
                                "states": list(i.states), "bytes": i.nbytes, "group": i.group} for i in infos],
-                   "aliases": ckpt.aliases},
+                   "aliases": ckpt.aliases,
+                   "not_saved": None if ckpt.not_saved is None else {
+                       "kind": ckpt.not_saved.kind, "reason": ckpt.not_saved.reason,
+                       "names": list(ckpt.not_saved.names)}},
                   sys.stdout, indent=1)
         print()
         return 0

@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import errno
 import logging
+import os
+import signal
 import sys
 import traceback
 
@@ -36,6 +38,7 @@ exit status:
   0  success            1  ucp verify found problems      2  bad input (a damaged, missing or mismatched
   3  the system refused (no space, read-only, permission)    checkpoint, a bad option): one line says which
   130 interrupted (nothing committed)                         file and the fix; --debug adds the traceback
+  141 stdout's reader went away (ucp inspect ... | head)
 """
 
 
@@ -113,6 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "saves it); needed by --to hf, used by --to dcp for tied weights")
     p.add_argument("--workers", type=int, default=1, metavar="N",
                    help="threads reading tensors ahead of the writer (default 1)")
+    p.add_argument("--optimizer", metavar="CLASS",
+                   help="--to dcp: the optimizer class the loading job runs, whose param-group keys the export "
+                        "holds: torch.optim.AdamW (the default when DeepSpeed ran Adam or AdamW: its "
+                        "hyper-parameters mapped onto torch's keys, refused where the update would differ), "
+                        "torch.optim.Adam, or saved (the checkpoint's own keys, the default otherwise)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
     p = sub.add_parser("inspect", help="table of parameters, shapes, patterns and sizes",
@@ -192,7 +200,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from ucp.cli import commands
 
-        return getattr(commands, f"cmd_{args.command}")(args)
+        code = getattr(commands, f"cmd_{args.command}")(args)
+        sys.stdout.flush()  # here, where a reader that went away (`ucp inspect ... | head`) is handled
+        return code
+    except BrokenPipeError:
+        return _reader_gone()
     except UcpError as exc:
         return _fail(args, f"{exc}", 2)
     except OSError as exc:
@@ -203,6 +215,16 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     finally:
         logging.getLogger("ucp").removeHandler(notes)
+
+
+def _reader_gone() -> int:
+    """stdout's reader closed the pipe (`ucp inspect ... | head`): stop quietly, as a tool killed by SIGPIPE
+    does (the shell reports 141), and point stdout at /dev/null so that Python's flush at exit does not
+    complain about the pipe again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + signal.SIGPIPE
 
 
 def _notes_to_stderr(command: str) -> logging.Handler:

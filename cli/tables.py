@@ -32,4 +32,14 @@ def describe(ckpt, infos) -> str:
     lines.append("")
     lines += table(rows)
     lines += [f"alias  {alias} -> {source} (tied: stored once, as {source})" for alias, source in ckpt.aliases.items()]
+    if ckpt.not_saved is not None:
+        lines += ["", *not_saved_lines(ckpt.not_saved)]
     return "\n".join(lines)
+
+
+def not_saved_lines(not_saved) -> list[str]:
+    """What the checkpoint does not hold, and why (`ucp.format.index.NotSaved`)."""
+    lines = [f"not held: every {not_saved.kind} parameter ({not_saved}); a load keeps the model's own values"]
+    if not_saved.names:
+        lines.append(f"  the checkpoint names {len(not_saved.names)} of them: {', '.join(not_saved.names)}")
+    return lines

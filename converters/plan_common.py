@@ -12,8 +12,12 @@ from ucp.converters.torch_zip import LazyTensor, as_python
 from ucp.converters.trainer_folders import side_files
 from ucp.errors import CorruptCheckpointError
 from ucp.format import loss_scale
+from ucp.format.index import NotSaved
+from ucp.format.optimizer import optimizer_record
 from ucp.patterns.recognize import recognize
 
+# Why a checkpoint lacks its frozen parameters: DeepSpeed's save_checkpoint argument that left them out.
+EXCLUDE_FROZEN = "exclude_frozen_parameters"
 _MODEL_KEYS = {
     "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "frozen_param_fragments",
     "shared_params", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
@@ -87,19 +91,45 @@ def finish_plan(where: TagDir, model: dict, params: list[ParamPlan], hyper, mome
         state = as_python(scaler)  # a pickled LossScaler's attributes, or a ZeRO-0 optimizer dict
         training["loss_scaler"] = loss_scale.record_of(state) if isinstance(state, dict) else {}
     client = {k: as_python(v) for k, v in model.items() if k not in _MODEL_KEYS}
-    optimizer = {"type": optimizer_cfg.get("type", "unknown"), "states": moment_names, "param_groups": groups}
-    side = side_files(where.save_dir)  # a Trainer's config, tokenizer and trainer_state files
+    optimizer = optimizer_record(optimizer_cfg, groups, moment_names)
+    side = side_files(where.save_dir, model.get("lr_scheduler") is not None)  # a Trainer's or Accelerate's files
+    not_saved = unsaved_frozen(model, params, stage)
     return ConversionPlan(params=params, source=source, optimizer=optimizer, training=training,
                           lr_scheduler=as_python(model.get("lr_scheduler")), client_state=client,
                           source_files=[str(f) for f in files],
                           extra_files={name: str(path) for name, path in side.carried.items()}, left_out=side.left,
-                          aliases=plan_aliases(model, params, where.path))
+                          aliases=plan_aliases(model, params, where.path, not_saved), not_saved=not_saved)
 
 
-def plan_aliases(model: dict, params: list[ParamPlan], folder: Path) -> dict[str, str]:
-    """The tied aliases of `model` (see `tied_aliases`), each naming a parameter of the plan, none one itself."""
+def unsaved_frozen(model: dict, params: list[ParamPlan], stage) -> NotSaved | None:
+    """The record of frozen parameters left out by `save_checkpoint(exclude_frozen_parameters=True)` (the
+    Trainer saves a PEFT model so), where the model-states file shows it; None where it does not.
+
+    DeepSpeed records no name of a parameter it leaves out. It shows in two ways: under ZeRO-2/3 the file
+    holds `frozen_param_shapes` (an empty dict when nothing is frozen) unless frozen parameters were
+    excluded; and the module state dict, which holds every parameter's name otherwise, lacks the first
+    name of a tied pair that `shared_params` lists. Its second name stays in the module state dict
+    (`named_parameters`, which DeepSpeed deletes by, lists a tied weight once) and is left out too.
+    """
+    module = model.get("module") or {}
+    held = {p.name for p in params}
+    pairs = {str(a): str(s) for a, s in (model.get("shared_params") or {}).items()}
+    unsaved_pairs = {a: s for a, s in pairs.items() if module and s not in held and s not in module}
+    unrecorded = isinstance(stage, int) and stage >= 2 and "frozen_param_shapes" in model \
+        and model["frozen_param_shapes"] is None
+    if not unsaved_pairs and not unrecorded:
+        return None
+    names = [n for a, s in unsaved_pairs.items() for n in (s, a)]
+    return NotSaved(FROZEN, EXCLUDE_FROZEN, tuple(dict.fromkeys(names)))
+
+
+def plan_aliases(model: dict, params: list[ParamPlan], folder: Path,
+                 not_saved: NotSaved | None = None) -> dict[str, str]:
+    """The tied aliases of `model` (see `tied_aliases`), each naming a parameter of the plan, none one itself.
+    A tied pair left out as frozen (`not_saved`) is no alias: neither name is held."""
     names = {p.name for p in params}
-    found = tied_aliases(model)
+    left_out = set(not_saved.names) if not_saved is not None else set()
+    found = {a: s for a, s in tied_aliases(model).items() if a not in left_out}
     for alias, source in found.items():
         if alias in names:
             raise CorruptCheckpointError(f"{folder}: '{alias}' is a tied alias of '{source}' (shared_params) but also "

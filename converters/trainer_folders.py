@@ -24,7 +24,12 @@ EXTRA_SUFFIXES = (".json", ".txt", ".model", ".jinja")
 # Large enough for the biggest tokenizer.json in use (Gemma's, 33 MiB), small next to any weights.
 EXTRA_MAX_BYTES = 64 << 20
 PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".pkl", ".pickle")
-PICKLE_REASON = "pickles, which run code when loaded; the LR scheduler state is already in the index"
+PICKLE_REASON = "pickles, which run code when loaded"
+# The Trainer's scheduler.pt and Accelerate's scheduler[_N].bin: a scheduler kept outside the DeepSpeed engine.
+SCHEDULER_FILE = re.compile(r"^scheduler(_\d+)?\.(pt|bin)$")
+SCHEDULER_IN_INDEX = f"{PICKLE_REASON}; the engine's LR scheduler state is in the index"
+SCHEDULER_NOT_IN_INDEX = (f"{PICKLE_REASON}; they hold an LR scheduler's state, which the index does not (the engine "
+                          "ran no scheduler): resume from this folder to restore it")
 
 
 def checkpoint_folders(output_dir: str | os.PathLike) -> list[Path]:
@@ -55,8 +60,9 @@ class SideFiles:
     left: dict[str, str] = field(default_factory=dict)
 
 
-def side_files(save_dir: str | os.PathLike) -> SideFiles:
-    """Sort the plain files of `save_dir` into carried and left behind.
+def side_files(save_dir: str | os.PathLike, scheduler_in_index: bool) -> SideFiles:
+    """Sort the plain files of `save_dir` into carried and left behind; `scheduler_in_index` says whether the
+    checkpoint holds the engine's LR scheduler state, which decides what a scheduler file left behind costs.
 
     Only a DeepSpeed save directory (one holding `latest`) has side files: a tag folder given on its
     own may sit anywhere, e.g. in a home directory whose files are none of the checkpoint's.
@@ -70,7 +76,8 @@ def side_files(save_dir: str | os.PathLike) -> SideFiles:
         if not path.is_file():
             continue
         if name.endswith(PICKLE_SUFFIXES):
-            out.left[name] = PICKLE_REASON
+            scheduler = SCHEDULER_IN_INDEX if scheduler_in_index else SCHEDULER_NOT_IN_INDEX
+            out.left[name] = scheduler if SCHEDULER_FILE.match(name) else PICKLE_REASON
         elif not name.endswith(EXTRA_SUFFIXES) or name.endswith(".index.json"):
             continue  # weights and their shard indexes come from the DeepSpeed files
         elif is_ucp_file(name):

@@ -16,7 +16,7 @@ from ucp.convert.source_check import EntryChecks
 from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError, UcpError
 from ucp.format.fileio import ReadCounter, read_regular
 from ucp.format.folder import INDEX_NAME, latest_checkpoint, read_index
-from ucp.format.index import ExtraFile, Index, ParamEntry, StoredState, header_problems
+from ucp.format.index import ExtraFile, Index, NotSaved, ParamEntry, StoredState, header_problems
 from ucp.format.safetensors_stream import read_stored
 from ucp.format.splits import from_split_major
 
@@ -101,6 +101,11 @@ class AtomicCheckpoint:
     @property
     def lr_scheduler(self):
         return self.index.run.lr_scheduler
+
+    @property
+    def not_saved(self) -> NotSaved | None:
+        """The parameters the checkpoint leaves out on purpose (frozen ones, under exclude_frozen_parameters)."""
+        return self.index.run.not_saved
 
     @property
     def client_state(self) -> dict:
@@ -245,6 +250,11 @@ class PlannedCheckpoint:
     @property
     def lr_scheduler(self):
         return self.plan.lr_scheduler
+
+    @property
+    def not_saved(self) -> NotSaved | None:
+        """The parameters the checkpoint leaves out on purpose (frozen ones, under exclude_frozen_parameters)."""
+        return self.plan.not_saved
 
     @property
     def client_state(self) -> dict:

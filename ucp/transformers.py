@@ -5,8 +5,10 @@
 
 `path` is a `checkpoint-N` folder the Trainer wrote with DeepSpeed (read directly, no conversion),
 or its ucp conversion (`ucp convert` carries `trainer_state.json` and `config.json` along); `True`
-means the last `checkpoint-N` in `output_dir`, as in transformers. Works for `Trainer` and its
-subclasses (TRL's `SFTTrainer`, ...).
+means the last `checkpoint-N` in `output_dir`, as in transformers, and an output directory given as
+`path` means its last `checkpoint-N` too (as `ucp convert --input OUTPUT_DIR` takes it). A last
+`checkpoint-N` that a save did not finish is refused, naming the last complete one. Works for
+`Trainer` and its subclasses (TRL's `SFTTrainer`, PEFT models, ...).
 
 The Trainer itself runs: its own state comes from `trainer_state.json` (global step, epoch, data
 skipping, callbacks). For this call only, three of its resume steps are done by ucp instead:
@@ -23,7 +25,9 @@ A `"ucp"` section in the Trainer's DeepSpeed config is read here: its load optio
 `strict`, `load_optimizer_states`, ...) apply, and its `"load"` is the checkpoint when
 `resume_from_checkpoint` is not given. DeepSpeed itself ignores the section, so once this module is
 imported a plain `trainer.train()` whose config has one says so in a warning instead of silently
-training without it (`Trainer.train` gains that check and nothing else).
+training without it. `Trainer.train` gains that check, and one more: on CPU processes, a Trainer that sees
+one of torchrun's several processes (Accelerate's state was not set up first) stops with an error naming
+the recipe, before DeepSpeed stops on its batch-size arithmetic. Nothing else changes.
 """
 from __future__ import annotations
 
@@ -36,6 +40,7 @@ import types
 from pathlib import Path
 
 from ucp.checkpoint import saved_world_size
+from ucp.converters.trainer_folders import checkpoint_folders
 from ucp.deepspeed.config import load_options, ucp_options
 from ucp.errors import CheckpointNotFoundError, ConfigError
 
@@ -70,10 +75,12 @@ def _train(trainer, resume_from_checkpoint, **kwargs):
         return trainer.train(resume_from_checkpoint=str(folder), **kwargs)
 
 
-def _warn_of_an_unread_section(stock_train):
-    """`Trainer.train` that warns when the DeepSpeed config's `"ucp"` section goes unread."""
+def _checked_train(stock_train):
+    """`Trainer.train` that warns when the DeepSpeed config's `"ucp"` section goes unread, and refuses to start
+    when the Trainer sees fewer processes than torchrun started (see `_check_world`)."""
     @functools.wraps(stock_train)
     def train_checked(self, *args, **kwargs):
+        _check_world(self)
         if not _through_ucp.get() and "ucp" in (_deepspeed_config(self) or {}):
             logger.warning('the DeepSpeed config has a "ucp" section, which trainer.train() does not read (DeepSpeed '
                            "ignores it): call ucp.transformers.train(trainer, ...) to resume through ucp")
@@ -83,11 +90,26 @@ def _warn_of_an_unread_section(stock_train):
     return train_checked
 
 
-def _install_warning() -> None:
+def _install_checks() -> None:
     import transformers
 
     if not getattr(transformers.Trainer.train, "ucp_checked", False):
-        transformers.Trainer.train = _warn_of_an_unread_section(transformers.Trainer.train)
+        transformers.Trainer.train = _checked_train(transformers.Trainer.train)
+
+
+def _check_world(trainer) -> None:
+    """On CPU processes the Trainer sees torchrun's world only when Accelerate's state is set up first;
+    without it, it plans for one process and DeepSpeed stops with `train_batch_size is not equal to
+    micro_batch_per_gpu * gradient_acc_step * world_size` (or, where those numbers happen to agree,
+    every process trains on all the data)."""
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched > 1 and trainer.args.world_size == 1 and getattr(trainer, "is_deepspeed_enabled", False):
+        raise ConfigError(
+            f"torchrun started {launched} processes, but the Trainer sees 1: on CPU it sees torchrun's processes "
+            "only when Accelerate's state is set up before the Trainer is built: set "
+            'os.environ["ACCELERATE_USE_DEEPSPEED"] = "true", call accelerate.PartialState(backend="gloo"), and pass '
+            'TrainingArguments(..., accelerator_config={"use_configured_state": True}) (README, "With the Hugging '
+            'Face Trainer"; examples/hf_trainer/train.py)')
 
 
 def _deepspeed_config(trainer) -> dict | None:
@@ -96,27 +118,62 @@ def _deepspeed_config(trainer) -> dict | None:
 
 
 def trainer_folder(path: str | os.PathLike | bool, output_dir: str | os.PathLike) -> Path:
-    """The folder to resume from: `path`, the last `checkpoint-N` of `output_dir` for True, or the
-    committed checkpoint a ucp save directory's `latest` names. It must hold `trainer_state.json`."""
+    """The folder to resume from: `path`; the last `checkpoint-N` of `output_dir` for True, or of `path` when it
+    is an output directory; or the committed checkpoint a ucp save directory's `latest` names. It must hold
+    `trainer_state.json`."""
     from ucp.format.folder import latest_checkpoint
-    from ucp.converters.trainer_folders import last_checkpoint
 
     if path is True:
-        last = last_checkpoint(output_dir) if Path(output_dir).is_dir() else None
-        if last is None:
+        if not Path(output_dir).is_dir() or not checkpoint_folders(output_dir):
             raise CheckpointNotFoundError(f"{output_dir}: no checkpoint-N folder to resume from; pass "
                                           "resume_from_checkpoint=PATH")
-        path = last
+        path = last_complete(output_dir)
     folder = Path(path)
     if not folder.is_dir():
         raise CheckpointNotFoundError(f"{folder}: no such directory; pass a checkpoint-N folder the Trainer wrote, "
                                       "or its ucp conversion")
+    if not (folder / TRAINER_STATE).is_file() and checkpoint_folders(folder):
+        folder = last_complete(folder)  # an output_dir, as `ucp convert --input OUTPUT_DIR` takes it
     folder = latest_checkpoint(folder) or folder
     if not (folder / TRAINER_STATE).is_file():
         raise CheckpointNotFoundError(
             f"{folder}: no {TRAINER_STATE}, which holds the Trainer's step, epoch and data position; pass the "
             "checkpoint-N folder the Trainer wrote, or a ucp conversion of it (ucp convert --input checkpoint-N)")
     return folder
+
+
+def last_complete(output_dir: str | os.PathLike) -> Path:
+    """The last `checkpoint-N` of `output_dir` (transformers' `get_last_checkpoint`), which must be complete;
+    an incomplete one (a save that did not finish) is refused, naming the last complete one."""
+    folders = checkpoint_folders(output_dir)
+    last = folders[-1]
+    missing = _incomplete(last)
+    if missing is None:
+        if len(folders) > 1:
+            logger.info("%s: using %s, the last of %s", output_dir, last.name, ", ".join(f.name for f in folders))
+        return last
+    earlier = next((f for f in reversed(folders[:-1]) if _incomplete(f) is None), None)
+    fix = (f"the last complete one is {earlier.name}: pass resume_from_checkpoint='{earlier}'" if earlier is not None
+           else "no earlier checkpoint-N is complete either")
+    raise CheckpointNotFoundError(f"{last}: {missing}, so the save that wrote it did not finish; {fix}")
+
+
+def _incomplete(folder: Path) -> str | None:
+    """What a `checkpoint-N` folder lacks to be resumed from, or None when it has it all."""
+    from ucp.format.folder import INDEX_NAME, LATEST_NAME
+
+    if not (folder / TRAINER_STATE).is_file():
+        return f"it has no {TRAINER_STATE}"
+    if (folder / INDEX_NAME).is_file():
+        return None
+    latest = folder / LATEST_NAME
+    if not latest.is_file():
+        return f"it has no '{LATEST_NAME}' file"
+    tag = latest.read_text(errors="replace").strip()
+    tag_folder = folder / tag
+    if not tag or tag_folder.parent != folder or not tag_folder.is_dir():
+        return f"its '{LATEST_NAME}' names {tag!r}, which it does not hold"
+    return None
 
 
 def _trainer_options(trainer) -> dict:
@@ -179,4 +236,4 @@ def _resuming_through_ucp(trainer, folder: Path, options: dict):
         del trainer._load_rng_state
 
 
-_install_warning()
+_install_checks()

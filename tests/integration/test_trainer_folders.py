@@ -156,6 +156,10 @@ def test_side_files_travel_and_pickles_stay(output_dir, tmp_path, capsys):
     assert code == 0, err
     skipped = [line for line in err.splitlines() if "left out" in line]
     assert len(skipped) == 1 and all(name in skipped[0] for name in PICKLES) and "run code" in skipped[0]
+    # Only the scheduler's file is said to be in the index, as the engine's LR scheduler state (the run has one).
+    assert "rng_state_0.pth, rng_state_1.pth, training_args.bin (pickles, which run code when loaded); " in skipped[0]
+    assert "scheduler.pt (pickles, which run code when loaded; the engine's LR scheduler state is in the index)" \
+        in skipped[0]
     assert sorted(p.name for p in out.iterdir() if not p.name.startswith("data-")) == sorted([*SIDE_FILES, INDEX_NAME])
     index = json.loads((out / INDEX_NAME).read_text())
     assert index["extra_files"] == {name: {"bytes": len(data), "crc32": zlib.crc32(data)}
@@ -202,3 +206,16 @@ def test_interrupted_copy_is_redone(output_dir, tmp_path, capsys):
     assert code == 0, err
     assert ucp.open_checkpoint(out).verify() == []
     assert not (out / "vocab.json.partial").exists()
+
+
+def test_inspect_into_a_pipe_its_reader_closed_ends_quietly(output_dir):
+    """`ucp inspect ... | head`: the reader goes away before the table is written; no error line, and the exit
+    status of a tool that SIGPIPE ended (141), as the shell reports for `cat` or `ls`."""
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-m", "ucp.cli.main", "inspect", str(output_dir)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    child.stdout.close()  # before ucp has started (its imports alone take longer): its writes meet a closed pipe
+    err = child.stderr.read().decode()
+    assert child.wait(timeout=120) == 141 and "Broken pipe" not in err and "Error" not in err, err

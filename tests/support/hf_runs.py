@@ -60,15 +60,17 @@ def trainer_source(model: str, root: Path) -> Path:
 
 def trainer_resume(model: str, resume: str | Path, world: int, stage: int, root: Path,
                    output_dir: Path | None = None, ucp_options: dict | None = None,
-                   check: bool = True) -> Path:
+                   check: bool = True, extra: tuple[str, ...] = ()) -> Path:
     """Resume `model` from `resume` through ``ucp.transformers.train`` in a fresh folder; that folder.
 
-    ``resume`` is a path or "last" (the last checkpoint-N of ``output_dir``). With ``check=False``
-    a failing run is not an error: the caller reads ``train.log``.
+    ``resume`` is a path, "last" (the last checkpoint-N of ``output_dir``, i.e. True) or "output-dir"
+    (``output_dir`` itself). With ``check=False`` a failing run is not an error: the caller reads
+    ``train.log``. ``extra`` goes to train_hf.py as it is.
     """
     folder = _fresh_run(f"hf-{model}-w{world}-z{stage}", root)
     args = ["--model", model, "--stage", str(stage), "--output-dir", str(output_dir or folder / "out"),
-            "--max-steps", str(TOTAL_STEPS), "--resume", str(resume), "--losses-out", str(folder / "losses.json")]
+            "--max-steps", str(TOTAL_STEPS), "--resume", str(resume), "--losses-out", str(folder / "losses.json"),
+            *extra]
     if ucp_options is not None:
         args += ["--ucp-options", json.dumps(ucp_options)]
     _run(SUPPORT_DIR / "train_hf.py", args, world, folder, check)
@@ -89,14 +91,19 @@ def accelerate_source(root: Path) -> Path:
     return folder
 
 
-def accelerate_resume(state: Path, world: int, stage: int, root: Path, checkpoint: Path | None = None) -> Path:
-    """Resume from Accelerate's `state` folder through ``ucp.accelerate.load_state``; the run's folder."""
+def accelerate_resume(state: Path, world: int, stage: int, root: Path, checkpoint: Path | None = None,
+                      check: bool = True, save_dir: Path | None = None) -> Path:
+    """Resume from Accelerate's `state` folder through ``ucp.accelerate.load_state``; the run's folder.
+    With ``check=False`` a failing run is not an error: the caller reads ``train.log``. With ``save_dir``
+    the run saves its state there after its last step."""
     folder = _fresh_run(f"accelerate-w{world}-z{stage}", root)
     args = ["--stage", str(stage), "--steps", str(TOTAL_STEPS), "--load", str(state),
             "--losses-out", str(folder / "losses.json")]
     if checkpoint is not None:
         args += ["--checkpoint", str(checkpoint)]
-    _run(SUPPORT_DIR / "train_accelerate.py", args, world, folder, True)
+    if save_dir is not None:
+        args += ["--save-at", str(TOTAL_STEPS), "--save-dir", str(save_dir)]
+    _run(SUPPORT_DIR / "train_accelerate.py", args, world, folder, check)
     return folder
 
 

@@ -3,10 +3,13 @@
     torchrun --nproc_per_node N train_accelerate.py --stage S --steps T [--save-at K --save-dir DIR]
         [--load DIR [--stock]] --losses-out FILE
 
-The global batch is fixed (GLOBAL_BATCH = N x per-process batch) and batches are taken in order,
-so every N trains on the same data. The LR scheduler is a torch LambdaLR that Accelerate keeps
-outside the engine (`scheduler.bin`). `--load` restores with `ucp.accelerate.load_state`
-(engine state from `--checkpoint` when given; `--stock`: `accelerator.load_state`) and trains the steps after the saved one.
+The data is a plain `DataLoader(shuffle=True)`, as Accelerate prepares it by default, and the global
+batch is fixed (GLOBAL_BATCH = N x per-process batch). The LR scheduler is a torch LambdaLR that
+Accelerate keeps outside the engine (`scheduler.bin`). `--load` restores with `ucp.accelerate.load_state`
+(engine state from `--checkpoint` when given; `--stock`: `accelerator.load_state`), then iterates the
+loader from the start of the epoch, skipping the batches trained before the checkpoint, as Accelerate
+users do, and trains the steps after the saved one. `--losses-out` gets {"losses": [...], "first_step":
+K+1, "samples": [the sample ids of each step's global batch]}.
 """
 from __future__ import annotations
 
@@ -20,6 +23,13 @@ os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
 import torch  # noqa: E402
 
 from train_hf import GLOBAL_BATCH, TokenData, tiny_model  # noqa: E402
+
+
+class IndexedTokenData(TokenData):
+    """TokenData whose items say which sample they are, so a run can record the order it trained in."""
+
+    def __getitem__(self, i):
+        return {**super().__getitem__(i), "index": i}
 
 
 def main() -> None:
@@ -50,7 +60,7 @@ def main() -> None:
     model = tiny_model("llama")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
-    loader = torch.utils.data.DataLoader(TokenData(), batch_size=micro, shuffle=False, drop_last=True)
+    loader = torch.utils.data.DataLoader(IndexedTokenData(), batch_size=micro, shuffle=True, drop_last=True)
     engine, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
 
     done = 0
@@ -60,7 +70,7 @@ def main() -> None:
         else:
             ucp.accelerate.load_state(accelerator, args.load, checkpoint=args.checkpoint)
         done = engine.global_steps
-    losses = []
+    losses, samples = [], []
     for step, batch in enumerate(loader):
         if step < done:
             continue  # the batches trained before the checkpoint
@@ -72,11 +82,12 @@ def main() -> None:
         scheduler.step()
         optimizer.zero_grad()
         losses.append(accelerator.reduce(loss.detach(), reduction="mean").item())
+        samples.append(accelerator.gather(batch["index"]).tolist())
         if step + 1 == args.save_at:
             accelerator.save_state(args.save_dir)
     if accelerator.is_main_process:
         with open(args.losses_out, "w") as f:
-            json.dump({"losses": losses, "first_step": done + 1}, f)
+            json.dump({"losses": losses, "first_step": done + 1, "samples": samples}, f)
     accelerator.wait_for_everyone()
     accelerator.end_training()
     if torch.distributed.is_initialized():

@@ -1,6 +1,6 @@
 """Train a tiny tied transformers model with the Hugging Face Trainer + DeepSpeed on CPU (torchrun, gloo).
 
-    torchrun --nproc_per_node N train_hf.py --model llama|gpt2 --stage S --output-dir OUT
+    torchrun --nproc_per_node N train_hf.py --model llama|gpt2|llama-lora --stage S --output-dir OUT
         --max-steps T [--save-steps K] [--resume PATH|last] [--stock] [--ucp-options JSON]
         --losses-out FILE
 
@@ -9,6 +9,9 @@ Every run trains on the same data in the same order for any N: the global batch 
 is the Trainer's linear decay over `--max-steps`, owned by the DeepSpeed engine (the config has an
 "optimizer"). `--resume` resumes through `ucp.transformers.train` (`--stock`: `trainer.train`).
 `--losses-out` gets {"losses": [global loss of each step run here], "first_step": N+1, "epoch": ...}.
+`llama-lora` is the tied Llama with PEFT LoRA adapters on its attention projections: the base weights
+are frozen (built from the same seed in every run, as a user loads them from the base model), and the
+Trainer saves DeepSpeed's checkpoint without them (`exclude_frozen_parameters`).
 """
 from __future__ import annotations
 
@@ -28,10 +31,20 @@ VOCAB = 64
 SAMPLES = 64
 
 
-def tiny_model(kind: str):
+LORA_TARGETS = "q_proj,v_proj"
+LORA_LR = 1e-1  # adapters start at zero (LoRA's B): a rate that moves the loss well past the tests' tolerance
+
+
+def tiny_model(kind: str, lora_targets: str = LORA_TARGETS):
     import transformers
 
     torch.manual_seed(0)
+    if kind == "llama-lora":
+        import peft
+
+        base = tiny_model("llama")
+        return peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                         target_modules=lora_targets.split(",")))
     if kind == "llama":
         config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                                           num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
@@ -66,7 +79,7 @@ def ds_config(stage: int) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--model", choices=["llama", "gpt2"], required=True)
+    p.add_argument("--model", choices=["llama", "gpt2", "llama-lora"], required=True)
     p.add_argument("--stage", type=int, required=True)
     p.add_argument("--output-dir", required=True)
     p.add_argument("--max-steps", type=int, required=True)
@@ -74,6 +87,9 @@ def main() -> None:
     p.add_argument("--resume", default=None)
     p.add_argument("--stock", action="store_true")
     p.add_argument("--ucp-options", default=None)
+    p.add_argument("--lora-targets", default=LORA_TARGETS, help="llama-lora: the modules LoRA adapts")
+    p.add_argument("--no-cpu-recipe", action="store_true",
+                   help="leave out the recipe that makes the Trainer see torchrun's world on CPU, as users forget it")
     p.add_argument("--losses-out", required=True)
     args = p.parse_args()
 
@@ -82,17 +98,19 @@ def main() -> None:
 
     import ucp.transformers
 
-    accelerate.PartialState(backend="gloo")  # the Trainer on CPU sees torchrun's world only this way
+    if not args.no_cpu_recipe:
+        accelerate.PartialState(backend="gloo")  # the Trainer on CPU sees torchrun's world only this way
     world = int(os.environ.get("WORLD_SIZE", "1"))
     config = ds_config(args.stage)
     if args.ucp_options:
         config["ucp"] = json.loads(args.ucp_options)
     training_args = transformers.TrainingArguments(
         output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=GLOBAL_BATCH // world,
-        learning_rate=1e-2, weight_decay=0.01, lr_scheduler_type="linear", warmup_steps=1, seed=0,
+        learning_rate=LORA_LR if args.model == "llama-lora" else 1e-2, weight_decay=0.01, lr_scheduler_type="linear",
+        warmup_steps=1, seed=0,
         save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
         logging_steps=1, report_to=[], deepspeed=config, dataloader_drop_last=True,
-        accelerator_config={"use_configured_state": True}, disable_tqdm=True)
+        accelerator_config={"use_configured_state": not args.no_cpu_recipe}, disable_tqdm=True)
 
     class RecordingTrainer(transformers.Trainer):
         """A Trainer subclass, as users (and TRL) write them: records each micro-batch's loss."""
@@ -104,7 +122,7 @@ def main() -> None:
             self.losses.append(loss.item())
             return loss
 
-    trainer = RecordingTrainer(model=tiny_model(args.model), args=training_args, train_dataset=TokenData())
+    trainer = RecordingTrainer(model=tiny_model(args.model, args.lora_targets), args=training_args, train_dataset=TokenData())
     if args.resume is None:
         trainer.train()
     else:

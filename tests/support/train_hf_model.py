@@ -3,7 +3,7 @@
 
 Launched with ``torchrun --nproc_per_node 2 tests/support/train_hf_model.py --runs JSON --steps S``
 (see support/multi_run.py). Each run ({model: "llama"|"gpt2", stage, dtype: "fp32"|"bf16", save_dir,
-dump_state, after})
+dump_state, after, optimizer: the DeepSpeed config's section, default OPTIMIZER})
 builds its model from a config (no download; tied input and output embeddings, no dropout), trains
 S steps, saves with ``engine.save_checkpoint(save_dir)`` and writes ``config.json`` beside the tag
 folder with ``model.config.save_pretrained(save_dir)``, as the Hugging Face Trainer lays out
@@ -90,7 +90,7 @@ def train_one(run: dict, args: argparse.Namespace) -> None:
     config = build_config(run["model"])
     model = build_model(config)
     ds_config = {"train_micro_batch_size_per_gpu": GLOBAL_BATCH // dist.get_world_size(),
-                 "gradient_accumulation_steps": 1, "optimizer": OPTIMIZER,
+                 "gradient_accumulation_steps": 1, "optimizer": run.get("optimizer", OPTIMIZER),
                  "zero_optimization": {"stage": run["stage"]}, "steps_per_print": 10**9,
                  "gradient_clipping": 0.0}  # DeepSpeed clips at 1.0 unless told; the FSDP2 resume does not clip
     if run.get("dtype", "fp32") == "bf16":
@@ -127,5 +127,5 @@ if __name__ == "__main__":
     import ucp.deepspeed
     from multi_run import run_all
 
-    ucp.deepspeed.finish(run_all(train_one,
-                                    "{model: llama|gpt2, stage, dtype: fp32|bf16, save_dir, dump_state, after}"))
+    ucp.deepspeed.finish(run_all(train_one, "{model: llama|gpt2, stage, dtype: fp32|bf16, save_dir, dump_state, "
+                                             "after, optimizer}"))

@@ -61,3 +61,63 @@ def test_a_staged_output_may_replace_an_empty_folder_but_nothing_else(tmp_path):
             with staged_output(tmp_path / taken):
                 pass
     assert (tmp_path / "file").read_text() == "mine"
+
+
+# ---- the param groups of a DCP export, keyed for torch's optimizer (ucp.export.optimizer) ----------------------
+
+FUSED_ADAM_GROUP = {"lr": 0.01, "bias_correction": True, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1,
+                    "step": 0}  # what DeepSpeed's FusedAdam keeps in a param group
+
+
+def fused_adam(config_type: str = "AdamW", **params) -> dict:
+    """The index's optimizer record of a DeepSpeed run of its own Adam with `params` in the config."""
+    from ucp.format.optimizer import optimizer_record
+
+    groups = [{"hyperparams": {**FUSED_ADAM_GROUP, **params.pop("group", {})}, "params": ["w"]}]
+    return optimizer_record({"type": config_type, "params": params}, groups, ["exp_avg", "exp_avg_sq"])
+
+
+@pytest.mark.parametrize("cls", ["AdamW", "Adam"])
+def test_deepspeed_adam_groups_take_every_key_of_torchs_class(cls):
+    import torch
+
+    from ucp.export.optimizer import export_groups
+
+    optimizer = fused_adam("AdamW")
+    (group,) = export_groups(optimizer, f"torch.optim.{cls}", "ckpt")
+    torch_keys = getattr(torch.optim, cls)([torch.nn.Parameter(torch.zeros(1))]).param_groups[0].keys()
+    assert torch_keys <= group.keys()
+    assert (group["lr"], group["betas"], group["eps"], group["weight_decay"]) == (0.01, [0.9, 0.95], 1e-8, 0.1)
+    assert (group["decoupled_weight_decay"], group["amsgrad"], group["maximize"]) == (True, False, False)
+    assert group["params"] == ["w"]
+
+
+@pytest.mark.parametrize("record, key", [
+    (dict(config_type="Adam", adam_w_mode=False), "adam_w_mode"),
+    (dict(group={"bias_correction": False}), "bias_correction"),
+])
+def test_torch_adamw_is_refused_where_its_update_differs(record, key):
+    from ucp.export.optimizer import export_groups
+
+    with pytest.raises(ExportError, match=key):
+        export_groups(fused_adam(**record), "torch.optim.AdamW", "ckpt")
+
+
+def test_l2_adam_without_weight_decay_is_adamw():
+    from ucp.export.optimizer import export_groups
+
+    (group,) = export_groups(fused_adam("Adam", adam_w_mode=False, group={"weight_decay": 0.0}), "torch.optim.AdamW",
+                             "ckpt")
+    assert group["weight_decay"] == 0.0
+
+
+@pytest.mark.parametrize("keys, kind", [
+    ({"decoupled_weight_decay": True}, "AdamW"), ({"decoupled_weight_decay": False}, "Adam"), ({}, "unknown")])
+def test_a_client_torch_optimizer_is_named_by_its_param_group_keys(keys, kind):
+    from ucp.format.optimizer import optimizer_record
+
+    hyper = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01, "amsgrad": False,
+             "maximize": False, **keys}
+    record = optimizer_record(None, [{"hyperparams": hyper, "params": ["w"]}], ["exp_avg", "exp_avg_sq"])
+    assert record["type"] == kind
+    assert record.get("adam_w_mode") == keys.get("decoupled_weight_decay")

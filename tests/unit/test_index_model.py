@@ -53,3 +53,20 @@ def test_a_model_naming_a_missing_parameter_as_an_alias_is_refused_on_reading(tm
     commit_index(folder, dataclasses.replace(index, aliases={"c.weight": "z.weight"}))
     with pytest.raises(CorruptCheckpointError, match=r"aliases\['c.weight'\] must name a stored parameter"):
         read_index(folder)
+
+
+def test_what_the_checkpoint_does_not_hold_is_read_back_and_checked(tmp_path):
+    from ucp.format.index import NotSaved
+
+    folder = _written(tmp_path)
+    index = read_index(folder)
+    left_out = NotSaved("frozen", "exclude_frozen_parameters", ("emb.weight", "head.weight"))
+    commit_index(folder, dataclasses.replace(index, run=dataclasses.replace(index.run, not_saved=left_out)))
+    assert read_index(folder).run.not_saved == left_out
+    assert str(left_out) == "frozen, not saved: exclude_frozen_parameters"
+    for bad, where in [(NotSaved("buffer", "x"), r"not_saved.kind 'buffer'"),
+                       (NotSaved("frozen", "x", ("a.weight",)), "not_saved.names must list names of parameters the "
+                                                                  "checkpoint does not hold")]:
+        commit_index(folder, dataclasses.replace(index, run=dataclasses.replace(index.run, not_saved=bad)))
+        with pytest.raises(CorruptCheckpointError, match=where):
+            read_index(folder)

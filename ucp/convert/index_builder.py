@@ -55,7 +55,8 @@ class WrittenFile:
 
 
 def records_of(plan: ConversionPlan) -> tuple[RunRecord, dict[str, str], list[ParamRecord]]:
-    run = RunRecord(plan.source, plan.training, plan.optimizer, plan.lr_scheduler, plan.client_state)
+    run = RunRecord(plan.source, plan.training, plan.optimizer, plan.lr_scheduler, plan.client_state,
+                    plan.not_saved)
     return run, dict(plan.aliases), [ParamRecord.of(p) for p in plan.params]
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ucp.format.index import DTYPE_SIZES
+from ucp.format.index import DTYPE_SIZES, NotSaved
 from ucp.patterns.recognize import FragmentInfo
 from ucp.patterns.types import PatternSpec
 
@@ -105,6 +105,8 @@ class ConversionPlan:
     left_out: dict[str, str] = field(default_factory=dict)
     # alias -> source: a tied weight's second name (e.g. lm_head.weight -> embed_tokens.weight), stored once
     aliases: dict[str, str] = field(default_factory=dict)
+    # parameters the source left out on purpose (frozen ones under exclude_frozen_parameters)
+    not_saved: NotSaved | None = None
 
     def param(self, name: str) -> ParamPlan:
         for p in self.params:

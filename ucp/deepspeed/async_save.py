@@ -49,6 +49,7 @@ from ucp.format import loss_scale
 from ucp.format.crc import CHUNK_BYTES
 from ucp.format.folder import INDEX_NAME, commit_index, commit_latest, fsync_dir, tensor_key
 from ucp.format.index import FORMAT_NAME, RunRecord
+from ucp.format.optimizer import optimizer_record
 from ucp.format.safetensors_stream import TORCH_DTYPES, StoredTensor, TensorSlot
 from ucp.patterns.recognize import FragmentInfo, recognize
 
@@ -256,8 +257,7 @@ def _metadata(saver: Saver, prepared: _Prepared, tag: str, tag_dir: Path, client
                    "zero_stage": engine.zero_optimization_stage(), "dp": len(saver.ranks), "tp": 1, "pp": 1,
                    "precision": precision, "tag": tag, "path": str(tag_dir), "writer": "ucp.deepspeed.save"},
         "training": training,
-        "optimizer": {"type": (config.get("optimizer") or {}).get("type") or engine.optimizer_name(),
-                      "states": list(prepared.moments), "param_groups": groups},
+        "optimizer": optimizer_record(config.get("optimizer"), groups, list(prepared.moments), engine.optimizer_name()),
         "lr_scheduler": _to_json(engine.lr_scheduler.state_dict()) if engine.lr_scheduler is not None else None,
         "client_state": _to_json(client_state or {}),
         "aliases": module_aliases(engine.module),  # what DeepSpeed's own save lists in shared_params

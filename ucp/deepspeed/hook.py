@@ -39,7 +39,11 @@ committed, and runs at exit too; see `ucp.deepspeed.async_save`). The `"ucp"` co
   layer by layer: unchecked for a DeepSpeed source, and damage found at layer k of a ucp checkpoint
   leaves layers before k loaded.
 * `strict` (bool, default true): a checkpoint parameter the model lacks is an error (tied weights:
-  see below).
+  see below). A frozen parameter of the model that the checkpoint lacks is an error too, unless the
+  checkpoint records that it left its frozen parameters out (`save_checkpoint(exclude_frozen_parameters=True)`,
+  as the Trainer saves PEFT models: see `ckpt.not_saved`) or `strict` is false: such parameters keep the
+  values the model has (its base weights), and `LoadStats.kept` names them. A trainable parameter the
+  checkpoint lacks is always an error.
 * `layout` (dict, or path to its JSON): an explicit `ucp.hmp.layout.Layout`, for heterogeneous model
   parallelism (Elastor's HMP: TP sizes that differ between replicas), which DeepSpeed itself cannot
   describe. Each rank's module holds the slices the layout gives it (shapes of those slices) and
@@ -72,6 +76,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 import re
 import time
@@ -99,6 +104,7 @@ from ucp.format.folder import INDEX_NAME, latest_checkpoint, reading
 from ucp.hmp.layout import Layout, ParamSpec
 
 Checkpoint = AtomicCheckpoint | PlannedCheckpoint
+logger = logging.getLogger("ucp.deepspeed")
 __all__ = ["CheckpointMismatchError", "LoadStats", "SaveStats", "initialize", "load", "save", "wait"]
 
 
@@ -116,6 +122,7 @@ class LoadStats:
     layers: int = 0
     peak_layer_bytes: int = 0
     client_state: dict = field(default_factory=dict)
+    kept: list[str] = field(default_factory=list)  # frozen parameters the checkpoint does not hold, left as they were
 
 
 def initialize(*args, **kwargs):
@@ -204,12 +211,15 @@ def _load(engine, path, bypass, load_optimizer_states, load_lr_scheduler_states,
         model_names = None
         if layout is not None:
             model_names = _place(engine, target, layout, param_table)
-        state_names = _check(ckpt, target, engine, load_optimizer_states, strict, model_names)
+        state_names, kept = _check(ckpt, target, engine, load_optimizer_states, strict, model_names)
         error = None
     except UcpError as e:
         error = e
     _agree(error)
-    stats = LoadStats(client_state=dict(ckpt.client_state))
+    stats = LoadStats(client_state=dict(ckpt.client_state), kept=kept)
+    if kept:
+        target.tensors = [t for t in target.tensors if t.name not in set(kept)]
+        _say_kept(ckpt, kept)
     with torch.no_grad():
         _load_tensors(source_for(ckpt), target, state_names, bypass, check_first, stats)
     if load_optimizer_states:
@@ -240,13 +250,17 @@ def _place(engine, target: Target, layout, param_table) -> set[str]:
 
 
 def _check(ckpt: Checkpoint, target: Target, engine, load_optimizer_states: bool, strict: bool,
-           model_names: set[str] | None = None) -> list[str]:
+           model_names: set[str] | None = None) -> tuple[list[str], list[str]]:
+    """The optimizer states to load, and the frozen parameters the checkpoint does not hold (kept as they are)."""
     names = ckpt.names  # in the checkpoint's order, which errors name the first of
     params = set(names)
+    kept = []
     for t in target.tensors:
         if t.name not in params and t.name not in ckpt.aliases:
-            raise CheckpointMismatchError(f"{ckpt.path}: has no parameter '{t.name}', which the model has; "
-                                          "was it saved from another model?")
+            if t.kind == "frozen" and (ckpt.not_saved is not None or not strict):
+                kept.append(t.name)
+                continue
+            raise CheckpointMismatchError(_missing(ckpt, t.name, t.kind))
         saved = ckpt.info(t.name)  # a tied alias the model keeps untied gets its source's weight and states
         if saved.shape != t.shape:
             raise CheckpointMismatchError(f"{t.name}: the checkpoint holds shape {saved.shape}, the model {t.shape}")
@@ -266,11 +280,35 @@ def _check(ckpt: Checkpoint, target: Target, engine, load_optimizer_states: bool
                                           "the model does not have; pass strict=False to ignore them")
     saved_states = _optimizer_states(ckpt, target, engine) if load_optimizer_states else []
     for t in target.tensors:
+        if t.name in kept:
+            continue
         missing = [s for s in _states_of(t, saved_states) if s not in ckpt.states(t.name)]
         if missing:
             raise CheckpointMismatchError(f"{ckpt.path}: parameter '{t.name}' has no state '{missing[0]}'; the "
                                           "index is damaged, convert the checkpoint again")
-    return saved_states
+    return saved_states, kept
+
+
+def _missing(ckpt: Checkpoint, name: str, kind: str) -> str:
+    """Why the model's parameter `name` (of `kind`) cannot be loaded from `ckpt`, which lacks it, and the fix."""
+    if kind == "param" and ckpt.not_saved is not None:
+        return (f"{ckpt.path}: has no parameter '{name}', which the model trains; the checkpoint holds no "
+                f"{ckpt.not_saved.kind} parameters ({ckpt.not_saved}), but this one is trainable here: freeze it "
+                "as the run that saved the checkpoint did (the same PEFT config), or resume from a checkpoint "
+                "that holds it")
+    if kind == "frozen":
+        return (f"{ckpt.path}: has no parameter '{name}', which the model has (frozen); if the checkpoint was "
+                "saved with exclude_frozen_parameters, pass strict=False to keep the model's own value; "
+                "otherwise, was it saved from another model?")
+    return f"{ckpt.path}: has no parameter '{name}', which the model has; was it saved from another model?"
+
+
+def _say_kept(ckpt: Checkpoint, kept: list[str]) -> None:
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    why = f" ({ckpt.not_saved})" if ckpt.not_saved is not None else " (strict=False)"
+    logger.info("%s: kept %d frozen parameter(s) as the model has them, which the checkpoint does not hold%s: %s",
+                ckpt.path, len(kept), why, ", ".join(kept[:3]) + (", ..." if len(kept) > 3 else ""))
 
 
 def _optimizer_states(ckpt: AtomicCheckpoint, target: Target, engine) -> list[str]:

@@ -32,6 +32,7 @@ from ucp.convert.plan import BUFFER, BUFFER_STATE, TRAINABLE, WEIGHT_STATE
 from ucp.errors import ExportError
 from ucp.export.hf import DTYPES
 from ucp.export.model_config import find_config, model_keys
+from ucp.export.optimizer import default_target, export_groups
 from ucp.export.staging import staged_output
 from ucp.format.safetensors_stream import TORCH_DTYPES
 
@@ -97,15 +98,22 @@ class _BoundedFileWriter(FileSystemWriter):
 
 def to_dcp(input: str | os.PathLike, output: str | os.PathLike, *, dtype: str = "float32",
            config: str | os.PathLike | None = None, workers: int = 1, tag: str | None = None,
-           progress: bool = True) -> DcpExport:
+           optimizer: str | None = None, progress: bool = True) -> DcpExport:
     """Write `output` as a DCP checkpoint of the model weights (in `dtype`) and fp32 optimizer states.
 
     With a model config (`config`, or the one beside the checkpoint), tied copies are written under
-    every name `get_model_state_dict` gives them, from the weight they copy.
+    every name `get_model_state_dict` gives them, from the weight they copy. `optimizer` is the class the
+    loading job's optimizer is, whose param-group keys the export holds (`ucp.export.optimizer`):
+    "torch.optim.AdamW" (the default for an Adam-family optimizer), "torch.optim.Adam", or "saved" (the
+    checkpoint's own keys, the default otherwise).
     """
     if dtype not in DTYPES:
         raise ExportError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
     ckpt = open_checkpoint(input, tag)
+    saved_optimizer = ckpt.optimizer
+    groups = None
+    if saved_optimizer is not None:
+        groups = export_groups(saved_optimizer, optimizer or default_target(saved_optimizer), str(ckpt.path))
     model_config = find_config(ckpt, config)
     tied = model_keys(model_config).tied if model_config is not None else {}
     sources: dict[int, Source] = {}
@@ -126,13 +134,12 @@ def to_dcp(input: str | os.PathLike, output: str | os.PathLike, *, dtype: str = 
     for copy in copies:  # under the name get_model_state_dict gives it too, even where the checkpoint lacks it
         model[copy] = placeholder(tied[copy], WEIGHT_STATE, TORCH_DTYPES[dtype])
     state_dict: dict = {"model": model}
-    optimizer = ckpt.optimizer
     trainable = [n for n in ckpt.names if ckpt.info(n).kind == TRAINABLE]
-    if optimizer is not None:
+    if saved_optimizer is not None:
         state_dict["optimizer"] = {
-            "state": {n: {**{s: placeholder(n, s, torch.float32) for s in optimizer["states"]},
+            "state": {n: {**{s: placeholder(n, s, torch.float32) for s in saved_optimizer["states"]},
                           STEP_STATE: ckpt.tensor(n, STEP_STATE)} for n in trainable},
-            "param_groups": [{**g["hyperparams"], "params": list(g["params"])} for g in optimizer["param_groups"]],
+            "param_groups": groups,
         }
     sizes = [t.numel() * t.element_size() for t in _placeholders(state_dict)]
     total, largest = sum(sizes), max(sizes, default=1)
@@ -144,7 +151,7 @@ def to_dcp(input: str | os.PathLike, output: str | os.PathLike, *, dtype: str = 
                  planner=_ReadingPlanner(ckpt, sources, bar), no_dist=True)
         except CheckpointException as exc:  # DCP wraps each rank's error: raise ours (a full disk, a bad read) as is
             raise next(iter(exc.failures.values()))[0] from None
-    return DcpExport(Path(output), len(model), len(trainable) if optimizer is not None else 0, total)
+    return DcpExport(Path(output), len(model), len(trainable) if saved_optimizer is not None else 0, total)
 
 
 def _placeholders(tree) -> list[torch.Tensor]:

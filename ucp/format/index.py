@@ -17,7 +17,7 @@ import os
 import stat
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ucp.errors import CorruptCheckpointError
@@ -86,6 +86,24 @@ class ExtraFile:
     crc32: int
 
 
+NOT_SAVED_KINDS = ("frozen",)
+
+
+@dataclass(frozen=True)
+class NotSaved:
+    """Parameters of the trained model that the checkpoint leaves out on purpose: every `kind` one (frozen:
+    DeepSpeed's `save_checkpoint(exclude_frozen_parameters=True)`, as the Trainer saves a PEFT model). A
+    loader keeps them as the model has them. `names` are those the source still names (a tied pair's two
+    names); DeepSpeed records no name of the others."""
+
+    kind: str  # one of NOT_SAVED_KINDS
+    reason: str  # e.g. "exclude_frozen_parameters"
+    names: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        return f"{self.kind}, not saved: {self.reason}"
+
+
 @dataclass(frozen=True)
 class RunRecord:
     """What the index keeps of the training run beside its tensors, as the engine saved it."""
@@ -95,6 +113,7 @@ class RunRecord:
     optimizer: dict | None = None  # type, states, param_groups (hyperparams and member names)
     lr_scheduler: object = None  # the scheduler's state_dict
     client_state: dict = field(default_factory=dict)
+    not_saved: NotSaved | None = None  # parameters the source left out on purpose
 
 
 @dataclass(frozen=True)
@@ -130,8 +149,13 @@ def index_json(index: Index) -> dict:
         "chunk_bytes": index.chunk_bytes,
         "extra_files": {e.name: {"bytes": e.nbytes, "crc32": e.crc32} for e in index.extra_files.values()},
         "aliases": dict(index.aliases),
+        **({"not_saved": _not_saved_json(index.run.not_saved)} if index.run.not_saved is not None else {}),
         "params": {p.name: _param_json(p) for p in index.params.values()},
     }
+
+
+def _not_saved_json(n: NotSaved) -> dict:
+    return {"kind": n.kind, "reason": n.reason, "names": list(n.names)}
 
 
 def _param_json(p: ParamEntry) -> dict:
@@ -227,8 +251,10 @@ def parse_index(raw, directory: str | os.PathLike, index_path: str | os.PathLike
         extra_files[name] = ExtraFile(name, fields.count("bytes"), fields.count("crc32", limit=0xFFFFFFFF))
     splits = top.get("splits", (dict,), required=False)
     global_split = _Fields("index.splits", splits, path).count("global_split", required=False) if splits else None
-    return Index(version, files, params, _aliases(top, path, params), chunk_bytes, _run_record(top, path),
-                 extra_files, global_split, top.get("created_by", (str,), required=False) or "")
+    aliases = _aliases(top, path, params)
+    run = replace(_run_record(top, path), not_saved=_not_saved(top, path, {*params, *aliases}))
+    return Index(version, files, params, aliases, chunk_bytes, run, extra_files, global_split,
+                 top.get("created_by", (str,), required=False) or "")
 
 
 def _aliases(top: _Fields, path: Path, params: dict[str, ParamEntry]) -> dict[str, str]:
@@ -238,6 +264,20 @@ def _aliases(top: _Fields, path: Path, params: dict[str, ParamEntry]) -> dict[st
             raise _bad(path, f"aliases[{alias!r}]", f"must name a stored parameter ({source!r} is none) and not be "
                        "one itself")
     return dict(aliases)
+
+
+def _not_saved(top: _Fields, path: Path, held: set[str]) -> NotSaved | None:
+    raw = top.get("not_saved", (dict,), required=False)
+    if raw is None:
+        return None
+    fields = _Fields("index.not_saved", raw, path)
+    kind = fields.get("kind", (str,))
+    if kind not in NOT_SAVED_KINDS:
+        raise _bad(path, "index.not_saved.kind", f"{kind!r} is not one of {', '.join(NOT_SAVED_KINDS)}")
+    names = fields.get("names", (list,))
+    if not all(isinstance(n, str) and n not in held for n in names):
+        raise _bad(path, "index.not_saved.names", "must list names of parameters the checkpoint does not hold")
+    return NotSaved(kind, fields.get("reason", (str,)), tuple(names))
 
 
 def _run_record(top: _Fields, path: Path) -> RunRecord:

@@ -9,6 +9,12 @@ resharded for this run's layout: weights, fp32 masters, moments, step, the engin
 Accelerate's own files are read where they still apply: a scheduler it keeps outside the engine
 (`scheduler.bin`), samplers, custom objects. RNG states saved by another number of processes cannot
 be mapped to these ranks: they are left as this run has them, and a warning says so once.
+
+The prepared DataLoaders keep the sample order of the run that saved (`ucp.accelerate.data_order`:
+where Accelerate's order comes from, and which samplers ucp gives it back to); a sampler whose order
+cannot be carried to this number of processes is refused, naming the fix, before anything is loaded.
+Importing this module makes `Accelerator.prepare` record what each DataLoader's order is drawn from,
+so import it before `prepare`.
 """
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ import os
 import random
 from pathlib import Path
 
+from ucp.accelerate import data_order
 from ucp.deepspeed.config import load_options, ucp_options
 from ucp.errors import ConfigError
 
@@ -30,7 +37,9 @@ def load_state(accelerator, input_dir: str | os.PathLike, checkpoint: str | os.P
 
     `checkpoint` overrides where the engine's state is read from (e.g. a ucp conversion of the
     DeepSpeed checkpoint inside `input_dir`). Options of `ucp.deepspeed.load` come from the `"ucp"`
-    section of the DeepSpeed config, as with `ucp.deepspeed.initialize`.
+    section of the DeepSpeed config, as with `ucp.deepspeed.initialize`. `input_dir` may be a ucp
+    checkpoint alone when the run keeps nothing outside the engine that `save_state` would have saved
+    beside it (a scheduler of its own, custom objects); otherwise that is refused, naming those files.
     """
     from accelerate.utils import DistributedType
 
@@ -41,6 +50,10 @@ def load_state(accelerator, input_dir: str | os.PathLike, checkpoint: str | os.P
         raise ConfigError("ucp.accelerate.load_state resumes DeepSpeed runs; this Accelerator has no DeepSpeed "
                           "plugin, so use accelerator.load_state")
     options = load_options(ucp_options(accelerator.state.deepspeed_plugin.deepspeed_config))
+    alone = checkpoint is None and _is_ucp_checkpoint(Path(input_dir))
+    if alone:
+        _check_nothing_else_is_needed(accelerator, Path(input_dir))
+        checkpoint = input_dir
     engines = accelerator._models
     source = Path(checkpoint) if checkpoint is not None else None
 
@@ -51,9 +64,10 @@ def load_state(accelerator, input_dir: str | os.PathLike, checkpoint: str | os.P
             return str(path), client_state
         return load_checkpoint
 
+    saved = saved_world_size(Path(checkpoint) if checkpoint is not None else Path(input_dir))
+    data_order.keep_order(accelerator._dataloaders, saved, accelerator.num_processes)
     for engine in engines:
         engine.load_checkpoint = ucp_load_checkpoint(engine)  # an instance attribute: this call only
-    saved = saved_world_size(Path(checkpoint) if checkpoint is not None else Path(input_dir))
     keep_rng = saved != accelerator.num_processes
     try:
         with _rng_kept() if keep_rng else contextlib.nullcontext():
@@ -64,6 +78,31 @@ def load_state(accelerator, input_dir: str | os.PathLike, checkpoint: str | os.P
     if keep_rng and accelerator.is_main_process:
         logger.warning("RNG states were saved by %d processes and cannot be mapped to %d; this run keeps its own",
                        saved, accelerator.num_processes)
+    elif alone and accelerator.is_main_process:
+        logger.warning("%s: a ucp checkpoint holds no RNG states (accelerator.save_state keeps them beside the "
+                       "engine's files); this run keeps its own", input_dir)
+
+
+def _is_ucp_checkpoint(path: Path) -> bool:
+    from ucp.format.folder import INDEX_NAME, latest_checkpoint
+
+    return (path / INDEX_NAME).is_file() or latest_checkpoint(path) is not None
+
+
+def _check_nothing_else_is_needed(accelerator, path: Path) -> None:
+    """Refuse a ucp checkpoint given alone when the run has state that `accelerator.save_state` keeps outside
+    the engine, which only its own folder holds."""
+    from accelerate.utils import DeepSpeedSchedulerWrapper
+
+    schedulers = [s for s in accelerator._schedulers if not isinstance(s, DeepSpeedSchedulerWrapper)]
+    missing = [f"scheduler{f'_{i}' if i else ''}.bin (the {type(getattr(s, 'scheduler', s)).__name__} outside "
+               "the engine)" for i, s in enumerate(schedulers)]
+    missing += [f"custom_checkpoint_{i}.pkl" for i in range(len(accelerator._custom_objects))]
+    if missing:
+        raise ConfigError(f"{path}: a ucp checkpoint holds the engine's state, not what accelerator.save_state "
+                          f"keeps beside it and this run needs: {', '.join(missing)}; pass save_state's folder "
+                          f"and this checkpoint: ucp.accelerate.load_state(accelerator, STATE_DIR, "
+                          f"checkpoint='{path}')")
 
 
 @contextlib.contextmanager
@@ -82,3 +121,6 @@ def _rng_kept():
         torch.set_rng_state(states[2])
         if cuda is not None:
             torch.cuda.set_rng_state_all(cuda)
+
+
+data_order.install()
