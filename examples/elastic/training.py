@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -32,6 +33,8 @@ class Run:
     keep: int = 3
     losses_out: str | None = None   # a JSON line per step from rank 0: step, loss, world size
     stock: bool = False             # negative control: DistributedSampler and per-rank batch keys, no "elastic"
+    ucp: dict | None = None         # the "ucp" section's load and save keys, when a launcher gives them (Ray Train)
+    after_step: Callable[[object, float], None] = field(default=lambda engine, loss: None)  # (engine, mean loss)
 
 
 class Regression(Dataset):
@@ -60,7 +63,7 @@ def deepspeed_config(run: Run) -> dict:
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}},
         "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4, "warmup_max_lr": 1e-2}},
         "zero_optimization": {"stage": run.stage}, "steps_per_print": 10 ** 9,
-        "ucp": {"load": "auto", "save": {"dir": run.save_dir, "every": run.every, "keep": run.keep}},   # ucp
+        "ucp": run.ucp or {"load": "auto", "save": {"dir": run.save_dir, "every": run.every, "keep": run.keep}},  # ucp
     }
     if run.stock:
         world = dist.get_world_size()
@@ -95,7 +98,7 @@ def train(run: Run) -> None:
             step = engine.global_steps
             engine.step()
             if engine.global_steps != step:
-                _log(run, engine, summed)
+                run.after_step(engine, _log(run, engine, summed))
                 summed = torch.zeros(1)
                 if engine.global_steps >= run.steps:
                     break
@@ -103,11 +106,13 @@ def train(run: Run) -> None:
     ucp.deepspeed.wait(engine)  # the last save is committed
 
 
-def _log(run: Run, engine, summed: torch.Tensor) -> None:
+def _log(run: Run, engine, summed: torch.Tensor) -> float:
+    """The step's mean loss over its global batch, appended to `run.losses_out` by rank 0."""
     dist.all_reduce(summed)
     world = dist.get_world_size()
     samples = run.global_batch if not run.stock else engine.train_micro_batch_size_per_gpu() * world
+    loss = summed.item() / samples
     if dist.get_rank() == 0 and run.losses_out:
         with open(run.losses_out, "a") as f:
-            f.write(json.dumps({"step": engine.global_steps, "loss": summed.item() / samples, "world": world,
-                                "pid": os.getpid()}) + "\n")
+            f.write(json.dumps({"step": engine.global_steps, "loss": loss, "world": world, "pid": os.getpid()}) + "\n")
+    return loss

@@ -16,17 +16,16 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
 import pytest
 
 from support.checkpoints import TinySpec, read_tag
 from support.processes import gone, ucp_command, wait_for
+from support.ray_nodes import RAY_ENV, free_port, stop_session
 from ucp.cli.main import main
 from ucp.convert.driver import convert, write_atomic
 from ucp.convert.manifest import manifest_name
@@ -37,36 +36,11 @@ from ucp.format.folder import INDEX_NAME, data_file_name
 SPECS = [TinySpec(stage=1), TinySpec(stage=3, dtype="bf16", world_size=3)]
 WORKERS = 2
 BIN0, BIN1 = data_file_name(0, WORKERS), data_file_name(1, WORKERS)
-# A clean environment for Ray in this module: no token auth (a token in ~/.ray would switch it on
-# for `ray start` but not for drivers joining by address), no usage-stats prompt.
-RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
-
-
 @dataclass(frozen=True)
 class Cluster:
     address: str    # GCS address, for --ray-address
     dashboard: str  # job server, for ucp submit
     hold: Path      # $UCP_TEST_HOLD_DIR of every process of the cluster
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _stop_session(proc: subprocess.Popen) -> None:
-    """Stop `ray start --block` (its own session) and then kill whatever of that session is left."""
-    with contextlib.suppress(ProcessLookupError):
-        proc.send_signal(signal.SIGTERM)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=20)
-    for p in psutil.process_iter():
-        with contextlib.suppress(psutil.Error, ProcessLookupError):
-            if os.getsid(p.pid) == proc.pid:
-                p.kill()
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=10)
 
 
 @pytest.fixture(scope="module")
@@ -75,10 +49,10 @@ def cluster(tmp_path_factory):
     temp_dir, hold = root / "t", root / "hold"
     temp_dir.mkdir()
     hold.mkdir()
-    dashboard_port = _free_port()
-    cmd = ["ray", "start", "--head", "--block", f"--port={_free_port()}", "--num-cpus=2", "--disable-usage-stats",
+    dashboard_port = free_port()
+    cmd = ["ray", "start", "--head", "--block", f"--port={free_port()}", "--num-cpus=2", "--disable-usage-stats",
            f"--temp-dir={temp_dir}", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
-           f"--dashboard-port={dashboard_port}", f"--ray-client-server-port={_free_port()}"]
+           f"--dashboard-port={dashboard_port}", f"--ray-client-server-port={free_port()}"]
     log = root / "ray-start.log"
     with pytest.MonkeyPatch.context() as mp:
         for key, value in RAY_ENV.items():
@@ -97,7 +71,7 @@ def cluster(tmp_path_factory):
             address = wait_for(started, what="ray start")
             yield Cluster(address, f"http://127.0.0.1:{dashboard_port}", hold)
         finally:
-            _stop_session(proc)
+            stop_session(proc)
 
 
 @pytest.fixture(scope="module")

@@ -404,9 +404,11 @@ class SaveEvery:
     def install(self, engine) -> None:
         """Wrap `engine.step` to save after every `every`-th optimizer step.
 
-        Client state for these saves is read from `engine.ucp_client_state` (a dict) when set.
+        Client state for these saves is read from `engine.ucp_client_state` (a dict) when set;
+        `engine.ucp_save_dir` says where they go.
         """
         saver = saver_for(engine)
+        engine.ucp_save_dir = self.dir
         saver.last_step = engine.global_steps
         saver.keep = self.keep
         step: Callable = engine.step
