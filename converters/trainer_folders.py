@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +26,8 @@ EXTRA_SUFFIXES = (".json", ".txt", ".model", ".jinja")
 EXTRA_MAX_BYTES = 64 << 20
 PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".pkl", ".pickle")
 PICKLE_REASON = "pickles, which run code when loaded; the LR scheduler state is already in the index"
+# A link may reach any file on the machine (a key, /etc/passwd): never copied into a checkpoint or an export.
+LINK_REASON = "symbolic links, which ucp never follows out of the save folder: copy the file itself there"
 
 
 def checkpoint_folders(output_dir: str | os.PathLike) -> list[Path]:
@@ -67,12 +70,15 @@ def side_files(save_dir: str | os.PathLike) -> SideFiles:
         return out
     for name in sorted(os.listdir(root)):
         path = root / name
-        if not path.is_file():
-            continue
+        mode = os.lstat(path).st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
+            continue  # folders, and FIFOs or devices, which are never opened
         if name.endswith(PICKLE_SUFFIXES):
             out.left[name] = PICKLE_REASON
         elif not name.endswith(EXTRA_SUFFIXES) or name.endswith(".index.json"):
             continue  # weights and their shard indexes come from the DeepSpeed files
+        elif stat.S_ISLNK(mode):
+            out.left[name] = LINK_REASON
         elif is_ucp_file(name):
             out.left[name] = "its name is reserved for ucp's own files"
         elif path.stat().st_size > EXTRA_MAX_BYTES:

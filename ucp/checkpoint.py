@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from ucp.convert.source_check import EntryChecks
+from ucp.converters.trainer_folders import LINK_REASON
 from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError, UcpError
 from ucp.format.fileio import ReadCounter, read_regular
 from ucp.format.folder import INDEX_NAME, latest_checkpoint, read_index
@@ -122,7 +123,7 @@ class AtomicCheckpoint:
     def extra_file(self, name: str) -> bytes:
         """The bytes of an extra file, checked against the size and CRC-32 the index records."""
         record = self._extra(name)
-        data = read_regular(str(self.extra_file_path(name)))
+        data = read_regular(str(self.extra_file_path(name)), follow=False)  # a link may reach any file
         if len(data) != record.nbytes or zlib.crc32(data) != record.crc32:
             raise CorruptCheckpointError(f"{self.path / name}: differs from what {INDEX_NAME} records "
                                          f"({record.nbytes} bytes, CRC-32 {record.crc32}); convert the "
@@ -267,12 +268,15 @@ class PlannedCheckpoint:
                 from None
 
     def extra_file(self, name: str) -> bytes:
-        return self.extra_file_path(name).read_bytes()
+        return read_regular(str(self.extra_file_path(name)), follow=False)
 
     def verify(self) -> list[str]:
         """Every problem found reading each state of each parameter whole, as a conversion would: each
-        zip entry against the CRC-32 the rank file records, replicated copies compared."""
-        problems = []
+        zip entry against the CRC-32 the rank file records, replicated copies compared; and the side files
+        a conversion leaves out because they are symbolic links (which could reach any file)."""
+        save_dir = Path(self.plan.source["path"]).parent
+        problems = [f"{save_dir / name}: left out of conversions and exports: {reason}"
+                    for name, reason in sorted(self.plan.left_out.items()) if reason == LINK_REASON]
         for name, p in self._params.items():
             for state in p.states:
                 try:

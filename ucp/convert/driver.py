@@ -39,7 +39,7 @@ from ucp.convert.split_policy import SplitPolicy, apply_split_policy
 from ucp.converters.trainer_folders import left_out_summary
 from ucp.errors import OutputExistsError, UcpError
 from ucp.format.crc import CHUNK_BYTES, join_segments
-from ucp.format.fileio import writing_alone
+from ucp.format.fileio import read_regular, writing_alone
 from ucp.format.folder import (INDEX_NAME, PARTIAL_SUFFIX, commit_index, data_file_name, fsync_dir, is_ucp_file,
                                read_index, tensor_key)
 from ucp.format.index import FORMAT_NAME, ExtraFile, stored_shape
@@ -295,7 +295,7 @@ def _hold_for_tests(file_name: str) -> None:
 
 def copy_extra_file(source: Path, target: Path) -> ExtraFile:
     """Copy a small side file (see `ucp.converters.trainer_folders`) durably; its index record: size and CRC-32."""
-    data = source.read_bytes()
+    data = read_regular(str(source), follow=False)  # planned as a regular file: still no link, FIFO or device
     partial = target.with_name(target.name + PARTIAL_SUFFIX)
     with open(partial, "wb") as f:
         f.write(data)
