@@ -262,6 +262,23 @@ def storage_entries(path: str | os.PathLike) -> dict[str, ZipEntry]:
     return _open(str(path), with_pickle=False)[1]
 
 
+def archive_digest(path: str | os.PathLike) -> tuple | None:
+    """Every entry's name, size and CRC-32 from the zip directory of `path` (no data is read): equal for two
+    files with equal bytes; None where the writer recorded no CRC-32s (`compute_crc32=False`)."""
+    fd = open_regular(str(path))
+    try:
+        with os.fdopen(fd, "rb", closefd=False) as raw, zipfile.ZipFile(raw) as archive:
+            infos = archive.infolist()
+    except (zipfile.BadZipFile, EOFError, OSError, ValueError) as exc:
+        raise CorruptCheckpointError(f"{path}: cannot be read as a torch.save file ({exc}); it is truncated "
+                                     "or damaged, copy it again from the training job") from None
+    finally:
+        os.close(fd)
+    if any(i.CRC == 0 and i.file_size for i in infos):
+        return None
+    return tuple((i.filename, i.file_size, i.CRC) for i in infos)
+
+
 def _open(path: str, with_pickle: bool) -> tuple[bytes, dict[str, ZipEntry]]:
     """The bytes of `data.pkl` (when asked for) and the storages' entries of the torch zip file `path`.
 

@@ -1,16 +1,19 @@
-"""The red team's hostile inputs (#21): special files and escapes out of the checkpoint folder.
+"""The red team's hostile inputs (#21): rank files that lie, special files and escapes out of the folder.
 
-Every case works on a private copy of a real DeepSpeed checkpoint (the tiny ZeRO-2 run on 2 ranks) and
-runs what users run on it in-process: `ucp convert`, `inspect`, `verify` and `open_checkpoint`. Each must give
-one line naming the file, exit 2, never hang (a FIFO opened for reading waits for a writer forever: each
-case runs under an alarm), never print what a link points to, and never carry a file from outside the folder.
+Every case works on a private copy of a real DeepSpeed checkpoint (the tiny runs on 2 ranks) and runs what
+users run on it in-process: `ucp convert`, `inspect`, `verify` and `open_checkpoint`. Each must give one line
+naming the file, exit 2, never hang (a FIFO opened for reading waits for a writer forever: each case runs
+under an alarm), never print what a link points to, and never carry a file from outside the folder.
 """
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
+import struct
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -18,6 +21,8 @@ import pytest
 import ucp
 from support.checkpoints import TinySpec, read_tag
 from ucp.cli.main import main
+from ucp.converters.deepspeed_slices import load_dict
+from ucp.converters.torch_zip import storage_entries
 from ucp.errors import CorruptCheckpointError, UcpError
 from ucp.format.folder import INDEX_NAME
 
@@ -56,6 +61,76 @@ def refused(capsys, *argv: str) -> str:
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2 and len(lines) == 1 and "Traceback" not in err, (code, err)
     return lines[0]
+
+
+def optim_files(save_dir: Path) -> list[Path]:
+    return sorted((save_dir / read_tag(save_dir)).glob("*optim_states.pt"))
+
+
+def lie(save_dir: Path, how: str) -> str:
+    """Make rank 1's optimizer file lie: a copy of rank 0's, a link to it, or swapped with it; returns a pattern
+    of the files the refusal may name (of a swap, either)."""
+    first, second = optim_files(save_dir)
+    if how == "copy":
+        shutil.copy(first, second)
+    elif how == "link":
+        second.unlink()
+        second.symlink_to(first.name)
+    else:
+        first.rename(second.with_name("swap"))
+        second.rename(first)
+        second.with_name("swap").rename(second)
+        return f"({first}|{second})"
+    return str(second)
+
+
+@pytest.mark.parametrize("spec", [TinySpec(stage=1), TinySpec(stage=2), TinySpec(stage=1, dtype="bf16", tie="tied"),
+                                  TinySpec(stage=3)], ids=lambda s: s.name)
+def test_rank_files_that_lie_are_refused(spec, tiny_checkpoint, tmp_path, capsys):
+    """A rank file replaced by a copy of (or a link to) another rank's converted with exit 0 into wrong
+    tensors; two files swapped converted too, and loaded through the hook. ZeRO-3 rank files record nothing
+    that tells two swapped ones apart (docs/RELIABILITY.md), so only its copies and links are tried."""
+    expected = {"copy": "holds the same bytes as", "link": "is the same file as",
+                "swap": "(records 3 elements of padding|holds a piece of 'l1.weight')"}
+    for how in ["copy", "link"] + (["swap"] if spec.stage < 3 else []):
+        save_dir = tmp_path / how
+        shutil.copytree(tiny_checkpoint(spec), save_dir)
+        ucp.open_checkpoint(save_dir)  # negative control: the same copy before the lie
+        named = lie(save_dir, how)
+        with pytest.raises(CorruptCheckpointError, match=f"{named}: {expected[how]}.*copy every rank's own file"):
+            ucp.open_checkpoint(save_dir)
+    line = refused(capsys, "convert", "--input", str(save_dir), "--output", str(tmp_path / "out"), "--quiet")
+    assert re.search(named, line) and not (tmp_path / "out" / INDEX_NAME).exists()
+    assert re.search(named, refused(capsys, "verify", str(save_dir)))
+
+
+def rewrite_entry(path: Path, entry: str, change) -> None:
+    """Rewrite the zip file `path` with `change(bytes)` in place of `entry`'s bytes (CRC-32s recomputed), as a
+    self-consistent rank file would be."""
+    with zipfile.ZipFile(path) as archive:
+        items = [(info, archive.read(info)) for info in archive.infolist()]
+    with zipfile.ZipFile(path, "w") as archive:
+        for info, data in items:
+            archive.writestr(info, change(data) if info.filename == entry else data)
+
+
+@pytest.mark.parametrize("spec", [TinySpec(stage=2), TinySpec(stage=1, dtype="bf16", tie="tied")],
+                         ids=lambda s: s.name)
+def test_a_rank_file_whose_masters_disagree_with_the_module_weights_is_refused(spec, tiny_checkpoint, tmp_path):
+    """A rank file that parses, has every CRC-32 right and lays its partitions out as its rank's (a file of
+    another run, or of another rank whose slice mapping reads alike): the module weights beside the fp32
+    masters tell it. Rank 1's first element continues a parameter split between the ranks."""
+    save_dir = tmp_path / "src"
+    shutil.copytree(tiny_checkpoint(spec), save_dir)
+    second = optim_files(save_dir)[1]
+    flat = load_dict(second)["optimizer_state_dict"]["single_partition_of_fp32_groups"][0]
+    entry = storage_entries(second)[flat.storage.key].name
+    rewrite_entry(second, entry, lambda data: data)
+    ucp.open_checkpoint(save_dir)  # negative control: rewriting alone keeps the file valid
+    rewrite_entry(second, entry, lambda data: struct.pack("<f", -2 * struct.unpack_from("<f", data)[0] - 1) + data[4:])
+    with pytest.raises(CorruptCheckpointError, match=f"{second}: its fp32 master of 'l1.weight' at element \\d+ does "
+                                                     "not match the module weight"):
+        ucp.open_checkpoint(save_dir)
 
 
 @pytest.mark.parametrize("kind", ["fifo", "dev-zero"])
@@ -130,3 +205,4 @@ def test_symlinked_side_files_are_never_carried_and_verify_reports_them(source, 
         ucp.open_checkpoint(out).extra_file("config.json")
     line = refused(capsys, "export", "--input", str(out), "--output", str(tmp_path / "dcp"), "--to", "dcp", "--quiet")
     assert f"{out / 'config.json'}: a symbolic link" in line
+
