@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import zlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +43,7 @@ class AtomicCheckpoint:
         self.path = Path(path)
         self.index: Index = read_index(self.path)  # checked in full (ucp.format.index)
         self.counter = ReadCounter()
+        self._headers_checked: set[str] = set()
 
     @property
     def names(self) -> list[str]:
@@ -80,6 +82,8 @@ class AtomicCheckpoint:
         if state not in e.states:
             raise KeyError(f"{name}: no state '{state}' (has {', '.join(self.states(name))})")
         s = e.states[state]
+        if verify:
+            self.check_headers([s.file])
         stored = read_stored(str(self.path / s.file), s.begin, s.end, s.dtype, s.shape,
                              s.crc32 if verify else None, self.counter)
         if s.splits is not None:  # stored split-major: put the logical order back (a no-op along dim 0)
@@ -146,6 +150,19 @@ class AtomicCheckpoint:
                 except CorruptCheckpointError:
                     problems.append(f"{name}:{state}: checksum mismatch in {s.file}")
         return problems + self._verify_extra_files()
+
+    def check_headers(self, files: Iterable[str] | None = None) -> None:
+        """Raise `CorruptCheckpointError` where a data file's safetensors header disagrees with the index (each
+        of `files`, default all, once): a dtype or shape relabelled in the index keeps every CRC-32 right, since
+        the bytes are the same, but reads them as other values. What `verify` reports, checked before a read
+        (`tensor`, the hook) uses the index's dtypes: a header per file, no tensor bytes."""
+        for name in self.index.files if files is None else files:
+            if name not in self._headers_checked:
+                problems = header_problems(self.path / name, self.index.files[name], self._states_in(name))
+                if problems:
+                    raise CorruptCheckpointError(f"{problems[0]}; the index or the file was changed after the "
+                                                 "checkpoint was written: convert it again or restore it from a copy")
+                self._headers_checked.add(name)
 
     def _states_in(self, file_name: str) -> list[StoredState]:
         return [s for e in self.index.params.values() for s in e.states.values() if s.file == file_name]

@@ -8,6 +8,7 @@ under an alarm), never print what a link points to, and never carry a file from 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 
 import ucp
-from support.checkpoints import TinySpec, read_tag
+from support.checkpoints import TinySpec, read_tag, ucp_load_errors
 from ucp.cli.main import main
 from ucp.converters.deepspeed_slices import load_dict
 from ucp.converters.torch_zip import storage_entries
@@ -206,3 +207,47 @@ def test_symlinked_side_files_are_never_carried_and_verify_reports_them(source, 
     line = refused(capsys, "export", "--input", str(out), "--output", str(tmp_path / "dcp"), "--to", "dcp", "--quiet")
     assert f"{out / 'config.json'}: a symbolic link" in line
 
+
+def edited_index(conversion: Path, folder: Path, edit) -> Path:
+    """A copy of `conversion` whose index `edit(index)` changed (the data files, and their CRC-32s, as written)."""
+    shutil.copytree(conversion, folder)
+    index = json.loads((folder / INDEX_NAME).read_text())
+    edit(index)
+    (folder / INDEX_NAME).write_text(json.dumps(index))
+    return folder
+
+
+def test_the_hook_refuses_hostile_checkpoints_on_every_rank_untouched(tiny_checkpoint, tiny_conversion, ckpt_root,
+                                                                        tmp_path):
+    """The hook on 2 ranks, one engine, one load after the other. Before: swapped rank files loaded wrong
+    values; a FIFO rank file left both ranks waiting forever; a dtype relabelled in the index (its CRC-32s still
+    right) loaded wrong values, which only `verify` caught; steps that disagree were refused after the tensors
+    were installed. Each is now refused on both ranks with both engines as they were."""
+    swapped = tmp_path / "swapped"
+    shutil.copytree(tiny_checkpoint(SPEC), swapped)
+    lie(swapped, "swap")
+    fifo = tmp_path / "fifo"
+    shutil.copytree(tiny_checkpoint(SPEC), fifo)
+    rank_file = optim_files(fifo)[1]
+    rank_file.unlink()
+    os.mkfifo(rank_file)
+    conversion = tiny_conversion(SPEC)
+
+    def relabel(index):
+        index["params"]["l1.bias"]["states"]["exp_avg"]["dtype"] = "int32"  # same size, same bytes
+
+    def disagree(index):
+        index["params"]["emb.weight"]["step"] = index["params"]["emb.weight"]["step"] - 1
+
+    cases = {swapped: "holds a piece of|padding in param group", fifo: "not a regular file",
+             edited_index(conversion, tmp_path / "relabelled", relabel): "header entry l1.bias:exp_avg is",
+             edited_index(conversion, tmp_path / "steps", disagree): "were saved at different steps",
+             conversion: None}  # negative control: the same conversion, unedited, loads
+    results = ucp_load_errors(list(cases), SPEC, ckpt_root)
+    wrong = []
+    for (path, expected), result in zip(cases.items(), results):
+        refused_right = all(e is not None and re.search(expected, e) for e in result["errors"]) if expected else True
+        if (expected is None and result["errors"] != [None, None]) or not refused_right or (
+                expected and result["untouched_on"] != [True, True]):
+            wrong.append((path.name, result["errors"], result["untouched_on"]))
+    assert not wrong, wrong

@@ -158,6 +158,7 @@ def load(engine, path: str | os.PathLike, *, bypass: bool = True, load_optimizer
         if layout is not None:
             model_names = _place(engine, target, layout, param_table)
         state_names = _check(ckpt, target, engine, load_optimizer_states, strict, model_names)
+        steps = _saved_steps(ckpt, target) if load_optimizer_states else {}
         error = None
     except UcpError as e:
         error = e
@@ -166,7 +167,8 @@ def load(engine, path: str | os.PathLike, *, bypass: bool = True, load_optimizer
     with torch.no_grad():
         _load_tensors(source_for(ckpt), target, state_names, bypass, check_first, stats)
     if load_optimizer_states:
-        _restore_steps(ckpt, target)
+        for group, step in steps.items():
+            target.set_step(group, step)
         _restore_optimizer_globals(ckpt, target)
         _restore_loss_scale(ckpt, engine)
     with torch.no_grad():
@@ -194,6 +196,8 @@ def _place(engine, target: Target, layout, param_table) -> set[str]:
 
 def _check(ckpt: Checkpoint, target: Target, engine, load_optimizer_states: bool, strict: bool,
            model_names: set[str] | None = None) -> list[str]:
+    if isinstance(ckpt, AtomicCheckpoint):
+        ckpt.check_headers()  # every read below takes the index's dtypes and shapes: they must be the files' own
     names = ckpt.names  # in the checkpoint's order, which errors name the first of
     params = set(names)
     for t in target.tensors:
@@ -410,7 +414,9 @@ def _broadcast(source: Source, key: tuple[str, str], t: TargetTensor, value, own
     return buf
 
 
-def _restore_steps(ckpt: Checkpoint, target: Target) -> None:
+def _saved_steps(ckpt: Checkpoint, target: Target) -> dict[int, float]:
+    """The optimizer step of each engine param group, which all its parameters were saved at (checked before
+    anything is installed, so a refused load leaves the engine as it was)."""
     groups: dict[int, set] = {}
     for t in target.tensors:
         step = ckpt.step_of(t.name) if t.kind == "param" and t.group is not None else None
@@ -420,7 +426,7 @@ def _restore_steps(ckpt: Checkpoint, target: Target) -> None:
         if len(steps) != 1:
             raise CheckpointMismatchError(f"{ckpt.path}: parameters of optimizer group {group} were saved at "
                                           f"different steps {sorted(steps)}")
-        target.set_step(group, steps.pop())
+    return {group: steps.pop() for group, steps in groups.items()}
 
 
 def _restore_loss_scale(ckpt: Checkpoint, engine) -> None:
