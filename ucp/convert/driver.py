@@ -30,14 +30,14 @@ from ucp.convert.balance import plan_bins
 from ucp.convert.bin_copy import BinFile, copy_states, write_array
 from ucp.convert.executor import Executor, LocalExecutor, Report, ShuffleExecutor
 from ucp.convert.index_builder import WrittenFile, build_index, records_of
-from ucp.convert.manifest import (MANIFEST_SUFFIX, BinCheck, manifest_name, remove_manifests, reusable_bin,
-                                  write_manifest)
+from ucp.convert.manifest import (MANIFEST_SUFFIX, BinCheck, committed_damage, manifest_name, remove_manifests,
+                                  reusable_bin, write_manifest)
 from ucp.convert.plan import ConversionPlan, ParamPlan, StateSource
 from ucp.convert.result import ConvertResult
 from ucp.convert.source_check import check_sources
 from ucp.convert.split_policy import SplitPolicy, apply_split_policy
 from ucp.converters.trainer_folders import left_out_summary
-from ucp.errors import OutputExistsError, UcpError
+from ucp.errors import CorruptCheckpointError, OutputExistsError, UcpError
 from ucp.format.crc import CHUNK_BYTES, join_segments
 from ucp.format.fileio import read_regular, writing_alone
 from ucp.format.folder import (INDEX_NAME, PARTIAL_SUFFIX, commit_index, data_file_name, fsync_dir, is_ucp_file,
@@ -152,6 +152,10 @@ def _write_atomic(plan: ConversionPlan, output: Path, executor: Executor, *, str
     if prepare_output(output, fingerprint, resume, frozenset(plan.extra_files)):
         remove_manifests(output)  # left behind when a run died between its commit and this cleanup
         index = read_index(output)
+        damage = committed_damage(output, index)  # "already done" only where the data still is what was committed
+        if damage is not None:
+            raise CorruptCheckpointError(f"{output}: holds this conversion, but its data changed after the commit "
+                                         f"({damage}); delete the folder and convert again")
         return ConvertResult(output, len(index.params), tuple(index.files), 0, already_done=True)
     bins = plan_bins(plan, executor.workers)
     tasks = [WriteBin(str(output), data_file_name(i, len(bins)), tuple(b), strict, fingerprint, chunk_bytes)
