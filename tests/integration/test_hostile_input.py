@@ -102,7 +102,8 @@ def test_rank_files_that_lie_are_refused(spec, tiny_checkpoint, tmp_path, capsys
             ucp.open_checkpoint(save_dir)
     line = refused(capsys, "convert", "--input", str(save_dir), "--output", str(tmp_path / "out"), "--quiet")
     assert re.search(named, line) and not (tmp_path / "out" / INDEX_NAME).exists()
-    assert re.search(named, refused(capsys, "verify", str(save_dir)))
+    for command in ("inspect", "verify"):
+        assert re.search(named, refused(capsys, command, str(save_dir)))
 
 
 def rewrite_entry(path: Path, entry: str, change) -> None:
@@ -222,7 +223,8 @@ def test_the_hook_refuses_hostile_checkpoints_on_every_rank_untouched(tiny_check
     """The hook on 2 ranks, one engine, one load after the other. Before: swapped rank files loaded wrong
     values; a FIFO rank file left both ranks waiting forever; a dtype relabelled in the index (its CRC-32s still
     right) loaded wrong values, which only `verify` caught; steps that disagree were refused after the tensors
-    were installed. Each is now refused on both ranks with both engines as they were."""
+    were installed, and an LR scheduler state the engine's scheduler cannot load raised from the scheduler
+    after. Each is now refused on both ranks with both engines as they were."""
     swapped = tmp_path / "swapped"
     shutil.copytree(tiny_checkpoint(SPEC), swapped)
     lie(swapped, "swap")
@@ -239,9 +241,13 @@ def test_the_hook_refuses_hostile_checkpoints_on_every_rank_untouched(tiny_check
     def disagree(index):
         index["params"]["emb.weight"]["step"] = index["params"]["emb.weight"]["step"] - 1
 
+    def other_scheduler(index):
+        index["lr_scheduler"] = {"step_size": 10}  # not DeepSpeed's WarmupLR's: it has no last_batch_iteration
+
     cases = {swapped: "holds a piece of|padding in param group", fifo: "not a regular file",
              edited_index(conversion, tmp_path / "relabelled", relabel): "header entry l1.bias:exp_avg is",
              edited_index(conversion, tmp_path / "steps", disagree): "were saved at different steps",
+             edited_index(conversion, tmp_path / "scheduler", other_scheduler): "LR scheduler state does not load",
              conversion: None}  # negative control: the same conversion, unedited, loads
     results = ucp_load_errors(list(cases), SPEC, ckpt_root)
     wrong = []

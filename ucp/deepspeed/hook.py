@@ -159,6 +159,8 @@ def load(engine, path: str | os.PathLike, *, bypass: bool = True, load_optimizer
             model_names = _place(engine, target, layout, param_table)
         state_names = _check(ckpt, target, engine, load_optimizer_states, strict, model_names)
         steps = _saved_steps(ckpt, target) if load_optimizer_states else {}
+        if load_lr_scheduler_states:
+            _check_lr_scheduler(ckpt, engine)
         error = None
     except UcpError as e:
         error = e
@@ -412,6 +414,21 @@ def _broadcast(source: Source, key: tuple[str, str], t: TargetTensor, value, own
     dist.broadcast(buf, src=owner, group=group)
     stats.bytes_broadcast += buf.numel() * buf.element_size()
     return buf
+
+
+def _check_lr_scheduler(ckpt: Checkpoint, engine) -> None:
+    """The saved LR scheduler state loads into the engine's scheduler, tried on a shallow copy of it (a state
+    dict sets the scheduler's own attributes), so a state that does not fit is refused before anything is
+    installed instead of raising from the scheduler after."""
+    scheduler, saved = engine.lr_scheduler, ckpt.lr_scheduler
+    if scheduler is None or saved is None:
+        return
+    try:
+        copy.copy(scheduler).load_state_dict(copy.deepcopy(saved))
+    except Exception as exc:  # whatever the scheduler class raises on a state that is not its own
+        raise CheckpointMismatchError(f"{ckpt.path}: its LR scheduler state does not load into the engine's "
+                                      f"{type(scheduler).__name__} ({type(exc).__name__}: {exc}); use the scheduler "
+                                      "it was saved with, or pass load_lr_scheduler_states=False") from None
 
 
 def _saved_steps(ckpt: Checkpoint, target: Target) -> dict[int, float]:
