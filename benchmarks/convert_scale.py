@@ -277,7 +277,8 @@ def plan_of(src: Synthetic) -> ConversionPlan:
     real = (deepspeed_slices.load_dict, deepspeed_slices.check_distinct, deepspeed_slices.check_masters_match_module,
             deepspeed_zero3.check_distinct)
     deepspeed_slices.load_dict = deepspeed_zero3.load_dict = answer
-    deepspeed_slices.check_distinct = deepspeed_slices.check_masters_match_module = deepspeed_zero3.check_distinct = skip
+    deepspeed_slices.check_distinct = deepspeed_zero3.check_distinct = skip
+    deepspeed_slices.check_masters_match_module = skip
     try:
         if src.stage == 3:
             return plan_zero3(src.where, src.model_files, src.optim_files)

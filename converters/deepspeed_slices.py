@@ -113,6 +113,9 @@ def read_slice(folder: Path, mp: int, model_path: Path, model: dict, files: dict
         partitions.append([])
         masters.append(list(flat_fp32))
         for g, mapping in enumerate(mappings):
+            if not isinstance(flat_fp32[g], LazyTensor):
+                raise CorruptCheckpointError(f"{path}: its fp32 partition of param group {g} is no tensor; the file is "
+                                             "damaged, copy it again")
             flats, step = group_states(out, base["state"].get(g, {}), flat_fp32[g], path)
             agree_step(out.steps, g, step, path, paths[0])
             partitions[rank].append(GroupPartition(flat_fp32[g].numel, _count_at(osd.get("group_paddings"), g, path),
