@@ -1,9 +1,11 @@
-"""The red team's hostile inputs (#21): rank files that lie, special files and escapes out of the folder.
+"""The red team's hostile inputs (#21): rank files that lie, special files and escapes out of the folder, and
+checkpoints the hook must refuse before it touches the engine.
 
-Every case works on a private copy of a real DeepSpeed checkpoint (the tiny runs on 2 ranks) and runs what
-users run on it in-process: `ucp convert`, `inspect`, `verify` and `open_checkpoint`. Each must give one line
-naming the file, exit 2, never hang (a FIFO opened for reading waits for a writer forever: each case runs
-under an alarm), never print what a link points to, and never carry a file from outside the folder.
+Every case works on a private copy of a real DeepSpeed checkpoint (the tiny runs on 2 ranks) or of its ucp
+conversion, and runs what users run on it in-process: `ucp convert`, `inspect`, `verify` and `open_checkpoint`.
+Each must give one line naming the file, exit 2, never hang (a FIFO opened for reading waits for a writer
+forever: each case runs under an alarm), never print what a link points to, and never carry a file from
+outside the folder. The hook cases share one engine on 2 ranks (`ucp_load_errors`), loaded one after another.
 """
 from __future__ import annotations
 
