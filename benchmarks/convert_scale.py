@@ -27,7 +27,8 @@ It then times the product code the driver runs, each stage on the previous stage
   as data files record them) and `json.dumps` of it as `format.folder.commit_index` writes it
   (ZeRO-3: at the largest R only; the index does not depend on R).
 
-Parsing the rank files' pickles (`torch_zip.load_lazy`) is the one step replaced; it is timed apart,
+Parsing the rank files' pickles (`torch_zip.load_lazy`) is the one step replaced (with the few reads that
+check the files are their ranks', `plan_of`); it is timed apart,
 per file: on real rank files (the cached benchmarks/convert.py checkpoint, else the tests' tiny ZeRO-1
 checkpoint, trained once with torchrun), and on rank 0's two files of the 1T checkpoint at DP 2,048,
 `torch.save`d with one-element tensors (as many pickle entries and storages as the real files).
@@ -265,17 +266,28 @@ def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def plan_of(src: Synthetic) -> ConversionPlan:
-    """The converter's plan of `src`, its rank files' dicts answered from memory instead of parsed from pickles."""
+    """The converter's plan of `src`, its rank files' dicts answered from memory instead of parsed from pickles.
+
+    The synthetic rank files exist in memory only, so the checks that read the real files' zip directories
+    and a few of their elements (`converters.rank_identity.check_distinct`, `check_masters_match_module`: an
+    `os.stat` and a zip directory per rank file, four element reads per piece of a parameter split between
+    ranks) are left out with the parsing; the layout checks on the metadata run."""
     answer = lambda path: src.rank_dicts[str(path)]  # noqa: E731
-    real = deepspeed_slices.load_dict
+    skip = lambda *args, **kwargs: None  # noqa: E731
+    real = (deepspeed_slices.load_dict, deepspeed_slices.check_distinct, deepspeed_slices.check_masters_match_module,
+            deepspeed_zero3.check_distinct)
     deepspeed_slices.load_dict = deepspeed_zero3.load_dict = answer
+    deepspeed_slices.check_distinct = deepspeed_zero3.check_distinct = skip
+    deepspeed_slices.check_masters_match_module = skip
     try:
         if src.stage == 3:
             return plan_zero3(src.where, src.model_files, src.optim_files)
         model_path = src.model_files[(0, 0)]
         return plan_zero12(src.where, model_path, src.rank_dicts[str(model_path)], src.optim_files)
     finally:
-        deepspeed_slices.load_dict = deepspeed_zero3.load_dict = real
+        deepspeed_slices.load_dict = deepspeed_zero3.load_dict = real[0]
+        (deepspeed_slices.check_distinct, deepspeed_slices.check_masters_match_module,
+         deepspeed_zero3.check_distinct) = real[1:]
 
 
 def fake_results(tasks: list[WriteBin]) -> list[WrittenFile]:

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ucp.convert.plan import TRAINABLE, WEIGHT_STATE, Fragment, ParamPlan, Piece, StateSource
+from ucp.converters.rank_identity import (GroupPartition, check_distinct, check_masters_match_module,
+                                         check_partition_layout)
 from ucp.converters.torch_zip import LazyTensor, Opaque, load_lazy, read_values
 from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedLayoutError
 from ucp.patterns import Pattern
@@ -80,13 +82,20 @@ def read_slice(folder: Path, mp: int, model_path: Path, model: dict, files: dict
     out = SliceState(mp, model_path, model, dp, paths,
                      {name: shape_of(s) for group in param_shapes for name, s in group.items()},
                      {name: g for g, group in enumerate(param_shapes) for name in group})
+    check_distinct(paths)
     covered: dict[str, int] = {}
+    partitions: list[list[GroupPartition]] = []  # per rank, per param group: where its partition lies
+    masters: list[list[LazyTensor]] = []
     for rank, path in enumerate(paths):
         osd = load_dict(path).get("optimizer_state_dict")
         if not isinstance(osd, dict) or "single_partition_of_fp32_groups" not in osd:
             raise CorruptCheckpointError(f"{path}: not a ZeRO-1/2 optimizer file (no single_partition_of_fp32_groups)")
         # The bf16 optimizer without ZeRO (pipeline engines at stage 0) records no stage of its own.
-        out.stage = zero_stage(osd, path) if "zero_stage" in osd else config_stage(model)
+        stage = zero_stage(osd, path) if "zero_stage" in osd else config_stage(model)
+        if rank and stage != out.stage:
+            raise CorruptCheckpointError(f"{path}: records ZeRO stage {stage}, {paths[0].name} stage {out.stage}; "
+                                         "files from different runs are mixed")
+        out.stage = stage
         if rank == 0:
             out.loss_scaler = osd.get("loss_scaler")
         base = osd["base_optimizer_state"]
@@ -101,15 +110,24 @@ def read_slice(folder: Path, mp: int, model_path: Path, model: dict, files: dict
         if len(mappings) != len(param_shapes):
             raise CorruptCheckpointError(f"{path}: has {len(mappings)} param groups, {model_path.name} has "
                                          f"{len(param_shapes)}; files from different runs are mixed")
+        partitions.append([])
+        masters.append(list(flat_fp32))
         for g, mapping in enumerate(mappings):
+            if not isinstance(flat_fp32[g], LazyTensor):
+                raise CorruptCheckpointError(f"{path}: its fp32 partition of param group {g} is no tensor; the file is "
+                                             "damaged, copy it again")
             flats, step = group_states(out, base["state"].get(g, {}), flat_fp32[g], path)
             agree_step(out.steps, g, step, path, paths[0])
+            partitions[rank].append(GroupPartition(flat_fp32[g].numel, _count_at(osd.get("group_paddings"), g, path),
+                                                   "zero_stage" in osd,
+                                                   sum(_counts_at(osd.get("param_alignment_paddings"), g, path))))
             for local, address in mapping.items():
                 if local not in out.shapes:
                     raise CorruptCheckpointError(f"{path}: partition holds '{local}', which {model_path.name} "
                                                  "does not list; files from different runs are mixed")
                 name = rename(rank, g, local) if rename else local
                 numel, start = int(address.numel), int(address.start)
+                partitions[rank][g].pieces[local] = (start, numel)
                 offset = covered.get(name, 0)
                 for state_name, flat in flats.items():
                     out.fragments.setdefault((name, state_name), []).append(
@@ -117,7 +135,28 @@ def read_slice(folder: Path, mp: int, model_path: Path, model: dict, files: dict
                 covered[name] = offset + numel
                 out.group_of[name] = g
     agree_with_model(out.steps, model, model_path)
+    experts = {g for g, hp in enumerate(out.hyper) if isinstance(hp, dict) and hp.get("moe")}
+    check_partition_layout(paths, partitions, param_shapes, experts)
+    check_masters_match_module(paths, masters, partitions, model.get("module") or {}, model_path, experts)
     return out
+
+
+def _count_at(values, g: int, path: Path) -> int | None:
+    """`values[g]` of a per-group list of counts a rank file records, or None where it records none."""
+    if not isinstance(values, (list, tuple)) or g >= len(values):
+        return None
+    if not isinstance(values[g], int) or values[g] < 0:
+        raise CorruptCheckpointError(f"{path}: records {values[g]!r} for param group {g} where a count belongs")
+    return values[g]
+
+
+def _counts_at(values, g: int, path: Path) -> list[int]:
+    """The counts of `values[g]`, a per-group list of per-parameter counts (none where unrecorded)."""
+    if not isinstance(values, (list, tuple)) or g >= len(values):
+        return []
+    if not isinstance(values[g], (list, tuple)) or not all(isinstance(v, int) and v >= 0 for v in values[g]):
+        raise CorruptCheckpointError(f"{path}: records {values[g]!r} for param group {g} where counts belong")
+    return list(values[g])
 
 
 def dp_paths(folder: Path, files: dict[tuple[int, int], Path], dp: int, mp: int,

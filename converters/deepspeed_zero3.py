@@ -21,6 +21,7 @@ from pathlib import Path
 from ucp.convert.plan import Fragment
 from ucp.converters.deepspeed_slices import (SliceState, agree_step, agree_with_model, check_partitions, dp_paths,
                                              group_states, load_dict, piece, shape_of, zero_stage)
+from ucp.converters.rank_identity import check_distinct
 from ucp.converters.torch_zip import LazyTensor
 from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedLayoutError
 from ucp.patterns.recognize import FragmentInfo
@@ -47,6 +48,8 @@ def read_zero3_slice(folder: Path, mp: int, model_files: dict[tuple[int, int], P
         raise CheckpointNotFoundError(f"{folder}: ZeRO-3 model files but no *_optim_states.pt files for "
                                       f"mp_rank_{mp:02d}; copy them too")
     optim_paths = dp_paths(folder, optim_files, dp, mp, "optim_states")  # rank 0's model file exists from here on
+    check_distinct(model_paths, compare_bytes=False)  # ranks without frozen parameters write equal model files
+    check_distinct(optim_paths)
     param_shapes = first_model.get("param_shapes")
     if not param_shapes:
         raise CorruptCheckpointError(f"{model_paths[0]}: records no param_shapes")

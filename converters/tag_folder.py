@@ -10,6 +10,7 @@ from pathlib import Path
 
 from ucp.converters.trainer_folders import CHECKPOINT_RE, checkpoint_folders, folder_names
 from ucp.errors import CheckpointNotFoundError
+from ucp.format.folder import LATEST_NAME, read_latest
 
 logger = logging.getLogger("ucp.input")
 
@@ -47,14 +48,13 @@ def resolve_tag(input_dir: str | os.PathLike, tag: str | None = None) -> TagDir:
                                           f"{folder_names(folders)}")
         return _trainer_checkpoint(root / tag, folders)
     if tag is None:
-        latest = root / "latest"
-        if folders and not latest.is_file():
+        tag = read_latest(root)
+        if folders and tag is None:
             logger.info("%s: using %s, the last of %s", root, folders[-1].name, folder_names(folders))
             return _trainer_checkpoint(folders[-1], folders)
-        if not latest.is_file():
+        if tag is None:
             raise CheckpointNotFoundError(f"{root}: no 'latest' file, no model-states files and no checkpoint-N "
                                           f"folders here; pass --tag (tags present: {_tags(root) or 'none'})")
-        tag = latest.read_text().strip()
     if not (root / tag).is_dir():
         trainer = f"; checkpoint folders present: {folder_names(folders)}" if folders else ""
         raise CheckpointNotFoundError(f"{root / tag}: tag '{tag}' does not exist; "
@@ -64,14 +64,13 @@ def resolve_tag(input_dir: str | os.PathLike, tag: str | None = None) -> TagDir:
 
 def _trainer_checkpoint(folder: Path, folders: list[Path]) -> TagDir:
     """The DeepSpeed checkpoint inside a Trainer's `checkpoint-N` folder, through its `latest`."""
-    latest = folder / "latest"
-    if not latest.is_file():
+    tag = read_latest(folder)
+    if tag is None:
         raise CheckpointNotFoundError(f"{folder}: no 'latest' file, so no finished DeepSpeed checkpoint; pass --tag "
                                       f"with another of {folder_names(folders)}")
-    tag = latest.read_text().strip()
     if not (folder / tag).is_dir():
-        raise CheckpointNotFoundError(f"{folder / tag}: named by {latest} but missing; pass --tag with another "
-                                      f"of {folder_names(folders)}")
+        raise CheckpointNotFoundError(f"{folder / tag}: named by {folder / LATEST_NAME} but missing; pass --tag with "
+                                      f"another of {folder_names(folders)}")
     return TagDir(folder, tag)
 
 

@@ -24,7 +24,7 @@ import numpy as np
 
 from ucp.errors import CorruptCheckpointError
 from ucp.format.dtypes import NUMPY_DTYPES, as_values, to_torch
-from ucp.format.fileio import ReadCounter, pread_into
+from ucp.format.fileio import ReadCounter, open_regular, pread_into
 from ucp.format.index import DTYPE_SIZES
 
 if TYPE_CHECKING:
@@ -172,10 +172,10 @@ _ALLOWED = {
 
 
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, data: bytes, path: str, offsets: dict[str, int]):
+    def __init__(self, data: bytes, path: str, entries: dict[str, ZipEntry]):
         super().__init__(io.BytesIO(data))
         self._path = path
-        self._offsets = offsets
+        self._entries = entries
 
     def find_class(self, module: str, name: str):
         if (module, name) in _ALLOWED:
@@ -197,11 +197,36 @@ class _Unpickler(pickle.Unpickler):
         return LazyStorage(str(key), dtype, int(numel))
 
     def _rebuild_tensor(self, storage, storage_offset, size, stride, *rest):
-        if storage.key not in self._offsets:
+        if not isinstance(storage, LazyStorage):
+            raise CorruptCheckpointError(f"{self._path}: a tensor names no storage ({storage!r}); the file is damaged, "
+                                         "copy it again")
+        if storage.key not in self._entries:
             raise CorruptCheckpointError(f"{self._path}: tensor storage {storage.key} is missing from the "
                                          "archive; the file is truncated or damaged, copy it again")
-        return LazyTensor(self._path, storage, int(storage_offset), tuple(int(s) for s in size),
-                          tuple(int(s) for s in stride), self._offsets[storage.key])
+        t = LazyTensor(self._path, storage, int(storage_offset), tuple(int(s) for s in size),
+                       tuple(int(s) for s in stride), self._entries[storage.key].start)
+        _check_bounds(t, self._entries[storage.key])
+        return t
+
+
+def _check_bounds(t: LazyTensor, entry: ZipEntry) -> None:
+    """Refuse what `torch.load` refuses: a storage whose zip entry holds another number of bytes than it
+    declares, and a tensor reaching outside its storage (a negative offset, size or stride, or elements past
+    its end), which would read the bytes of a neighbouring entry."""
+    itemsize = DTYPE_SIZES[t.storage.dtype]
+    if t.storage.numel < 0 or t.storage.numel * itemsize != entry.end - entry.start:
+        raise CorruptCheckpointError(f"{t.path}: tensor storage {t.storage.key} declares {t.storage.numel} "
+                                     f"{t.storage.dtype} elements, its zip entry {entry.name} holds "
+                                     f"{entry.end - entry.start} bytes; the file is damaged, copy it again")
+    if min((t.storage_offset, *t.shape, *t.stride), default=0) < 0 or len(t.shape) != len(t.stride):
+        raise CorruptCheckpointError(f"{t.path}: a tensor of storage {t.storage.key} has storage offset "
+                                     f"{t.storage_offset}, sizes {list(t.shape)} and strides {list(t.stride)}, which "
+                                     "torch.load refuses; the file is damaged, copy it again")
+    last = t.storage_offset + sum((n - 1) * s for n, s in zip(t.shape, t.stride))
+    if t.numel and last >= t.storage.numel:
+        raise CorruptCheckpointError(f"{t.path}: a tensor reads elements [{t.storage_offset}, {last + 1}) of "
+                                     f"storage {t.storage.key}, which holds {t.storage.numel}; the file is damaged, "
+                                     "copy it again")
 
 
 _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
@@ -225,10 +250,10 @@ def load_lazy(path: str | os.PathLike) -> object:
     """The object a `torch.save` file holds, with every tensor replaced by a `LazyTensor`."""
     path = str(path)
     data, entries = _open(path, with_pickle=True)
-    offsets = {key: entry.start for key, entry in entries.items()}
     try:
-        return _Unpickler(data, path, offsets).load()
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as exc:
+        return _Unpickler(data, path, entries).load()
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError,
+            OverflowError, RecursionError) as exc:
         raise CorruptCheckpointError(f"{path}: its pickle is damaged ({exc}); copy the file again") from None
 
 
@@ -237,35 +262,66 @@ def storage_entries(path: str | os.PathLike) -> dict[str, ZipEntry]:
     return _open(str(path), with_pickle=False)[1]
 
 
-def _open(path: str, with_pickle: bool) -> tuple[bytes, dict[str, ZipEntry]]:
-    """The bytes of `data.pkl` (when asked for) and the storages' entries of the torch zip file `path`."""
+def archive_digest(path: str | os.PathLike) -> tuple | None:
+    """Every entry's name, size and CRC-32 from the zip directory of `path` (no data is read): equal for two
+    files with equal bytes; None where the writer recorded no CRC-32s (`compute_crc32=False`)."""
+    fd = open_regular(str(path))
     try:
-        size = os.path.getsize(path)
-        with zipfile.ZipFile(path) as archive:
+        with os.fdopen(fd, "rb", closefd=False) as raw, zipfile.ZipFile(raw) as archive:
             infos = archive.infolist()
-            pkl = [i for i in infos if i.filename.endswith("/data.pkl") or i.filename == "data.pkl"]
-            if len(pkl) != 1:
-                raise CorruptCheckpointError(f"{path}: not a torch.save zip archive (no data.pkl)")
-            prefix = pkl[0].filename[: -len("data.pkl")]
-            data = _read_pickle(archive, pkl[0], path, size) if with_pickle else b""
-            entries = {}
-            with open(path, "rb") as raw:
-                for info in infos:
-                    if not info.filename.startswith(prefix + "data/"):
-                        continue
-                    if info.compress_type != zipfile.ZIP_STORED:
-                        raise CorruptCheckpointError(f"{path}: compressed tensor data is not supported")
-                    offset = _data_start(raw, info, path)
-                    if offset + info.file_size > size:
-                        raise CorruptCheckpointError(f"{path}: truncated ({size} bytes, tensor data runs "
-                                                     f"to {offset + info.file_size}); copy the file again")
-                    entries[info.filename[len(prefix) + len("data/"):]] = ZipEntry(
-                        info.filename, offset, offset + info.file_size, info.CRC)
-    except FileNotFoundError:
-        raise
-    except (zipfile.BadZipFile, EOFError, OSError, KeyError) as exc:
+    except (zipfile.BadZipFile, EOFError, OSError, ValueError) as exc:
         raise CorruptCheckpointError(f"{path}: cannot be read as a torch.save file ({exc}); it is truncated "
                                      "or damaged, copy it again from the training job") from None
+    finally:
+        os.close(fd)
+    if any(i.CRC == 0 and i.file_size for i in infos):
+        return None
+    return tuple((i.filename, i.file_size, i.CRC) for i in infos)
+
+
+def _open(path: str, with_pickle: bool) -> tuple[bytes, dict[str, ZipEntry]]:
+    """The bytes of `data.pkl` (when asked for) and the storages' entries of the torch zip file `path`.
+
+    The file is opened without blocking and must be a regular file (`open_regular`): a FIFO or a device
+    (`/dev/zero`) planted where a rank file belongs is refused, never waited on or read without end.
+    """
+    fd = open_regular(path)
+    try:
+        with os.fdopen(fd, "rb", closefd=False) as raw:
+            return _read_archive(raw, path, os.fstat(fd).st_size, with_pickle)
+    except (zipfile.BadZipFile, EOFError, OSError, KeyError, ValueError, OverflowError) as exc:
+        raise CorruptCheckpointError(f"{path}: cannot be read as a torch.save file ({exc}); it is truncated "
+                                     "or damaged, copy it again from the training job") from None
+    finally:
+        os.close(fd)
+
+
+def _read_archive(raw, path: str, size: int, with_pickle: bool) -> tuple[bytes, dict[str, ZipEntry]]:
+    with zipfile.ZipFile(raw) as archive:
+        infos = archive.infolist()
+        names = collections.Counter(i.filename for i in infos)
+        twice = sorted(name for name, count in names.items() if count > 1)
+        if twice:  # which one a reader takes is up to the reader: torch.load and zipfile disagree
+            raise CorruptCheckpointError(f"{path}: its zip archive holds {names[twice[0]]} entries named "
+                                         f"'{twice[0]}', which torch.save never writes; the file was tampered with "
+                                         "or damaged, copy it again from the training job")
+        pkl = [i for i in infos if i.filename.endswith("/data.pkl") or i.filename == "data.pkl"]
+        if len(pkl) != 1:
+            raise CorruptCheckpointError(f"{path}: not a torch.save zip archive (no data.pkl)")
+        prefix = pkl[0].filename[: -len("data.pkl")]
+        data = _read_pickle(archive, pkl[0], path, size) if with_pickle else b""
+        entries = {}
+        for info in infos:
+            if not info.filename.startswith(prefix + "data/"):
+                continue
+            if info.compress_type != zipfile.ZIP_STORED:
+                raise CorruptCheckpointError(f"{path}: compressed tensor data is not supported")
+            offset = _data_start(raw, info, path)
+            if offset + info.file_size > size:
+                raise CorruptCheckpointError(f"{path}: truncated ({size} bytes, tensor data runs "
+                                             f"to {offset + info.file_size}); copy the file again")
+            entries[info.filename[len(prefix) + len("data/"):]] = ZipEntry(
+                info.filename, offset, offset + info.file_size, info.CRC)
     return data, entries
 
 

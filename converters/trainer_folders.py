@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +31,8 @@ SCHEDULER_FILE = re.compile(r"^scheduler(_\d+)?\.(pt|bin)$")
 SCHEDULER_IN_INDEX = f"{PICKLE_REASON}; the engine's LR scheduler state is in the index"
 SCHEDULER_NOT_IN_INDEX = (f"{PICKLE_REASON}; they hold an LR scheduler's state, which the index does not (the engine "
                           "ran no scheduler): resume from this folder to restore it")
+# A link may reach any file on the machine (a key, /etc/passwd): never copied into a checkpoint or an export.
+LINK_REASON = "symbolic links, which ucp never follows out of the save folder: copy the file itself there"
 
 
 def checkpoint_folders(output_dir: str | os.PathLike) -> list[Path]:
@@ -73,13 +76,16 @@ def side_files(save_dir: str | os.PathLike, scheduler_in_index: bool) -> SideFil
         return out
     for name in sorted(os.listdir(root)):
         path = root / name
-        if not path.is_file():
-            continue
+        mode = os.lstat(path).st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
+            continue  # folders, and FIFOs or devices, which are never opened
         if name.endswith(PICKLE_SUFFIXES):
             scheduler = SCHEDULER_IN_INDEX if scheduler_in_index else SCHEDULER_NOT_IN_INDEX
             out.left[name] = scheduler if SCHEDULER_FILE.match(name) else PICKLE_REASON
         elif not name.endswith(EXTRA_SUFFIXES) or name.endswith(".index.json"):
             continue  # weights and their shard indexes come from the DeepSpeed files
+        elif stat.S_ISLNK(mode):
+            out.left[name] = LINK_REASON
         elif is_ucp_file(name):
             out.left[name] = "its name is reserved for ucp's own files"
         elif path.stat().st_size > EXTRA_MAX_BYTES:

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import os
 import zlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ucp.convert.source_check import EntryChecks
+from ucp.converters.trainer_folders import LINK_REASON
 from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError, UcpError
 from ucp.format.fileio import ReadCounter, read_regular
 from ucp.format.folder import INDEX_NAME, latest_checkpoint, read_index
@@ -41,6 +43,7 @@ class AtomicCheckpoint:
         self.path = Path(path)
         self.index: Index = read_index(self.path)  # checked in full (ucp.format.index)
         self.counter = ReadCounter()
+        self._headers_checked: set[str] = set()
 
     @property
     def names(self) -> list[str]:
@@ -79,6 +82,8 @@ class AtomicCheckpoint:
         if state not in e.states:
             raise KeyError(f"{name}: no state '{state}' (has {', '.join(self.states(name))})")
         s = e.states[state]
+        if verify:
+            self.check_headers([s.file])
         stored = read_stored(str(self.path / s.file), s.begin, s.end, s.dtype, s.shape,
                              s.crc32 if verify else None, self.counter)
         if s.splits is not None:  # stored split-major: put the logical order back (a no-op along dim 0)
@@ -127,7 +132,7 @@ class AtomicCheckpoint:
     def extra_file(self, name: str) -> bytes:
         """The bytes of an extra file, checked against the size and CRC-32 the index records."""
         record = self._extra(name)
-        data = read_regular(str(self.extra_file_path(name)))
+        data = read_regular(str(self.extra_file_path(name)), follow=False)  # a link may reach any file
         if len(data) != record.nbytes or zlib.crc32(data) != record.crc32:
             raise CorruptCheckpointError(f"{self.path / name}: differs from what {INDEX_NAME} records "
                                          f"({record.nbytes} bytes, CRC-32 {record.crc32}); convert the "
@@ -150,6 +155,19 @@ class AtomicCheckpoint:
                 except CorruptCheckpointError:
                     problems.append(f"{name}:{state}: checksum mismatch in {s.file}")
         return problems + self._verify_extra_files()
+
+    def check_headers(self, files: Iterable[str] | None = None) -> None:
+        """Raise `CorruptCheckpointError` where a data file's safetensors header disagrees with the index (each
+        of `files`, default all, once): a dtype or shape relabelled in the index keeps every CRC-32 right, since
+        the bytes are the same, but reads them as other values. What `verify` reports, checked before a read
+        (`tensor`, the hook) uses the index's dtypes: a header per file, no tensor bytes."""
+        for name in self.index.files if files is None else files:
+            if name not in self._headers_checked:
+                problems = header_problems(self.path / name, self.index.files[name], self._states_in(name))
+                if problems:
+                    raise CorruptCheckpointError(f"{problems[0]}; the index or the file was changed after the "
+                                                 "checkpoint was written: convert it again or restore it from a copy")
+                self._headers_checked.add(name)
 
     def _states_in(self, file_name: str) -> list[StoredState]:
         return [s for e in self.index.params.values() for s in e.states.values() if s.file == file_name]
@@ -277,12 +295,15 @@ class PlannedCheckpoint:
                 from None
 
     def extra_file(self, name: str) -> bytes:
-        return self.extra_file_path(name).read_bytes()
+        return read_regular(str(self.extra_file_path(name)), follow=False)
 
     def verify(self) -> list[str]:
         """Every problem found reading each state of each parameter whole, as a conversion would: each
-        zip entry against the CRC-32 the rank file records, replicated copies compared."""
-        problems = []
+        zip entry against the CRC-32 the rank file records, replicated copies compared; and the side files
+        a conversion leaves out because they are symbolic links (which could reach any file)."""
+        save_dir = Path(self.plan.source["path"]).parent
+        problems = [f"{save_dir / name}: left out of conversions and exports: {reason}"
+                    for name, reason in sorted(self.plan.left_out.items()) if reason == LINK_REASON]
         for name, p in self._params.items():
             for state in p.states:
                 try:

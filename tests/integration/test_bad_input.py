@@ -124,6 +124,28 @@ def test_damaged_output_fails_verify_and_reads(source, tmp_path, capsys):
         ucp.open_checkpoint(out).tensor(name, "exp_avg")
 
 
+@pytest.mark.parametrize("resume", [True, False], ids=["resume", "again"])
+def test_converting_again_into_a_damaged_committed_folder_does_not_say_success(source, tmp_path, capsys, resume):
+    """`convert --resume` (or a plain convert) of the same source into its committed output said it already holds
+    this conversion, though the data was damaged after the commit (#21)."""
+    import ucp
+
+    out = tmp_path / "out"
+    argv = ["convert", "--input", str(source), "--output", str(out), "--quiet"] + (["--resume"] if resume else [])
+    assert run_cli(capsys, *argv)[0] == 0
+    code, stdout, _ = run_cli(capsys, *argv)
+    assert code == 0 and "already holds this conversion" in stdout  # negative control: undamaged
+    entry = ucp.open_checkpoint(out).index.params["l1.weight"].states["exp_avg"]
+    with open(out / entry.file, "r+b") as f:
+        f.seek(entry.end - 1)
+        byte = f.read(1)
+        f.seek(entry.end - 1)
+        f.write(bytes([byte[0] ^ 0x01]))
+    code, stdout, err = run_cli(capsys, *argv)
+    assert code == 2 and "already holds" not in stdout
+    assert_one_line_error(err, str(out), "l1.weight:exp_avg fails its CRC-32", "convert again")
+
+
 def test_interrupted_conversion_is_not_a_checkpoint(source, tmp_path, capsys):
     import ucp
     from ucp.errors import IncompleteCheckpointError

@@ -263,8 +263,8 @@ def copy_checkpoint(runs: Path, tmp_path: Path, config: dict | None) -> Path:
     return ckpt
 
 
-def assert_one_line_error(argv: list[str], capsys, *words: str) -> None:
-    assert main(argv) == 2
+def assert_one_line_error(argv: list[str], capsys, *words: str, code: int = 2) -> None:
+    assert main(argv) == code
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("ucp export: error: "), err
     for word in words:
@@ -322,5 +322,5 @@ def test_an_existing_output_is_refused_and_left_alone(runs, tmp_path, capsys, to
 def test_a_full_disk_mid_export_leaves_nothing_that_looks_complete(runs, small_tmpfs, capsys, to):
     out = small_tmpfs / "export"
     assert_one_line_error(["export", "--input", str(runs / "llama-z2" / "ckpt"), "--output", str(out), "--to", to,
-                           "--quiet"], capsys, "no space left on device", "--output")
+                           "--quiet"], capsys, "no space left on device", "--output", code=3)  # the system refused
     assert list(small_tmpfs.iterdir()) == []  # no output, and the staging folder is gone

@@ -107,3 +107,24 @@ def test_read_only_output_is_one_line(tiny_checkpoint, tmp_path):
             tmp_path.chmod(0o700)
     assert done.returncode == 3, done.stderr
     assert done.stderr.count("\n") == 1 and str(tmp_path / "out") in done.stderr
+
+
+def test_a_full_disk_inside_a_dcp_tensor_write_is_one_line_exit_3(small_tmpfs, tmp_path, capsys):
+    """DCP writes each tensor with torch.save, whose writer turns a full disk into a RuntimeError that names no
+    errno ("unexpected pos ..."): it was a traceback, where `--to hf` gave one line. A 32 KiB tensor into the
+    16 KiB disk fills it inside that write."""
+    import torch
+
+    from ucp.cli.main import main
+    from ucp.convert.tensors import write_tensors
+
+    ckpt = write_tensors(tmp_path / "ckpt", {"w": {"fp32": torch.arange(8192, dtype=torch.float32)}})
+    assert main(["export", "--input", str(ckpt), "--output", str(tmp_path / "roomy"), "--to", "dcp",
+                 "--quiet"]) == 0  # negative control: the same export where there is room
+    capsys.readouterr()
+    out = small_tmpfs / "dcp"
+    code = main(["export", "--input", str(ckpt), "--output", str(out), "--to", "dcp", "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 3 and err.count("\n") == 1 and "Traceback" not in err, (code, err)
+    assert err.startswith(f"ucp export: error: {out}: no space left on device") and "--output" in err, err
+    assert list(small_tmpfs.iterdir()) == []  # no output, and the staging folder is gone

@@ -37,15 +37,29 @@ def dynamic_scaler(**state):
     return scaler
 
 
+def fp32_masters(tag_dir: Path) -> dict[str, torch.Tensor]:
+    """Each trainable parameter's fp32 master, flat, joined from the ZeRO-1/2 rank files' partitions in rank order."""
+    pieces: dict[str, list[torch.Tensor]] = {}
+    for path in sorted(tag_dir.glob("*optim_states.pt")):
+        osd = torch.load(path, map_location="cpu", weights_only=False)["optimizer_state_dict"]
+        for flat, mapping in zip(osd["single_partition_of_fp32_groups"], osd["param_slice_mappings"]):
+            for name, address in mapping.items():
+                pieces.setdefault(name, []).append(flat.narrow(0, address.start, address.numel))
+    return {name: torch.cat(parts) for name, parts in pieces.items()}
+
+
 def as_fp16_checkpoint(save_dir: Path, out: Path) -> Path:
-    """`save_dir` (bf16 ZeRO-1/2) rewritten as DeepSpeed's fp16 engine writes the same training state."""
+    """`save_dir` (bf16 ZeRO-1/2) rewritten as DeepSpeed's fp16 engine writes the same training state: its module
+    holds the fp32 masters cast to fp16 (frozen parameters, which have none, their bf16 values in fp16)."""
     tag = read_tag(save_dir)
     (out / tag).mkdir(parents=True)
     (out / "latest").write_text(tag)
+    masters = fp32_masters(save_dir / tag)
     for path in sorted((save_dir / tag).iterdir()):
         state = torch.load(path, map_location="cpu", weights_only=False)  # the suite's own training run
         if path.name.endswith("model_states.pt"):
-            state["module"] = {k: v.half() if v.dtype == torch.bfloat16 else v for k, v in state["module"].items()}
+            state["module"] = {k: masters[k].reshape(v.shape).half() if k in masters else
+                               v.half() if v.dtype == torch.bfloat16 else v for k, v in state["module"].items()}
             state["ds_config"] = {**state["ds_config"], "bf16": {"enabled": False},
                                   "fp16": {"enabled": True, "initial_scale_power": 8}}
         else:

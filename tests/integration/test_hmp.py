@@ -10,13 +10,13 @@ the same comparison.
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 
 import pytest
 import torch
 
+import ucp
 from support.atomic import write_checkpoint
 from support.checkpoints import SUPPORT_DIR
 from support.launch import run_torchrun
@@ -25,6 +25,8 @@ from ucp.convert.split_policy import SplitPolicy
 from ucp.deepspeed.placement import place_by_layout
 from ucp.deepspeed.targets import Target, TargetTensor
 from ucp.errors import UnsupportedLayoutError
+from ucp.format.index import stored_shape
+from ucp.format.safetensors_stream import read_stored
 from ucp.hmp.layout import Layout, LayoutError, Replica, Stage, choose_global_split
 
 SCRIPT = SUPPORT_DIR / "hmp_forward.py"
@@ -95,16 +97,14 @@ def trained_reference(tmp_path_factory):
 
 
 def _without_split_metadata(ckpt: Path, blind: Path) -> Path:
-    """What a reader blind to split-major order would see: the same bytes, no `splits` entries."""
-    blind.mkdir()
-    index = json.loads((ckpt / "ucp_index.json").read_text())
-    for entry in index["params"].values():
-        for state in entry["states"].values():
-            state.pop("splits", None)
-    for f in index["files"]:
-        os.link(ckpt / f, blind / f)  # the same bytes (a symlinked data file would be refused)
-    (blind / "ucp_index.json").write_text(json.dumps(index))
-    return blind
+    """What a reader blind to split-major order would load: each state's bytes, in the order they are stored, read
+    as a row-major tensor of its shape; written as a checkpoint that says so (a copy whose index merely drops the
+    `splits` entries disagrees with its files' safetensors headers, and ucp refuses it)."""
+    index = ucp.open_checkpoint(ckpt).index
+    tensors = {name: {state: read_stored(str(ckpt / s.file), s.begin, s.end, s.dtype, stored_shape(s.shape, s.splits),
+                                         s.crc32).reshape(s.shape)
+                      for state, s in entry.states.items()} for name, entry in index.params.items()}
+    return write_checkpoint(blind, tensors)
 
 
 def _run_hook(layout: Layout, ckpt: Path, out: Path) -> None:

@@ -121,3 +121,32 @@ def test_a_client_torch_optimizer_is_named_by_its_param_group_keys(keys, kind):
     record = optimizer_record(None, [{"hyperparams": hyper, "params": ["w"]}], ["exp_avg", "exp_avg_sq"])
     assert record["type"] == kind
     assert record.get("adam_w_mode") == keys.get("decoupled_weight_decay")
+
+
+GPT2 = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": 16, "n_head": 2, "n_layer": 2,
+        "vocab_size": 32, "n_positions": 16}
+
+
+@pytest.mark.parametrize("change, problem", [
+    ({"architectures": ["pipeline"]}, "'pipeline' is not a model class of transformers"),
+    ({"architectures": [5]}, "'architectures' must be a list of model class names"),
+    ({"architectures": ["AutoModel"]}, "'AutoModel' is not a model class"),
+    ({"n_embd": -1}, "GPT2LMHeadModel cannot be built from it"),
+    ({"n_layer": 10 ** 7}, "n_layer=10000000 is not a count of layers"),
+    ({"text_config": {"num_local_experts": 10 ** 6}}, "num_local_experts=1000000 is not a count of experts"),
+], ids=["pipeline", "not-a-name", "auto-class", "negative-width", "ten-million-layers", "nested-experts"])
+def test_a_hostile_model_config_is_one_error_in_bounded_time(tmp_path, change, problem):
+    """What `ucp export` builds on the meta device to learn the architecture's keys (#21): these values gave
+    tracebacks, and 10**7 layers built for hours."""
+    import time
+    from pathlib import Path
+
+    from ucp.errors import UcpError
+    from ucp.export.model_config import ModelConfig, model_keys
+
+    path = Path(tmp_path / "config.json")
+    assert model_keys(ModelConfig(path, GPT2)).architecture == "GPT2LMHeadModel"  # negative control
+    start = time.monotonic()
+    with pytest.raises(UcpError, match=f"{path}: .*{problem}.*--config"):
+        model_keys(ModelConfig(path, {**GPT2, **change}))
+    assert time.monotonic() - start < 30

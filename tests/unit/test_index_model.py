@@ -70,3 +70,27 @@ def test_what_the_checkpoint_does_not_hold_is_read_back_and_checked(tmp_path):
         commit_index(folder, dataclasses.replace(index, run=dataclasses.replace(index.run, not_saved=bad)))
         with pytest.raises(CorruptCheckpointError, match=where):
             read_index(folder)
+
+
+@pytest.mark.parametrize("field, value, problem", [
+    (("params", "a.weight", "step"), float("nan"), "step nan is not a step count"),
+    (("params", "a.weight", "step"), -1, "step -1 is not a step count"),
+    (("params", "a.weight", "step"), 1e308, r"step 1e\+308 is not a step count"),
+    (("params", "a.weight", "step"), 2.5, "step 2.5 is not a step count"),
+    (("params", "a.weight", "group"), 99, "group 99 is not one of the optimizer's 1 param groups"),
+    (("optimizer", "param_groups", 0, "params"), ["a.weight", "zz"], r"params names 'zz', which is not a trainable"),
+    (("optimizer", "param_groups"), [{"hyperparams": {}, "params": ["a.weight"]},
+                                     {"hyperparams": {}, "params": ["b.weight"]}], "params names 'b.weight'"),
+], ids=["nan-step", "negative-step", "huge-step", "fractional-step", "group-99", "unknown-name", "other-group"])
+def test_hostile_steps_and_groups_are_refused(tmp_path, field, value, problem):
+    """What the hook installs as optimizer steps and group hyper-parameters (#21): a step of NaN, -1 or 1e308
+    was accepted, and so were a parameter's group index 99 and a group naming unknown parameters."""
+    folder = _written(tmp_path)
+    raw = json.loads((folder / INDEX_NAME).read_text())
+    parse_index(raw, folder)  # negative control: the index as written
+    parent = raw
+    for key in field[:-1]:
+        parent = parent[key]
+    parent[field[-1]] = value
+    with pytest.raises(CorruptCheckpointError, match=f"{INDEX_NAME}: .*{problem}"):
+        parse_index(raw, folder)

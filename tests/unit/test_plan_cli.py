@@ -71,3 +71,29 @@ def test_plan_errors_are_one_line():
         "ucp plan: error: missing.json: no such file; pass a Hugging Face config.json (examples in examples/models/)")
     out = _plan("--gpus", "2", "--gpu-memory", "8", "--model", str(EXAMPLES / "qwen2.5-32b.json"))
     assert out.returncode == 2 and out.stderr.startswith("ucp plan: error: no plan fits qwen2.5-32b")
+
+
+def test_hostile_plan_inputs_are_one_line_refusals_in_bounded_time(tmp_path):
+    """#21: 10**9 GPUs exhausted memory, /dev/zero as the model was read without end, a FIFO blocked,
+    10**9 layers hung, and a NaN GPU memory printed plans."""
+    import os
+
+    config = json.loads((EXAMPLES / "llama2-7b.json").read_text())
+    deep = tmp_path / "deep.json"
+    deep.write_text(json.dumps({**config, "num_hidden_layers": 10 ** 9}))
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    model = str(EXAMPLES / "llama2-7b.json")
+    cases = {"10**9 GPUs": (["--gpus", str(10 ** 9), "--model", model], "at most 1048576 GPUs"),
+             "/dev/zero": (["--gpus", "8", "--model", "/dev/zero"], "/dev/zero: not a regular file"),
+             "a FIFO": (["--gpus", "8", "--model", str(fifo)], f"{fifo}: not a regular file"),
+             "10**9 layers": (["--gpus", "8", "--model", str(deep)], "num_layers=1000000000 must be in [1, 4096]"),
+             "NaN memory": (["--gpus", "8", "--model", model, "--gpu-memory", "nan"], "GPU memory (nan GiB)"),
+             "too many candidates": (["--gpus", str(1 << 20), "--global-batch", str(1 << 24), "--model", model],
+                                     "(TP_max, DP) candidates")}
+    for what, (argv, problem) in cases.items():
+        argv = argv if "--gpu-memory" in argv else [*argv, "--gpu-memory", "80"]
+        out = subprocess.run([*UCP, "plan", *argv], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and out.stdout == "", (what, out)
+        assert out.stderr.count("\n") == 1 and out.stderr.startswith("ucp plan: error: "), (what, out.stderr)
+        assert problem in out.stderr, (what, out.stderr)

@@ -30,16 +30,16 @@ from ucp.convert.balance import plan_bins
 from ucp.convert.bin_copy import BinFile, copy_states, write_array
 from ucp.convert.executor import Executor, LocalExecutor, Report, ShuffleExecutor
 from ucp.convert.index_builder import WrittenFile, build_index, records_of
-from ucp.convert.manifest import (MANIFEST_SUFFIX, BinCheck, manifest_name, remove_manifests, reusable_bin,
-                                  write_manifest)
+from ucp.convert.manifest import (MANIFEST_SUFFIX, BinCheck, committed_damage, manifest_name, remove_manifests,
+                                  reusable_bin, write_manifest)
 from ucp.convert.plan import ConversionPlan, ParamPlan, StateSource
 from ucp.convert.result import ConvertResult
 from ucp.convert.source_check import check_sources
 from ucp.convert.split_policy import SplitPolicy, apply_split_policy
 from ucp.converters.trainer_folders import left_out_summary
-from ucp.errors import OutputExistsError, UcpError
+from ucp.errors import CorruptCheckpointError, OutputExistsError, UcpError
 from ucp.format.crc import CHUNK_BYTES, join_segments
-from ucp.format.fileio import writing_alone
+from ucp.format.fileio import read_regular, writing_alone
 from ucp.format.folder import (INDEX_NAME, PARTIAL_SUFFIX, commit_index, data_file_name, fsync_dir, is_ucp_file,
                                read_index, tensor_key)
 from ucp.format.index import FORMAT_NAME, ExtraFile, stored_shape
@@ -152,6 +152,10 @@ def _write_atomic(plan: ConversionPlan, output: Path, executor: Executor, *, str
     if prepare_output(output, fingerprint, resume, frozenset(plan.extra_files)):
         remove_manifests(output)  # left behind when a run died between its commit and this cleanup
         index = read_index(output)
+        damage = committed_damage(output, index)  # "already done" only where the data still is what was committed
+        if damage is not None:
+            raise CorruptCheckpointError(f"{output}: holds this conversion, but its data changed after the commit "
+                                         f"({damage}); delete the folder and convert again")
         return ConvertResult(output, len(index.params), tuple(index.files), 0, already_done=True)
     bins = plan_bins(plan, executor.workers)
     tasks = [WriteBin(str(output), data_file_name(i, len(bins)), tuple(b), strict, fingerprint, chunk_bytes)
@@ -295,7 +299,7 @@ def _hold_for_tests(file_name: str) -> None:
 
 def copy_extra_file(source: Path, target: Path) -> ExtraFile:
     """Copy a small side file (see `ucp.converters.trainer_folders`) durably; its index record: size and CRC-32."""
-    data = source.read_bytes()
+    data = read_regular(str(source), follow=False)  # planned as a regular file: still no link, FIFO or device
     partial = target.with_name(target.name + PARTIAL_SUFFIX)
     with open(partial, "wb") as f:
         f.write(data)

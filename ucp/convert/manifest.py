@@ -18,7 +18,9 @@ from pathlib import Path
 
 from ucp.convert.executor import Report
 from ucp.convert.index_builder import WrittenFile
+from ucp.format.fileio import read_regular
 from ucp.format.folder import DATA_PREFIX, PARTIAL_SUFFIX, fsync_dir
+from ucp.format.index import Index, header_problems
 from ucp.format.safetensors_stream import StoredTensor
 
 MANIFEST_SUFFIX = ".json"
@@ -111,3 +113,21 @@ def _crc_range(f, begin: int, end: int) -> int:
         crc = zlib.crc32(chunk, crc)
         left -= len(chunk)
     return crc
+
+
+def committed_damage(output: Path, index: Index) -> str | None:
+    """The first way the data of the committed checkpoint `output` differs from its `index`, else None: a data
+    file's safetensors header, a state's bytes or an extra file against its CRC-32 (every byte read once)."""
+    for data in index.files.values():
+        states = [s for e in index.params.values() for s in e.states.values() if s.file == data.name]
+        problems = header_problems(output / data.name, data, states)
+        if problems:
+            return problems[0]
+        with open(output / data.name, "rb") as f:
+            for s in states:
+                if _crc_range(f, s.begin, s.end) != s.crc32:
+                    return f"{output / data.name}: {s.key} fails its CRC-32"
+    for extra in index.extra_files.values():
+        if zlib.crc32(read_regular(str(output / extra.name), follow=False)) != extra.crc32:
+            return f"{output / extra.name}: fails its CRC-32"
+    return None

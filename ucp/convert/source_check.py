@@ -50,7 +50,13 @@ def touched_entries(plan: ConversionPlan) -> dict[str, list[ZipEntry]]:
 def entries_in_file_order(path: str) -> tuple[list[int], list[ZipEntry]]:
     """The storage entries of rank file `path` in file order, and where each starts (none for a file that is
     no zip archive: a plan built by hand over raw bytes)."""
-    if not zipfile.is_zipfile(path):
+    fd = open_regular(path)  # a FIFO or a device where a rank file belongs is refused, never waited on
+    try:
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            is_zip = zipfile.is_zipfile(f)
+    finally:
+        os.close(fd)
+    if not is_zip:
         return [], []
     entries = sorted(storage_entries(path).values(), key=lambda e: e.start)
     return [e.start for e in entries], entries

@@ -198,7 +198,7 @@ def _tag_folder(path: str | os.PathLike) -> str | os.PathLike:
         return path
     try:
         return latest_checkpoint(path) or path
-    except (OSError, ValueError):  # an unreadable `latest`: the load itself says what is wrong with it
+    except (OSError, UcpError):  # an unreadable `latest`: the load itself says what is wrong with it
         return path
 
 
@@ -212,6 +212,9 @@ def _load(engine, path, bypass, load_optimizer_states, load_lr_scheduler_states,
         if layout is not None:
             model_names = _place(engine, target, layout, param_table)
         state_names, kept = _check(ckpt, target, engine, load_optimizer_states, strict, model_names)
+        steps = _saved_steps(ckpt, target) if load_optimizer_states else {}
+        if load_lr_scheduler_states:
+            _check_lr_scheduler(ckpt, engine)
         error = None
     except UcpError as e:
         error = e
@@ -223,7 +226,8 @@ def _load(engine, path, bypass, load_optimizer_states, load_lr_scheduler_states,
     with torch.no_grad():
         _load_tensors(source_for(ckpt), target, state_names, bypass, check_first, stats)
     if load_optimizer_states:
-        _restore_steps(ckpt, target)
+        for group, step in steps.items():
+            target.set_step(group, step)
         _restore_optimizer_globals(ckpt, target)
         _restore_loss_scale(ckpt, engine)
     with torch.no_grad():
@@ -252,6 +256,8 @@ def _place(engine, target: Target, layout, param_table) -> set[str]:
 def _check(ckpt: Checkpoint, target: Target, engine, load_optimizer_states: bool, strict: bool,
            model_names: set[str] | None = None) -> tuple[list[str], list[str]]:
     """The optimizer states to load, and the frozen parameters the checkpoint does not hold (kept as they are)."""
+    if isinstance(ckpt, AtomicCheckpoint):
+        ckpt.check_headers()  # every read below takes the index's dtypes and shapes: they must be the files' own
     names = ckpt.names  # in the checkpoint's order, which errors name the first of
     params = set(names)
     kept = []
@@ -500,7 +506,24 @@ def _broadcast(source: Source, key: tuple[str, str], t: TargetTensor, value, own
     return buf
 
 
-def _restore_steps(ckpt: Checkpoint, target: Target) -> None:
+def _check_lr_scheduler(ckpt: Checkpoint, engine) -> None:
+    """The saved LR scheduler state loads into the engine's scheduler, tried on a shallow copy of it (a state
+    dict sets the scheduler's own attributes), so a state that does not fit is refused before anything is
+    installed instead of raising from the scheduler after."""
+    scheduler, saved = engine.lr_scheduler, ckpt.lr_scheduler
+    if scheduler is None or saved is None:
+        return
+    try:
+        copy.copy(scheduler).load_state_dict(copy.deepcopy(saved))
+    except Exception as exc:  # whatever the scheduler class raises on a state that is not its own
+        raise CheckpointMismatchError(f"{ckpt.path}: its LR scheduler state does not load into the engine's "
+                                      f"{type(scheduler).__name__} ({type(exc).__name__}: {exc}); use the scheduler "
+                                      "it was saved with, or pass load_lr_scheduler_states=False") from None
+
+
+def _saved_steps(ckpt: Checkpoint, target: Target) -> dict[int, float]:
+    """The optimizer step of each engine param group, which all its parameters were saved at (checked before
+    anything is installed, so a refused load leaves the engine as it was)."""
     groups: dict[int, set] = {}
     for t in target.tensors:
         step = ckpt.step_of(t.name) if t.kind == "param" and t.group is not None else None
@@ -510,7 +533,7 @@ def _restore_steps(ckpt: Checkpoint, target: Target) -> None:
         if len(steps) != 1:
             raise CheckpointMismatchError(f"{ckpt.path}: parameters of optimizer group {group} were saved at "
                                           f"different steps {sorted(steps)}")
-        target.set_step(group, steps.pop())
+    return {group: steps.pop() for group, steps in groups.items()}
 
 
 def _restore_loss_scale(ckpt: Checkpoint, engine) -> None:

@@ -16,7 +16,8 @@ import re
 import shutil
 from pathlib import Path
 
-from ucp.format.folder import INDEX_NAME, LATEST_NAME, PARTIAL_SUFFIX, commit_latest, locked_for_removal
+from ucp.errors import UcpError
+from ucp.format.folder import INDEX_NAME, commit_latest, locked_for_removal, read_latest
 
 logger = logging.getLogger("ucp.elastic")
 
@@ -84,7 +85,6 @@ def _order(tag: Path) -> int:
 
 def _latest_name(save_dir: Path) -> str | None:
     try:
-        name = (save_dir / LATEST_NAME).read_text(errors="replace").strip()
-    except OSError:
+        return read_latest(save_dir)
+    except (OSError, UcpError):  # no tag can be told from it: every committed one beyond `keep` may go
         return None
-    return None if name.endswith(PARTIAL_SUFFIX) else name

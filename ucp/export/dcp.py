@@ -15,6 +15,8 @@ one past the size of the largest tensor: memory stays about one tensor (or two),
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import queue
 import warnings
@@ -23,13 +25,14 @@ from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint import CheckpointException, FileSystemWriter, save
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import WriteItemType
 
 from ucp.checkpoint import STEP_STATE, open_checkpoint
 from ucp.convert.executor import progress_bar
 from ucp.convert.plan import BUFFER, BUFFER_STATE, TRAINABLE, WEIGHT_STATE
-from ucp.errors import ExportError
+from ucp.errors import ExportError, UcpError
 from ucp.export.hf import DTYPES
 from ucp.export.model_config import find_config, model_keys
 from ucp.export.optimizer import default_target, export_groups
@@ -69,6 +72,39 @@ class _ReadingPlanner(DefaultSavePlanner):
         return tensor
 
 
+class _WriteFailures(io.FileIO):
+    """A file DCP writes into, which keeps the OSError a write met: DCP writes tensors with `torch.save`,
+    whose writer turns a full disk into a RuntimeError naming no errno ("unexpected pos ...")."""
+
+    def __init__(self, path, failures: list[OSError]) -> None:
+        super().__init__(path, "wb")
+        self._failures = failures
+
+    def write(self, data) -> int:
+        try:
+            return super().write(data)
+        except OSError as exc:
+            self._failures.append(OSError(exc.errno, exc.strerror, str(self.name)))
+            raise
+
+
+class _RecordingFileSystem(FileSystem):
+    """DCP's local file system, its written files keeping the first OSError a write met (`failures`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failures: list[OSError] = []
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode: str):
+        if mode != "wb":
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with io.BufferedWriter(_WriteFailures(path, self.failures)) as stream:
+            yield stream
+
+
 class _BoundedFileWriter(FileSystemWriter):
     """DCP's file-system writer, with each file (`__0_K.distcp`) holding at most `max_bytes` of tensors
     (one larger tensor gets a file of its own) instead of all of them in one file. Only the grouping of
@@ -78,6 +114,7 @@ class _BoundedFileWriter(FileSystemWriter):
     def __init__(self, path: Path, max_bytes: int, workers: int) -> None:
         super().__init__(path, thread_count=workers)
         self._max_bytes = max_bytes
+        self.fs = _RecordingFileSystem()
 
     def write_data(self, plan, planner):
         files: list[list] = [[]]
@@ -146,11 +183,13 @@ def to_dcp(input: str | os.PathLike, output: str | os.PathLike, *, dtype: str = 
     with staged_output(output) as staging, progress_bar(total, "export", progress) as bar, \
             warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # no_dist is the intent
+        writer = _BoundedFileWriter(staging, largest, max(1, workers))
         try:
-            save(state_dict, storage_writer=_BoundedFileWriter(staging, largest, max(1, workers)),
-                 planner=_ReadingPlanner(ckpt, sources, bar), no_dist=True)
+            save(state_dict, storage_writer=writer, planner=_ReadingPlanner(ckpt, sources, bar), no_dist=True)
         except CheckpointException as exc:  # DCP wraps each rank's error: raise ours (a full disk, a bad read) as is
-            raise next(iter(exc.failures.values()))[0] from None
+            failure = next(iter(exc.failures.values()))[0]
+            raise (failure if isinstance(failure, (UcpError, OSError)) or not writer.fs.failures
+                   else writer.fs.failures[0]) from None
     return DcpExport(Path(output), len(model), len(trainable) if saved_optimizer is not None else 0, total)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -77,9 +78,17 @@ def model_keys(config: ModelConfig) -> ModelKeys:
         return ModelKeys(_architecture_name(config), None, tied)
     import torch
 
+    _check_counts(config)
     hf_config, build = _hf_config(config, transformers), _model_class(config, transformers)
-    with torch.device("meta"):
-        model = build(hf_config)
+    try:
+        with torch.device("meta"):
+            model = build(hf_config)
+    except UnsupportedLayoutError:
+        raise
+    except Exception as exc:  # transformers' and torch's own errors on hostile values (a size of -1, 0 heads)
+        raise ExportError(f"{config.path}: {_architecture_name(config)} cannot be built from it "
+                          f"({type(exc).__name__}: {_first_line(exc)}); pass --config with the model's config.json") \
+            from None
     first: dict[int, str] = {}
     tied, expected = {}, {}
     for name, tensor in model.state_dict(keep_vars=True).items():
@@ -110,12 +119,53 @@ def check_tensors(ckpt_path, shapes: dict[str, tuple[int, ...]], keys: ModelKeys
 
 
 def _architecture_name(config: ModelConfig) -> str:
-    return (config.values.get("architectures") or [config.values.get("model_type", "?")])[0]
+    return str((config.values.get("architectures") or [config.values.get("model_type", "?")])[0])[:100]
+
+
+def _first_line(exc: Exception) -> str:
+    return (str(exc).strip().splitlines() or [""])[0][:200]
+
+
+# Layers and experts are modules built one by one, even on the meta device: a count beyond any real model's
+# (the deepest have ~130 layers, the widest MoE 256 experts a layer) would build for hours.
+MAX_LAYERS = 1024
+MAX_EXPERTS = 1024
+MAX_EXPERT_MODULES = 1 << 16  # layers x experts
+_COUNT = re.compile(r"(^|_)(?P<what>layers?|experts)$")
+
+
+def _check_counts(config: ModelConfig) -> None:
+    """Refuse layer and expert counts (`num_hidden_layers`, `n_layer`, `num_local_experts`, ..., nested configs
+    too) that no model has, before anything is built."""
+    found = {"layer": 1, "expert": 1}
+
+    def walk(values: dict) -> None:
+        for key, value in values.items():
+            if isinstance(value, dict):
+                walk(value)
+            m = _COUNT.search(str(key))
+            if m is None or not isinstance(value, int) or isinstance(value, bool):
+                continue
+            what = "layer" if m.group("what").startswith("layer") else "expert"
+            limit = MAX_LAYERS if what == "layer" else MAX_EXPERTS
+            if not 0 <= value <= limit:
+                raise ExportError(f"{config.path}: {key}={value} is not a count of {what}s a model has (0 to "
+                                  f"{limit}); pass --config with the model's config.json")
+            found[what] = max(found[what], value)
+
+    walk(config.values)
+    if found["layer"] * found["expert"] > MAX_EXPERT_MODULES:
+        raise ExportError(f"{config.path}: {found['layer']} layers of {found['expert']} experts are more expert "
+                          f"modules than any model has ({MAX_EXPERT_MODULES}); pass --config with the model's "
+                          "config.json")
 
 
 def _model_class(config: ModelConfig, transformers):
     """A callable building the model from its config: the class `architectures` names, else AutoModelForCausalLM."""
     archs = config.values.get("architectures") or []
+    if not isinstance(archs, list) or not isinstance(archs[0] if archs else "", str):
+        raise UnsupportedLayoutError(f"{config.path}: 'architectures' must be a list of model class names, such as "
+                                     "[\"LlamaForCausalLM\"]; pass --config with the model's config.json")
     if not archs:
         def build(hf_config):
             try:
@@ -127,19 +177,27 @@ def _model_class(config: ModelConfig, transformers):
         return build
     cls = getattr(transformers, archs[0], None)
     if cls is None:
-        raise UnsupportedLayoutError(f"{config.path}: unknown architecture '{archs[0]}' (transformers "
+        raise UnsupportedLayoutError(f"{config.path}: unknown architecture '{archs[0][:100]}' (transformers "
                                      f"{transformers.__version__} has no such class); pass --config with the "
                                      "config.json of a model transformers knows")
+    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
+        raise UnsupportedLayoutError(f"{config.path}: architecture '{archs[0]}' is not a model class of transformers "
+                                     "(a model's config names its own, such as LlamaForCausalLM); pass --config "
+                                     "with the model's config.json")
     return cls._from_config
 
 
 def _hf_config(config: ModelConfig, transformers):
     model_type = config.values.get("model_type")
-    if model_type not in transformers.CONFIG_MAPPING:
-        raise UnsupportedLayoutError(f"{config.path}: unknown model_type '{model_type}' (transformers "
+    if not isinstance(model_type, str) or model_type not in transformers.CONFIG_MAPPING:
+        raise UnsupportedLayoutError(f"{config.path}: unknown model_type '{str(model_type)[:100]}' (transformers "
                                      f"{transformers.__version__} does not know it); pass --config with the "
                                      "config.json of a model transformers knows")
-    return transformers.CONFIG_MAPPING[model_type].from_dict(config.values)
+    try:
+        return transformers.CONFIG_MAPPING[model_type].from_dict(config.values)
+    except Exception as exc:  # a config class's own checks of hostile values
+        raise ExportError(f"{config.path}: not a valid {model_type} config ({type(exc).__name__}: "
+                          f"{_first_line(exc)}); pass --config with the model's config.json") from None
 
 
 def _parse(raw: bytes, path: Path) -> dict:

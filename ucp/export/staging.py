@@ -71,10 +71,9 @@ def _staged(output: Path) -> Iterator[Path]:
         fsync_dir(output.parent)
     except OSError as exc:
         shutil.rmtree(staging, ignore_errors=True)
-        if exc.errno in _FULL:
-            raise ExportError(f"{output}: {os.strerror(exc.errno).lower()} while writing "
-                              f"{exc.filename or 'the export'}; free space there or pass another --output "
-                              "(nothing was exported)") from None
+        if exc.errno in _FULL:  # an OSError still, so that the CLI says the system refused (exit 3)
+            raise OSError(exc.errno, f"{os.strerror(exc.errno).lower()} while writing {exc.filename or 'the export'} "
+                                     "(nothing was exported)", str(output)) from None
         raise
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

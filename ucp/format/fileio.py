@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import stat
@@ -72,17 +73,21 @@ def tensor_bytes(t: torch.Tensor | np.ndarray) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy())
 
 
-def open_regular(path: str) -> int:
-    """A read-only descriptor of `path`, which must be a regular file.
+def open_regular(path: str, follow: bool = True) -> int:
+    """A read-only descriptor of `path`, which must be a regular file (and, unless `follow`, not a symlink).
 
     O_NONBLOCK: opening a FIFO planted where a data file belongs returns at once instead of waiting
     for a writer forever; it is then refused as not a regular file.
     """
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | (0 if follow else os.O_NOFOLLOW))
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"{path}: missing; restore the file from the checkpoint's copy") from None
     except OSError as exc:
+        if exc.errno == errno.ELOOP and not follow:
+            raise CorruptCheckpointError(f"{path}: a symbolic link stands where a file of the checkpoint belongs; "
+                                         "ucp reads only the folder's own regular files, restore the file from "
+                                         "a copy") from None
         raise CorruptCheckpointError(f"{path}: cannot be opened ({exc.strerror})") from None
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
@@ -91,10 +96,14 @@ def open_regular(path: str) -> int:
     return fd
 
 
-def read_regular(path: str) -> bytes:
-    """The whole content of regular file `path` (a FIFO or device is refused, never waited on)."""
-    fd = open_regular(path)
+def read_regular(path: str, follow: bool = True, limit: int | None = None) -> bytes:
+    """The whole content of regular file `path` (a FIFO or device is refused, never waited on; a symlink too
+    unless `follow`); a file of more than `limit` bytes is refused unread."""
+    fd = open_regular(path, follow)
     try:
+        if limit is not None and os.fstat(fd).st_size > limit:
+            raise CorruptCheckpointError(f"{path}: {os.fstat(fd).st_size} bytes, more than the {limit} this file "
+                                         "can hold; it is not the file ucp expects here")
         with os.fdopen(fd, "rb", closefd=False) as f:
             return f.read()
     finally:

@@ -12,15 +12,17 @@ import json
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
+from ucp.format.fileio import read_regular
 from ucp.format.index import Index, index_json, parse_index
 
 INDEX_NAME = "ucp_index.json"
 DATA_PREFIX = "data-"
 PARTIAL_SUFFIX = ".partial"
 LATEST_NAME = "latest"
+LATEST_MAX_BYTES = 4096  # a tag name; DeepSpeed writes e.g. "global_step1000"
 
 
 def data_file_name(i: int, n: int) -> str:
@@ -66,11 +68,35 @@ def commit_latest(save_dir: str | os.PathLike, tag: str) -> None:
 
 def latest_checkpoint(save_dir: str | os.PathLike) -> Path | None:
     """The committed ucp checkpoint `<save_dir>/latest` names, or None when there is none."""
-    pointer = Path(save_dir) / LATEST_NAME
-    if not pointer.is_file():
+    tag = read_latest(save_dir)
+    if tag is None:
         return None
-    folder = Path(save_dir) / pointer.read_text().strip()
+    folder = Path(save_dir) / tag
     return folder if (folder / INDEX_NAME).is_file() else None
+
+
+def read_latest(save_dir: str | os.PathLike) -> str | None:
+    """The tag `<save_dir>/latest` names, or None when there is no `latest`.
+
+    `latest` is a regular file (as `engine.save_checkpoint` and `commit_latest` write it) holding the name of
+    a folder inside `save_dir`. Anything else is refused, its content never echoed into the message: a
+    symbolic link (which may reach any file on the machine, never read), a special file, binary or multi-line
+    text, an absolute path or one that climbs out with `..` (which would load another run's checkpoint).
+    """
+    pointer = Path(save_dir) / LATEST_NAME
+    if not os.path.lexists(pointer):
+        return None
+    raw = read_regular(str(pointer), follow=False, limit=LATEST_MAX_BYTES)
+    try:
+        tag = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        tag = ""
+    parts = PurePosixPath(tag).parts
+    if not tag or not tag.isprintable() or tag.startswith("/") or ".." in parts or "\\" in tag:
+        raise CorruptCheckpointError(f"{pointer}: does not hold the name of a tag folder inside {save_dir} "
+                                     f"({len(raw)} bytes that are not one); write the tag's name into it, or "
+                                     "pass the tag folder itself (--tag)")
+    return tag
 
 
 def _lock_path(directory: Path) -> Path:

@@ -33,6 +33,7 @@ FORMAT_NAME = "ucp-atomic"
 FORMAT_VERSION = 1
 HEADER_LENGTH_BYTES = 8
 _FIX = "convert the checkpoint again, or restore the folder from a copy"
+MAX_STEP = 1 << 53  # the largest whole number a float64 holds exactly
 
 
 @dataclass(frozen=True)
@@ -253,8 +254,34 @@ def parse_index(raw, directory: str | os.PathLike, index_path: str | os.PathLike
     global_split = _Fields("index.splits", splits, path).count("global_split", required=False) if splits else None
     aliases = _aliases(top, path, params)
     run = replace(_run_record(top, path), not_saved=_not_saved(top, path, {*params, *aliases}))
+    _check_groups(path, params, run.optimizer)
     return Index(version, files, params, aliases, chunk_bytes, run, extra_files, global_split,
                  top.get("created_by", (str,), required=False) or "")
+
+
+def _check_groups(path: Path, params: dict[str, ParamEntry], optimizer: dict | None) -> None:
+    """A parameter's optimizer group is one the index lists, and a group lists only trainable parameters of its
+    own (the hook restores each engine group's hyper-parameters and step from them)."""
+    groups = (optimizer or {}).get("param_groups") or []
+    if not groups:
+        return
+    for name, entry in params.items():
+        if entry.group is not None and entry.group >= len(groups):
+            raise _bad(path, f"params[{name!r}].group", f"{entry.group} is not one of the optimizer's "
+                       f"{len(groups)} param groups")
+    for g, group in enumerate(groups):
+        for name in group["params"]:
+            entry = params.get(name)
+            if entry is None or entry.kind != "param" or entry.group != g:
+                raise _bad(path, f"index.optimizer.param_groups[{g}].params", f"names {name!r}, which is not a "
+                           f"trainable parameter of group {g} in the index")
+
+
+def _step(path: Path, where: str, value: int | float | None) -> float | None:
+    """An optimizer step: a whole number of steps a float holds exactly (DeepSpeed keeps it as a float)."""
+    if value is not None and not (math.isfinite(value) and 0 <= value <= MAX_STEP and value == int(value)):
+        raise _bad(path, where, f"{value!r} is not a step count (a whole number in [0, 2^53])")
+    return value
 
 
 def _aliases(top: _Fields, path: Path, params: dict[str, ParamEntry]) -> dict[str, str]:
@@ -343,7 +370,7 @@ def _param(path: Path, name: str, entry: _Fields, files: dict[str, DataFile], ch
         raise _bad(path, f"{entry.where}.kind", f"{kind!r} is not one of {', '.join(KINDS)}")
     shape = _shape(path, f"{entry.where}.shape", entry.get("shape", (list,)))
     group = entry.count("group", required=False)
-    step = entry.get("step", (int, float), required=False)
+    step = _step(path, f"{entry.where}.step", entry.get("step", (int, float), required=False))
     pattern = entry.get("pattern", (dict,), required=False)
     if pattern is not None:
         _Fields(f"{entry.where}.pattern", pattern, path).get("pattern", (str,))

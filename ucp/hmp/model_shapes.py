@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -15,6 +16,9 @@ from ucp.errors import UcpError
 from ucp.hmp.layout import ParamSpec
 
 _REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+MAX_LAYERS = 4096  # the deepest models have ~130; the search's time grows with layers
+MAX_SIZE = 1 << 31  # widths, heads and vocabularies
+MAX_CONFIG_BYTES = 16 << 20  # a config.json is a few KiB
 
 
 class ModelConfigError(UcpError):
@@ -48,15 +52,17 @@ class ModelConfig:
                         vocab_size=int(config["vocab_size"]),
                         qkv_bias=bool(config.get("attention_bias", config.get("model_type") == "qwen2")),
                         tie_embeddings=bool(config.get("tie_word_embeddings", False)))
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, OverflowError) as exc:
             raise ModelConfigError(f"{name}: config value is not a number ({exc})") from None
         model.check()
         return model
 
     def check(self) -> None:
         for key in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "vocab_size"):
-            if getattr(self, key) < 1:
-                raise ModelConfigError(f"{self.name}: {key}={getattr(self, key)} must be at least 1")
+            limit = MAX_LAYERS if key == "num_layers" else MAX_SIZE
+            if not 1 <= getattr(self, key) <= limit:
+                raise ModelConfigError(f"{self.name}: {key}={getattr(self, key)} must be in [1, {limit}]; is it the "
+                                       "model's config.json?")
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
             raise ModelConfigError(f"{self.name}: hidden_size {self.hidden_size}, {self.num_heads} heads and "
                                    f"{self.num_kv_heads} KV heads do not divide evenly")
@@ -121,13 +127,31 @@ class ModelConfig:
 def load_model_config(path: str | os.PathLike) -> ModelConfig:
     """Read a Hugging Face `config.json`."""
     try:
-        with open(path) as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        raise ModelConfigError(f"{path}: no such file; pass a Hugging Face config.json "
-                               "(examples in examples/models/)") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        data = json.loads(_read_config(str(path)))
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise ModelConfigError(f"{path}: not JSON ({exc})") from None
     if not isinstance(data, dict):
         raise ModelConfigError(f"{path}: expected a JSON object with hidden_size, num_hidden_layers, ...")
     return ModelConfig.from_hf(data, name=os.path.splitext(os.path.basename(path))[0])
+
+
+def _read_config(path: str) -> bytes:
+    """The bytes of `path`, a regular file of at most MAX_CONFIG_BYTES: a FIFO would block a read forever and a
+    device such as /dev/zero never end, so neither is read (no numpy here: `ucp plan` starts without it)."""
+    fix = "pass a Hugging Face config.json (examples in examples/models/)"
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise ModelConfigError(f"{path}: no such file; {fix}") from None
+    except OSError as exc:
+        raise ModelConfigError(f"{path}: cannot be opened ({exc.strerror}); {fix}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ModelConfigError(f"{path}: not a regular file (a FIFO, a device or a folder); {fix}")
+        if info.st_size > MAX_CONFIG_BYTES:
+            raise ModelConfigError(f"{path}: {info.st_size} bytes, more than a config.json holds; {fix}")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read(MAX_CONFIG_BYTES + 1)
+    finally:
+        os.close(fd)

@@ -83,6 +83,7 @@ def load_slices(layout: Layout, rank: int, path: str | os.PathLike, table: Itera
 
 
 def _check(ckpt: AtomicCheckpoint, table: list[ParamSpec], states: Sequence[str]) -> None:
+    ckpt.check_headers()  # the index's dtypes and shapes are the files' own
     params = ckpt.index.params
     for spec in table:
         if spec.name not in params:

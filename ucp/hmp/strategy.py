@@ -31,6 +31,15 @@ class PlanError(UcpError):
     """No plan fits, or the planner was asked something impossible."""
 
 
+# What the search accepts. Beyond these it would run out of time or memory (#21: 10**9 GPUs exhausted memory,
+# a NaN GPU memory printed plans); each is far beyond any machine of today.
+MAX_GPUS = 1 << 20
+MAX_GPU_MEMORY_GIB = 1 << 20
+MAX_TFLOPS = 1e6
+MAX_BATCH = 1 << 24
+MAX_CANDIDATES = 50_000  # (TP_max, DP) pairs searched: ~0.3 ms each on one core
+
+
 @dataclass(frozen=True)
 class CostModel:
     """The hardware and the knobs of the cost model (see docs/PLAN.md)."""
@@ -45,10 +54,15 @@ class CostModel:
     reserve_gib: float = 2.0         # per GPU: CUDA context, communication buffers, fragmentation
 
     def check(self) -> None:
-        if self.gpu_memory_gib <= 0 or self.peak_tflops <= 0 or not 0 < self.mfu <= 1:
-            raise PlanError("GPU memory and peak TFLOP/s must be positive and mfu in (0, 1]")
-        if self.tp_overhead < 0 or self.tp_max < 1 or self.dp_bandwidth_gbs <= 0:
-            raise PlanError("tp_overhead must be >= 0, tp_max >= 1 and dp_bandwidth_gbs > 0")
+        # Written so that NaN fails every test (`nan <= 0` is false): bounds a GPU of today is far inside.
+        if not (0 < self.gpu_memory_gib <= MAX_GPU_MEMORY_GIB and 0 < self.peak_tflops <= MAX_TFLOPS
+                and 0 < self.mfu <= 1):
+            raise PlanError(f"GPU memory ({self.gpu_memory_gib:g} GiB) must be in (0, {MAX_GPU_MEMORY_GIB}], peak "
+                            f"TFLOP/s ({self.peak_tflops:g}) in (0, {MAX_TFLOPS:g}] and mfu ({self.mfu:g}) in (0, 1]")
+        if not (0 <= self.tp_overhead < math.inf and 1 <= self.tp_max <= MAX_GPUS
+                and 0 < self.dp_bandwidth_gbs < math.inf and 0 <= self.reserve_gib < self.gpu_memory_gib):
+            raise PlanError("tp_overhead must be >= 0, tp_max >= 1, dp_bandwidth_gbs > 0 and reserve_gib below the "
+                            "GPU memory, each a finite number")
         if self.zero_stage not in (0, 1):
             raise PlanError(f"zero_stage={self.zero_stage}: the cost model knows ZeRO stage 0 and 1")
 
@@ -66,6 +80,8 @@ class Workload:
     def check(self) -> None:
         if min(self.global_batch, self.seq_len, self.micro_batch_size) < 1:
             raise PlanError("global batch, sequence length and micro-batch size must be at least 1")
+        if max(self.global_batch, self.seq_len, self.micro_batch_size) > MAX_BATCH:
+            raise PlanError(f"global batch, sequence length and micro-batch size must be at most {MAX_BATCH}")
         if self.global_batch % self.micro_batch_size:
             raise PlanError(f"global batch {self.global_batch} is not a multiple of the micro-batch size "
                             f"{self.micro_batch_size}")
@@ -234,12 +250,20 @@ def search(model: ModelConfig, gpus: int, cost: CostModel, work: Workload = Work
     work.check()
     if gpus < 1:
         raise PlanError(f"--gpus {gpus}: need at least one GPU")
+    if gpus > MAX_GPUS:
+        raise PlanError(f"--gpus {gpus}: plans are searched for at most {MAX_GPUS} GPUs")
     if top < 1:
         raise PlanError(f"--top {top}: must be at least 1")
+    sizes = tp_sizes(model, min(cost.tp_max, gpus))
+    count = sum(min(gpus // t + len(_powers_of_two(gpus % t)), work.micro_batches) for t in sizes)
+    if count > MAX_CANDIDATES:
+        raise PlanError(f"{gpus} GPUs and a global batch of {work.global_batch} make {count} (TP_max, DP) candidates, "
+                        f"more than the {MAX_CANDIDATES} searched in bounded time (~15 s); lower --global-batch, "
+                        "or --gpus")
     search_ = _Search(model, cost, work)
     found: dict[tuple, Plan] = {}
     candidates = 0
-    for tp_max in tp_sizes(model, min(cost.tp_max, gpus)):
+    for tp_max in sizes:
         full, rest = gpus // tp_max, _powers_of_two(gpus % tp_max)
         for dp in range(1, min(full + len(rest), work.micro_batches) + 1):
             candidates += 1
