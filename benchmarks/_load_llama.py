@@ -6,7 +6,9 @@
 `stock` loads DeepSpeed's universal layout with `load_universal`; the ucp modes (`ucp`,
 `ucp-no-bypass`) load the atomic checkpoint through `ucp.deepspeed.load`, and `ucp-no-conversion`
 the DeepSpeed checkpoint itself. Bytes and read calls come from /proc/self/io (rchar, syscr), so
-all tools are measured the same way, page-cache hits included.
+all tools are measured the same way, page-cache hits included. Memory: peak RSS over the process's life
+(`ru_maxrss`), and the engine's own footprint (VmRSS just before the load) with the peak during the load alone
+(VmHWM, reset before the load through /proc/self/clear_refs), so that what the load itself holds shows.
 """
 import argparse
 import json
@@ -19,12 +21,24 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _train_llama import MODEL  # noqa: E402
+from _train_llama import MODELS  # noqa: E402
 
 
 def proc_io() -> dict:
     with open("/proc/self/io") as f:
         return {k: int(v) for k, v in (line.split(": ") for line in f)}
+
+
+def vm_mib(field: str) -> float:
+    """VmRSS (resident now) or VmHWM (its peak since the last reset) of this process, in MiB."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) / 1024
+
+
+def reset_peak() -> None:
+    """Start VmHWM again from the current RSS (Linux 4.0+: "5" to clear_refs)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
 def main() -> None:
@@ -33,6 +47,7 @@ def main() -> None:
     parser.add_argument("--path", required=True, help="stock: the universal tag folder; ucp: the atomic dir; "
                         "ucp-no-conversion: DeepSpeed's save dir")
     parser.add_argument("--stage", type=int, default=3)
+    parser.add_argument("--model", choices=sorted(MODELS), default="112m")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -44,7 +59,7 @@ def main() -> None:
 
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**MODEL))
+    model = LlamaForCausalLM(LlamaConfig(**MODELS[args.model]))
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
               "zero_optimization": {"stage": args.stage},
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
@@ -54,6 +69,8 @@ def main() -> None:
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     dist.barrier()
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    engine_rss = vm_mib("VmRSS")
+    reset_peak()
     io_before = proc_io()
     start = time.perf_counter()
     if args.mode == "stock":
@@ -64,10 +81,11 @@ def main() -> None:
     dist.barrier()
     wall = time.perf_counter() - start
     io_after = proc_io()
+    load_peak = vm_mib("VmHWM")
     mine = {"wall_s": wall, "bytes_read": io_after["rchar"] - io_before["rchar"],
             "read_calls": io_after["syscr"] - io_before["syscr"],
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "rss_before_mib": rss_before / 1024}
+            "rss_before_mib": rss_before / 1024, "engine_rss_mib": engine_rss, "load_peak_rss_mib": load_peak}
     stats = getattr(engine, "ucp_load_stats", None)
     if stats is not None:
         mine.update(ucp_bytes_read=stats.bytes_read, ucp_read_calls=stats.read_calls,

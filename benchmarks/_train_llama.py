@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Train a ~112M-parameter Llama (random init, no downloads) for one step with DeepSpeed ZeRO-1 fp32 on CPU
-(or another stage and precision: --stage, --dtype) and save the checkpoint. Launched by benchmarks/convert.py as
+(or another stage, precision and size: --stage, --dtype, --model 359m) and save the checkpoint. Launched by benchmarks/convert.py as
 
     torchrun --nproc_per_node 2 benchmarks/_train_llama.py SAVE_DIR [--stage 2 --dtype bf16]
 
@@ -22,6 +22,10 @@ MODEL = dict(
     max_position_embeddings=256,
     tie_word_embeddings=False,
 )
+# A larger one of the same family, for benchmarks/load.py --model 359m (memory flat in model size): hidden 1024,
+# 16 query heads / 4 KV heads of 64, FFN 2816, 26 layers -> 358.7M params.
+MODELS = {"112m": MODEL, "359m": dict(MODEL, hidden_size=1024, intermediate_size=2816, num_hidden_layers=26,
+                                       num_attention_heads=16, num_key_value_heads=4)}
 SEQ_LEN = 64
 MICRO_BATCH = 1
 SEED = 1234
@@ -33,6 +37,7 @@ def main() -> None:
     parser.add_argument("save_dir")
     parser.add_argument("--info-out", help="where rank 0 writes a JSON description of the run")
     parser.add_argument("--stage", type=int, default=1, help="ZeRO stage (benchmarks/load.py uses 3)")
+    parser.add_argument("--model", choices=sorted(MODELS), default="112m", help="the Llama's size (MODELS)")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
                         help="training precision (bf16: DeepSpeed's bf16 optimizer / ZeRO bf16, fp32 masters)")
     args = parser.parse_args()
@@ -43,7 +48,8 @@ def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     rank = torch.distributed.get_rank()
     torch.manual_seed(SEED)
-    model = LlamaForCausalLM(LlamaConfig(**MODEL))
+    config = MODELS[args.model]
+    model = LlamaForCausalLM(LlamaConfig(**config))
     n_params = sum(p.numel() for p in model.parameters())
 
     ds_config = {
@@ -59,7 +65,7 @@ def main() -> None:
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
 
     g = torch.Generator().manual_seed(SEED + rank)
-    ids = torch.randint(0, MODEL["vocab_size"], (MICRO_BATCH, SEQ_LEN), generator=g)
+    ids = torch.randint(0, config["vocab_size"], (MICRO_BATCH, SEQ_LEN), generator=g)
     logits = engine(input_ids=ids).logits.float()  # bf16 logits: the loss in fp32, as on CPU it must be
     loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
     engine.backward(loss)
@@ -69,7 +75,7 @@ def main() -> None:
     loss = loss.item()
     if rank == 0 and args.info_out:
         with open(args.info_out, "w") as f:
-            json.dump({"params": n_params, "config": MODEL, "seq_len": SEQ_LEN, "tag": TAG,
+            json.dump({"params": n_params, "config": config, "seq_len": SEQ_LEN, "tag": TAG,
                        "world_size": torch.distributed.get_world_size(), "zero_stage": args.stage, "dtype": args.dtype,
                        "loss": loss}, f, indent=2)
     if rank == 0:

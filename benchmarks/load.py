@@ -48,17 +48,18 @@ def torchrun(script: Path, args: list[str], nproc: int, log: Path) -> None:
         sys.exit(f"{script.name} failed (exit {rc}); see {log}")
 
 
-def build(cache: Path) -> tuple[Path, Path, Path]:
-    """The ZeRO-3 source checkpoint (DeepSpeed's save dir, trained once and cached) and its conversions to both
-    formats, made again on every run so that they are this ucp's (an older atomic checkpoint has no chunk
+def build(cache: Path, model: str) -> tuple[Path, Path, Path]:
+    """The ZeRO-3 source checkpoint of `model` (DeepSpeed's save dir, trained once and cached) and its conversions
+    to both formats, made again on every run so that they are this ucp's (an older atomic checkpoint has no chunk
     checksums, and a rank then reads whole tensors to check them)."""
-    root = cache / "load-zero3"
+    root = cache / ("load-zero3" if model == "112m" else f"load-zero3-{model}")
     atomic, universal = root / "atomic", root / "universal" / "global_step1"
     if not (root / ".done").exists():
         shutil.rmtree(root, ignore_errors=True)
         root.mkdir(parents=True)
-        print("building a ZeRO-3 checkpoint of the benchmark Llama on 2 ranks (once) ...", flush=True)
-        torchrun(HERE / "_train_llama.py", [str(root / "deepspeed"), "--stage", "3"], 2, root / "train.log")
+        print(f"building a ZeRO-3 checkpoint of the {model} benchmark Llama on 2 ranks (once) ...", flush=True)
+        torchrun(HERE / "_train_llama.py", [str(root / "deepspeed"), "--stage", "3", "--model", model], 2,
+                 root / "train.log")
         (root / ".done").touch()
     for stale in (atomic, universal.parent):
         shutil.rmtree(stale, ignore_errors=True)
@@ -68,16 +69,75 @@ def build(cache: Path) -> tuple[Path, Path, Path]:
     return atomic, universal, root / "deepspeed"
 
 
-def run(mode: str, path: Path, nproc: int, work: Path) -> list[dict]:
-    out = work / f"{mode}-{nproc}.json"
-    torchrun(HERE / "_load_llama.py", ["--mode", mode, "--path", str(path), "--out", str(out)], nproc,
-             work / f"{mode}-{nproc}.log")
+def run(mode: str, path: Path, nproc: int, model: str, work: Path) -> list[dict]:
+    out = work / f"{model}-{mode}-{nproc}.json"
+    torchrun(HERE / "_load_llama.py", ["--mode", mode, "--path", str(path), "--out", str(out), "--model", model],
+             nproc, work / f"{model}-{mode}-{nproc}.log")
     return json.loads(out.read_text())
+
+
+MODES = ("stock", "ucp-no-bypass", "ucp", "ucp-no-conversion")
+
+
+def summary(ranks: list[dict]) -> dict:
+    """One load's figures: sums over ranks for bytes and calls, the largest rank for time and memory."""
+    return {"wall_s": max(r["wall_s"] for r in ranks),
+            "bytes_read": sum(r["bytes_read"] for r in ranks),
+            "read_calls": sum(r["read_calls"] for r in ranks),
+            "peak_rss_mib": max(r["peak_rss_mib"] for r in ranks),
+            "engine_rss_mib": max(r["engine_rss_mib"] for r in ranks),
+            "above_engine_mib": max(r["load_peak_rss_mib"] - r["engine_rss_mib"] for r in ranks),
+            # read only to check CRC-32s: whole chunks around partial reads, bytes of rank-file entries no rank loads
+            "check_bytes": sum(r.get("bytes_checked_extra", 0) + r.get("bytes_checked_sources", 0) for r in ranks),
+            # read a second time to install, beyond what the check before the load could keep
+            "again_bytes": sum(r.get("bytes_read_again", 0) for r in ranks),
+            "bytes_exchanged": sum(r.get("bytes_exchanged", 0) for r in ranks)}
+
+
+def table(rows: list[tuple]) -> list[str]:
+    header = ("| model | ranks | tool | load wall (s) | bytes read (all ranks) | of which only to check CRCs "
+              "| of which read again | read calls | peak RSS/rank (MiB) | load peak above engine (MiB) "
+              "| bytes vs stock | checks / load's bytes | wall vs stock | peak RSS vs stock |")
+    lines = [header, "|" + "---|" * 14]
+    for model, n, mode, r, stock in rows:
+        own = r["bytes_read"] - r["check_bytes"] - r["again_bytes"]
+        lines.append(
+            f"| {model} | {n} | {mode} | {r['wall_s']:.2f} | {r['bytes_read'] / 2**20:.0f} MiB | "
+            f"{r['check_bytes'] / 2**20:.1f} MiB | {r['again_bytes'] / 2**20:.0f} MiB | {r['read_calls']} | "
+            f"{r['peak_rss_mib']:.0f} | {r['above_engine_mib']:.0f} | {r['bytes_read'] / stock['bytes_read']:.2f} | "
+            f"{100 * r['check_bytes'] / max(own, 1):.2f}% | {r['wall_s'] / stock['wall_s']:.2f} | "
+            f"{r['peak_rss_mib'] / stock['peak_rss_mib']:.2f} |")
+    return lines
+
+
+def verdicts(rows: list[tuple]) -> list[str]:
+    out = []
+    for model, n, mode, r, stock in rows:
+        if mode not in ("ucp", "ucp-no-conversion"):
+            continue
+        own = r["bytes_read"] - r["check_bytes"] - r["again_bytes"]
+        share = own / stock["bytes_read"]
+        checks = r["check_bytes"] / max(own, 1)
+        rss = r["peak_rss_mib"] / stock["peak_rss_mib"]
+        out.append(f"{model} N={n} {mode}: load's own bytes / stock = {share:.3f} (target 1/{n} = {1 / n:.3f}: "
+                   f"{'PASS' if share <= 1 / n * 1.05 else 'MISS'}); read only for checks {100 * checks:.2f}% of them "
+                   f"(target <= 2%: {'PASS' if checks <= 0.02 else 'MISS'}); read again "
+                   f"{r['again_bytes'] / 2**20:.0f} MiB; peak RSS / stock = {rss:.3f} (target <= 1: "
+                   f"{'PASS' if rss <= 1 else 'MISS'}); wall / stock = {r['wall_s'] / stock['wall_s']:.2f}")
+    return out
+
+
+def load_average() -> str:
+    return "/".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 3])
+    parser.add_argument("--model", nargs="+", default=["112m"], choices=("112m", "359m"),
+                        help="benchmark Llama sizes (benchmarks/_train_llama.py MODELS); 359m for memory vs size")
+    parser.add_argument("--modes", nargs="+", default=["stock", "ucp", "ucp-no-conversion"], choices=MODES,
+                        help="loads to run (ucp-no-bypass: every rank reads every tensor whole, a control)")
     parser.add_argument("--cache", type=Path, default=Path(os.path.expanduser("~/.cache/ucp-bench")))
     parser.add_argument("--markdown-out", type=Path)
     parser.add_argument("--splits", action="store_true",
@@ -88,50 +148,28 @@ def main() -> None:
         import load_splits
 
         sys.exit(load_splits.main(["--markdown-out", str(args.markdown_out)] if args.markdown_out else []))
-    atomic, universal, source = build(args.cache)
+    modes = ["stock", *(m for m in MODES if m in args.modes and m != "stock")]
     work = Path(tempfile.mkdtemp(prefix="ucp-load-bench-"))
-    rows = []
-    for n in args.ranks:
-        results = {}
-        for mode, path in (("stock", universal), ("ucp-no-bypass", atomic), ("ucp", atomic),
-                           ("ucp-no-conversion", source)):
-            ranks = run(mode, path, n, work)
-            results[mode] = {"wall_s": max(r["wall_s"] for r in ranks),
-                             "bytes_read": sum(r["bytes_read"] for r in ranks),
-                             "read_calls": sum(r["read_calls"] for r in ranks),
-                             "peak_rss_mib": max(r["peak_rss_mib"] for r in ranks),
-                             # read only to check CRC-32s: whole chunks around partial reads, rank-file entries
-                             "check_bytes": sum(r.get("bytes_checked_extra", 0) + r.get("bytes_checked_sources", 0)
-                                                for r in ranks)}
-        for mode, r in results.items():
-            rows.append((n, mode, r, r["bytes_read"] / results["stock"]["bytes_read"],
-                         r["wall_s"] / results["stock"]["wall_s"],
-                         (r["bytes_read"] - r["check_bytes"]) / results["stock"]["bytes_read"]))
-    atomic_bytes = sum(f.stat().st_size for f in atomic.glob("*.safetensors"))
-    header = ("| ranks | tool | load wall (s) | bytes read (all ranks) | of which only to check CRCs | read calls "
-              "| peak RSS/rank (MiB) | bytes vs stock | without the checks | wall vs stock |")
-    lines = [header, "|" + "---|" * 10]
-    for n, mode, r, bytes_ratio, wall_ratio, share_ratio in rows:
-        lines.append(f"| {n} | {mode} | {r['wall_s']:.2f} | {r['bytes_read'] / 2**20:.0f} MiB | "
-                     f"{r['check_bytes'] / 2**20:.0f} MiB | {r['read_calls']} | {r['peak_rss_mib']:.0f} | "
-                     f"{bytes_ratio:.2f} | {share_ratio:.2f} | {wall_ratio:.2f} |")
-    verdicts = []
-    for n in args.ranks:
-        for mode in ("ucp", "ucp-no-conversion"):
-            ucp_row = next(r for r in rows if r[0] == n and r[1] == mode)
-            verdicts.append(f"N={n}: {mode} bytes / stock = {ucp_row[3]:.3f}, {ucp_row[5]:.3f} without the reads "
-                            f"only made to check CRC-32s (target 1/{n} = {1 / n:.3f}: "
-                            f"{'PASS' if ucp_row[3] <= 1 / n * 1.05 else 'MISS'} with them, "
-                            f"{'PASS' if ucp_row[5] <= 1 / n * 1.05 else 'MISS'} without); wall / stock = "
-                            f"{ucp_row[4]:.2f} (target ≤ 1: {'PASS' if ucp_row[4] <= 1 else 'MISS'})")
+    rows, sizes = [], {}
+    started = load_average()
+    for model in args.model:
+        atomic, universal, source = build(args.cache, model)
+        sizes[model] = sum(f.stat().st_size for f in atomic.glob("*.safetensors"))
+        paths = {"stock": universal, "ucp-no-bypass": atomic, "ucp": atomic, "ucp-no-conversion": source}
+        for n in args.ranks:
+            results = {mode: summary(run(mode, paths[mode], n, model, work)) for mode in modes}
+            rows += [(model, n, mode, r, results["stock"]) for mode, r in results.items()]
     import deepspeed
     import torch
 
     text = "\n".join([
-        f"Measured {time.strftime('%Y-%m-%d')} on {os.cpu_count()} cores, {platform.machine()}, torch "
-        f"{torch.__version__}, deepspeed {deepspeed.__version__}; ZeRO-3 target, checkpoint of "
-        f"{atomic_bytes / 2**30:.2f} GiB (atomic), page cache warm.", "", *lines, "", *verdicts])
+        f"Measured {time.strftime('%Y-%m-%d %H:%M')} on {os.cpu_count()} cores, {platform.machine()}, torch "
+        f"{torch.__version__}, deepspeed {deepspeed.__version__}; ZeRO-3 target; checkpoints of "
+        + ", ".join(f"{m}: {b / 2**30:.2f} GiB (atomic)" for m, b in sizes.items())
+        + f"; page cache warm; 1/5/15-min load average {started} at the start, {load_average()} at the end.",
+        "", *table(rows), "", *verdicts(rows)])
     print(text)
+    print(f"(per-rank figures in {work})")
     if args.markdown_out:
         args.markdown_out.write_text(text + "\n")
 

@@ -7,6 +7,7 @@ In-process (no engine): `TargetTensor`s stand in for the partitions ZeRO targets
 from __future__ import annotations
 
 import math
+import shutil
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from ucp.deepspeed import LoadStats
 from ucp.deepspeed.flat_runs import FlatRun, flat_runs, run_reads
 from ucp.deepspeed.load_source import AtomicSource, PlannedSource, box_numel
 from ucp.deepspeed.targets import TargetTensor
+from ucp.errors import CorruptCheckpointError
 from ucp.format.byte_ranges import ByteRange
 from ucp.format.fileio import tensor_bytes
 from ucp.format.safetensors_stream import TORCH_DTYPES
@@ -169,20 +171,65 @@ def test_negative_control_another_partition_differs(sources):
     assert not torch.equal(mine[:n], other[:n])
 
 
-@pytest.mark.parametrize("keep_bytes", [1 << 30, 0], ids=["kept", "read-again"])
-def test_what_check_first_keeps_or_reads_again_installs_the_same_values(sources, keep_bytes):
-    """The check before a load keeps what fits in `keep_bytes` (read once) and reads the rest again: either
-    way the install pass gets exactly the values a single pass reads."""
-    _, single, _ = sources["z2-fp32-dp2"]
-    checked = AtomicSource(single.ckpt, keep_bytes=keep_bytes)
-    layers = [{(name, state): t for state in entry.states for t in _partitions(name, entry.shape, entry.kind, 2)[1:]}
-              for name, entry in single.ckpt.index.params.items()]
+def _fresh(which: str, planned: PlannedSource, atomic: AtomicSource):
+    """A source of the same checkpoint that has checked nothing yet (the fixture's are shared between tests)."""
+    return PlannedSource(planned.plan) if which == "planned" else AtomicSource(atomic.ckpt)
+
+
+def _rank_1_of_2(source) -> list[dict]:
+    """What ZeRO-3 rank 1 of 2 wants of every state, one layer per parameter."""
+    params = source.ckpt.index.params.items() if isinstance(source, AtomicSource) else \
+        ((p.name, p) for p in source.plan.params)
+    return [{(name, state): _partitions(name, tuple(entry.shape), entry.kind, 2)[1] for state in entry.states}
+            for name, entry in params]
+
+
+@pytest.mark.parametrize("which", ["planned", "atomic"])
+def test_what_the_check_could_not_keep_is_read_again_exactly_and_compared_with_it(sources, which):
+    """The check before a load reads each key once and records the CRC-32 of what it read; the install reads
+    again what it could not keep: the same values, from the same bytes (`bytes_read_again`, none of the load's
+    own bytes twice)."""
+    planned, atomic, _ = sources["z2-fp32-dp2"]
+    source = _fresh(which, planned, atomic)
+    layers = _rank_1_of_2(source)
     stats = LoadStats()
-    checked.check_first(iter(layers), lambda wants: list(wants), True, stats)
+    checked = [source.check(wants, list(wants), True, stats) for wants in layers]
+    source.close(stats)
     first = stats.bytes_read
+    own = first - stats.bytes_checked_extra  # without what closing rank 0's chunks alone read (no other rank here)
+    assert own > 0 and stats.bytes_read_again == 0
+    for wants, values in zip(layers, checked):
+        again = source.read(wants, list(wants), True, stats)
+        assert all(torch.equal(again[k], values[k]) for k in wants)
+    assert stats.bytes_read == first and stats.bytes_read_again == own
+
+
+@pytest.mark.parametrize("which", ["planned", "atomic"])
+def test_bytes_that_change_after_the_check_are_refused_when_read_again(sources, tiny_checkpoint, tmp_path, which):
+    """A file written between the check and the install (or storage returning other bytes) is caught by the
+    second read's CRC-32; the first read of the same copy passes (control: test above)."""
+    planned, atomic, _ = sources["z2-fp32-dp2"]
+    folder = shutil.copytree(tiny_checkpoint(TinySpec(stage=2)) if which == "planned" else atomic.ckpt.path,
+                             tmp_path / "copy")
+    opened = ucp.open_checkpoint(folder)
+    source = PlannedSource(opened.plan) if which == "planned" else AtomicSource(opened)
+    layers = _rank_1_of_2(source)
+    stats = LoadStats()
     for wants in layers:
-        got = checked.read(wants, list(wants), True, stats)
-        want = single.read(wants, list(wants), True, LoadStats())
-        assert all(torch.equal(got[k], want[k]) for k in wants)
-    assert stats.bytes_read == first  # the install pass added nothing to the load's own reads
-    assert stats.bytes_read_again == (0 if keep_bytes else first)  # kept whole, or read again whole
+        source.check(wants, list(wants), True, stats)
+    source.close(stats)
+    wants = next(w for w in layers if ("emb.weight", "exp_avg") in w)
+    key = ("emb.weight", "exp_avg")
+    if which == "planned":
+        where = source._reads(key, wants[key], True)[0]
+        path, offset = where.file, where.begin + 5
+    else:
+        stored = opened.index.entry("emb.weight").states["exp_avg"]
+        path, offset = folder / stored.file, stored.begin + 4 * wants[key].start + 5
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ 0x10]))
+    with pytest.raises(CorruptCheckpointError, match="changed since the check before the load"):
+        source.read(wants, list(wants), True, stats)

@@ -1,4 +1,5 @@
-"""Chunks that ranks read only parts of are checked from the parts (checked_read.close_chunks)."""
+"""Chunks that ranks read only parts of are checked by their owner rank from every rank's parts
+(checked_read.close_chunks)."""
 import zlib
 
 import pytest
@@ -27,29 +28,29 @@ def root(tmp_path):
 def test_parts_that_tile_the_chunk_check_it_without_reading(root):
     mine, theirs = _open(_part(0, 300)), _open(_part(300, 1024))
     counter = ReadCounter()
-    assert close_chunks(root, [mine], [mine, theirs], counter) == 0 and counter.bytes == 0
+    assert close_chunks(root, [mine, theirs], counter) == 0 and counter.bytes == 0
 
 
 def test_overlapping_parts_of_replicated_reads_still_join(root):
     parts = [_open(_part(0, 300)), _open(_part(0, 700)), _open(_part(700, 1024)), _open(_part(300, 1024))]
-    assert close_chunks(root, parts[:1], parts, ReadCounter()) == 0
+    assert close_chunks(root, parts, ReadCounter()) == 0
 
 
 def test_what_no_rank_read_is_read_and_only_that(root):
     mine = _open(_part(100, 300))
     counter = ReadCounter()
-    assert close_chunks(root, [mine], [mine], counter) == 1024 - 200 == counter.bytes
+    assert close_chunks(root, [mine], counter) == 1024 - 200 == counter.bytes
 
 
 def test_a_part_read_from_damaged_bytes_fails_the_chunk(root):
     damaged = DATA[:500] + bytes([DATA[500] ^ 1]) + DATA[501:]
     mine, theirs = _open(_part(0, 300)), _open(_part(300, 1024, damaged))  # the other rank read a flipped bit
     with pytest.raises(CorruptCheckpointError, match=r"f: w:fp32 bytes \[0, 1024\) fail their checksum"):
-        close_chunks(root, [mine], [mine, theirs], ReadCounter())
+        close_chunks(root, [mine, theirs], ReadCounter())
 
 
 def test_a_damaged_gap_fails_the_chunk(root):
     (root / "f").write_bytes(DATA[:900] + b"\0" + DATA[901:])
     mine = _open(_part(0, 300))
     with pytest.raises(CorruptCheckpointError, match="fail their checksum"):
-        close_chunks(root, [mine], [mine], ReadCounter())
+        close_chunks(root, [mine], ReadCounter())

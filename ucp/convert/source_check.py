@@ -9,6 +9,10 @@ compares the result with the zip's CRC-32, before the index is committed. Small 
 scalars, which the plan reads into the index) are read and checked whole: they cost nothing.
 Entries of tensors the conversion does not use at all (the model-states file's weights when the
 fp32 masters come from the optimizer files) are not read, so not checked.
+
+The zero-conversion load (`ucp.deepspeed.load_source`) checks the same way, across ranks: each rank CRCs the
+parts of entries it reads for the load (`EntryParts`), the parts go to one owner rank per entry, and the
+owner joins them and reads only what no rank read (`close_entries`).
 """
 from __future__ import annotations
 
@@ -17,13 +21,14 @@ import os
 import zipfile
 import zlib
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 from ucp.convert.plan import ConversionPlan, StateSource
 from ucp.converters.torch_zip import ZipEntry, storage_entries
 from ucp.errors import CorruptCheckpointError
 from ucp.format.crc import crc32_combine
-from ucp.format.fileio import open_regular
+from ucp.format.fileio import ReadCounter, open_regular
 
 SourceSegment = tuple[str, int, int, int]  # (path, begin, end, crc32) of bytes read from a rank file
 SMALL_ENTRY_BYTES = 64 << 10  # entries this small are checked whether or not a state reads them
@@ -106,11 +111,73 @@ class EntryChecks:
         return self._entries[path]
 
 
-def check_entry(path: str, entry: ZipEntry) -> None:
+@dataclass(frozen=True)
+class OpenEntry:
+    """Bytes `part` = (begin, end, CRC-32) of a zip entry that one rank read: for the entry's owner to join."""
+
+    file: str  # the rank file's path in its tag folder (the same on every rank, wherever the folder is mounted)
+    entry: ZipEntry
+    part: tuple[int, int, int]
+
+
+class EntryParts:
+    """What one rank reads of the rank files' zip entries while it checks a zero-conversion load: each part read,
+    with its CRC-32 (`opened`, touching parts joined), for the entry's owner rank to close (`close_entries`);
+    an entry read whole is checked at once too."""
+
+    def __init__(self) -> None:
+        self.opened: list[OpenEntry] = []
+        self._files: dict[str, tuple[list[int], list[ZipEntry]]] = {}
+
+    def entries(self, path: str) -> tuple[list[int], list[ZipEntry]]:
+        """The storage entries of rank file `path` in file order, and where each starts (read once)."""
+        if path not in self._files:
+            self._files[path] = entries_in_file_order(path)
+        return self._files[path]
+
+    def add(self, path: str, name: str, begin: int, end: int, crc: int) -> None:
+        """Bytes [begin, end) of rank file `path` (`name` on every rank), whose CRC-32 is `crc`, were read."""
+        starts, entries = self.entries(path)
+        if not entries:
+            return  # no zip archive (a plan built by hand over raw bytes): nothing records a CRC-32
+        i = bisect.bisect_right(starts, begin) - 1
+        if i < 0 or end > entries[i].end:
+            raise CorruptCheckpointError(f"{path}: bytes [{begin}, {end}) that its pickle names lie outside its "
+                                         "tensor data; the file is damaged: save the checkpoint again or restore "
+                                         "the file from a copy")
+        entry = entries[i]
+        if entry.crc32 == 0:
+            return  # written without CRC-32s (torch's compute_crc32=False)
+        last = self.opened[-1] if self.opened else None
+        if last is not None and last.entry == entry and last.part[1] == begin and last.file == name:
+            self.opened.pop()  # touching the previous part: one part
+            begin, crc = last.part[0], crc32_combine(last.part[2], crc, end - begin)
+        if (begin, end) == (entry.start, entry.end):
+            _compare(path, entry, crc)  # read whole: checked now (its owner then learns it is covered)
+        self.opened.append(OpenEntry(name, entry, (begin, end, crc)))
+
+
+def close_entries(paths: dict[str, str], parts: Sequence[OpenEntry], counter: ReadCounter) -> int:
+    """Check each entry that `parts` (every rank's parts of the entries this rank closes) are parts of, joined in
+    file order, reading the bytes no rank read; `paths` gives each rank file's path by name. Returns the bytes
+    read here."""
+    joined: dict[tuple[str, int], list[SourceSegment]] = defaultdict(list)
+    entries: dict[tuple[str, int], OpenEntry] = {}
+    for p in parts:
+        joined[(p.file, p.entry.start)].append((paths[p.file], *p.part))
+        entries.setdefault((p.file, p.entry.start), p)
+    before = counter.bytes
+    for unit, p in sorted(entries.items()):
+        path = paths[p.file]
+        _compare(path, p.entry, entry_crc(path, p.entry, sorted(joined[unit], key=lambda s: (s[1], s[2])), counter))
+    return counter.bytes - before
+
+
+def check_entry(path: str, entry: ZipEntry, counter: ReadCounter | None = None) -> None:
     """Read `entry` of rank file `path` whole; raise `CorruptCheckpointError` unless it has the CRC-32 its
-    zip records (the zero-conversion load's check, `ucp.deepspeed.load_source`)."""
+    zip records."""
     if entry.crc32 != 0:
-        _compare(path, entry, entry_crc(path, entry, []))
+        _compare(path, entry, entry_crc(path, entry, [], counter))
 
 
 def _compare(path: str, entry: ZipEntry, found: int) -> None:
@@ -121,8 +188,9 @@ def _compare(path: str, entry: ZipEntry, found: int) -> None:
             "from a copy")
 
 
-def entry_crc(path: str, entry: ZipEntry, segments: list[SourceSegment]) -> int:
-    """The CRC-32 of `entry`'s bytes from `segments` (sorted, inside it) and reads of what they leave out."""
+def entry_crc(path: str, entry: ZipEntry, segments: list[SourceSegment], counter: ReadCounter | None = None) -> int:
+    """The CRC-32 of `entry`'s bytes from `segments` (sorted, inside it) and reads of what they leave out
+    (counted in `counter`)."""
     crc, cursor = 0, entry.start
     fd = None
     try:
@@ -131,23 +199,23 @@ def entry_crc(path: str, entry: ZipEntry, segments: list[SourceSegment]) -> int:
                 continue  # the same bytes read twice (one state's copy of another's)
             if begin > cursor:
                 fd = fd if fd is not None else open_regular(path)
-                crc = crc32_combine(crc, _read_crc(fd, path, cursor, begin), begin - cursor)
+                crc = crc32_combine(crc, _read_crc(fd, path, cursor, begin, counter), begin - cursor)
             elif begin < cursor:  # overlaps what is covered: CRC its new bytes from the file
                 fd = fd if fd is not None else open_regular(path)
-                piece_crc = _read_crc(fd, path, cursor, end)
+                piece_crc = _read_crc(fd, path, cursor, end, counter)
                 begin = cursor
             crc = crc32_combine(crc, piece_crc, end - begin)
             cursor = end
         if cursor < entry.end:
             fd = fd if fd is not None else open_regular(path)
-            crc = crc32_combine(crc, _read_crc(fd, path, cursor, entry.end), entry.end - cursor)
+            crc = crc32_combine(crc, _read_crc(fd, path, cursor, entry.end, counter), entry.end - cursor)
     finally:
         if fd is not None:
             os.close(fd)
     return crc
 
 
-def _read_crc(fd: int, path: str, begin: int, end: int) -> int:
+def _read_crc(fd: int, path: str, begin: int, end: int, counter: ReadCounter | None) -> int:
     crc = 0
     while begin < end:
         data = os.pread(fd, min(_GAP_READ, end - begin), begin)
@@ -156,4 +224,7 @@ def _read_crc(fd: int, path: str, begin: int, end: int) -> int:
                                          "truncated, copy it again")
         crc = zlib.crc32(data, crc)
         begin += len(data)
+        if counter is not None:
+            counter.bytes += len(data)
+            counter.calls += 1
     return crc

@@ -21,6 +21,7 @@ LOAD_OPTIONS: dict[str, tuple[type, ...]] = {
     "strict": (bool,),
     "check_first": (bool,),
     "layout": (dict, str, os.PathLike),
+    "check_keep_bytes": (int,),
 }
 KNOWN_KEYS = ("load", "save", "elastic", *LOAD_OPTIONS)
 
@@ -42,6 +43,8 @@ def ucp_options(config: dict | None) -> dict:
         if key in LOAD_OPTIONS and not isinstance(value, LOAD_OPTIONS[key]):
             kinds = " or ".join(t.__name__ for t in LOAD_OPTIONS[key])
             raise ConfigError(f'"ucp": {{"{key}": {value!r}}}: must be {kinds}')
+        if key == "check_keep_bytes" and (isinstance(value, bool) or value < 0):
+            raise ConfigError(f'"ucp": {{"check_keep_bytes": {value!r}}}: must be a number of bytes, 0 or more')
     return dict(section)
 
 

@@ -105,6 +105,7 @@ from ucp.hmp.layout import Layout, ParamSpec
 
 Checkpoint = AtomicCheckpoint | PlannedCheckpoint
 logger = logging.getLogger("ucp.deepspeed")
+KEEP_BYTES = 64 << 20  # of what the check before a load read, kept for the install (beyond it: read again)
 __all__ = ["CheckpointMismatchError", "LoadStats", "SaveStats", "initialize", "load", "save", "wait"]
 
 
@@ -115,7 +116,9 @@ class LoadStats:
     bytes_read: int = 0
     bytes_checked_extra: int = 0  # of bytes_read: read only to check whole chunks around a partial read
     bytes_read_again: int = 0  # not in bytes_read: what check_first read but could not keep, read again to install
-    bytes_checked_sources: int = 0  # not in bytes_read: DeepSpeed rank-file entries read whole to check their CRCs
+    bytes_checked_sources: int = 0  # not in bytes_read: bytes of DeepSpeed rank-file entries no rank loads, read
+    # only to check the entries' CRCs (ZeRO's padding, small entries: steps and other scalars)
+    bytes_exchanged: int = 0  # sent and received to check units that several ranks read parts of
     read_calls: int = 0
     bytes_broadcast: int = 0
     tensors: int = 0
@@ -172,7 +175,7 @@ def initialize(*args, **kwargs):
 def load(engine, path: str | os.PathLike, *, bypass: bool = True, load_optimizer_states: bool = True,
          load_lr_scheduler_states: bool = True, strict: bool = True, check_first: bool = True,
          layout: Layout | dict | str | os.PathLike | None = None,
-         param_table: Sequence[ParamSpec] | None = None) -> dict:
+         param_table: Sequence[ParamSpec] | None = None, check_keep_bytes: int = KEEP_BYTES) -> dict:
     """Restore `engine` from the checkpoint at `path`; returns the saved client state.
 
     `path` is a ucp checkpoint (or a save directory: its `latest`), or a DeepSpeed checkpoint (a
@@ -185,11 +188,11 @@ def load(engine, path: str | os.PathLike, *, bypass: bool = True, load_optimizer
     that the model keeps untied loads its source's weight and states (module docstring).
     With `layout` (HMP included, see `ucp.deepspeed.placement`) each module tensor is the slice the
     layout gives this rank; `param_table` (default: the module's `ucp_param_table`) describes the
-    full model.
+    full model. `check_keep_bytes` bounds what the check before the load keeps for the install (module docstring).
     """
     with reading(_tag_folder(path)):
         return _load(engine, path, bypass, load_optimizer_states, load_lr_scheduler_states, strict, check_first,
-                     layout, param_table)
+                     layout, param_table, check_keep_bytes)
 
 
 def _tag_folder(path: str | os.PathLike) -> str | os.PathLike:
@@ -203,7 +206,7 @@ def _tag_folder(path: str | os.PathLike) -> str | os.PathLike:
 
 
 def _load(engine, path, bypass, load_optimizer_states, load_lr_scheduler_states, strict, check_first, layout,
-          param_table) -> dict:
+          param_table, keep_bytes) -> dict:
     target = target_for(engine)
     try:
         ckpt = open_checkpoint(path)
@@ -224,7 +227,7 @@ def _load(engine, path, bypass, load_optimizer_states, load_lr_scheduler_states,
         target.tensors = [t for t in target.tensors if t.name not in set(kept)]
         _say_kept(ckpt, kept)
     with torch.no_grad():
-        _load_tensors(source_for(ckpt), target, state_names, bypass, check_first, stats)
+        _load_tensors(source_for(ckpt), target, state_names, bypass, check_first, keep_bytes, stats)
     if load_optimizer_states:
         for group, step in steps.items():
             target.set_step(group, step)
@@ -399,17 +402,20 @@ def _states_of(t: TargetTensor, state_names: list[str]) -> list[str]:
 
 
 def _load_tensors(source: Source, target: Target, state_names: list[str], bypass: bool, check_first: bool,
-                  stats: LoadStats) -> None:
+                  keep_bytes: int, stats: LoadStats) -> None:
     me = dist.get_rank() if dist.is_initialized() else 0
     groups = _dp_groups(target)
     owners = _shared_owners(source, target, state_names, groups) if bypass else {}
+    fresh = target.prepare_states(state_names)
+    kept, done = {}, set()
     if check_first:
-        _check_first(source, target, state_names, owners, me, bypass, stats)
-    target.prepare_states(state_names)
+        kept, done = _check_first(source, target, state_names, owners, me, bypass, fresh, keep_bytes, stats)
     damaged: UcpError | None = None
     for wants in _layers(target.tensors, state_names):
+        mine = [key for key in _mine(wants, owners, me) if key not in done]
         try:
-            values = source.read(wants, _mine(wants, owners, me), bypass, stats)
+            values = {key: kept.pop(key) for key in mine if key in kept}
+            values.update(source.read(wants, [key for key in mine if key not in values], bypass, stats))
         except UcpError as exc:  # damaged bytes: keep the group's broadcasts going, then raise on every rank
             damaged, values = damaged or exc, {}
         for key, t in wants.items():  # in the same order on every rank of a group
@@ -423,7 +429,7 @@ def _load_tensors(source: Source, target: Target, state_names: list[str], bypass
         if damaged is not None:
             continue  # nothing more is installed
         for key, t in wants.items():
-            if t.numel:
+            if t.numel and key not in done:
                 t.install(key[1], values[key])
                 stats.tensors += 1
         stats.layers += 1
@@ -432,15 +438,45 @@ def _load_tensors(source: Source, target: Target, state_names: list[str], bypass
 
 
 def _check_first(source: Source, target: Target, state_names: list[str], owners: dict, me: int, bypass: bool,
-                 stats: LoadStats) -> None:
-    """Read and check every byte the load will use, installing nothing: a damaged checkpoint raises on
-    every rank before any engine is touched (`Source.check_first`; no collective until the verdict)."""
+                 fresh: set[str], keep_bytes: int, stats: LoadStats) -> tuple[dict, set]:
+    """Read and check every byte the load will use, before any is installed where the engine could tell: a
+    damaged checkpoint raises on every rank with every engine as it was (`Source.check`, then `Source.close`,
+    the one collective before the verdict).
+
+    Each layer's values go straight into the optimizer states this load created (`fresh`: an engine that has
+    not stepped has none; `Target.drop_new_states` takes them back on damage), or are kept for the install
+    while what is kept fits in `keep_bytes`, or are dropped, to be read again as they are installed (and
+    compared with what was checked). Returns (kept values, keys already installed)."""
+    kept, done, held = {}, set(), 0
     damaged: UcpError | None = None
     try:
-        source.check_first(_layers(target.tensors, state_names), lambda wants: _mine(wants, owners, me), bypass, stats)
-    except UcpError as exc:
+        for wants in _layers(target.tensors, state_names):
+            for key, value in source.check(wants, _mine(wants, owners, me), bypass, stats).items():
+                t = wants[key]
+                if key[1] in fresh and key not in owners:  # this rank's own elements, into memory nothing reads yet
+                    t.install(key[1], value)
+                    done.add(key)
+                    stats.tensors += 1
+                elif held + value.numel() * value.element_size() <= keep_bytes:
+                    kept[key] = value if _alone(value) else value.clone()  # not a view keeping a whole read alive
+                    held += value.numel() * value.element_size()
+    except UcpError as exc:  # still meet the others in the exchange below
         damaged = exc
-    _agree(damaged, CorruptCheckpointError)
+    try:
+        source.close(stats)
+    except UcpError as exc:
+        damaged = damaged or exc
+    try:
+        _agree(damaged, CorruptCheckpointError)
+    except UcpError:
+        target.drop_new_states()
+        raise
+    return kept, done
+
+
+def _alone(value: torch.Tensor) -> bool:
+    """Whether `value` is all its storage holds."""
+    return value.untyped_storage().nbytes() == value.numel() * value.element_size()
 
 
 def _mine(wants: dict[tuple, TargetTensor], owners: dict, me: int) -> list[tuple]:

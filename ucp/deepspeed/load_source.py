@@ -15,21 +15,26 @@ where storage allows.
   module) serves any run of wanted elements from just the overlapping bytes of the rank files
   (`ucp.deepspeed.flat_runs.run_reads`), cast to the state's dtype as `ucp convert` would; a TP box reads
   the rows that cover it. Any other state (TP shards, pipeline-tied copies, experts' replicas) is
-  materialised whole by one rank of the group (`ucp.convert.assemble.materialize_tensor`: Union, taking rank 0's
-  copy of a replicated state as `ucp convert` does, then StripPad) and broadcast, so it is shared
-  even when each rank wants a part of it.
+  materialised whole by one rank of the group from its fragments' bytes (`ucp.convert.assemble.assemble`:
+  Union, taking rank 0's copy of a replicated state as `ucp convert` does, then StripPad) and broadcast, so it
+  is shared even when each rank wants a part of it.
 
-What is verified on the planned path: the plan itself (every rank file present, partitions tiling
-every tensor, partition counts and groups agreeing across files, see `ucp.converters`) and every
-read lying inside its file (a truncated file fails the read). Not verified: the bytes themselves.
-A torch zip entry carries a CRC-32 of the whole entry only (e.g. a rank's flat partition of a whole
-param group), and a rank reads parts of it; run `ucp convert` and `ucp verify` where the source's
-integrity is in doubt.
+Both are checked before anything is installed (`check` then `close`, the hook's `check_first`): each rank
+reads exactly its share of the load once and CRCs what it read. A unit with a CRC-32 of its own that a rank
+read whole (a chunk of a ucp checkpoint's state, a zip entry of a DeepSpeed rank file) is checked at once;
+the parts of any other go to the unit's owner rank (`ucp.deepspeed.exchange`), which joins them and reads
+only the bytes no rank read: ZeRO's padding, states the job does not load. A zip entry records one CRC-32
+(e.g. a rank's flat partition of a whole param group), so on the planned path nearly every unit is closed
+that way; small entries of the rank files (steps and other scalars the plan reads, at most 64 KiB) are read
+whole by their owner unless the load's parts cover them. Each read also records its CRC-32, so that what
+the hook reads again to install (beyond what it could keep in memory) is compared with what was checked.
+Without the check, a DeepSpeed checkpoint's bytes are read unchecked.
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+import os
+import zlib
 from pathlib import Path
 from typing import Protocol
 
@@ -37,33 +42,27 @@ import torch
 import torch.distributed as dist
 
 from ucp.checkpoint import AtomicCheckpoint, PlannedCheckpoint
-from ucp.convert.assemble import materialize_tensor
-from ucp.convert.plan import ConversionPlan, StateSource
-from ucp.convert.source_check import check_entry, touched_entries
+from ucp.convert.assemble import assemble
+from ucp.convert.plan import ConversionPlan, Piece, StateSource
+from ucp.convert.source_check import SMALL_ENTRY_BYTES, EntryParts, OpenEntry, check_entry, close_entries
+from ucp.deepspeed.exchange import owner_of, to_owners
 from ucp.deepspeed.flat_runs import FlatRun, flat_runs, run_reads
-from ucp.deepspeed.readers import assign_readers
 from ucp.deepspeed.targets import TargetTensor
-from ucp.errors import UcpError
 from ucp.format.box_read import BoxWant, full_box, read_boxes
 from ucp.format.boxes import Box
 from ucp.format.byte_ranges import ByteRange
-from ucp.format.checked_read import OpenChunk, close_chunks, fetch
-from ucp.format.fileio import ReadCounter
+from ucp.format.checked_read import OpenChunk, check_again, close_chunks, fetch
+from ucp.format.dtypes import NUMPY_DTYPES, to_torch
+from ucp.format.fileio import ReadCounter, tensor_bytes
 from ucp.format.index import StoredState
 from ucp.format.safetensors_stream import TORCH_DTYPES
 
 Key = tuple[str, str]
-KEEP_BYTES = 1 << 30  # of what the check before a load read, kept for the load itself
 
 
 class Source(Protocol):
     """What the hook reads tensors through (the checkpoint itself answers the checks: its index,
     optimizer and training state)."""
-
-    def check_first(self, layers: Iterable[dict[Key, TargetTensor]], mine: Callable[[dict], list[Key]],
-                    bypass: bool, stats) -> None:
-        """Read and check what this rank's share of the load covers, installing nothing; raise
-        `CorruptCheckpointError` on damage. Counts what it reads in `stats`."""
 
     def dtype(self, key: Key) -> torch.dtype:
         """The dtype the state's values come in (what the atomic format stores)."""
@@ -71,9 +70,19 @@ class Source(Protocol):
     def shared(self, key: Key, t: TargetTensor) -> bool:
         """Whether one rank of `t`'s data-parallel group reads `t`'s whole box for the group."""
 
+    def check(self, wants: dict[Key, TargetTensor], readers: list[Key], bypass: bool, stats) -> dict:
+        """The check before a load, one layer: what `read` returns, read exactly once and checked as far as this
+        rank can alone; parts of units it read only part of wait for `close`. Raises `CorruptCheckpointError`
+        on damage. Adds to `stats.bytes_read`, `stats.read_calls` and `stats.bytes_checked_extra`."""
+
+    def close(self, stats) -> None:
+        """Finish the check (a collective: every rank calls it once, after its last `check`, damage or not):
+        the parts of units go to their owner ranks, which check them. Raises `CorruptCheckpointError` on damage."""
+
     def read(self, wants: dict[Key, TargetTensor], readers: list[Key], bypass: bool, stats) -> dict:
         """Read `readers` (keys of `wants`, one layer's): key -> the target's elements, flat; the whole box
-        for a shared key (with `bypass`). Adds to `stats.bytes_read` and `stats.read_calls`."""
+        for a shared key (with `bypass`). A key `check` read is read again exactly and compared with what was
+        checked (`stats.bytes_read_again`); any other adds to `stats.bytes_read` and `stats.read_calls`."""
 
 
 def source_for(ckpt: AtomicCheckpoint | PlannedCheckpoint) -> Source:
@@ -92,41 +101,26 @@ def _of_box(full: torch.Tensor, box: Box | None) -> torch.Tensor:
     return full.reshape(-1)
 
 
-def _held_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """The memory `tensors` keep alive: their storages' bytes, each storage once (reads share buffers)."""
-    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
-
-
-def _all_ranks(opened: list[OpenChunk]) -> list[OpenChunk]:
-    """Every rank's open chunks (collective over the world; each rank's own without distributed).
-
-    About two small records per state per rank reach every rank: cheap at the scales measured here, but
-    growing with world size x states; routing each chunk's pieces to one owner rank would bound it."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return opened
-    found = [None] * dist.get_world_size()
-    dist.all_gather_object(found, opened)
-    return [c for chunks in found for c in chunks]
-
-
 def _count(stats, counter: ReadCounter) -> None:
     stats.bytes_read += counter.bytes
     stats.read_calls += counter.calls
 
 
+def _chunk_unit(c: OpenChunk) -> tuple[str, int]:
+    return c.file, c.begin
+
+
+def _entry_unit(p: OpenEntry) -> tuple[str, int]:
+    return p.file, p.entry.start
+
+
 class AtomicSource:
-    """A ucp checkpoint, read through its index.
+    """A ucp checkpoint, read through its index."""
 
-    The check before the load (`check_first`) keeps what it read, up to `keep_bytes`, for `read` to
-    install without reading it again; whatever did not fit is read again (counted in
-    `bytes_read_again`), so memory stays bounded by `keep_bytes` plus one layer.
-    """
-
-    def __init__(self, ckpt: AtomicCheckpoint, keep_bytes: int = KEEP_BYTES):
+    def __init__(self, ckpt: AtomicCheckpoint):
         self.ckpt = ckpt
-        self.keep_bytes = keep_bytes
-        self._kept: dict[Key, torch.Tensor] = {}
-        self._checked = False
+        self._opened: list[OpenChunk] = []
+        self._crcs: dict[Key, int] = {}
 
     def _stored(self, key: Key) -> StoredState:
         name, state = key
@@ -138,31 +132,26 @@ class AtomicSource:
     def shared(self, key: Key, t: TargetTensor) -> bool:
         return t.whole
 
-    def check_first(self, layers: Iterable[dict[Key, TargetTensor]], mine: Callable[[dict], list[Key]],
-                    bypass: bool, stats) -> None:
-        """Every read of the load, checked chunk by chunk (see `Source.check_first`); whole layers of what it
-        read are kept while they fit in `keep_bytes`. A chunk that a rank reads only part of (where ZeRO
-        partitions meet) is checked from the parts the ranks read, exchanged once (a collective), rather
-        than read whole by each (`ucp.format.checked_read.close_chunks`)."""
-        counter, kept, opened = ReadCounter(), 0, []
-        self._checked = True
-        damaged = None
+    def check(self, wants: dict[Key, TargetTensor], readers: list[Key], bypass: bool, stats) -> dict:
+        """See `Source.check`: exact reads, their whole chunks checked; a chunk a read holds part of (where ZeRO
+        partitions meet) is closed from the parts the ranks read (`ucp.format.checked_read.close_chunks`)."""
+        counter = ReadCounter()
         try:
-            for wants in layers:
-                values, extra = read_boxes(self.ckpt.path, self._boxes(wants, mine(wants), bypass),
-                                           self.ckpt.index.chunk_bytes, counter, open_chunks=opened)
-                stats.bytes_checked_extra += extra
-                size = _held_bytes(values.values())
-                if kept + size <= self.keep_bytes:
-                    self._kept.update(values)
-                    kept += size
-        except UcpError as exc:  # still meet the others in the exchange below
-            damaged = exc
-        everyone = _all_ranks(opened)
-        if damaged is not None:
-            raise damaged
-        stats.bytes_checked_extra += close_chunks(self.ckpt.path, opened, everyone, counter)
-        _count(stats, counter)
+            values, extra = read_boxes(self.ckpt.path, self._boxes(wants, readers, bypass), self.ckpt.index.chunk_bytes,
+                                       counter, open_chunks=self._opened, crcs=self._crcs)
+        finally:
+            _count(stats, counter)
+        stats.bytes_checked_extra += extra
+        return values
+
+    def close(self, stats) -> None:
+        parts, exchanged = to_owners(self._opened, _chunk_unit)
+        stats.bytes_exchanged += exchanged
+        counter = ReadCounter()
+        try:
+            stats.bytes_checked_extra += close_chunks(self.ckpt.path, parts, counter)
+        finally:
+            _count(stats, counter)
 
     def _boxes(self, wants: dict[Key, TargetTensor], readers: list[Key], bypass: bool) -> dict[Key, BoxWant]:
         boxes = {}
@@ -176,21 +165,23 @@ class AtomicSource:
         """This rank's reads for one layer, coalesced and checked (see `Source.read`).
 
         With bypass a rank reads exactly its elements when they are contiguous in storage, else the
-        covering part of its box (`ucp.format.box_read`); without, every tensor it touches whole.
+        covering part of its box (`ucp.format.box_read`); without, every tensor it touches whole. Without
+        the check before, a partial read is widened to the chunks around it to be checked.
         """
-        values = {key: self._kept.pop(key) for key in readers if key in self._kept}
-        rest = [key for key in readers if key not in values]
-        if rest:
-            counter = ReadCounter()
-            got, extra = read_boxes(self.ckpt.path, self._boxes(wants, rest, bypass), self.ckpt.index.chunk_bytes,
-                                    counter)
-            values.update(got)
-            if self._checked:  # read and checked once already: not the load's share of the checkpoint again
-                stats.bytes_read_again += counter.bytes
-            else:
-                _count(stats, counter)
-                stats.bytes_checked_extra += extra
+        counter = ReadCounter()
+        again = {key: self._crcs[key] for key in readers if key in self._crcs}
+        values, extra = read_boxes(self.ckpt.path, self._boxes(wants, readers, bypass), self.ckpt.index.chunk_bytes,
+                                   counter, again=again if again else None)
+        if again:  # read and checked once already: not the load's share of the checkpoint again
+            stats.bytes_read_again += counter.bytes
+        else:
+            _count(stats, counter)
+            stats.bytes_checked_extra += extra
         return values
+
+
+def _piece_range(piece: Piece) -> ByteRange:
+    return ByteRange(piece.path, piece.byte_offset, piece.byte_offset + piece.numel * TORCH_DTYPES[piece.dtype].itemsize)
 
 
 class PlannedSource:
@@ -201,23 +192,14 @@ class PlannedSource:
         self._params = {p.name: p for p in plan.params}
         self._params.update({alias: self._params[source] for alias, source in plan.aliases.items()})
         self._runs: dict[Key, tuple[FlatRun, ...] | None] = {}
+        self._parts = EntryParts()
+        self._crcs: dict[Key, list[int]] = {}
+        paths = sorted({f.piece.path for p in plan.params for s in p.states.values() for f in s.fragments})
+        root = os.path.commonpath(paths) if len(paths) > 1 else os.path.dirname(paths[0]) if paths else ""
+        self._names = {path: os.path.relpath(path, root) for path in paths}  # the same on every rank
 
     def _state(self, key: Key) -> StateSource:
         return self._params[key[0]].states[key[1]]
-
-    def check_first(self, layers: Iterable[dict[Key, TargetTensor]], mine: Callable[[dict], list[Key]],
-                    bypass: bool, stats) -> None:
-        """This rank's share of the rank files' zip entries that the plan reads, each read whole and checked
-        against the CRC-32 its zip records (`ucp.convert.source_check`): a zip records one CRC per entry (a
-        rank's whole flat partition), so the job's ranks split the entries between them, reading the
-        checkpoint once in all. Which layers this rank loads does not matter."""
-        entries = {(path, e.name): e for path, found in touched_entries(self.plan).items() for e in found}
-        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-        owners = assign_readers({key: e.end - e.start for key, e in entries.items()}, list(range(world)))
-        for (path, name), entry in sorted(entries.items()):
-            if owners[(path, name)] == rank:
-                check_entry(path, entry)
-                stats.bytes_checked_sources += entry.end - entry.start
 
     def _flat(self, key: Key) -> tuple[FlatRun, ...] | None:
         if key not in self._runs:
@@ -230,26 +212,86 @@ class PlannedSource:
     def shared(self, key: Key, t: TargetTensor) -> bool:
         return t.whole or self._flat(key) is None
 
+    def check(self, wants: dict[Key, TargetTensor], readers: list[Key], bypass: bool, stats) -> dict:
+        """See `Source.check`: every range read is CRC'd; a zip entry read whole is checked at once, the part
+        read of any other goes to the entry's owner (`close`)."""
+        ranges, raws = self._fetch(wants, readers, bypass, stats, again=False)
+        crcs = {r: zlib.crc32(tensor_bytes(raw)) for r, raw in raws.items()}
+        for r in sorted(crcs, key=lambda r: (r.file, r.begin, r.end)):
+            self._parts.add(r.file, self._names[r.file], r.begin, r.end, crcs[r])
+        for key, rs in ranges.items():
+            self._crcs[key] = [crcs[r] for r in rs]
+        return self._values(wants, ranges, raws, bypass)
+
+    def close(self, stats) -> None:
+        """See `Source.close`: each entry this rank owns is joined from every rank's parts of it, its gaps read
+        (`stats.bytes_checked_sources`, not in `bytes_read`); small entries no part covers are read whole."""
+        parts, exchanged = to_owners(self._parts.opened, _entry_unit)
+        stats.bytes_exchanged += exchanged
+        counter = ReadCounter()
+        try:
+            close_entries({name: path for path, name in self._names.items()}, parts, counter)
+            covered = {_entry_unit(p) for p in parts}
+            rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+            for path, name in sorted(self._names.items()):
+                for entry in self._parts.entries(path)[1]:
+                    unit = (name, entry.start)
+                    if (entry.end - entry.start <= SMALL_ENTRY_BYTES and unit not in covered
+                            and owner_of(unit, world) == rank):
+                        check_entry(path, entry, counter)
+        finally:
+            stats.bytes_checked_sources += counter.bytes
+
     def read(self, wants: dict[Key, TargetTensor], readers: list[Key], bypass: bool, stats) -> dict:
         """This rank's reads for one layer (see `Source.read`), in the states' dtypes. Runs of flat-stored
         states are read exactly (the rows covering a TP box), touching ranges coalesced; other states,
         and all of them without bypass, whole."""
+        again = bool(readers) and all(key in self._crcs for key in readers)
+        ranges, raws = self._fetch(wants, readers, bypass, stats, again)
+        if again:
+            for key, rs in ranges.items():
+                for r, crc in zip(rs, self._crcs[key]):
+                    check_again(raws[r], crc, f"{r.file}: bytes [{r.begin}, {r.end}) of {key[0]}:{key[1]}")
+        return self._values(wants, ranges, raws, bypass)
+
+    def _fetch(self, wants: dict[Key, TargetTensor], readers: list[Key], bypass: bool, stats,
+               again: bool) -> tuple[dict[Key, list[ByteRange]], dict[ByteRange, torch.Tensor]]:
+        """The byte ranges each reader's value comes from, and their bytes (touching ones read at once)."""
+        ranges = {key: self._reads(key, wants[key], bypass) for key in readers}
         counter = ReadCounter()
-        ranges: dict[Key, list[ByteRange]] = {}
+        try:
+            raws = fetch(Path(), [r for rs in ranges.values() for r in rs if r.nbytes], counter)  # absolute paths
+        finally:
+            if again:
+                stats.bytes_read_again += counter.bytes
+            else:
+                _count(stats, counter)
+        empty = torch.empty(0, dtype=torch.uint8)
+        return ranges, {r: raws.get(r, empty) for rs in ranges.values() for r in rs}
+
+    def _reads(self, key: Key, t: TargetTensor, bypass: bool) -> list[ByteRange]:
+        """Where `key`'s value for `t` comes from: the bytes of its run (or of the rows covering its box) of a
+        flat-stored state; else every fragment of the state, to materialise it whole."""
+        runs = self._flat(key)
+        if bypass and runs is not None:
+            return run_reads(runs, *self._span(key, t), TORCH_DTYPES[runs[0].piece.dtype].itemsize)
+        return [_piece_range(f.piece) for f in self._state(key).fragments]
+
+    def _values(self, wants: dict[Key, TargetTensor], ranges: dict[Key, list[ByteRange]],
+                raws: dict[ByteRange, torch.Tensor], bypass: bool) -> dict:
         values = {}
-        for key in readers:
-            t, runs = wants[key], self._flat(key)
-            if not bypass or runs is None:
-                full = materialize_tensor(self._state(key), name=key[0], counter=counter)
-                values[key] = self._wanted(_of_box(full, t.box), key, t, bypass)
+        for key, rs in ranges.items():
+            t, runs, parts = wants[key], self._flat(key), [raws[r] for r in rs]
+            if bypass and runs is not None:
+                raw = parts[0] if len(parts) == 1 else torch.cat(parts)  # no copy for one
+                stored = raw.view(TORCH_DTYPES[runs[0].piece.dtype])
+                values[key] = self._from_span(stored.to(self.dtype(key)), key, t)
                 continue
-            ranges[key] = run_reads(runs, *self._span(key, t), TORCH_DTYPES[runs[0].piece.dtype].itemsize)
-        chunks = fetch(Path(), [r for rs in ranges.values() for r in rs], counter)  # pieces name their files
-        _count(stats, counter)
-        for key, parts in ranges.items():
-            raw = chunks[parts[0]] if len(parts) == 1 else torch.cat([chunks[r] for r in parts])  # no copy for one
-            stored = raw.view(TORCH_DTYPES[self._flat(key)[0].piece.dtype])
-            values[key] = self._from_span(stored.to(self.dtype(key)), key, wants[key])
+            state = self._state(key)  # Union and StripPad, as `ucp convert` would (ucp.convert.assemble)
+            arrays = [raw.numpy().view(NUMPY_DTYPES[f.piece.dtype]).reshape(f.info.shape)
+                      for raw, f in zip(parts, state.fragments)]
+            full = to_torch(assemble(state, arrays, name=key[0]), state.dtype)
+            values[key] = self._wanted(_of_box(full, t.box), key, t, bypass)
         return values
 
     def _wanted(self, box: torch.Tensor, key: Key, t: TargetTensor, bypass: bool) -> torch.Tensor:

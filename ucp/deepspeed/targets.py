@@ -103,6 +103,7 @@ class Target:
         self.tensors: list[TargetTensor] = []
         self.dp_group = getattr(engine, "data_parallel_group", None)
         self.every_rank_names: set[str] | None = None  # set where ranks hold different tensors
+        self._created: list[tuple] = []  # (optimizer, tensor, state name, held state before) made by prepare_states
 
     @property
     def optimizer_groups(self) -> list[dict]:
@@ -114,8 +115,34 @@ class Target:
         spread over ranks that hold different tensors (pipeline stages, expert-parallel ranks)."""
         return self.every_rank_names if self.every_rank_names is not None else {t.name for t in self.tensors}
 
-    def prepare_states(self, state_names: list[str]) -> None:
-        """Create empty optimizer state (an engine that has not stepped has none)."""
+    def _state_holders(self) -> list[tuple[torch.optim.Optimizer, torch.Tensor]]:
+        """(torch optimizer, tensor) for each tensor whose per-element optimizer state a load fills."""
+        return []
+
+    def prepare_states(self, state_names: list[str]) -> set[str]:
+        """Create empty optimizer state where the engine has none (an engine that has not stepped). Returns the
+        names it created for every tensor that holds state: new memory that nothing reads yet, which a load may
+        fill before its checks are done, since `drop_new_states` takes it back."""
+        holders = self._state_holders()
+        fresh = set(state_names) if holders else set()
+        for optimizer, key in holders:
+            had = key in optimizer.state
+            state = optimizer.state[key]
+            for name in state_names:
+                if name in state:
+                    fresh.discard(name)
+                else:
+                    state[name] = torch.zeros_like(key, memory_format=torch.preserve_format)
+                    self._created.append((optimizer, key, name, had))
+        return fresh
+
+    def drop_new_states(self) -> None:
+        """Take back the optimizer state `prepare_states` created, leaving the optimizer as it was before."""
+        for optimizer, key, name, had in reversed(self._created):
+            optimizer.state[key].pop(name, None)
+            if not had and not optimizer.state[key]:
+                del optimizer.state[key]
+        self._created = []
 
     def set_step(self, group: int, step: float) -> None:
         raise NotImplementedError
@@ -223,10 +250,6 @@ def _flat(tensor: torch.Tensor) -> View:
     return view
 
 
-def _empty_state(flat: torch.Tensor, names: list[str]) -> dict:
-    return {n: torch.zeros_like(flat, memory_format=torch.preserve_format) for n in names}
-
-
 class Zero0Target(Target):
     def __init__(self, engine):
         super().__init__(engine)
@@ -250,12 +273,8 @@ class Zero0Target(Target):
         names = _names(self.engine)
         return [{"group": g, "names": [names[p] for p in g["params"]]} for g in self.optimizer.param_groups]
 
-    def prepare_states(self, state_names: list[str]) -> None:
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                state = self.optimizer.state[p]
-                for n in state_names:
-                    state.setdefault(n, torch.zeros_like(p, memory_format=torch.preserve_format))
+    def _state_holders(self) -> list[tuple[torch.optim.Optimizer, torch.Tensor]]:
+        return [(self.optimizer, p) for group in self.optimizer.param_groups for p in group["params"]]
 
     def set_step(self, group: int, step: float) -> None:
         for p in self.optimizer.param_groups[group]["params"]:
@@ -292,12 +311,8 @@ class Zero0MixedTarget(Target):
         return [{"group": pg, "names": [names[lp] for lp in low]}
                 for pg, low in zip(self.optimizer.param_groups, self.wrapper.fp16_groups)]
 
-    def prepare_states(self, state_names: list[str]) -> None:
-        for masters in self.wrapper.fp32_groups:
-            for master in masters:
-                state = self.optimizer.state[master]
-                for n in state_names:
-                    state.setdefault(n, torch.zeros_like(master, memory_format=torch.preserve_format))
+    def _state_holders(self) -> list[tuple[torch.optim.Optimizer, torch.Tensor]]:
+        return [(self.optimizer, master) for masters in self.wrapper.fp32_groups for master in masters]
 
     def set_step(self, group: int, step: float) -> None:
         for master in self.wrapper.fp32_groups[group]:
@@ -334,11 +349,8 @@ class _FlatPartitionTarget(Target):
         return [{"group": pg, "names": [names[p] for p in low]}
                 for pg, low in zip(self.zero.optimizer.param_groups, self.low_groups)]
 
-    def prepare_states(self, state_names: list[str]) -> None:
-        for flat in self.flats:
-            state = self.zero.optimizer.state[flat]
-            for n, t in _empty_state(flat, state_names).items():
-                state.setdefault(n, t)
+    def _state_holders(self) -> list[tuple[torch.optim.Optimizer, torch.Tensor]]:
+        return [(self.zero.optimizer, flat) for flat in self.flats]
 
     def set_step(self, group: int, step: float) -> None:
         self.zero.optimizer.state[self.flats[group]]["step"] = torch.tensor(float(step))

@@ -36,13 +36,15 @@ class BoxWant:
 
 
 def read_boxes(root: Path, wants: dict[Key, BoxWant], chunk_bytes: int, counter: ReadCounter,
-               verify: bool = True, open_chunks: list[OpenChunk] | None = None) -> tuple[dict[Key, torch.Tensor], int]:
+               verify: bool = True, open_chunks: list[OpenChunk] | None = None, crcs: dict[Key, int] | None = None,
+               again: dict[Key, int] | None = None) -> tuple[dict[Key, torch.Tensor], int]:
     """Each want's box (a tensor of the box's shape) or run (1-D), from the checkpoint folder `root`; and
     how many bytes were read beyond the wanted ones to check them (`verify`). With `open_chunks`, the chunks
-    a read holds only part of are left there for `checked_read.close_chunks`."""
+    a read holds only part of are left there for `checked_read.close_chunks`; `crcs` and `again` record the
+    CRC-32 of each want's read and check a second read against it (`checked_read.read_checked`)."""
     plans = {key: _plan(key, want) for key, want in wants.items()}
     chunks, extra = read_checked(root, {key: (want.stored, plans[key].range) for key, want in wants.items()},
-                                 chunk_bytes, counter, verify, open_chunks)
+                                 chunk_bytes, counter, verify, open_chunks, crcs, again)
     return {key: _cut(chunks[key], want, plans[key]) for key, want in wants.items()}, extra
 
 

@@ -7,9 +7,12 @@ them) is read whole to be checked. No byte reaches a model unchecked.
 
 Ranks that read neighbouring parts of a state (ZeRO partitions) need not each read the chunks their
 boundary cuts: given `open_chunks`, a read stays exact, its whole chunks are checked, and each chunk it
-holds only part of becomes an `OpenChunk` carrying that part's CRC-32. `close_chunks` then checks each
-such chunk from the parts every rank read, joined with `crc32_combine`, reading only the bytes no rank
-read.
+holds only part of becomes an `OpenChunk` carrying that part's CRC-32. The parts of a chunk go to one
+rank (`ucp.deepspeed.exchange`), whose `close_chunks` checks the chunk from the parts every rank read,
+joined with `crc32_combine`, reading only the bytes no rank read.
+
+A read made again after such a check (what the check could not keep in memory) is exact too: `crcs`
+records the CRC-32 of each read's bytes the first time, and `check_again` compares the second read with it.
 """
 from __future__ import annotations
 
@@ -81,13 +84,16 @@ def fetch(root: Path, ranges: list[ByteRange], counter: ReadCounter) -> dict[Byt
 
 
 def read_checked(root: Path, wanted: dict[Key, tuple[StoredState, ByteRange]], chunk_bytes: int,
-                 counter: ReadCounter, verify: bool = True,
-                 open_chunks: list[OpenChunk] | None = None) -> tuple[dict[Key, torch.Tensor], int]:
+                 counter: ReadCounter, verify: bool = True, open_chunks: list[OpenChunk] | None = None,
+                 crcs: dict[Key, int] | None = None,
+                 again: dict[Key, int] | None = None) -> tuple[dict[Key, torch.Tensor], int]:
     """The bytes of each wanted range of a stored state, checked (see the module docstring), and how many
     bytes were read beyond the wanted ones to check them. Touching reads of a file are coalesced. With
-    `open_chunks`, partial chunks are not widened but appended there, for `close_chunks`."""
+    `open_chunks`, partial chunks are not widened but appended there, for `close_chunks`; with `crcs`, the
+    CRC-32 of each wanted range's bytes is recorded there. With `again` (such a record), each range is read
+    exactly and compared with the CRC-32 it had then (`check_again`) instead."""
     def to_read(stored: StoredState, rng: ByteRange) -> ByteRange:
-        if not verify or open_chunks is not None and stored.chunk_crc32 is not None:
+        if not verify or again is not None or open_chunks is not None and stored.chunk_crc32 is not None:
             return rng
         return cover(stored, rng, chunk_bytes)
 
@@ -98,44 +104,64 @@ def read_checked(root: Path, wanted: dict[Key, tuple[StoredState, ByteRange]], c
         read = covers[key]
         data = fetched.get(read, torch.empty(0, dtype=torch.uint8))
         where = f"{root / stored.file}: {key[0]}:{key[1]}"
-        if verify and read == rng and open_chunks is not None and stored.chunk_crc32 is not None:
-            open_chunks += _check_whole_chunks(data, read, stored, chunk_bytes, where)
+        crc = None
+        if again is not None:
+            if verify:
+                check_again(data, again[key], f"{where} bytes [{rng.begin}, {rng.end})")
+        elif verify and read == rng and open_chunks is not None and stored.chunk_crc32 is not None:
+            opened, crc = _check_whole_chunks(data, read, stored, chunk_bytes, where)
+            open_chunks += opened
         elif verify:
             check(data, read, stored, chunk_bytes, where)
         out[key] = data.narrow(0, rng.begin - read.begin, rng.nbytes)
+        if crcs is not None:
+            whole = rng.begin == stored.begin and rng.end == stored.end and verify
+            crcs[key] = crc if crc is not None else stored.crc32 if whole else zlib.crc32(tensor_bytes(out[key]))
     extra = sum(c.nbytes for c in covers.values()) - sum(rng.nbytes for _, rng in wanted.values())
     return out, extra
 
 
+def check_again(data: torch.Tensor, crc32: int, where: str) -> None:
+    """Raise `CorruptCheckpointError` unless `data`, bytes read again after the check before a load, have the
+    CRC-32 the check's read of them had."""
+    found = zlib.crc32(tensor_bytes(data))
+    if found != crc32:
+        raise CorruptCheckpointError(
+            f"{where} changed since the check before the load (CRC-32 {crc32:08x} then, {found:08x} now): something "
+            "wrote the file or the storage returns other bytes; the engine holds a partial load, so load again once "
+            "the files are stable")
+
+
 def _check_whole_chunks(data: torch.Tensor, read: ByteRange, stored: StoredState, chunk_bytes: int,
-                        where: str) -> list[OpenChunk]:
-    """Check the chunks of `stored` that `read` holds whole; the ones it holds part of, open."""
-    raw, opened = tensor_bytes(data), []
+                        where: str) -> tuple[list[OpenChunk], int]:
+    """Check the chunks of `stored` that `read` holds whole; the ones it holds part of, open. Also the CRC-32
+    of all of `read`'s bytes, joined from its pieces'."""
+    raw, opened, whole = tensor_bytes(data), [], 0
     for lo, hi in chunk_bounds(read.begin, read.end, chunk_bytes):
         first = max(stored.begin, lo // chunk_bytes * chunk_bytes)
         bounds = (first, min(stored.end, (lo // chunk_bytes + 1) * chunk_bytes))
         expected = stored.chunk_crc32[len(chunk_bounds(stored.begin, first, chunk_bytes))]
         crc = zlib.crc32(raw[lo - read.begin:hi - read.begin])
+        whole = crc32_combine(whole, crc, hi - lo)
         if (lo, hi) != bounds:
             opened.append(OpenChunk(stored.file, *bounds, expected, (lo, hi, crc), where))
         elif crc != expected:
             raise CorruptCheckpointError(f"{where} bytes [{lo}, {hi}) fail their checksum; the file is damaged, "
                                          "convert again or restore it from a copy")
-    return opened
+    return opened, whole
 
 
-def close_chunks(root: Path, mine: Sequence[OpenChunk], everyone: Sequence[OpenChunk], counter: ReadCounter) -> int:
-    """Check each chunk of `mine` from the parts of it in `everyone` (every rank's open chunks, `mine` among
-    them), joined in file order; bytes of the chunk no rank read are read here. Returns how many were."""
-    parts: dict[tuple[str, int], set[tuple[int, int, int]]] = {}
-    for c in everyone:
-        parts.setdefault((c.file, c.begin), set()).add(c.part)
-    extra, done = 0, set()
-    for c in mine:
-        if (c.file, c.begin) in done:
-            continue
-        done.add((c.file, c.begin))
-        crc, read = _joined(root / c.file, parts[(c.file, c.begin)], c.begin, c.end, counter)
+def close_chunks(root: Path, parts: Sequence[OpenChunk], counter: ReadCounter) -> int:
+    """Check each chunk that `parts` (what every rank read of the chunks this rank closes) are parts of, from
+    them joined in file order; bytes of a chunk no rank read are read here. Returns how many were."""
+    joined: dict[tuple[str, int], set[tuple[int, int, int]]] = {}
+    chunks: dict[tuple[str, int], OpenChunk] = {}
+    for c in parts:
+        joined.setdefault((c.file, c.begin), set()).add(c.part)
+        chunks.setdefault((c.file, c.begin), c)
+    extra = 0
+    for unit, c in sorted(chunks.items()):
+        crc, read = _joined(root / c.file, joined[unit], c.begin, c.end, counter)
         extra += read
         if crc != c.crc32:
             raise CorruptCheckpointError(f"{c.where} bytes [{c.begin}, {c.end}) fail their checksum; the file is "

@@ -1,0 +1,83 @@
+"""The parts of each checked unit, routed to one owner rank: the exchange of the check before a load.
+
+A unit is a run of stored bytes with a CRC-32 of its own: a chunk of a state of a ucp checkpoint (its index
+records the CRC), or a tensor's zip entry in a DeepSpeed rank file (the zip directory does). Ranks that read
+parts of a unit CRC their parts; every part goes to the unit's owner, which joins them in file order
+(`crc32_combine`) and reads only the bytes no rank read. The owner of a unit is a hash of its file's name and
+first byte, so every rank computes it alike without talking, and units spread evenly over the ranks.
+
+One all-to-all moves the parts (`to_owners`): each rank sends each of its parts once, to one rank, and
+receives the parts of the units it owns. Per rank that is 2 x 8 x world bytes of counts (the all-to-all's
+sizes), plus its parts and the parts of its units: about one record (~50 bytes) per unit a read of it cuts,
+so O(states) for a ZeRO-1/2 target and O(parameters x states) for ZeRO-3, whatever the world size. An
+all-gather, as before, sent every rank's parts to every rank: world x that. `benchmarks/load_exchange.py`
+measures both on synthetic worlds of 64 to 256 ranks.
+"""
+from __future__ import annotations
+
+import pickle
+import zlib
+from collections.abc import Callable, Iterable, Sequence
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+
+T = TypeVar("T")
+Unit = tuple[str, int]  # (file name, first byte) of a unit: the same on every rank
+
+
+def owner_of(unit: Unit, world: int) -> int:
+    """The rank that joins the parts of `unit` and checks it."""
+    name, begin = unit
+    return zlib.crc32(f"{name}:{begin}".encode()) % world
+
+
+def by_owner(parts: Iterable[T], unit: Callable[[T], Unit], world: int) -> list[list[T]]:
+    """`parts`, sorted into one list per owner rank of the unit each is a part of."""
+    out: list[list[T]] = [[] for _ in range(world)]
+    for part in parts:
+        out[owner_of(unit(part), world)].append(part)
+    return out
+
+
+def payloads(parts: Sequence[T], unit: Callable[[T], Unit], world: int) -> list[bytes]:
+    """What a rank sends each rank: the pickled list of the parts that rank owns (empty when none)."""
+    return [pickle.dumps(mine) if mine else b"" for mine in by_owner(parts, unit, world)]
+
+
+def to_owners(parts: Sequence[T], unit: Callable[[T], Unit]) -> tuple[list[T], int]:
+    """Every rank's parts of the units this rank owns (a collective: all ranks call it), and how many bytes this
+    rank sent and received for it. Without distributed, or on one rank, `parts` themselves."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return list(parts), 0
+    world = dist.get_world_size()
+    device = _device()
+    sent = payloads(parts, unit, world)
+    sizes = torch.tensor([len(p) for p in sent], dtype=torch.int64, device=device)
+    got = torch.empty(world, dtype=torch.int64, device=device)
+    dist.all_to_all_single(got, sizes)
+    got_sizes, sent_sizes = got.tolist(), sizes.tolist()
+    flat = b"".join(sent)
+    out = torch.frombuffer(bytearray(flat), dtype=torch.uint8) if flat else torch.empty(0, dtype=torch.uint8)
+    received = torch.empty(sum(got_sizes), dtype=torch.uint8, device=device)
+    dist.all_to_all_single(received, out.to(device), got_sizes, sent_sizes)
+    raw = received.cpu().numpy().tobytes()
+    mine: list[T] = []
+    offset = 0
+    for size in got_sizes:
+        if size:
+            mine += pickle.loads(raw[offset:offset + size])  # records this job's ranks made, as all_gather_object's
+        offset += size
+    return mine, 2 * 8 * world + len(flat) + len(raw)
+
+
+def _device() -> torch.device:
+    """Where this job's collectives take tensors: the CPU under gloo (and a "cpu:gloo,..." mix), else the
+    accelerator DeepSpeed runs on (NCCL takes device tensors only)."""
+    backend = str(dist.get_backend())
+    if backend == "gloo" or "cpu:" in backend:
+        return torch.device("cpu")
+    from deepspeed.accelerator import get_accelerator
+
+    return torch.device(get_accelerator().current_device_name())
