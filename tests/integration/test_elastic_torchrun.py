@@ -5,8 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
-from support.elastic_agents import ElasticJob, read_losses, reached
+from support.elastic_agents import ElasticJob, reached, read_losses
 from support.launch import run_torchrun
 from support.processes import wait_for
 

@@ -86,19 +86,37 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ucp import errors
 from ucp.checkpoint import AtomicCheckpoint, PlannedCheckpoint, open_checkpoint
 from ucp.deepspeed.async_save import SaveEvery, SaveStats, save, wait
 from ucp.deepspeed.autotp import with_tensor_parallel
 from ucp.deepspeed.config import AUTO, load_options, ucp_options, without_ucp
-from ucp.deepspeed.elastic import StepBook, check_engine, resume_auto, with_batch_keys, world_size
+from ucp.deepspeed.elastic import (
+    StepBook,
+    check_engine,
+    resume_auto,
+    warn_shared_rendezvous_store,
+    with_batch_keys,
+    world_size,
+)
 from ucp.deepspeed.load_source import Source, box_numel, source_for
 from ucp.deepspeed.placement import as_layout, place_by_layout
 from ucp.deepspeed.readers import assign_readers
-from ucp.deepspeed.targets import OPTIMIZER_STATES, Target, TargetTensor, module_aliases, target_for
-from ucp import errors
+from ucp.deepspeed.targets import (
+    OPTIMIZER_STATES,
+    Target,
+    TargetTensor,
+    module_aliases,
+    target_for,
+)
 from ucp.elastic.shares import ElasticBatch
-from ucp.errors import (CheckpointMismatchError, ConfigError, CorruptCheckpointError, UcpError,
-                        UnsupportedLayoutError)
+from ucp.errors import (
+    CheckpointMismatchError,
+    ConfigError,
+    CorruptCheckpointError,
+    UcpError,
+    UnsupportedLayoutError,
+)
 from ucp.format import loss_scale
 from ucp.format.folder import INDEX_NAME, latest_checkpoint, reading
 from ucp.hmp.layout import Layout, ParamSpec
@@ -159,6 +177,7 @@ def initialize(*args, **kwargs):
         engine.ucp_elastic = batch
     resumed = None
     if auto:
+        warn_shared_rendezvous_store()
         resumed = resume_auto(engine, save_every.dir, load, **load_options(options))
     elif options.get("load"):
         load(engine, options["load"], **load_options(options))
