@@ -334,7 +334,9 @@ HEADER = ["tool", "wall s", "wall+sync s", "CPU s", "peak RSS MiB", "peak anon M
 
 def ascii_table(rows: list[list[str]]) -> str:
     widths = [max(len(r[i]) for r in [HEADER] + rows) for i in range(len(HEADER))]
-    line = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+    def line(r: list[str]) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+
     return "\n".join([line(HEADER), line(["-" * w for w in widths])] + [line(r) for r in rows])
 
 
@@ -370,6 +372,7 @@ def target_lines(r: dict[str, float]) -> list[tuple[str, str, str, str]]:
 def machine_info() -> dict[str, str]:
     import deepspeed
     import torch
+
     import ucp
 
     cpu = platform.processor() or platform.machine()
@@ -397,9 +400,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--markdown-out", metavar="FILE", help="also write the results as markdown to FILE")
     ap.add_argument("--tmp", metavar="DIR", help="scratch directory for outputs (default: a new one under $TMPDIR)")
     ap.add_argument("--source", choices=(*SOURCES, "autotp"), default="zero1",
-                    help="zero1: the data-parallel ZeRO-1 fp32 Llama (default); zero2-bf16, zero3: the same Llama under "
-                    "ZeRO-2 bf16 / ZeRO-3 fp32; autotp: a Llama saved with AutoTP=2 ZeRO-1 (--repeat and --tmp do not "
-                    "apply)")
+                    help="zero1: the data-parallel ZeRO-1 fp32 Llama (default); zero2-bf16, zero3: the same Llama "
+                    "under ZeRO-2 bf16 / ZeRO-3 fp32; autotp: a Llama saved with AutoTP=2 ZeRO-1 (--repeat and --tmp "
+                    "do not apply)")
     args = ap.parse_args(argv)
     if args.source == "autotp":
         from convert_autotp import main as autotp_main

@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Ways to copy a file's bytes and CRC-32 them on the way, timed on one rank file (what `ucp.convert.bin_copy` chose from).
+"""Ways to copy a file's bytes and CRC-32 them on the way, timed on one rank file (what `ucp.convert.bin_copy`
+chose from).
 
     python benchmarks/copy_methods.py FILE [--repeat 3]
 

@@ -29,8 +29,7 @@ from ucp.converters.deepspeed_pipe import LAYER_FILE, layer_tensors
 from ucp.converters.deepspeed_slices import SliceState, dtype_name, load_dict, outer_states, read_slice, tied_aliases
 from ucp.converters.deepspeed_tp import Layouts, fp32_shard, untrained_shards
 from ucp.converters.plan_common import finish_plan
-from ucp.converters.tag_folder import model_files, optim_files
-from ucp.converters.tag_folder import TagDir
+from ucp.converters.tag_folder import TagDir, model_files, optim_files
 from ucp.converters.torch_zip import LazyTensor
 from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedLayoutError
 

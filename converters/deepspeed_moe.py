@@ -27,8 +27,7 @@ from ucp.convert.plan import FROZEN, TRAINABLE, WEIGHT_STATE, ConversionPlan, Pa
 from ucp.converters.deepspeed_slices import combined_source, dtype_name, held_params, load_dict, read_slice, whole
 from ucp.converters.deepspeed_zero0 import zero0_slice
 from ucp.converters.plan_common import finish_plan, frozen_and_buffers
-from ucp.converters.tag_folder import model_files, optim_files
-from ucp.converters.tag_folder import TagDir
+from ucp.converters.tag_folder import TagDir, model_files, optim_files
 from ucp.converters.torch_zip import LazyTensor
 from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedLayoutError
 from ucp.patterns import recognize

@@ -30,8 +30,7 @@ from ucp.convert.plan import BUFFER, BUFFER_STATE, FROZEN, WEIGHT_STATE, Convers
 from ucp.converters.deepspeed_slices import dp_paths, dtype_name, held_params, load_dict, read_slice, slice_names, whole
 from ucp.converters.deepspeed_zero0 import zero0_slice
 from ucp.converters.plan_common import finish_plan
-from ucp.converters.tag_folder import model_files, optim_files
-from ucp.converters.tag_folder import TagDir
+from ucp.converters.tag_folder import TagDir, model_files, optim_files
 from ucp.converters.torch_zip import LazyTensor
 from ucp.errors import AmbiguousPatternError, CheckpointNotFoundError, CorruptCheckpointError
 from ucp.patterns import recognize

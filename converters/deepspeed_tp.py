@@ -25,11 +25,27 @@ from collections.abc import Callable
 import numpy as np
 
 from ucp.convert.assemble import materialize
-from ucp.convert.plan import (BUFFER, BUFFER_STATE, FROZEN, TRAINABLE, WEIGHT_STATE, ConversionPlan, ParamPlan,
-                              StateSource)
+from ucp.convert.plan import (
+    BUFFER,
+    BUFFER_STATE,
+    FROZEN,
+    TRAINABLE,
+    WEIGHT_STATE,
+    ConversionPlan,
+    ParamPlan,
+    StateSource,
+)
 from ucp.converters.deepspeed_declared import affine_params, declared_layout
-from ucp.converters.deepspeed_slices import (SliceState, combined_source, dtype_name, load_dict, outer_states,
-                                             read_slice, tied_aliases, whole)
+from ucp.converters.deepspeed_slices import (
+    SliceState,
+    combined_source,
+    dtype_name,
+    load_dict,
+    outer_states,
+    read_slice,
+    tied_aliases,
+    whole,
+)
 from ucp.converters.deepspeed_zero0 import zero0_slice
 from ucp.converters.deepspeed_zero3 import ZERO3_MODEL_FILE, read_zero3_slice, zero3_model_files
 from ucp.converters.plan_common import finish_plan

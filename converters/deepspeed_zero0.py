@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ucp.convert.plan import WEIGHT_STATE, ParamPlan, StateSource, TRAINABLE, Fragment, Piece
+from ucp.convert.plan import TRAINABLE, WEIGHT_STATE, Fragment, ParamPlan, Piece, StateSource
 from ucp.converters.deepspeed_slices import SliceState, tied_aliases
 from ucp.converters.torch_zip import LazyTensor, read_array, read_values
 from ucp.errors import AmbiguousPatternError, CorruptCheckpointError

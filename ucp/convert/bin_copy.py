@@ -109,7 +109,8 @@ def _parts(source: StateSource, strict: bool) -> list[tuple[tuple[int, ...], lis
         return None
     parts, start = [], 0
     for size, shape in zip(source.groups, spec.shard_shapes):
-        inner = StateSource(dataclasses.replace(spec.inner, shape=tuple(shape)), frags[start:start + size], source.dtype)
+        inner = StateSource(dataclasses.replace(spec.inner, shape=tuple(shape)), frags[start:start + size],
+                            source.dtype)
         start += size
         runs = state_runs(inner, strict)
         if runs is None:

@@ -30,8 +30,15 @@ from ucp.convert.balance import plan_bins
 from ucp.convert.bin_copy import BinFile, copy_states, write_array
 from ucp.convert.executor import Executor, LocalExecutor, Report, ShuffleExecutor
 from ucp.convert.index_builder import WrittenFile, build_index, records_of
-from ucp.convert.manifest import (MANIFEST_SUFFIX, BinCheck, committed_damage, manifest_name, remove_manifests,
-                                  reusable_bin, write_manifest)
+from ucp.convert.manifest import (
+    MANIFEST_SUFFIX,
+    BinCheck,
+    committed_damage,
+    manifest_name,
+    remove_manifests,
+    reusable_bin,
+    write_manifest,
+)
 from ucp.convert.plan import ConversionPlan, ParamPlan, StateSource
 from ucp.convert.result import ConvertResult
 from ucp.convert.source_check import check_sources
@@ -40,8 +47,16 @@ from ucp.converters.trainer_folders import left_out_summary
 from ucp.errors import CorruptCheckpointError, OutputExistsError, UcpError
 from ucp.format.crc import CHUNK_BYTES, join_segments
 from ucp.format.fileio import read_regular, writing_alone
-from ucp.format.folder import (INDEX_NAME, PARTIAL_SUFFIX, commit_index, data_file_name, fsync_dir, is_ucp_file,
-                               read_index, tensor_key)
+from ucp.format.folder import (
+    INDEX_NAME,
+    PARTIAL_SUFFIX,
+    commit_index,
+    data_file_name,
+    fsync_dir,
+    is_ucp_file,
+    read_index,
+    tensor_key,
+)
 from ucp.format.index import FORMAT_NAME, ExtraFile, stored_shape
 from ucp.format.safetensors_stream import StoredTensor, TensorSlot
 from ucp.format.splits import to_split_major

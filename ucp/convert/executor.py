@@ -8,9 +8,9 @@ from __future__ import annotations
 import ctypes
 import multiprocessing
 import os
+import queue as queue_module
 import signal
 import sys
-import queue as queue_module
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait

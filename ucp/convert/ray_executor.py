@@ -35,9 +35,9 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import numpy as np
-import ray
 from ray.exceptions import RayError, RayTaskError
 
+import ray
 from ucp.convert.assemble import assemble
 from ucp.convert.driver import WriteBin, WrittenBin, stream_bin
 from ucp.convert.executor import Report, default_workers
@@ -217,8 +217,8 @@ class RayExecutor:
                     i = position[ref]
                     results[i] = _result(ref, labels[i])
                     done, done_bytes = done + 1, done_bytes + sizes[i]
-                    self._log(f"{desc}: {labels[i]} done ({done}/{len(refs)}"
-                              f"{', ' + human_bytes(done_bytes) + ' of ' + human_bytes(sum(sizes)) if sum(sizes) else ''}, "
+                    of_bytes = f", {human_bytes(done_bytes)} of {human_bytes(sum(sizes))}" if sum(sizes) else ""
+                    self._log(f"{desc}: {labels[i]} done ({done}/{len(refs)}{of_bytes}, "
                               f"{time.monotonic() - start:.1f} s)")
                 if not ready:
                     self._log(f"{desc}: {done}/{len(refs)} done, running ({time.monotonic() - start:.0f} s)")

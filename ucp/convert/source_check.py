@@ -5,8 +5,8 @@ bytes in the zip directory. Every tensor storage is one entry. The conversion's 
 bytes they read, in pieces, and the bytes of their fragments that no output needs (`ucp.convert.bin_copy`);
 here the driver joins the pieces of each entry that the conversion copies from, in file order, with
 `crc32_combine`, reads and CRCs whatever bytes of it no worker read (tensors no state uses), and
-compares the result with the zip's CRC-32, before the index is committed. Small entries of the same files (steps and other
-scalars, which the plan reads into the index) are read and checked whole: they cost nothing.
+compares the result with the zip's CRC-32, before the index is committed. Small entries of the same files
+(steps and other scalars, which the plan reads into the index) are read and checked whole: they cost nothing.
 Entries of tensors the conversion does not use at all (the model-states file's weights when the
 fp32 masters come from the optimizer files) are not read, so not checked.
 """

@@ -86,6 +86,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ucp import errors
 from ucp.checkpoint import AtomicCheckpoint, PlannedCheckpoint, open_checkpoint
 from ucp.deepspeed.async_save import SaveEvery, SaveStats, save, wait
 from ucp.deepspeed.autotp import with_tensor_parallel
@@ -95,10 +96,8 @@ from ucp.deepspeed.load_source import Source, box_numel, source_for
 from ucp.deepspeed.placement import as_layout, place_by_layout
 from ucp.deepspeed.readers import assign_readers
 from ucp.deepspeed.targets import OPTIMIZER_STATES, Target, TargetTensor, module_aliases, target_for
-from ucp import errors
 from ucp.elastic.shares import ElasticBatch
-from ucp.errors import (CheckpointMismatchError, ConfigError, CorruptCheckpointError, UcpError,
-                        UnsupportedLayoutError)
+from ucp.errors import CheckpointMismatchError, ConfigError, CorruptCheckpointError, UcpError, UnsupportedLayoutError
 from ucp.format import loss_scale
 from ucp.format.folder import INDEX_NAME, latest_checkpoint, reading
 from ucp.hmp.layout import Layout, ParamSpec
@@ -144,7 +143,8 @@ def initialize(*args, **kwargs):
     save_every = SaveEvery.from_config(options["save"]) if "save" in options else None
     auto = options.get("load") == AUTO
     if auto and save_every is None:
-        raise ConfigError('"ucp": {"load": "auto"} resumes from the save folder: add "save": {"dir": ..., "every": ...}')
+        raise ConfigError('"ucp": {"load": "auto"} resumes from the save folder: '
+                          'add "save": {"dir": ..., "every": ...}')
     batch = ElasticBatch.from_config(options["elastic"], world_size()) if "elastic" in options else None
     if options:
         ds_config = without_ucp(config)

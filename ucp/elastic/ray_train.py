@@ -20,10 +20,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import ray.train
 import torch.distributed as dist
-from ray.train import Checkpoint, CheckpointUploadMode
 
+import ray.train
+from ray.train import Checkpoint, CheckpointUploadMode
 from ucp.format.folder import latest_checkpoint
 
 SAVE_FOLDER = "ucp"

@@ -80,7 +80,8 @@ class ElasticBatchSampler(torch.utils.data.Sampler):
             if len(self._orders) > 2:  # positions only grow: the oldest epoch is done with
                 self._orders.pop(min(self._orders))
             if self.shuffle:
-                self._orders[epoch] = torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + epoch))
+                generator = torch.Generator().manual_seed(self.seed + epoch)
+                self._orders[epoch] = torch.randperm(self.size, generator=generator)
             else:
                 self._orders[epoch] = torch.arange(self.size)
         return self._orders[epoch]

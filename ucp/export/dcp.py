@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint import CheckpointException, FileSystemWriter, save
-from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.planner import WriteItemType
 
 from ucp.checkpoint import STEP_STATE, open_checkpoint

@@ -14,7 +14,6 @@ import numpy as np
 
 from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError, OutputExistsError
 
-
 if TYPE_CHECKING:
     import torch
 

@@ -96,7 +96,8 @@ class StreamingWriter:
         if key != slot.key:
             raise ValueError(f"{self.path}: expected tensor {slot.key}, got {key}")
         if tuple(tensor.shape) != slot.shape or str(tensor.dtype).removeprefix("torch.") != slot.dtype:
-            raise ValueError(f"{key}: got {tuple(tensor.shape)} {tensor.dtype}, the header says {slot.shape} {slot.dtype}")
+            raise ValueError(f"{key}: got {tuple(tensor.shape)} {tensor.dtype}, "
+                             f"the header says {slot.shape} {slot.dtype}")
         data = tensor_bytes(tensor.contiguous())
         try:
             self._file.write(data)

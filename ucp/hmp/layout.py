@@ -27,6 +27,7 @@ from functools import cached_property
 from ucp.errors import UcpError
 from ucp.format.boxes import Box, part_bounds, split_bounds
 
+
 class LayoutError(UcpError):
     """A layout is malformed, or does not fit the model it is applied to."""
 

@@ -60,9 +60,10 @@ def main() -> None:
     p.add_argument("--losses-out", help="append each step's loss here (JSON lines, rank 0)")
     args = p.parse_args()
 
+    from ray.train.torch import TorchConfig, TorchTrainer
+
     import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
 
     ray.init(address=args.address)
     trainer = TorchTrainer(
