@@ -6,7 +6,6 @@ names (`exp_avg`, `exp_avg_sq` for Adam), `step`; buffers hold one state, `value
 from __future__ import annotations
 
 import os
-import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +15,7 @@ import torch
 from ucp.convert.source_check import EntryChecks
 from ucp.converters.trainer_folders import LINK_REASON
 from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError, UcpError
+from ucp.format.crc import crc32
 from ucp.format.fileio import ReadCounter, read_regular
 from ucp.format.folder import INDEX_NAME, latest_checkpoint, read_index
 from ucp.format.index import ExtraFile, Index, NotSaved, ParamEntry, StoredState, header_problems
@@ -133,7 +133,7 @@ class AtomicCheckpoint:
         """The bytes of an extra file, checked against the size and CRC-32 the index records."""
         record = self._extra(name)
         data = read_regular(str(self.extra_file_path(name)), follow=False)  # a link may reach any file
-        if len(data) != record.nbytes or zlib.crc32(data) != record.crc32:
+        if len(data) != record.nbytes or crc32(data) != record.crc32:
             raise CorruptCheckpointError(f"{self.path / name}: differs from what {INDEX_NAME} records "
                                          f"({record.nbytes} bytes, CRC-32 {record.crc32}); convert the "
                                          "checkpoint again")

@@ -25,7 +25,6 @@ import os
 import queue
 import sys
 import threading
-import zlib
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -34,7 +33,7 @@ import numpy as np
 
 from ucp.convert.assemble import assemble, read_fragment
 from ucp.convert.plan import ParamPlan, StateSource
-from ucp.format.crc import chunk_bounds, join_segments
+from ucp.format.crc import chunk_bounds, crc32, join_segments
 from ucp.format.dtypes import NUMPY_DTYPES, cast
 from ucp.format.fileio import open_regular, read_exactly, tensor_bytes
 from ucp.format.index import DTYPE_SIZES
@@ -266,7 +265,7 @@ class Copier:
             for lo in range(begin, end, PIECE_BYTES):
                 raw = buffer[:min(PIECE_BYTES, end - lo)]
                 self.sources.read(path, memoryview(raw), lo)
-                read.append((path, lo, lo + raw.nbytes, zlib.crc32(raw)))
+                read.append((path, lo, lo + raw.nbytes, crc32(raw)))
         finally:
             self._buffers.put(buffer)
         return [], read
@@ -287,7 +286,7 @@ class Copier:
             for run in runs:
                 raw = piece[start:start + run.numel].view(np.uint8)
                 self.sources.read(run.path, memoryview(raw), run.offset)
-                read.append((run.path, run.offset, run.offset + raw.nbytes, zlib.crc32(raw)))
+                read.append((run.path, run.offset, run.offset + raw.nbytes, crc32(raw)))
                 start += run.numel
             out[:, column:column + width] = cast(piece.reshape(rows, width), runs[0].dtype, dtype)
             column += width
@@ -310,7 +309,7 @@ class Copier:
                     segments = self.write(raw, dest)
                     read += [(run.path, lo - dest + source, hi - dest + source, crc) for lo, hi, crc in segments]
                 else:
-                    read.append((run.path, source, source + raw.nbytes, zlib.crc32(raw)))
+                    read.append((run.path, source, source + raw.nbytes, crc32(raw)))
                     segments = self.write(cast(raw.view(NUMPY_DTYPES[run.dtype]), run.dtype, block.dtype), dest)
                 written += segments
         finally:
@@ -331,7 +330,7 @@ def write_array(out: BinFile, data: np.ndarray, dest: int) -> list[Segment]:
     segments = []
     for lo, hi in chunk_bounds(dest, dest + len(raw), out.chunk_bytes):
         piece = raw[lo - dest:hi - dest]
-        segments.append((lo, hi, zlib.crc32(piece)))
+        segments.append((lo, hi, crc32(piece)))
         out.write(piece, lo)
     return segments
 
@@ -398,7 +397,7 @@ def _assembled(copier: Copier, p: ParamPlan, source: StateSource, begin: int,
                strict: bool) -> tuple[list[Segment], list[SourceSegment]]:
     """A state Union computes: its fragments read whole (and CRC'd), assembled, written at `begin`."""
     pieces = [read_fragment(f) for f in source.fragments]
-    read = [(f.piece.path, f.piece.byte_offset, f.piece.byte_offset + piece.nbytes, zlib.crc32(tensor_bytes(piece)))
+    read = [(f.piece.path, f.piece.byte_offset, f.piece.byte_offset + piece.nbytes, crc32(tensor_bytes(piece)))
             for f, piece in zip(source.fragments, pieces)]
     tensor = assemble(source, pieces, name=p.name, strict=strict)
     if p.splits is not None:

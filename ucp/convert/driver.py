@@ -19,7 +19,6 @@ import hashlib
 import logging
 import os
 import time
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,7 +44,7 @@ from ucp.convert.source_check import check_sources
 from ucp.convert.split_policy import SplitPolicy, apply_split_policy
 from ucp.converters.trainer_folders import left_out_summary
 from ucp.errors import CorruptCheckpointError, OutputExistsError, UcpError
-from ucp.format.crc import CHUNK_BYTES, join_segments
+from ucp.format.crc import CHUNK_BYTES, crc32, join_segments
 from ucp.format.fileio import read_regular, writing_alone
 from ucp.format.folder import (
     INDEX_NAME,
@@ -321,4 +320,4 @@ def copy_extra_file(source: Path, target: Path) -> ExtraFile:
         f.flush()
         os.fsync(f.fileno())
     os.replace(partial, target)
-    return ExtraFile(target.name, len(data), zlib.crc32(data))
+    return ExtraFile(target.name, len(data), crc32(data))

@@ -28,7 +28,6 @@ import shutil
 import sys
 import tempfile
 import time
-import zlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -43,6 +42,7 @@ from ucp.convert.driver import WriteBin, WrittenBin, stream_bin
 from ucp.convert.executor import Report, default_workers
 from ucp.convert.plan import Fragment, Piece
 from ucp.errors import UcpError
+from ucp.format.crc import crc32
 from ucp.format.dtypes import NUMPY_DTYPES
 from ucp.format.fileio import pread_into
 from ucp.format.index import DTYPE_SIZES
@@ -146,7 +146,7 @@ def _reduce(task: WriteBin, paths: tuple[str, ...], *shares) -> WrittenBin:
 def _source_segment(path: str, piece: Piece, buffer: np.ndarray, start: int) -> tuple[str, int, int, int]:
     """(file, begin, end, CRC-32) of a piece's bytes as the mapper read them from the rank file."""
     nbytes = piece.numel * DTYPE_SIZES[piece.dtype]
-    return path, piece.byte_offset, piece.byte_offset + nbytes, zlib.crc32(buffer[start:start + nbytes])
+    return path, piece.byte_offset, piece.byte_offset + nbytes, crc32(buffer[start:start + nbytes])
 
 
 @ray.remote(max_retries=MAX_RETRIES, retry_exceptions=False)

@@ -15,14 +15,13 @@ from __future__ import annotations
 import bisect
 import os
 import zipfile
-import zlib
 from collections import defaultdict
 from collections.abc import Iterable
 
 from ucp.convert.plan import ConversionPlan, StateSource
 from ucp.converters.torch_zip import ZipEntry, storage_entries
 from ucp.errors import CorruptCheckpointError
-from ucp.format.crc import crc32_combine
+from ucp.format.crc import crc32, crc32_combine
 from ucp.format.fileio import open_regular
 
 SourceSegment = tuple[str, int, int, int]  # (path, begin, end, crc32) of bytes read from a rank file
@@ -154,6 +153,6 @@ def _read_crc(fd: int, path: str, begin: int, end: int) -> int:
         if not data:
             raise CorruptCheckpointError(f"{path}: ends at byte {begin}, expected at least {end}; the file is "
                                          "truncated, copy it again")
-        crc = zlib.crc32(data, crc)
+        crc = crc32(data, crc)
         begin += len(data)
     return crc

@@ -12,13 +12,12 @@ import json
 import math
 import os
 import struct
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ucp.errors import CorruptCheckpointError
-from ucp.format.crc import CHUNK_BYTES, join_segments, segment_crcs
+from ucp.format.crc import CHUNK_BYTES, crc32, join_segments, segment_crcs
 from ucp.format.fileio import ReadCounter, pread_into, tensor_bytes
 from ucp.format.index import DTYPE_SIZES, SAFETENSORS_DTYPES
 
@@ -141,7 +140,7 @@ def read_stored(path: str, begin: int, end: int, dtype: str, shape: Sequence[int
     if tensor_bytes(out).nbytes != end - begin:
         raise CorruptCheckpointError(f"{path}: bytes [{begin}, {end}) cannot hold {dtype}{list(shape)}")
     pread_into(path, out, begin, counter)
-    if expected_crc is not None and zlib.crc32(tensor_bytes(out)) != expected_crc:
+    if expected_crc is not None and crc32(tensor_bytes(out)) != expected_crc:
         raise CorruptCheckpointError(f"{path}: bytes [{begin}, {end}) fail their checksum; the file is damaged, "
                                      "convert again or restore it from a copy")
     return out
