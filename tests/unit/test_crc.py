@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import importlib.util
 import random
+import re
 import sys
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -29,13 +31,19 @@ def installed(name: str) -> bool:
     return name == "zlib" or importlib.util.find_spec(MODULES[name].split(".")[0]) is not None
 
 
+@pytest.fixture(autouse=True)
+def kept_choice(monkeypatch):
+    """Each test leaves the process's implementation as it found it."""
+    monkeypatch.setattr(crc, "_chosen", crc._chosen)
+
+
 @pytest.fixture(params=IMPLEMENTATIONS)
-def implementation(request):
+def implementation(request) -> str:
+    """Each implementation in turn, made the one `crc32` uses."""
     if not installed(request.param):
         pytest.skip(f"{request.param} is not installed (pip install ucp[fast])")
-    name, function = choose_crc32(request.param)
-    assert name == request.param
-    return function
+    assert crc.use_crc32(request.param) == crc.crc32_implementation() == request.param
+    return request.param
 
 
 def buffers(seed: int):
@@ -53,19 +61,19 @@ def buffers(seed: int):
 
 def test_crc32_equals_zlib_on_random_buffers(implementation):
     for expected, data in buffers(21):
-        assert implementation(data, 0) == zlib.crc32(expected)
-        assert implementation(data, 0x5EED) == zlib.crc32(expected, 0x5EED)  # continuing from an earlier CRC
+        assert crc.crc32(data) == zlib.crc32(expected)
+        assert crc.crc32(data, 0x5EED) == zlib.crc32(expected, 0x5EED)  # continuing from an earlier CRC
+    assert crc.crc32(b"ucp") != zlib.crc32(b"ucq")  # negative control
 
 
 def test_crc32_refuses_a_non_contiguous_array_as_zlib_does(implementation):
     with pytest.raises((ValueError, BufferError)):
         zlib.crc32(np.zeros(8, np.uint8)[::2])
     with pytest.raises((ValueError, BufferError)):
-        implementation(np.zeros(8, np.uint8)[::2], 0)
+        crc.crc32(np.zeros(8, np.uint8)[::2])
 
 
-def test_crc32_combine_and_join_segments_work_on_its_crcs(implementation, monkeypatch):
-    monkeypatch.setattr(crc, "_chosen", lambda: ("under test", implementation))
+def test_crc32_combine_and_join_segments_work_on_its_crcs(implementation):
     rng = random.Random(5)
     for _ in range(100):
         a, b = rng.randbytes(rng.randint(0, 9000)), rng.randbytes(rng.randint(0, 9000))
@@ -97,9 +105,9 @@ def no_fast_library(monkeypatch):
 
 
 def test_without_isal_or_zlib_ng_crc32_falls_back_to_zlib(no_fast_library, monkeypatch):
-    name, function = choose_crc32()
-    assert (name, function) == ("zlib", zlib.crc32)
-    monkeypatch.setattr(crc, "_chosen", lambda: (name, function))
+    assert choose_crc32() == ("zlib", zlib.crc32)
+    monkeypatch.delenv(CRC32_ENV, raising=False)
+    monkeypatch.setattr(crc, "_chosen", None)  # as in a new process
     assert crc.crc32_implementation() == "zlib"
     for expected, data in buffers(3):
         assert crc.crc32(data) == zlib.crc32(expected)
@@ -107,12 +115,9 @@ def test_without_isal_or_zlib_ng_crc32_falls_back_to_zlib(no_fast_library, monke
 
 def test_the_environment_names_an_implementation(monkeypatch):
     monkeypatch.setenv(CRC32_ENV, "zlib")
-    crc._chosen.cache_clear()
-    try:
-        assert crc.crc32_implementation() == "zlib"
-        assert crc.crc32(b"ucp") == zlib.crc32(b"ucp")
-    finally:
-        crc._chosen.cache_clear()
+    monkeypatch.setattr(crc, "_chosen", None)  # as in a new process
+    assert crc.crc32_implementation() == "zlib"
+    assert crc.crc32(b"ucp") == zlib.crc32(b"ucp")
     with pytest.raises(UcpError, match=f"{CRC32_ENV}='crc64' names no CRC-32 implementation: use one of isal, "
                                        "zlib-ng, zlib"):
         choose_crc32("crc64")
@@ -123,3 +128,13 @@ def test_an_implementation_named_but_not_installed_is_one_clear_error(no_fast_li
         choose_crc32("isal")
     with pytest.raises(UcpError, match=f"{CRC32_ENV}=zlib-ng: zlib_ng.zlib_ng is not installed; pip install zlib-ng"):
         choose_crc32("zlib-ng")
+
+
+def test_every_checksum_of_the_package_goes_through_crc32():
+    """convert's workers and source check, the async save's writers, the load checks, manifests, extra files: no
+    module but ucp.format.crc calls zlib (or a CRC library) itself."""
+    root = Path(__file__).resolve().parents[2]
+    sources = [p for folder in ("ucp", "converters", "patterns", "cli") for p in (root / folder).rglob("*.py")]
+    assert root / "ucp" / "format" / "crc.py" in sources  # negative control: the probe reads the CRC module
+    calls = re.compile(r"^\s*(import|from)\s+(zlib|isal|zlib_ng)\b|\b(zlib|isal_zlib|zlib_ng)\.crc32\(", re.M)
+    assert sorted(str(p.relative_to(root)) for p in sources if calls.search(p.read_text())) == ["ucp/format/crc.py"]

@@ -48,20 +48,35 @@ def choose_crc32(wanted: str | None = None) -> tuple[str, Callable[[Buffer, int]
     return "zlib", zlib.crc32
 
 
-@functools.cache
-def _chosen() -> tuple[str, Callable[[Buffer, int], int]]:
-    return choose_crc32(os.environ.get(CRC32_ENV) or None)
+_chosen: tuple[str, Callable[[Buffer, int], int]] | None = None
+
+
+def _current() -> tuple[str, Callable[[Buffer, int], int]]:
+    """This process's implementation: the one `use_crc32` chose, else (on first use) the one `UCP_CRC32` names,
+    else the fastest installed."""
+    global _chosen
+    if _chosen is None:
+        _chosen = choose_crc32(os.environ.get(CRC32_ENV) or None)
+    return _chosen
+
+
+def use_crc32(name: str | None = None) -> str:
+    """Make `crc32` use the implementation `name` (isal, zlib-ng or zlib) in this process from now on, or the
+    fastest one installed; returns its name."""
+    global _chosen
+    _chosen = choose_crc32(name)
+    return _chosen[0]
 
 
 def crc32_implementation() -> str:
     """The name of the library `crc32` uses: isal, zlib-ng or zlib."""
-    return _chosen()[0]
+    return _current()[0]
 
 
 def crc32(data: Buffer, value: int = 0) -> int:
     """zlib's CRC-32 of `data` (any C-contiguous buffer: bytes, memoryview, numpy array), continuing from `value`,
     the CRC-32 of the bytes before it."""
-    return _chosen()[1](data, value)
+    return _current()[1](data, value)
 
 
 _POLY = 0xEDB88320  # the zlib CRC-32 polynomial, reflected
