@@ -63,7 +63,7 @@ def check(data: torch.Tensor, read: ByteRange, stored: StoredState, chunk_bytes:
                                      "it from a copy")
     first = len(chunk_bounds(stored.begin, read.begin, chunk_bytes))
     for i, (lo, hi) in enumerate(chunk_bounds(read.begin, read.end, chunk_bytes), start=first):
-        if crc32(raw[lo - read.begin:hi - read.begin]) != stored.chunk_crc32[i]:
+        if crc32(raw[lo - read.begin:hi - read.begin]) != stored.chunk_crc32[i]:  # type: ignore[index]  # a cover
             raise CorruptCheckpointError(f"{where} bytes [{lo}, {hi}) fail their checksum; the file is damaged, "
                                          "convert again or restore it from a copy")
 
@@ -113,7 +113,7 @@ def _check_whole_chunks(data: torch.Tensor, read: ByteRange, stored: StoredState
     for lo, hi in chunk_bounds(read.begin, read.end, chunk_bytes):
         first = max(stored.begin, lo // chunk_bytes * chunk_bytes)
         bounds = (first, min(stored.end, (lo // chunk_bytes + 1) * chunk_bytes))
-        expected = stored.chunk_crc32[len(chunk_bounds(stored.begin, first, chunk_bytes))]
+        expected = stored.chunk_crc32[len(chunk_bounds(stored.begin, first, chunk_bytes))]  # type: ignore[index]
         crc = crc32(raw[lo - read.begin:hi - read.begin])
         if (lo, hi) != bounds:
             opened.append(OpenChunk(stored.file, *bounds, expected, (lo, hi, crc), where))

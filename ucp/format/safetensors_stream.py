@@ -14,7 +14,7 @@ import os
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ucp.errors import CorruptCheckpointError
 from ucp.format.crc import CHUNK_BYTES, crc32, join_segments, segment_crcs
@@ -27,14 +27,15 @@ if TYPE_CHECKING:
 _ALIGN = 8  # safetensors pads the header so the data section starts 8-byte aligned
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> dict[str, torch.dtype]:
     # TORCH_DTYPES (dtype name -> torch.dtype) is built on first use, so that conversion, which
     # imports this module, never imports torch.
     if name == "TORCH_DTYPES":
         import torch
 
-        globals()[name] = {dtype: getattr(torch, dtype) for dtype in SAFETENSORS_DTYPES}
-        return globals()[name]
+        dtypes: dict[str, torch.dtype] = {dtype: getattr(torch, dtype) for dtype in SAFETENSORS_DTYPES}
+        globals()[name] = dtypes
+        return dtypes
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -65,7 +66,7 @@ def encode_header(slots: Sequence[TensorSlot], metadata: dict[str, str] | None =
 
     The data of slot i then starts at len(header) + the sum of the sizes of slots before it.
     """
-    header: dict = {"__metadata__": metadata} if metadata else {}
+    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
     cursor = 0
     for slot in slots:
         header[slot.key] = {"dtype": SAFETENSORS_DTYPES[slot.dtype], "shape": list(slot.shape),
