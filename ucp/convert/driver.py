@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from ucp.convert.balance import plan_bins
-from ucp.convert.bin_copy import BinFile, copy_states, write_array
+from ucp.convert.bin_copy import BinFile, SourceSegment, copy_states, write_array
 from ucp.convert.executor import Executor, LocalExecutor, Report, ShuffleExecutor
 from ucp.convert.index_builder import WrittenFile, build_index, records_of
 from ucp.convert.manifest import (
@@ -73,7 +73,7 @@ class WriteBin:
     chunk_bytes: int = CHUNK_BYTES  # the states' chunk checksums cover runs of this many bytes
 
 
-def convert(input_dir: str | os.PathLike, output_dir: str | os.PathLike, *, tag: str | None = None,
+def convert(input_dir: str | os.PathLike[str], output_dir: str | os.PathLike[str], *, tag: str | None = None,
             workers: int | None = None, fmt: str = "ucp", strict: bool = False,
             executor: Executor | None = None, progress: bool = True,
             param_names: list[str] | None = None, resume: bool = False,
@@ -241,7 +241,7 @@ def stream_bin(task: WriteBin, report: Report,
     """Write every state of the bin's parameters, as `state_array` gives it, into one safetensors file
     (the Ray backend's reducer, whose fragments come from the object store; the same bytes as `write_bin`'s)."""
 
-    def fill(out: BinFile, slots: list[TensorSlot], after_state: Callable[[StateSource], None]):
+    def fill(out: BinFile, slots: list[TensorSlot], after_state: Callable[[StateSource], None]) -> Filled:
         stored, keys = {}, iter(slots)
         for p in task.params:
             for source in p.states.values():
@@ -260,18 +260,25 @@ def stream_bin(task: WriteBin, report: Report,
     return _write_file(task, report, fill)[0]
 
 
-def _write_file(task: WriteBin, report: Report, fill) -> tuple[WrittenFile, tuple]:
+# Where each state of a bin landed, and the source segments read: what a bin writer's `fill` returns.
+Filled = tuple[dict[str, StoredTensor], list[SourceSegment]]
+
+
+def _write_file(task: WriteBin, report: Report,
+                fill: Callable[[BinFile, list[TensorSlot], Callable[[StateSource], None]], Filled],
+                ) -> tuple[WrittenFile, tuple[SourceSegment, ...]]:
     """The bin's file, written by `fill(file, slots, after_state)` (which returns where each state landed and
     the source segments read); durable (fsynced, renamed, directory fsynced) before its manifest is written."""
     final = os.path.join(task.output, task.file_name)
     partial = final + PARTIAL_SUFFIX
     slots = bin_slots(task.params)
-    written = []
+    states_written = 0
 
     def after_state(source: StateSource) -> None:
+        nonlocal states_written
         report(source.nbytes)
-        written.append(source)
-        if len(written) == 1:
+        states_written += 1
+        if states_written == 1:
             _hold_for_tests(task.file_name)
 
     out = None

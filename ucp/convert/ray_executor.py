@@ -34,9 +34,9 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import numpy as np
+import ray
 from ray.exceptions import RayError, RayTaskError
 
-import ray
 from ucp.convert.assemble import assemble
 from ucp.convert.driver import WriteBin, WrittenBin, stream_bin
 from ucp.convert.executor import Report, default_workers

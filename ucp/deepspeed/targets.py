@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from ucp.deepspeed.moe_target import checkpoint_name, expert_groups, local_expert_tensors
 from ucp.errors import UnsupportedLayoutError
@@ -67,12 +68,12 @@ class TargetTensor:
     view: View                  # view(state name): the live elements [start, start + numel), flat
     group: int | None = None    # optimizer param group index (trainable parameters)
     box: Box | None = None      # the part of the full tensor this rank's module holds (None: all of it)
-    dp_group: object = None     # the ranks sharing this tensor's box (None: the target's data-parallel group)
+    dp_group: ProcessGroup | None = None  # the ranks sharing this tensor's box (None: the target's data-parallel group)
 
     def install(self, state: str, value: torch.Tensor) -> None:
         self.view(state).copy_(value)
 
-    def shared_by(self, dp_group) -> TargetTensor:
+    def shared_by(self, dp_group: ProcessGroup | None) -> TargetTensor:
         """This tensor, its box shared by the ranks of `dp_group`."""
         return dataclasses.replace(self, dp_group=dp_group)
 
@@ -101,7 +102,7 @@ class Target:
     def __init__(self, engine):
         self.engine = engine
         self.tensors: list[TargetTensor] = []
-        self.dp_group = getattr(engine, "data_parallel_group", None)
+        self.dp_group: ProcessGroup | None = getattr(engine, "data_parallel_group", None)
         self.every_rank_names: set[str] | None = None  # set where ranks hold different tensors
 
     @property

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, overload
 
 import numpy as np
 
@@ -21,6 +21,14 @@ if TYPE_CHECKING:
     import torch
 
     from ucp.format.slice_read import SliceRead
+
+@overload
+def to_split_major(tensor: torch.Tensor, dim: int, count: int) -> torch.Tensor: ...
+
+
+@overload
+def to_split_major(tensor: np.ndarray, dim: int, count: int) -> np.ndarray: ...
+
 
 def to_split_major(tensor: torch.Tensor | np.ndarray, dim: int, count: int) -> torch.Tensor | np.ndarray:
     """The elements of `tensor` (a torch tensor or numpy array) split after split along `dim` (flat when dim > 0)."""
