@@ -254,7 +254,7 @@ _OS_FIXES = {
 def os_error_line(exc: OSError, output: str | None = None) -> str:
     """An OSError as one line: the path (else the output being written), what the system said, the fix."""
     where = exc.filename if exc.filename is not None else output or "?"
-    fix = _OS_FIXES.get(exc.errno, "check the path and the file system")
+    fix = _OS_FIXES.get(exc.errno or 0, "check the path and the file system")
     return f"{where}: {exc.strerror or exc}; {fix}"
 
 

@@ -107,8 +107,8 @@ def _layer_tensors_of(folder: Path, names: list[str], rank: int, known: set[str]
 
 def _trainable(name: str, by_tp: list[list[SliceState]], layers: list[dict[str, LazyTensor]],
                layouts: Layouts) -> ParamPlan:
-    holders = [next((st for st in stages if name in st.shapes), None) for stages in by_tp]
-    if any(h is None for h in holders):
+    holders = [h for h in (next((st for st in stages if name in st.shapes), None) for stages in by_tp) if h is not None]
+    if len(holders) < len(by_tp):
         raise CorruptCheckpointError(f"{name}: only some tensor-parallel ranks' model files list it; files from "
                                      "different runs are mixed")
     stage = holders[0].mp // len(by_tp)

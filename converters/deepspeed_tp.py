@@ -228,8 +228,8 @@ def untrained_shards(tables: list[dict], layouts: Layouts, skip: set[str], buffe
     for name, t in tables[0].items():
         if name in skip or not isinstance(t, LazyTensor):
             continue
-        tensors = [table.get(name) for table in tables]
-        if not all(isinstance(x, LazyTensor) for x in tensors):
+        tensors = [x for x in (table.get(name) for table in tables) if isinstance(x, LazyTensor)]
+        if len(tensors) < len(tables):
             raise CorruptCheckpointError(f"{name}: some TP ranks lack it; {missing}")
         shape, hints = layouts.of(name, [x.shape for x in tensors], lambda: [read_values(x) for x in tensors])
         frags = [whole(x, rank) for rank, x in enumerate(tensors)]

@@ -264,7 +264,7 @@ class Copier:
         try:
             for lo in range(begin, end, PIECE_BYTES):
                 raw = buffer[:min(PIECE_BYTES, end - lo)]
-                self.sources.read(path, memoryview(raw), lo)
+                self.sources.read(path, raw.data, lo)
                 read.append((path, lo, lo + raw.nbytes, crc32(raw)))
         finally:
             self._buffers.put(buffer)
@@ -285,7 +285,7 @@ class Copier:
             start = 0
             for run in runs:
                 raw = piece[start:start + run.numel].view(np.uint8)
-                self.sources.read(run.path, memoryview(raw), run.offset)
+                self.sources.read(run.path, raw.data, run.offset)
                 read.append((run.path, run.offset, run.offset + raw.nbytes, crc32(raw)))
                 start += run.numel
             out[:, column:column + width] = cast(piece.reshape(rows, width), runs[0].dtype, dtype)
@@ -304,7 +304,7 @@ class Copier:
                 source = run.offset + start * itemsize
                 dest = block.dest + (start - block.start) * out_itemsize
                 raw = buffer[:numel * itemsize]
-                self.sources.read(run.path, memoryview(raw), source)
+                self.sources.read(run.path, raw.data, source)
                 if run.dtype == block.dtype:  # the output's CRCs are the source's
                     segments = self.write(raw, dest)
                     read += [(run.path, lo - dest + source, hi - dest + source, crc) for lo, hi, crc in segments]
@@ -351,12 +351,12 @@ def copy_states(out: BinFile, params: tuple[ParamPlan, ...], slots: list[TensorS
                 begin = out.begins[slot.key]
                 runs = state_runs(source, strict) if p.splits is None else None
                 rows = row_parts(source, strict) if p.splits is None and runs is None else None
-                if runs is not None or rows is not None:
-                    if runs is not None:
-                        futures = [copier.submit(b) for b in blocks(runs, begin, source.dtype)]
-                    else:
-                        futures = [copier.submit_rows(rows, source.dtype, begin)]
-                        runs = [run for _, part in rows for run in part]
+                if runs is not None:
+                    futures = [copier.submit(b) for b in blocks(runs, begin, source.dtype)]
+                elif rows is not None:
+                    futures = [copier.submit_rows(rows, source.dtype, begin)]
+                    runs = [run for _, part in rows for run in part]
+                if runs is not None:  # copied (blocks or rows), not assembled
                     futures += [copier.submit_checksum(*unread) for unread in unread_bytes(source, runs)]
                     pending.append((source, slot.key, begin, begin + slot.nbytes, futures, []))
                 else:

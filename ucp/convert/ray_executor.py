@@ -242,7 +242,7 @@ def _submit_shuffle(tasks: Sequence[WriteBin], maps: list[MapFile]) -> list:
     inputs: list[list[tuple[str, ray.ObjectRef]]] = [[] for _ in tasks]
     for job in maps:
         refs = _extract.options(num_returns=len(job.bins)).remote(job)
-        for b, ref in zip(job.bins, refs if len(job.bins) > 1 else [refs]):
+        for b, ref in zip(job.bins, refs if isinstance(refs, list) else [refs]):  # one return: a ref, not a list
             inputs[b].append((job.path, ref))
     return [_reduce.remote(t, tuple(path for path, _ in inputs[b]), *(ref for _, ref in inputs[b]))
             for b, t in enumerate(tasks)]

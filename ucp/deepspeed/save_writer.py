@@ -130,7 +130,7 @@ def write_pieces(directory: Path, files: Sequence[SaveFile], buffer: SnapshotBuf
     finally:
         for fd in fds.values():
             os.close(fd)
-    return [WrittenPiece(p.key, p.begin, p.end, tuple(tuple(seg) for seg in segs))
+    return [WrittenPiece(p.key, p.begin, p.end, tuple((lo, hi, crc) for lo, hi, crc in segs))
             for p, segs in zip(buffer.pieces, segments)]
 
 

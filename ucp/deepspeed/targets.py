@@ -32,6 +32,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -40,6 +41,9 @@ from torch.distributed import ProcessGroup
 from ucp.deepspeed.moe_target import checkpoint_name, expert_groups, local_expert_tensors
 from ucp.errors import UnsupportedLayoutError
 from ucp.format.boxes import Box
+
+if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
 
 View = Callable[[str], torch.Tensor]
 
@@ -99,7 +103,7 @@ def _first(view: View, numel: int) -> View:
 class Target:
     """The tensors of one engine on one rank, in model order, plus the hooks around loading them."""
 
-    def __init__(self, engine):
+    def __init__(self, engine: DeepSpeedEngine) -> None:
         self.engine = engine
         self.tensors: list[TargetTensor] = []
         self.dp_group: ProcessGroup | None = getattr(engine, "data_parallel_group", None)
@@ -160,7 +164,7 @@ def target_for(engine) -> Target:
 
 def _every_rank_names(target: Target) -> set[str]:
     """The union of every rank's tensor names (collective over the world)."""
-    found = [None] * dist.get_world_size()
+    found: list[list[str]] = [[] for _ in range(dist.get_world_size())]
     dist.all_gather_object(found, sorted(t.name for t in target.tensors))
     return {name for names in found for name in names}
 
@@ -320,7 +324,7 @@ class _FlatPartitionTarget(Target):
     module parameters of each group, in the same order).
     """
 
-    zero = None
+    zero: Any = None  # the engine's ZeRO optimizer (DeepSpeed's, untyped)
     flats: list = []
     low_groups: list = []
 

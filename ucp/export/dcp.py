@@ -26,11 +26,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import CheckpointException, FileSystemWriter, save
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.state_dict_saver import save
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 from tqdm import tqdm
