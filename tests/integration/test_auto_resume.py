@@ -7,11 +7,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
+import ucp
 from support.elastic_agents import read_losses
 from support.launch import run_logged, run_torchrun, start_torchrun, torchrun_command
 from support.processes import kill_tree, wait_for
-
-import ucp
 
 pytestmark = pytest.mark.slow
 

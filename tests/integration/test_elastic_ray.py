@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from support.elastic_agents import reached, read_losses
 from support.launch import run_torchrun
 from support.processes import kill_tree, wait_for

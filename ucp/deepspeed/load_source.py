@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -104,7 +104,7 @@ def _all_ranks(opened: list[OpenChunk]) -> list[OpenChunk]:
     growing with world size x states; routing each chunk's pieces to one owner rank would bound it."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return opened
-    found = [None] * dist.get_world_size()
+    found: list[Any] = [None] * dist.get_world_size()  # every rank's list of open chunks, once gathered
     dist.all_gather_object(found, opened)
     return [c for chunks in found for c in chunks]
 
@@ -144,6 +144,7 @@ class AtomicSource:
         read are kept while they fit in `keep_bytes`. A chunk that a rank reads only part of (where ZeRO
         partitions meet) is checked from the parts the ranks read, exchanged once (a collective), rather
         than read whole by each (`ucp.format.checked_read.close_chunks`)."""
+        opened: list[OpenChunk]
         counter, kept, opened = ReadCounter(), 0, []
         self._checked = True
         damaged = None
@@ -248,7 +249,7 @@ class PlannedSource:
         _count(stats, counter)
         for key, parts in ranges.items():
             raw = chunks[parts[0]] if len(parts) == 1 else torch.cat([chunks[r] for r in parts])  # no copy for one
-            stored = raw.view(TORCH_DTYPES[self._flat(key)[0].piece.dtype])
+            stored = raw.view(TORCH_DTYPES[self._flat(key)[0].piece.dtype])  # type: ignore[index]  # a run read
             values[key] = self._from_span(stored.to(self.dtype(key)), key, wants[key])
         return values
 

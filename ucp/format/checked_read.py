@@ -13,7 +13,6 @@ read.
 """
 from __future__ import annotations
 
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +21,7 @@ import torch
 
 from ucp.errors import CorruptCheckpointError
 from ucp.format.byte_ranges import ByteRange, coalesce
-from ucp.format.crc import chunk_bounds, crc32_combine
+from ucp.format.crc import chunk_bounds, crc32, crc32_combine
 from ucp.format.fileio import ReadCounter, pread_into, tensor_bytes
 from ucp.format.index import StoredState
 
@@ -58,13 +57,13 @@ def check(data: torch.Tensor, read: ByteRange, stored: StoredState, chunk_bytes:
     if read.nbytes == 0:
         return
     if read.begin == stored.begin and read.end == stored.end:
-        if zlib.crc32(raw) == stored.crc32:
+        if crc32(raw) == stored.crc32:
             return
         raise CorruptCheckpointError(f"{where} fails its checksum; the file is damaged, convert again or restore "
                                      "it from a copy")
     first = len(chunk_bounds(stored.begin, read.begin, chunk_bytes))
     for i, (lo, hi) in enumerate(chunk_bounds(read.begin, read.end, chunk_bytes), start=first):
-        if zlib.crc32(raw[lo - read.begin:hi - read.begin]) != stored.chunk_crc32[i]:
+        if crc32(raw[lo - read.begin:hi - read.begin]) != stored.chunk_crc32[i]:  # type: ignore[index]  # a cover
             raise CorruptCheckpointError(f"{where} bytes [{lo}, {hi}) fail their checksum; the file is damaged, "
                                          "convert again or restore it from a copy")
 
@@ -114,8 +113,8 @@ def _check_whole_chunks(data: torch.Tensor, read: ByteRange, stored: StoredState
     for lo, hi in chunk_bounds(read.begin, read.end, chunk_bytes):
         first = max(stored.begin, lo // chunk_bytes * chunk_bytes)
         bounds = (first, min(stored.end, (lo // chunk_bytes + 1) * chunk_bytes))
-        expected = stored.chunk_crc32[len(chunk_bounds(stored.begin, first, chunk_bytes))]
-        crc = zlib.crc32(raw[lo - read.begin:hi - read.begin])
+        expected = stored.chunk_crc32[len(chunk_bounds(stored.begin, first, chunk_bytes))]  # type: ignore[index]
+        crc = crc32(raw[lo - read.begin:hi - read.begin])
         if (lo, hi) != bounds:
             opened.append(OpenChunk(stored.file, *bounds, expected, (lo, hi, crc), where))
         elif crc != expected:
@@ -154,6 +153,6 @@ def _joined(path: Path, parts: set[tuple[int, int, int]], begin: int, end: int,
             stop = min((p[0] for p in parts if p[0] > cursor), default=end)
             buf = torch.empty(stop - cursor, dtype=torch.uint8)
             pread_into(str(path), buf, cursor, counter)
-            step, read = (cursor, stop, zlib.crc32(tensor_bytes(buf))), read + stop - cursor
+            step, read = (cursor, stop, crc32(tensor_bytes(buf))), read + stop - cursor
         crc, cursor = crc32_combine(crc, step[2], step[1] - step[0]), step[1]
     return crc, read
