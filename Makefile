@@ -3,7 +3,7 @@ PYTHON ?= python3
 # torch is pinned so that pip takes the CPU wheel instead of a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: install demo test test-fast bench
+.PHONY: install demo lint test test-fast bench
 
 install:
 	$(PYTHON) -m pip install --quiet --disable-pip-version-check "$(TORCH)" -e ".[test]"
@@ -11,7 +11,12 @@ install:
 demo: install
 	ucp demo
 
-test: install
+# ruff (lint and import order) and mypy (strict on ucp.format and the public API), configured in pyproject.toml.
+lint: install
+	$(PYTHON) -m ruff check .
+	$(PYTHON) .ci/typecheck.py
+
+test: lint
 	$(PYTHON) -m pytest -q
 
 # The unit tier alone: pure tests, no DeepSpeed run, no subprocess training (under 2 minutes).

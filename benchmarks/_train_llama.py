@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """Train a ~112M-parameter Llama (random init, no downloads) for one step with DeepSpeed ZeRO-1 fp32 on CPU
-(or another stage, precision and size: --stage, --dtype, --model 359m) and save the checkpoint. Launched by benchmarks/convert.py as
+(or another stage, precision and size: --stage, --dtype, --model 359m) and save the checkpoint. Launched by
+benchmarks/convert.py as
 
     torchrun --nproc_per_node 2 benchmarks/_train_llama.py SAVE_DIR [--stage 2 --dtype bf16]
 

@@ -16,11 +16,14 @@ Llama saved with AutoTP=2 and ZeRO-1, measured the same way (benchmarks/convert_
    (the copy limit: a converter reads every byte and writes about as many), and `ucp convert --format
    deepspeed` (for information). Reports wall time, peak RSS of the process tree, bytes and files written,
    the ratios the project targets, and checks ucp's tensors against ds_to_universal's.
+3. With `--crc32 zlib,zlib-ng`, also `ucp convert` with each CRC-32 implementation named (`UCP_CRC32`), in the
+   same rounds, checked to write the same bytes as the default one (the fastest installed).
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import filecmp
 import json
 import os
 import platform
@@ -37,6 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
+
+from ucp.format.crc import CRC32_ENV, crc32_implementation
 
 HERE = Path(__file__).resolve().parent
 TRAIN_SCRIPT = HERE / "_train_llama.py"
@@ -154,6 +159,7 @@ class Tool:
     label: str
     out: Path              # directory to walk for bytes/files, and to delete
     samples: list[Sample] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)  # added to the command's environment
 
     def median(self, attr: str) -> float:
         return statistics.median(getattr(s, attr) for s in self.samples)
@@ -186,8 +192,9 @@ def tree_rss(proc: psutil.Process) -> tuple[int, int]:
     return rss, anon
 
 
-def measure(cmd: list[str], out: Path, log: Path) -> Sample:
-    """Run `cmd`, polling the RSS of its process tree every POLL_S; then sync and walk `out`."""
+def measure(cmd: list[str], out: Path, log: Path, env: dict[str, str] | None = None) -> Sample:
+    """Run `cmd` (with `env` added to the environment), polling the RSS of its process tree every POLL_S; then sync
+    and walk `out`."""
     os.sync()  # start clean: no dirty pages left over from the previous run being written back meanwhile
     peak = [0, 0]
     ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -195,7 +202,7 @@ def measure(cmd: list[str], out: Path, log: Path) -> Sample:
         f.write(f"$ {' '.join(cmd)}\n")
         f.flush()
         t0 = time.perf_counter()
-        proc = psutil.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=base_env())
+        proc = psutil.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**base_env(), **(env or {})})
         done = threading.Event()
 
         def poll() -> None:
@@ -315,6 +322,16 @@ def verify(ucp_out: Path, ds_tag_dir: Path, names: list[str], ucpds_tag_dir: Pat
 # Reporting
 # --------------------------------------------------------------------------------------------------------------
 
+def same_files(expected: Path, found: Path, crc_name: str) -> str:
+    """'OK ...' when `found` holds the files of `expected`, byte for byte (the index records the same CRC-32s)."""
+    names = sorted(p.relative_to(expected) for p in expected.rglob("*") if p.is_file())
+    if names != sorted(p.relative_to(found) for p in found.rglob("*") if p.is_file()):
+        return f"MISMATCH: with CRC-32 {crc_name}, ucp convert wrote other files"
+    differ = [str(n) for n in names if not filecmp.cmp(expected / n, found / n, shallow=False)]
+    return (f"MISMATCH: with CRC-32 {crc_name}, {', '.join(differ)} differ" if differ else
+            f"OK ucp convert with CRC-32 {crc_name} wrote the same {len(names)} files, byte for byte")
+
+
 def fmt_bytes(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
@@ -334,7 +351,9 @@ HEADER = ["tool", "wall s", "wall+sync s", "CPU s", "peak RSS MiB", "peak anon M
 
 def ascii_table(rows: list[list[str]]) -> str:
     widths = [max(len(r[i]) for r in [HEADER] + rows) for i in range(len(HEADER))]
-    line = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+    def line(r: list[str]) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+
     return "\n".join([line(HEADER), line(["-" * w for w in widths])] + [line(r) for r in rows])
 
 
@@ -370,6 +389,7 @@ def target_lines(r: dict[str, float]) -> list[tuple[str, str, str, str]]:
 def machine_info() -> dict[str, str]:
     import deepspeed
     import torch
+
     import ucp
 
     cpu = platform.processor() or platform.machine()
@@ -397,9 +417,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--markdown-out", metavar="FILE", help="also write the results as markdown to FILE")
     ap.add_argument("--tmp", metavar="DIR", help="scratch directory for outputs (default: a new one under $TMPDIR)")
     ap.add_argument("--source", choices=(*SOURCES, "autotp"), default="zero1",
-                    help="zero1: the data-parallel ZeRO-1 fp32 Llama (default); zero2-bf16, zero3: the same Llama under "
-                    "ZeRO-2 bf16 / ZeRO-3 fp32; autotp: a Llama saved with AutoTP=2 ZeRO-1 (--repeat and --tmp do not "
-                    "apply)")
+                    help="zero1: the data-parallel ZeRO-1 fp32 Llama (default); zero2-bf16, zero3: the same Llama "
+                    "under ZeRO-2 bf16 / ZeRO-3 fp32; autotp: a Llama saved with AutoTP=2 ZeRO-1 (--repeat and --tmp "
+                    "do not apply)")
+    ap.add_argument("--crc32", metavar="NAMES", default="",
+                    help="also time ucp convert with each of these CRC-32 implementations (comma-separated: isal, "
+                    "zlib-ng, zlib), in the same rounds")
     args = ap.parse_args(argv)
     if args.source == "autotp":
         from convert_autotp import main as autotp_main
@@ -423,10 +446,14 @@ def main(argv: list[str] | None = None) -> int:
     log = tmp / "commands.log"
     n = str(args.workers)
     ds_script = ds_to_universal_script()
+    crc_default = crc32_implementation()
+    crc_names = [name for name in args.crc32.split(",") if name]
     tools = [
         Tool("copy", "cp -r (copy limit)", tmp / "copy"),
         Tool("ds", "ds_to_universal.py", tmp / "ds_out"),
-        Tool("ucp", "ucp convert", tmp / "ucp_out"),
+        Tool("ucp", f"ucp convert (CRC-32: {crc_default})", tmp / "ucp_out"),
+        *(Tool(f"ucp-{name}", f"ucp convert (CRC-32: {name})", tmp / f"ucp_out_{name}", env={CRC32_ENV: name})
+          for name in crc_names),
         Tool("ucpds", "ucp convert --format deepspeed", tmp / "ucpds_out"),
     ]
     by = {t.key: t for t in tools}
@@ -440,6 +467,9 @@ def main(argv: list[str] | None = None) -> int:
         "ucpds": ucp_command() + ["convert", "--input", str(save_dir), "--output", str(by["ucpds"].out / tag),
                                   "--workers", n, "--quiet", "--format", "deepspeed"],
     }
+    for name in crc_names:
+        commands[f"ucp-{name}"] = ucp_command() + ["convert", "--input", str(save_dir), "--output",
+                                                   str(by[f"ucp-{name}"].out), "--workers", n, "--quiet"]
     verification: list[str] = []
     names = pick_params(save_dir, tag)
     try:
@@ -450,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
         for rep in range(args.repeat):
             for t in tools:
                 shutil.rmtree(t.out, ignore_errors=True)
-                s = measure(commands[t.key], t.out, log)
+                s = measure(commands[t.key], t.out, log, t.env)
                 t.samples.append(s)
                 print(f"[{rep + 1}/{args.repeat}] {t.label:32s} {s.wall:7.2f} s (+{s.sync:.2f} s sync, "
                       f"CPU {s.cpu:.1f} s)  "
@@ -460,6 +490,7 @@ def main(argv: list[str] | None = None) -> int:
                     shutil.rmtree(t.out)
             if rep == args.repeat - 1:
                 verification = verify(by["ucp"].out, by["ds"].out / tag, names, by["ucpds"].out / tag)
+                verification += [same_files(by["ucp"].out, by[f"ucp-{name}"].out, name) for name in crc_names]
             for t in tools:
                 shutil.rmtree(t.out, ignore_errors=True)
     finally:
@@ -509,10 +540,12 @@ def main(argv: list[str] | None = None) -> int:
               "|---|---:|---|---|"]
         md += [f"| {label} | {value} | {target} | {verdict} |" for label, value, target, verdict in targets]
         md += ["",
-               f"Correctness: {'all' if verified else 'NOT all'} {len(verification)} tensors equal "
+               f"Correctness: all {len(verification) - len(crc_names)} tensors equal "
                f"(`torch.equal`) between `ucp.open_checkpoint(out).tensor(name, state)` and ds_to_universal's "
                f"`zero/<name>/<state>.pt` for {', '.join(f'`{n}`' for n in names)} × "
-               f"{'/'.join(VERIFY_STATES)}; `ucp convert --format deepspeed` wrote identical files."
+               f"{'/'.join(VERIFY_STATES)}; `ucp convert --format deepspeed` wrote identical files"
+               + "".join(f"; with CRC-32 {name}, ucp convert wrote the same bytes as with {crc_default}"
+                         for name in crc_names) + "."
                if verified else "Correctness: MISMATCH:\n\n" + "\n".join(f"    {v}" for v in verification),
                "",
                "*wall* is the command's run time; *wall+sync* adds a `sync` right after it. ucp fsyncs its data "

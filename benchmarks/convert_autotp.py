@@ -112,8 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     lines = [f"AutoTP=2 ZeRO-1 fp32 Llama ~125M, checkpoint {source / 2**30:.2f} GiB, {args.workers} workers", ""]
     lines += ["| " + " | ".join(r) + " |" for r in rows[:1]] + ["|" + "---|" * len(rows[0])]
     lines += ["| " + " | ".join(r) + " |" for r in rows[1:]]
-    lines += ["", f"ucp / (cp -r + sync) {u.wall / (c.wall + c.sync):.2f}x (cp -r {c.wall:.2f} s + sync {c.sync:.2f} s), "
-              f"speed-up {d.wall / u.wall:.2f}x, peak RSS ratio {u.peak_rss / d.peak_rss:.2f}, "
+    lines += ["", f"ucp / (cp -r + sync) {u.wall / (c.wall + c.sync):.2f}x "
+              f"(cp -r {c.wall:.2f} s + sync {c.sync:.2f} s), speed-up {d.wall / u.wall:.2f}x, "
+              f"peak RSS ratio {u.peak_rss / d.peak_rss:.2f}, "
               f"files ratio {u.files_written / d.files_written:.4f}; {compared} tensors equal to ds_to_universal's"]
     print("\n".join(lines))
     if args.markdown_out:

@@ -70,14 +70,13 @@ sys.path.insert(0, str(HERE))  # benchmarks/convert.py and convert_ray.py, besid
 
 from convert import CKPT_NAME, DONE_MARKER  # noqa: E402
 from convert_ray import tiny_checkpoint  # noqa: E402
-
 from ucp.convert.balance import plan_bins  # noqa: E402
 from ucp.convert.driver import WriteBin  # noqa: E402
 from ucp.convert.index_builder import WrittenFile, build_index, records_of  # noqa: E402
 from ucp.convert.plan import WEIGHT_STATE, ConversionPlan  # noqa: E402
 from ucp.convert.ray_executor import shuffle_plan  # noqa: E402
 from ucp.converters import deepspeed_slices, deepspeed_zero3  # noqa: E402
-from ucp.converters.deepspeed_zero import plan_zero12, plan_zero3  # noqa: E402
+from ucp.converters.deepspeed_zero import plan_zero3, plan_zero12  # noqa: E402
 from ucp.converters.tag_folder import TagDir  # noqa: E402
 from ucp.converters.torch_zip import DtypeName, LazyStorage, LazyTensor, load_lazy  # noqa: E402
 from ucp.format.crc import CHUNK_BYTES  # noqa: E402

@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Ways to copy a file's bytes and CRC-32 them on the way, timed on one rank file (what `ucp.convert.bin_copy` chose from).
+"""Ways to copy a file's bytes and CRC-32 them on the way, timed on one rank file (what `ucp.convert.bin_copy`
+chose from).
 
     python benchmarks/copy_methods.py FILE [--repeat 3]
 
@@ -18,7 +19,8 @@ import mmap
 import os
 import statistics
 import time
-import zlib
+
+from ucp.format.crc import crc32
 
 
 def pread_crc_write(src: int, out: int, size: int, block: int) -> None:
@@ -26,7 +28,7 @@ def pread_crc_write(src: int, out: int, size: int, block: int) -> None:
     offset = 0
     while offset < size:
         n = os.preadv(src, [buffer[:min(block, size - offset)]], offset)
-        zlib.crc32(buffer[:n])
+        crc32(buffer[:n])
         os.pwrite(out, buffer[:n], offset)
         offset += n
 
@@ -37,7 +39,7 @@ def mmap_crc_write(src: int, out: int, size: int, block: int) -> None:
         n = min(block, size - offset)
         with mmap.mmap(src, n, prot=mmap.PROT_READ, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, offset=offset) as m:
             view = memoryview(m)
-            zlib.crc32(view)
+            crc32(view)
             os.pwrite(out, view, offset)
             view.release()
         offset += n
@@ -48,7 +50,7 @@ def copy_range_crc(src: int, out: int, size: int, block: int) -> None:
     offset = 0
     while offset < size:
         n = os.preadv(src, [buffer[:min(block, size - offset)]], offset)
-        zlib.crc32(buffer[:n])
+        crc32(buffer[:n])
         done = 0
         while done < n:
             done += os.copy_file_range(src, out, n - done, offset + done, offset + done)

@@ -33,8 +33,16 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from convert import (RSS_NOTE, Sample, build_checkpoint, fmt_bytes, machine_info, measure,  # noqa: E402
-                     tree_size, ucp_command)
+from convert import (  # noqa: E402
+    RSS_NOTE,
+    Sample,
+    build_checkpoint,
+    fmt_bytes,
+    machine_info,
+    measure,
+    tree_size,
+    ucp_command,
+)
 
 SAVE_PRETRAINED = ("import sys; from transformers import AutoModelForCausalLM; "
                    "AutoModelForCausalLM.from_pretrained(sys.argv[1]).save_pretrained(sys.argv[2])")
@@ -45,8 +53,9 @@ HEADER = ["tool", "wall s", "wall+sync s", "CPU s", "peak RSS MiB", "peak anon M
 
 def write_config(folder: Path) -> Path:
     """The benchmark model's config.json, as the HF Trainer would save it beside the checkpoint."""
-    from _train_llama import MODEL
     from transformers import LlamaConfig
+
+    from _train_llama import MODEL
 
     LlamaConfig(**MODEL, architectures=["LlamaForCausalLM"]).save_pretrained(folder)
     return folder / "config.json"
@@ -96,7 +105,9 @@ def table(rows: list[list[str]], markdown: bool) -> str:
         out = ["| " + " | ".join(HEADER) + " |", "|" + "|".join(["---"] + ["---:"] * (len(HEADER) - 1)) + "|"]
         return "\n".join(out + ["| " + " | ".join(r) + " |" for r in rows])
     widths = [max(len(r[i]) for r in [HEADER] + rows) for i in range(len(HEADER))]
-    line = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+    def line(r: list[str]) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+
     return "\n".join([line(HEADER), line(["-" * w for w in widths])] + [line(r) for r in rows])
 
 
@@ -181,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         md = [f"Measured {mach['date']}: {mach['nproc']} CPUs ({mach['cpu']}), {mach['ram']} RAM; Python "
               f"{mach['python']}, torch {mach['torch']}, deepspeed {mach['deepspeed']}, ucp {mach['ucp']}. "
               f"Checkpoint: the 112M Llama of benchmarks/convert.py (ZeRO-1 fp32, DP 2; {fmt_bytes(src_bytes)} in "
-              f"{src_files} files). Medians of {args.repeat} run(s); 1-min load average {load}.", "", table(rows, markdown=True), "",
+              f"{src_files} files). Medians of {args.repeat} run(s); 1-min load average {load}.", "",
+              table(rows, markdown=True), "",
               "| target | measured | goal | |", "|---|---:|---|---|"]
         md += [f"| {label} | {value} | {goal} | {'' if ok is None else 'PASS' if ok else 'MISS'} |"
                for label, value, goal, ok in verdicts]

@@ -43,8 +43,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def split_policy(args: argparse.Namespace) -> SplitPolicy | None:
     """The `ucp.format.splits.SplitPolicy` that --splits and --split-rules ask for, or None."""
-    from ucp.errors import UcpError
     from ucp.convert.split_policy import SplitPolicy, load_split_rules
+    from ucp.errors import UcpError
 
     if args.splits is None:
         if args.split_rules:

@@ -138,10 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tag", metavar="T", help="for a DeepSpeed save directory: the tag to verify")
 
     p = sub.add_parser("submit", help="run a ucp command as a job on a Ray cluster and follow its logs",
-                       description="Submit `ucp COMMAND ...` (convert, verify or inspect) to a Ray cluster's job server, "
-                                   "print the job's logs until it ends, and exit 1 if it fails. convert runs with "
-                                   "--executor ray unless told otherwise. Paths are read on the cluster: use absolute "
-                                   "paths on storage every node shares.",
+                       description="Submit `ucp COMMAND ...` (convert, verify or inspect) to a Ray cluster's job "
+                                   "server, print the job's logs until it ends, and exit 1 if it fails. convert runs "
+                                   "with --executor ray unless told otherwise. Paths are read on the cluster: use "
+                                   "absolute paths on storage every node shares.",
                        epilog="example: ucp submit --address http://HEAD:8265 -- convert --input /shared/ckpts "
                               "--output /shared/ckpts_ucp")
     p.add_argument("--address", required=True, metavar="URL",
@@ -254,7 +254,7 @@ _OS_FIXES = {
 def os_error_line(exc: OSError, output: str | None = None) -> str:
     """An OSError as one line: the path (else the output being written), what the system said, the fix."""
     where = exc.filename if exc.filename is not None else output or "?"
-    fix = _OS_FIXES.get(exc.errno, "check the path and the file system")
+    fix = _OS_FIXES.get(exc.errno or 0, "check the path and the file system")
     return f"{where}: {exc.strerror or exc}; {fix}"
 
 

@@ -97,7 +97,8 @@ def declared_blocks(name: str, entries: dict[str, dict]) -> tuple[tuple[int, ...
     logical, hints = declared
     full = tuple((0, n) for n in logical)
     blocks = []
-    for shard in _ranks(_entry_of(name, entries)):
+    entry = _entry_of(name, entries)
+    for shard in _ranks(entry) if entry is not None else []:  # declared_layout found the entry
         piece, box = shard["pieces"][0], full
         if hints.pattern is not Pattern.REPLICATE:
             dim = 0 if hints.pattern is Pattern.SHARD_V else 1

@@ -71,8 +71,9 @@ def list_layout(name: str, shapes: list[Shape], uc_info: dict, trainable: bool =
                                         f"dim 0; {fix}")
         halves = tuple(s[0] // 2 for s in shapes)
         return _joined(name, shapes, 0, fix), Hints(pattern=Pattern.SHARD_NC, dim=0, sub_widths=(halves, halves))
-    if kind == SUB_PARAMS:
-        return _fused(name, shapes, *sub_params, uc_info, fix)
+    if kind == SUB_PARAMS and sub_params is not None:
+        pattern, entry = sub_params
+        return _fused(name, shapes, pattern, entry, uc_info, fix)
     if not vocabulary and not trainable:
         return None
     full = _joined(name, shapes, 0, fix)

@@ -29,8 +29,7 @@ from ucp.converters.deepspeed_pipe import LAYER_FILE, layer_tensors
 from ucp.converters.deepspeed_slices import SliceState, dtype_name, load_dict, outer_states, read_slice, tied_aliases
 from ucp.converters.deepspeed_tp import Layouts, fp32_shard, untrained_shards
 from ucp.converters.plan_common import finish_plan
-from ucp.converters.tag_folder import model_files, optim_files
-from ucp.converters.tag_folder import TagDir
+from ucp.converters.tag_folder import TagDir, model_files, optim_files
 from ucp.converters.torch_zip import LazyTensor
 from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedLayoutError
 
@@ -108,8 +107,8 @@ def _layer_tensors_of(folder: Path, names: list[str], rank: int, known: set[str]
 
 def _trainable(name: str, by_tp: list[list[SliceState]], layers: list[dict[str, LazyTensor]],
                layouts: Layouts) -> ParamPlan:
-    holders = [next((st for st in stages if name in st.shapes), None) for stages in by_tp]
-    if any(h is None for h in holders):
+    holders = [h for h in (next((st for st in stages if name in st.shapes), None) for stages in by_tp) if h is not None]
+    if len(holders) < len(by_tp):
         raise CorruptCheckpointError(f"{name}: only some tensor-parallel ranks' model files list it; files from "
                                      "different runs are mixed")
     stage = holders[0].mp // len(by_tp)

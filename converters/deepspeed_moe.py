@@ -27,8 +27,7 @@ from ucp.convert.plan import FROZEN, TRAINABLE, WEIGHT_STATE, ConversionPlan, Pa
 from ucp.converters.deepspeed_slices import combined_source, dtype_name, held_params, load_dict, read_slice, whole
 from ucp.converters.deepspeed_zero0 import zero0_slice
 from ucp.converters.plan_common import finish_plan, frozen_and_buffers
-from ucp.converters.tag_folder import model_files, optim_files
-from ucp.converters.tag_folder import TagDir
+from ucp.converters.tag_folder import TagDir, model_files, optim_files
 from ucp.converters.torch_zip import LazyTensor
 from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedLayoutError
 from ucp.patterns import recognize
@@ -135,7 +134,7 @@ def _plan_zero0(where: TagDir, names: list[str], model_path: Path, model: dict, 
     dense = dict(model.get("module") or {})
     ranks = []
     for f, optimizer in enumerate(optimizers):
-        own = {n: t for n, t in experts.items() if _global_id(n) // local[_EXPERT_NAME.match(n).group(1)] == f % ep}
+        own = {n: t for n, t in experts.items() if _global_id(n) // local[_expert_name(n).group(1)] == f % ep}
         ranks.append(zero0_slice(f, expp[f], {**model, "optimizer": optimizer, "module": {**dense, **own}}))
     params = held_params(ranks, {**dense, **experts}, "expp_rank file")
     trainable = {p.name for p in params}
@@ -162,8 +161,16 @@ def _expert_group_size(optimizer, path: Path) -> int:
     return int(sizes.pop())
 
 
+def _expert_name(name: str) -> re.Match[str]:
+    """The parts of an expert parameter's name (every name in `experts` has them)."""
+    match = _EXPERT_NAME.match(name)
+    if match is None:
+        raise ValueError(f"{name}: not an expert parameter's name")
+    return match
+
+
 def _global_id(expert_param: str) -> int:
-    return int(_EXPERT_NAME.match(expert_param).group(2))
+    return int(_expert_name(expert_param).group(2))
 
 
 def _frozen_expert(name: str, t: LazyTensor) -> ParamPlan:
@@ -192,7 +199,7 @@ def _layer_prefixes(experts: dict[str, LazyTensor]) -> list[str]:
     """The name prefix (`...deepspeed_experts.`) of each MoE layer, in layer order."""
     prefixes: list[str] = []
     for name in experts:
-        prefix = _EXPERT_NAME.match(name).group(1)
+        prefix = _expert_name(name).group(1)
         if prefix not in prefixes:
             prefixes.append(prefix)
     return prefixes

@@ -30,8 +30,7 @@ from ucp.convert.plan import BUFFER, BUFFER_STATE, FROZEN, WEIGHT_STATE, Convers
 from ucp.converters.deepspeed_slices import dp_paths, dtype_name, held_params, load_dict, read_slice, slice_names, whole
 from ucp.converters.deepspeed_zero0 import zero0_slice
 from ucp.converters.plan_common import finish_plan
-from ucp.converters.tag_folder import model_files, optim_files
-from ucp.converters.tag_folder import TagDir
+from ucp.converters.tag_folder import TagDir, model_files, optim_files
 from ucp.converters.torch_zip import LazyTensor
 from ucp.errors import AmbiguousPatternError, CheckpointNotFoundError, CorruptCheckpointError
 from ucp.patterns import recognize
@@ -83,12 +82,12 @@ def plan_pipe(where: TagDir, names: list[str], param_names: list[str] | None = N
     else:
         # bf16 without ZeRO: the model files list no param_shapes; the optimizer files name the
         # parameters and the layer files give their shapes.
-        listed = [slice_names(dp_paths(folder, optims, int(contents[s].get("dp_world_size") or 1), s))
+        numels = [slice_names(dp_paths(folder, optims, int(contents[s].get("dp_world_size") or 1), s))
                   for s in range(pp)]
-        tensors = layer_tensors(layer_files, {n for groups in listed for g in groups for n in g} | buffers)
+        tensors = layer_tensors(layer_files, {n for groups in numels for g in groups for n in g} | buffers)
         stages = [read_slice(folder, s, models[s], contents[s], optims,
                              param_shapes=[{n: _shape_in(tensors, n, numel, models[s]) for n, numel in g.items()}
-                                           for g in listed[s]]) for s in range(pp)]
+                                           for g in numels[s]]) for s in range(pp)]
     trainable = {name for st in stages for name in st.shapes}
     params = held_params(stages, tensors, "pipeline stage")
     for name, t in tensors.items():
@@ -150,7 +149,10 @@ def layer_tensors(layer_files: list[Path], known: set[str]) -> dict[str, LazyTen
     tied_keys = sorted({m.group(1) for n in known if (m := _TIED.match(n))})
     out: dict[str, LazyTensor] = {}
     for path in sorted(layer_files):
-        layer = int(LAYER_FILE.match(path.name).group(1))
+        match = LAYER_FILE.match(path.name)
+        if match is None:
+            raise ValueError(f"{path}: not a layer file")  # callers pass only LAYER_FILE's
+        layer = int(match.group(1))
         state = {k: v for k, v in load_dict(path).items() if isinstance(v, LazyTensor)}
         prefix = _layer_prefix(layer, state, known, tied_keys, path)
         for key, t in state.items():

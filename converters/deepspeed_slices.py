@@ -18,8 +18,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ucp.convert.plan import TRAINABLE, WEIGHT_STATE, Fragment, ParamPlan, Piece, StateSource
-from ucp.converters.rank_identity import (GroupPartition, check_distinct, check_masters_match_module,
-                                         check_partition_layout)
+from ucp.converters.rank_identity import (
+    GroupPartition,
+    check_distinct,
+    check_masters_match_module,
+    check_partition_layout,
+)
 from ucp.converters.torch_zip import LazyTensor, Opaque, load_lazy, read_values
 from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedLayoutError
 from ucp.patterns import Pattern

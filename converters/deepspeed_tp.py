@@ -25,11 +25,27 @@ from collections.abc import Callable
 import numpy as np
 
 from ucp.convert.assemble import materialize
-from ucp.convert.plan import (BUFFER, BUFFER_STATE, FROZEN, TRAINABLE, WEIGHT_STATE, ConversionPlan, ParamPlan,
-                              StateSource)
+from ucp.convert.plan import (
+    BUFFER,
+    BUFFER_STATE,
+    FROZEN,
+    TRAINABLE,
+    WEIGHT_STATE,
+    ConversionPlan,
+    ParamPlan,
+    StateSource,
+)
 from ucp.converters.deepspeed_declared import affine_params, declared_layout
-from ucp.converters.deepspeed_slices import (SliceState, combined_source, dtype_name, load_dict, outer_states,
-                                             read_slice, tied_aliases, whole)
+from ucp.converters.deepspeed_slices import (
+    SliceState,
+    combined_source,
+    dtype_name,
+    load_dict,
+    outer_states,
+    read_slice,
+    tied_aliases,
+    whole,
+)
 from ucp.converters.deepspeed_zero0 import zero0_slice
 from ucp.converters.deepspeed_zero3 import ZERO3_MODEL_FILE, read_zero3_slice, zero3_model_files
 from ucp.converters.plan_common import finish_plan
@@ -212,8 +228,8 @@ def untrained_shards(tables: list[dict], layouts: Layouts, skip: set[str], buffe
     for name, t in tables[0].items():
         if name in skip or not isinstance(t, LazyTensor):
             continue
-        tensors = [table.get(name) for table in tables]
-        if not all(isinstance(x, LazyTensor) for x in tensors):
+        tensors = [x for x in (table.get(name) for table in tables) if isinstance(x, LazyTensor)]
+        if len(tensors) < len(tables):
             raise CorruptCheckpointError(f"{name}: some TP ranks lack it; {missing}")
         shape, hints = layouts.of(name, [x.shape for x in tensors], lambda: [read_values(x) for x in tensors])
         frags = [whole(x, rank) for rank, x in enumerate(tensors)]

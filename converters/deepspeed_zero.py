@@ -20,8 +20,14 @@ from ucp.convert.plan import FROZEN, TRAINABLE, WEIGHT_STATE, ConversionPlan, Pa
 from ucp.converters.deepspeed_slices import read_slice
 from ucp.converters.deepspeed_zero0 import zero0_trainable
 from ucp.converters.deepspeed_zero3 import read_zero3_slice
-from ucp.converters.plan_common import (buffers, finish_plan, frozen_and_buffers, module_dtype, module_state,
-                                        state_source)
+from ucp.converters.plan_common import (
+    buffers,
+    finish_plan,
+    frozen_and_buffers,
+    module_dtype,
+    module_state,
+    state_source,
+)
 from ucp.converters.tag_folder import TagDir
 
 

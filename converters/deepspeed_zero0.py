@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ucp.convert.plan import WEIGHT_STATE, ParamPlan, StateSource, TRAINABLE, Fragment, Piece
+from ucp.convert.plan import TRAINABLE, WEIGHT_STATE, Fragment, ParamPlan, Piece, StateSource
 from ucp.converters.deepspeed_slices import SliceState, tied_aliases
 from ucp.converters.torch_zip import LazyTensor, read_array, read_values
 from ucp.errors import AmbiguousPatternError, CorruptCheckpointError
@@ -62,7 +62,7 @@ def zero0_trainable(model: dict, path: Path, param_names: list[str] | None) -> t
         names = list(param_names)
     else:
         names = _match_names(slots, shapes, candidates, module, master, path)
-    moment_names = []
+    moment_names: list[str] = []
     params = []
     for (g, i, idx), name, shape in zip(slots, names, shapes):
         t = module.get(name)
@@ -72,7 +72,8 @@ def zero0_trainable(model: dict, path: Path, param_names: list[str] | None) -> t
         s = state.get(idx, {})
         moments = {k: v for k, v in s.items() if k != "step" and isinstance(v, LazyTensor)}
         moment_names = moment_names or list(moments)
-        weight = master(g, i) if masters else t
+        kept = master(g, i)
+        weight = kept if kept is not None else t
         states = {WEIGHT_STATE: _whole_state(name, weight)}
         states.update({k: _whole_state(name, v) for k, v in moments.items()})
         step = s.get("step")
@@ -128,11 +129,11 @@ def _match_names(slots, shapes, candidates: list[str], module: dict,
                 "optimizer's parameter names, one per line, in param-group order)")
         for k, name in zip(members, found):
             names[k] = name
-    return names
+    return [name for name in names if name is not None]  # every slot is some key's member: all named
 
 
 def _digest(values: np.ndarray) -> str:
-    return hashlib.sha1(np.ascontiguousarray(values).reshape(-1).view(np.uint8)).hexdigest()
+    return hashlib.sha1(np.ascontiguousarray(values).reshape(-1).view(np.uint8).data).hexdigest()
 
 
 def zero0_slice(mp: int, path: Path, model: dict, param_names: list[str] | None = None) -> SliceState:
@@ -141,5 +142,6 @@ def zero0_slice(mp: int, path: Path, model: dict, param_names: list[str] | None 
     params, hyper, moments = zero0_trainable(model, path, param_names)
     fragments = {(p.name, s): list(src.fragments) for p in params for s, src in p.states.items()}
     return SliceState(mp, path, model, int(model.get("dp_world_size") or 1), [], {p.name: p.shape for p in params},
-                      {p.name: p.group for p in params}, fragments, {p.group: p.step for p in params}, moments,
+                      {p.name: p.group for p in params if p.group is not None}, fragments,
+                      {p.group: p.step for p in params if p.group is not None}, moments,
                       list(hyper), 0, model.get("optimizer"))

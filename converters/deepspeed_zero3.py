@@ -19,8 +19,18 @@ import re
 from pathlib import Path
 
 from ucp.convert.plan import Fragment
-from ucp.converters.deepspeed_slices import (SliceState, agree_step, agree_with_model, check_partitions, dp_paths,
-                                             group_states, load_dict, piece, shape_of, zero_stage)
+from ucp.converters.deepspeed_slices import (
+    SliceState,
+    agree_step,
+    agree_with_model,
+    check_partitions,
+    dp_paths,
+    group_states,
+    load_dict,
+    piece,
+    shape_of,
+    zero_stage,
+)
 from ucp.converters.rank_identity import check_distinct
 from ucp.converters.torch_zip import LazyTensor
 from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedLayoutError

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from ucp.convert.plan import ConversionPlan
@@ -60,6 +61,7 @@ def _parallel_family(folder: Path, names: list[str], patterns: dict[str, str], p
     """The planner of a tensor x pipeline, pipeline, tensor-parallel or MoE layout, or None for plain ZeRO."""
     if is_tensor_pipeline(names):
         return functools.partial(plan_megatron, patterns=patterns)
+    planner: Callable[..., ConversionPlan] | None
     if is_pipeline(names):
         planner = functools.partial(plan_pipe, param_names=param_names)
     else:

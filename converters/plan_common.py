@@ -4,8 +4,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ucp.convert.plan import (BUFFER, BUFFER_STATE, FROZEN, TRAINABLE, WEIGHT_STATE, ConversionPlan, Fragment,
-                              ParamPlan, StateSource)
+from ucp.convert.plan import (
+    BUFFER,
+    BUFFER_STATE,
+    FROZEN,
+    TRAINABLE,
+    WEIGHT_STATE,
+    ConversionPlan,
+    Fragment,
+    ParamPlan,
+    StateSource,
+)
 from ucp.converters.deepspeed_slices import dtype_name, tied_aliases, whole
 from ucp.converters.tag_folder import TagDir
 from ucp.converters.torch_zip import LazyTensor, as_python

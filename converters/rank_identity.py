@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -77,7 +78,7 @@ def check_distinct(paths: Sequence[Path], compare_bytes: bool = True) -> None:
 
 
 def check_partition_layout(paths: Sequence[Path], groups: Sequence[Sequence[GroupPartition]],
-                           shapes: Sequence[dict[str, tuple[int, ...]]], skip: set[int] = frozenset()) -> None:
+                           shapes: Sequence[dict[str, tuple[int, ...]]], skip: AbstractSet[int] = frozenset()) -> None:
     """Refuse rank files (`paths`, in rank order) whose partitions are not where their ranks' lie in the flat
     buffers: `groups[r][g]` is rank r's partition of param group g, whose parameters have `shapes[g]` (the
     model file's `param_shapes`). Groups in `skip` (MoE expert groups, partitioned over a smaller group of
@@ -92,8 +93,8 @@ def check_partition_layout(paths: Sequence[Path], groups: Sequence[Sequence[Grou
 
 
 def _check_sizes(paths: Sequence[Path], parts: list[GroupPartition], g: int, numel: int) -> None:
-    sizes = [p.size for p in parts]
-    if None in sizes:
+    sizes = [p.size for p in parts if p.size is not None]
+    if len(sizes) < len(parts):
         return
     size, dp = sizes[0], len(parts)
     for path, part, found in zip(paths, parts, sizes):
@@ -139,7 +140,7 @@ def _check_pieces(paths: Sequence[Path], parts: list[GroupPartition], g: int, nu
 
 def check_masters_match_module(paths: Sequence[Path], masters: Sequence[Sequence[LazyTensor]],
                                groups: Sequence[Sequence[GroupPartition]], module: dict, model_path: Path,
-                               skip: set[int] = frozenset()) -> None:
+                               skip: AbstractSet[int] = frozenset()) -> None:
     """ZeRO-1/2: the first and last element of every piece of a parameter split between ranks, in the fp32
     partitions `masters[r][g]` of the rank files `paths`, cast to the model's dtype, must be the module's
     weights at that place. Parameters the module does not hold whole (pipeline stages keep theirs in layer

@@ -54,7 +54,7 @@ def recognize(name: str, shape: Sequence[int], fragments: Sequence[FragmentInfo]
     if not fragments:
         raise AmbiguousPatternError(f"{name}: no rank holds any part of this parameter")
     if hints is not None and hints.pattern is not None:
-        return _from_hints(name, shape, fragments, hints)
+        return _from_hints(name, shape, fragments, hints, hints.pattern)
     if all(f.offset is not None for f in fragments):
         return _recognize_flat(name, shape, fragments)
     if any(f.offset is not None for f in fragments):
@@ -97,17 +97,18 @@ def recognize_nested(name: str, shape: Sequence[int], pieces: Sequence[OuterPiec
         raise AmbiguousPatternError(f"{name}: its outer pieces are held in different ways ({', '.join(kinds)}); "
                                     "the checkpoint's partition metadata is inconsistent")
     outer = recognize(name, shape, [FragmentInfo(p.rank, tuple(p.shape)) for p in pieces], hints)
-    nested = {"inner": inner[0], "shard_shapes": tuple(tuple(p.shape) for p in pieces)}
+    shard_shapes = tuple(tuple(p.shape) for p in pieces)
     if outer.pattern in (Pattern.SHARD_V, Pattern.SHARD_H):
-        return PatternSpec(Pattern.SHARD_HY, shape, dim=outer.dim, padded_size=outer.padded_size, **nested)
-    return dataclasses.replace(outer, **nested)
+        return PatternSpec(Pattern.SHARD_HY, shape, dim=outer.dim, padded_size=outer.padded_size, inner=inner[0],
+                           shard_shapes=shard_shapes)
+    return dataclasses.replace(outer, inner=inner[0], shard_shapes=shard_shapes)
 
 
 def _recognize_flat(name: str, shape: tuple[int, ...], fragments: Sequence[FragmentInfo]) -> PatternSpec:
     numel = math.prod(shape)
     if len(fragments) > 1 and all(f.offset == 0 and f.numel == numel for f in fragments):
         return PatternSpec(Pattern.REPLICATE, shape, flat=True)
-    ordered = sorted(fragments, key=lambda f: f.offset)
+    ordered = sorted(fragments, key=lambda f: f.offset or 0)  # every flat fragment has its offset
     if [f.rank for f in ordered] != sorted(f.rank for f in fragments):
         raise AmbiguousPatternError(f"{name}: flat fragments are not in rank order; the checkpoint's "
                                     "partition metadata is inconsistent")
@@ -155,8 +156,8 @@ def _concatenates(shapes: Sequence[tuple[int, ...]], full: tuple[int, ...], dim:
     return sum(s[dim] for s in shapes) == full[dim]
 
 
-def _from_hints(name: str, shape: tuple[int, ...], fragments: Sequence[FragmentInfo], hints: Hints) -> PatternSpec:
-    pattern = hints.pattern
+def _from_hints(name: str, shape: tuple[int, ...], fragments: Sequence[FragmentInfo], hints: Hints,
+                pattern: Pattern) -> PatternSpec:
     if pattern in (Pattern.REPLICATE, Pattern.PARTIAL, Pattern.UNIQUE):
         bad = [f.rank for f in fragments if f.shape != shape and f.offset is None]
         if bad:

@@ -14,7 +14,12 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/ucp-t
 import pytest  # noqa: E402
 
 from support.checkpoints import (  # noqa: E402
-    TinySpec, build_checkpoint, read_tag, run_ds_to_universal, source_fingerprint, tag_dir,
+    TinySpec,
+    build_checkpoint,
+    read_tag,
+    run_ds_to_universal,
+    source_fingerprint,
+    tag_dir,
 )
 
 

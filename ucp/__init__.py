@@ -5,12 +5,18 @@
 """
 from __future__ import annotations
 
+import os
+from typing import TYPE_CHECKING
+
 from ucp.version import __version__
+
+if TYPE_CHECKING:
+    from ucp.checkpoint import AtomicCheckpoint, PlannedCheckpoint
 
 __all__ = ["__version__", "open_checkpoint"]
 
 
-def open_checkpoint(path, tag=None):
+def open_checkpoint(path: str | os.PathLike[str], tag: str | None = None) -> AtomicCheckpoint | PlannedCheckpoint:
     """Open a ucp checkpoint directory, or a DeepSpeed checkpoint through its conversion plan."""
     from ucp.checkpoint import open_checkpoint as _open
 

@@ -6,16 +6,18 @@ names (`exp_avg`, `exp_avg_sq` for Adam), `step`; buffers hold one state, `value
 from __future__ import annotations
 
 import os
-import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from ucp.convert.plan import ParamPlan
 from ucp.convert.source_check import EntryChecks
 from ucp.converters.trainer_folders import LINK_REASON
 from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError, UcpError
+from ucp.format.crc import crc32
 from ucp.format.fileio import ReadCounter, read_regular
 from ucp.format.folder import INDEX_NAME, latest_checkpoint, read_index
 from ucp.format.index import ExtraFile, Index, NotSaved, ParamEntry, StoredState, header_problems
@@ -39,7 +41,7 @@ class ParamInfo:
 class AtomicCheckpoint:
     """A committed ucp checkpoint directory."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
         self.index: Index = read_index(self.path)  # checked in full (ucp.format.index)
         self.counter = ReadCounter()
@@ -95,16 +97,17 @@ class AtomicCheckpoint:
         return self.index.run.training.get("global_steps")
 
     @property
-    def training(self) -> dict:
+    def training(self) -> dict[str, Any]:
         """global_steps, global_samples, skipped_steps and, for fp16, the loss scaler's state."""
         return self.index.run.training
 
     @property
-    def optimizer(self) -> dict | None:
+    def optimizer(self) -> dict[str, Any] | None:
         return self.index.run.optimizer
 
     @property
-    def lr_scheduler(self):
+    def lr_scheduler(self) -> object:
+        """The LR scheduler's state_dict, as saved."""
         return self.index.run.lr_scheduler
 
     @property
@@ -113,11 +116,11 @@ class AtomicCheckpoint:
         return self.index.run.not_saved
 
     @property
-    def client_state(self) -> dict:
+    def client_state(self) -> dict[str, Any]:
         return self.index.run.client_state
 
     @property
-    def source(self) -> dict:
+    def source(self) -> dict[str, Any]:
         return self.index.run.source
 
     @property
@@ -133,7 +136,7 @@ class AtomicCheckpoint:
         """The bytes of an extra file, checked against the size and CRC-32 the index records."""
         record = self._extra(name)
         data = read_regular(str(self.extra_file_path(name)), follow=False)  # a link may reach any file
-        if len(data) != record.nbytes or zlib.crc32(data) != record.crc32:
+        if len(data) != record.nbytes or crc32(data) != record.crc32:
             raise CorruptCheckpointError(f"{self.path / name}: differs from what {INDEX_NAME} records "
                                          f"({record.nbytes} bytes, CRC-32 {record.crc32}); convert the "
                                          "checkpoint again")
@@ -199,7 +202,7 @@ class AtomicCheckpoint:
 class PlannedCheckpoint:
     """A DeepSpeed checkpoint read through its conversion plan: same API, states merged on demand."""
 
-    def __init__(self, path: str | os.PathLike, tag: str | None = None):
+    def __init__(self, path: str | os.PathLike[str], tag: str | None = None):
         from ucp.converters.dispatch import plan_deepspeed
 
         self.path = Path(path)
@@ -257,16 +260,17 @@ class PlannedCheckpoint:
         return self.plan.training.get("global_steps")
 
     @property
-    def training(self) -> dict:
+    def training(self) -> dict[str, Any]:
         """global_steps, global_samples, skipped_steps and, for fp16, the loss scaler's state."""
         return self.plan.training
 
     @property
-    def optimizer(self) -> dict | None:
+    def optimizer(self) -> dict[str, Any] | None:
         return self.plan.optimizer
 
     @property
-    def lr_scheduler(self):
+    def lr_scheduler(self) -> object:
+        """The LR scheduler's state_dict, as saved."""
         return self.plan.lr_scheduler
 
     @property
@@ -275,11 +279,11 @@ class PlannedCheckpoint:
         return self.plan.not_saved
 
     @property
-    def client_state(self) -> dict:
+    def client_state(self) -> dict[str, Any]:
         return self.plan.client_state
 
     @property
-    def source(self) -> dict:
+    def source(self) -> dict[str, Any]:
         return self.plan.source
 
     @property
@@ -312,14 +316,17 @@ class PlannedCheckpoint:
                     problems.append(f"{name}:{state}: {exc}")
         return problems
 
-    def _param(self, name: str):
+    def _param(self, name: str) -> ParamPlan:
         try:
             return self._params[self.plan.aliases.get(name, name)]
         except KeyError:
             raise KeyError(f"{self.path}: no parameter '{name}'") from None
 
 
-def open_checkpoint(path: str | os.PathLike, tag: str | None = None) -> AtomicCheckpoint | PlannedCheckpoint:
+Checkpoint = AtomicCheckpoint | PlannedCheckpoint  # what open_checkpoint gives: the same reading API
+
+
+def open_checkpoint(path: str | os.PathLike[str], tag: str | None = None) -> Checkpoint:
     """Open a ucp checkpoint directory (or a save directory, through its `latest`), or a DeepSpeed
     checkpoint (save dir or tag folder) through its plan."""
     path = Path(path)
@@ -335,7 +342,7 @@ def open_checkpoint(path: str | os.PathLike, tag: str | None = None) -> AtomicCh
     return PlannedCheckpoint(path, tag)
 
 
-def saved_world_size(path: str | os.PathLike) -> int:
+def saved_world_size(path: str | os.PathLike[str]) -> int:
     """How many processes trained the checkpoint at `path` (data x tensor x pipeline parallel)."""
     source = open_checkpoint(path).source
     return int(source.get("dp", 1)) * int(source.get("tp", 1)) * int(source.get("pp", 1))

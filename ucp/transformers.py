@@ -38,6 +38,7 @@ import logging
 import os
 import types
 from pathlib import Path
+from typing import Literal
 
 from ucp.checkpoint import saved_world_size
 from ucp.converters.trainer_folders import checkpoint_folders
@@ -94,7 +95,7 @@ def _install_checks() -> None:
     import transformers
 
     if not getattr(transformers.Trainer.train, "ucp_checked", False):
-        transformers.Trainer.train = _checked_train(transformers.Trainer.train)
+        setattr(transformers.Trainer, "train", _checked_train(transformers.Trainer.train))  # the check, installed
 
 
 def _check_world(trainer) -> None:
@@ -117,7 +118,7 @@ def _deepspeed_config(trainer) -> dict | None:
     return getattr(plugin, "deepspeed_config", None)
 
 
-def trainer_folder(path: str | os.PathLike | bool, output_dir: str | os.PathLike) -> Path:
+def trainer_folder(path: str | os.PathLike[str] | Literal[True], output_dir: str | os.PathLike[str]) -> Path:
     """The folder to resume from: `path`; the last `checkpoint-N` of `output_dir` for True, or of `path` when it
     is an output directory; or the committed checkpoint a ucp save directory's `latest` names. It must hold
     `trainer_state.json`."""
@@ -214,7 +215,7 @@ def _resuming_through_ucp(trainer, folder: Path, options: dict):
                 'config an "optimizer" so that the engine owns the scheduler')
         stock_scheduler_load(checkpoint)
 
-    warned = []
+    warned: list[bool] = []
 
     def load_rng(self, checkpoint):
         if saved == world:

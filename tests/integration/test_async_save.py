@@ -22,8 +22,15 @@ from safetensors import safe_open
 
 import ucp
 from support.atomic import assert_same_checkpoint
-from support.checkpoints import (TinySpec, read_tag, start_ucp_save_run, trained_losses, ucp_resume, ucp_save_run,
-                                 uninterrupted_losses)
+from support.checkpoints import (
+    TinySpec,
+    read_tag,
+    start_ucp_save_run,
+    trained_losses,
+    ucp_resume,
+    ucp_save_run,
+    uninterrupted_losses,
+)
 from ucp.cli.main import main as cli_main
 from ucp.convert import convert
 from ucp.deepspeed import save_files, save_writer
@@ -147,7 +154,8 @@ def test_ranks_writing_disjoint_pieces_make_the_file_and_its_checksums(chunk, tm
         assert all(torch.equal(f.get_tensor(k), t) for k, t in tensors.items())
     # Negative control: a missing piece is found, not papered over.
     with pytest.raises(SaveError, match="no rank wrote bytes"):
-        whole_crcs(arranged, [r for r in reports if r.key != "l1.weight:fp32" or r.begin != arranged.spans[r.key].begin])
+        whole_crcs(arranged, [r for r in reports
+                              if r.key != "l1.weight:fp32" or r.begin != arranged.spans[r.key].begin])
 
 
 def test_pieces_adjacent_in_the_file_leave_in_one_write():

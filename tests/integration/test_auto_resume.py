@@ -10,7 +10,7 @@ import pytest
 
 import ucp
 from support.elastic_agents import read_losses
-from support.launch import run_torchrun, start_torchrun
+from support.launch import run_logged, run_torchrun, start_torchrun, torchrun_command
 from support.processes import kill_tree, wait_for
 
 pytestmark = pytest.mark.slow
@@ -40,10 +40,16 @@ def damage(tag: Path) -> None:
 
 @pytest.fixture(scope="module")
 def four_steps(tmp_path_factory) -> Path:
-    """A first start (no checkpoint yet) trained to step 4, keeping 2 checkpoints; later tests copy it."""
+    """A first start (no checkpoint yet) trained to step 4, keeping 2 checkpoints; later tests copy it. torchrun
+    may restart it (--max-restarts=1) and shares its store with the workers, which ucp warns about."""
     tmp = tmp_path_factory.mktemp("auto")
-    log = train(tmp, 4)
+    cmd, env = torchrun_command(EXAMPLE, ["--save-dir", tmp / "ckpt", "--steps", 4, "--keep", 2, "--losses-out",
+                                          tmp / "losses.jsonl"], 2)
+    cmd.insert(cmd.index("--nnodes"), "--max-restarts=1")
+    run_logged(cmd, tmp / "log", env=env)
+    log = (tmp / "log").read_text()
     assert "no committed checkpoint in" in log and "starting fresh" in log
+    assert "start the agents with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in log
     return tmp
 
 

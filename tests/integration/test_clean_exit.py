@@ -47,7 +47,8 @@ def test_trainer_example_trains_then_resumes_elsewhere(tmp_path):
     example = REPO / "examples" / "hf_trainer" / "train.py"
     out = tmp_path / "out"
     log = tmp_path / "example.log"
-    for nproc, args in ((2, ["--stage", "2", "--max-steps", "6"]), (1, ["--stage", "3", "--max-steps", "9", "--resume"])):
+    for nproc, args in ((2, ["--stage", "2", "--max-steps", "6"]),
+                        (1, ["--stage", "3", "--max-steps", "9", "--resume"])):
         cmd, env = torchrun_command(example, [*args, "--output-dir", str(out)], nproc)
         run_logged(cmd, log, timeout=900, env=env, cwd=tmp_path)
     assert (out / "checkpoint-9").is_dir()

@@ -1,6 +1,6 @@
-"""The local conversion (`ucp.convert.bin_copy`: numpy, blocks copied by offset, no torch) and the Ray backend's reducer
-(`ucp.convert.driver.stream_bin`) write exactly the bytes of the torch path (Union/StripPad on torch tensors, streamed by
-`StreamingWriter`), for every source family of the suite. And `ucp convert` imports no torch."""
+"""The local conversion (`ucp.convert.bin_copy`: numpy, blocks copied by offset, no torch) and the Ray backend's
+reducer (`ucp.convert.driver.stream_bin`) write exactly the bytes of the torch path (Union/StripPad on torch tensors,
+streamed by `StreamingWriter`), for every source family of the suite. And `ucp convert` imports no torch."""
 from __future__ import annotations
 
 import subprocess
@@ -11,8 +11,8 @@ import pytest
 
 from support.checkpoints import TinySpec
 from support.fragments import torch_fragment
-from test_convert_autotp import AUTOTP
 from support.parallel import build_family
+from test_convert_autotp import AUTOTP
 from ucp.convert.assemble import assemble, materialize
 from ucp.convert.balance import plan_bins
 from ucp.convert.driver import WriteBin, bin_slots, source_fingerprint, stream_bin, write_bin

@@ -9,8 +9,15 @@ import torch
 from safetensors import safe_open
 
 import ucp
-from support.checkpoints import (BUFFER_SHAPES, FROZEN_PARAM_SHAPES, PARAM_GROUPS, TRAINABLE_PARAM_SHAPES, TinySpec,
-                                 load_ds_universal, trained_state)
+from support.checkpoints import (
+    BUFFER_SHAPES,
+    FROZEN_PARAM_SHAPES,
+    PARAM_GROUPS,
+    TRAINABLE_PARAM_SHAPES,
+    TinySpec,
+    load_ds_universal,
+    trained_state,
+)
 from support.fp16 import needs_cpu_fp16
 from ucp.convert.plan import BUFFER, FROZEN, TRAINABLE
 

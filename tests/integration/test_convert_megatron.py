@@ -22,8 +22,14 @@ import torch
 import ucp
 from support.checkpoints import load_ds_universal
 from support.fragments import torch_fragment
-from support.parallel import (Family, build_family, compare_with_ds_universal, ds_universal_of, reference_state,
-                              trainable_count)
+from support.parallel import (
+    Family,
+    build_family,
+    compare_with_ds_universal,
+    ds_universal_of,
+    reference_state,
+    trainable_count,
+)
 from support.train_megatron import FFN, HEAD_DIM, HIDDEN, KV_HEADS, PADDED_VOCAB, VOCAB
 from ucp.convert import convert
 from ucp.convert.assemble import assemble

@@ -19,8 +19,14 @@ import torch
 
 import ucp
 from support.fragments import torch_fragment
-from support.parallel import (Family, build_family, compare_with_ds_universal, ds_universal_of, reference_state,
-                              trainable_count)
+from support.parallel import (
+    Family,
+    build_family,
+    compare_with_ds_universal,
+    ds_universal_of,
+    reference_state,
+    trainable_count,
+)
 from ucp.convert import convert
 from ucp.convert.assemble import assemble
 from ucp.convert.primitives import ReplicaMismatchError
@@ -115,7 +121,8 @@ def test_fp32_zero0_without_names_says_why_and_what_to_do(pipe, tmp_path):
                        r"FILE listing every stage's trainable parameter names"):
         convert(pipe / "z0-fp32" / "ckpt", tmp_path / "out", progress=False)
     names = stage_names(pipe / "z0-fp32")
-    with pytest.raises(AmbiguousPatternError, match=r"--param-names lists 11 names, the 2 stages' optimizers hold 9 \+ 3"):
+    with pytest.raises(AmbiguousPatternError,
+                       match=r"--param-names lists 11 names, the 2 stages' optimizers hold 9 \+ 3"):
         convert(pipe / "z0-fp32" / "ckpt", tmp_path / "out", progress=False, param_names=names[:-1])
     with pytest.raises(AmbiguousPatternError, match=r"3.weight: optimizer slot 0 holds shape \(11, 6\), the module "
                        r"\(6,\)"):  # stage 1's first two names swapped: the layer files' shapes disagree

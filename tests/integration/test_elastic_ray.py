@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from support.elastic_agents import read_losses, reached
+from support.elastic_agents import reached, read_losses
 from support.launch import run_torchrun
 from support.processes import kill_tree, wait_for
 from support.ray_nodes import Nodes

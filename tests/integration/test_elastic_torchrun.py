@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from support.elastic_agents import ElasticJob, read_losses, reached
+from support.elastic_agents import ElasticJob, reached, read_losses
 from support.launch import run_torchrun
 from support.processes import wait_for
 
@@ -89,7 +89,8 @@ def test_without_elastic_batches_a_resume_at_another_size_is_another_run(tmp_pat
     on 3 ranks from its own 4-rank step-4 checkpoint does not continue its uninterrupted 4-rank losses."""
     args = ["--stage", 1, "--global-batch", 12, "--stock"]
     whole, resumed = tmp_path / "whole.jsonl", tmp_path / "resumed.jsonl"
-    run_torchrun(EXAMPLE, [*args, "--save-dir", tmp_path / "a", "--steps", 8, "--losses-out", whole], 4, tmp_path / "log")
+    run_torchrun(EXAMPLE, [*args, "--save-dir", tmp_path / "a", "--steps", 8, "--losses-out", whole], 4,
+                 tmp_path / "log")
     run_torchrun(EXAMPLE, [*args, "--save-dir", tmp_path / "b", "--steps", 4, "--losses-out", resumed], 4,
                  tmp_path / "log")
     run_torchrun(EXAMPLE, [*args, "--save-dir", tmp_path / "b", "--steps", 8, "--losses-out", resumed], 3,

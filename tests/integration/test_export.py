@@ -123,7 +123,8 @@ def test_hf_export_reading_ahead_on_threads_writes_the_same_bytes(runs, tmp_path
 
 def test_hf_export_copies_generation_config_and_tokenizer_files(runs, tmp_path):
     """From the files a checkpoint carries (a Trainer's checkpoint-N, and its ucp conversion), or beside --config."""
-    extras = {"generation_config.json": b'{"max_new_tokens": 5}\n', "tokenizer_config.json": b'{"model_max_length": 64}\n'}
+    extras = {"generation_config.json": b'{"max_new_tokens": 5}\n',
+              "tokenizer_config.json": b'{"model_max_length": 64}\n'}
     trainer_folder = tmp_path / "checkpoint-3"
     shutil.copytree(runs / "llama-z2" / "ckpt", trainer_folder)
     model_dir = tmp_path / "model"

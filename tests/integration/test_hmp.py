@@ -165,7 +165,8 @@ def test_placing_by_layout_gives_each_tensor_its_box():
 def test_a_module_built_for_another_layout_is_refused_by_name():
     built_for = LAYOUTS["tp2+tp1"]
     other = _layout([((0, 4), (1, 0))], [((0, 4), (2,))])  # the TP ranks of replica 0 swapped
-    with pytest.raises(LayoutError, match=r"embed\.weight: rank 0's module holds shape \(6, 8\), but the layout gives it box \(\(6, 13\)"):
+    with pytest.raises(LayoutError, match=r"embed\.weight: rank 0's module holds shape \(6, 8\), "
+                                          r"but the layout gives it box \(\(6, 13\)"):
         place_by_layout(_stage_target(built_for, 0), other, param_table(CFG), 0)
     with pytest.raises(UnsupportedLayoutError, match="layers.0.fc1.bias: the module has it but"):
         place_by_layout(_stage_target(built_for, 2), built_for,

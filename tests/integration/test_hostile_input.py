@@ -246,10 +246,15 @@ def test_the_hook_refuses_hostile_checkpoints_on_every_rank_untouched(tiny_check
     def other_scheduler(index):
         index["lr_scheduler"] = {"step_size": 10}  # not DeepSpeed's WarmupLR's: it has no last_batch_iteration
 
+    def no_optimizer(index):
+        index["optimizer"] = None  # no optimizer record (before: an AttributeError from the hook, found by mypy)
+
     cases = {swapped: "holds a piece of|padding in param group", fifo: "not a regular file",
              edited_index(conversion, tmp_path / "relabelled", relabel): "header entry l1.bias:exp_avg is",
              edited_index(conversion, tmp_path / "steps", disagree): "were saved at different steps",
              edited_index(conversion, tmp_path / "scheduler", other_scheduler): "LR scheduler state does not load",
+             edited_index(conversion, tmp_path / "no_optimizer", no_optimizer): "saved no optimizer state, but the "
+                                                                                 "engine's AdamW keeps",
              conversion: None}  # negative control: the same conversion, unedited, loads
     results = ucp_load_errors(list(cases), SPEC, ckpt_root)
     wrong = []

@@ -59,7 +59,8 @@ def resume(path, layout: Layout, root, *extra: str) -> tuple[list[float], object
 
 def bytes_read(run) -> int:
     """What all ranks of the resumed run read from storage together."""
-    return sum(rank["bytes_read"] - rank["bytes_checked_extra"] for rank in json.loads((run / "stats.json").read_text()))
+    ranks = json.loads((run / "stats.json").read_text())
+    return sum(rank["bytes_read"] - rank["bytes_checked_extra"] for rank in ranks)
 
 
 # -- pipeline parallelism ------------------------------------------------------------------------------

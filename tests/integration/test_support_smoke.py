@@ -5,9 +5,18 @@ import math
 import pytest
 import torch
 
-from support.checkpoints import (BUFFER_SHAPES, FROZEN_PARAM_SHAPES, TRAINABLE_PARAM_SHAPES, TinySpec,
-                                 load_ds_universal, read_tag, resume_losses, trained_losses, trained_state,
-                                 uninterrupted_losses)
+from support.checkpoints import (
+    BUFFER_SHAPES,
+    FROZEN_PARAM_SHAPES,
+    TRAINABLE_PARAM_SHAPES,
+    TinySpec,
+    load_ds_universal,
+    read_tag,
+    resume_losses,
+    trained_losses,
+    trained_state,
+    uninterrupted_losses,
+)
 
 SPEC = TinySpec(stage=2, dtype="fp32", world_size=2, optimizer="AdamW", steps=3)
 # Relative tolerance for losses of a resumed run vs an uninterrupted one. For this fp32 ZeRO-2 case

@@ -17,8 +17,18 @@ import torch
 
 import ucp
 from support.atomic import assert_same_checkpoint, stored_bytes, with_added_param, with_edited_index
-from support.checkpoints import (TinySpec, load_ds_universal, read_tag, trained_losses, trained_state, ucp_load_errors,
-                                 ucp_resume, ucp_save_run, ucp_stats, uninterrupted_losses)
+from support.checkpoints import (
+    TinySpec,
+    load_ds_universal,
+    read_tag,
+    trained_losses,
+    trained_state,
+    ucp_load_errors,
+    ucp_resume,
+    ucp_save_run,
+    ucp_stats,
+    uninterrupted_losses,
+)
 from ucp.cli.main import main as cli_main
 from ucp.convert import convert
 from ucp.converters.deepspeed_slices import load_dict, tied_aliases
@@ -143,7 +153,8 @@ def test_strict_resume_of_the_tied_model_continues_the_uninterrupted_run(source,
     assert sum(s["bytes_read"] - s["bytes_checked_extra"] for s in ucp_stats(resumed)) == stored_bytes(path)
 
 
-def test_an_async_save_of_the_tied_model_equals_converting_deepspeeds_save(async_run, tiny_conversion, ckpt_root, tmp_path):
+def test_an_async_save_of_the_tied_model_equals_converting_deepspeeds_save(async_run, tiny_conversion, ckpt_root,
+                                                                            tmp_path):
     # Saving does not disturb training: the first steps are DeepSpeed's own run's, to the bit.
     assert async_run.losses[:SAVED.steps] == trained_losses(SAVED, ckpt_root)
     saved = ucp.open_checkpoint(async_run.save_dir / f"global_step{SAVED.steps}")

@@ -13,9 +13,17 @@ from pathlib import Path
 
 import pytest
 
-from support.hf_runs import (SAVE_STEP, SOURCE_WORLD, TOTAL_STEPS, accelerate_resume, accelerate_source, losses,
-                             trainer_resume, trainer_source)
 import ucp
+from support.hf_runs import (
+    SAVE_STEP,
+    SOURCE_WORLD,
+    TOTAL_STEPS,
+    accelerate_resume,
+    accelerate_source,
+    losses,
+    trainer_resume,
+    trainer_source,
+)
 from ucp.convert import convert
 
 # fp32 throughout: another world size or ZeRO stage reduces gradients in another order, ~1e-7 apart.
@@ -222,6 +230,7 @@ def test_peft_checkpoint_says_what_it_leaves_out_and_resumes_at_another_layout(t
 def _loss_moved_by_the_adapters(ckpt) -> float:
     """The relative change of the freshly built LoRA model's loss on a batch once the checkpoint's adapters are set."""
     import torch
+
     from support.train_hf import TokenData, tiny_model
 
     model = tiny_model(LORA)

@@ -20,8 +20,16 @@ import torch
 
 import ucp
 from support.atomic import stored_bytes
-from support.checkpoints import (SUPPORT_DIR, TinySpec, read_tag, tag_dir, ucp_load_errors, ucp_resume, ucp_stats,
-                                 uninterrupted_losses)
+from support.checkpoints import (
+    SUPPORT_DIR,
+    TinySpec,
+    read_tag,
+    tag_dir,
+    ucp_load_errors,
+    ucp_resume,
+    ucp_stats,
+    uninterrupted_losses,
+)
 from support.launch import run_torchrun
 from support.llama_tp_runs import build_sources, load_stats, losses, resume
 from test_load_hook_tp import RESUME, SAVED_AT, TRAIN
@@ -107,7 +115,8 @@ def test_loads_equal_loads_of_the_converted_checkpoint(source, target, tiny_chec
     assert sum(reads) == needed_source_bytes(raw)
     assert all(reads) or target.world_size == 1
     if source.dtype == "fp32":  # the same bytes the converted checkpoint stores, and its load reads
-        assert sum(reads) == stored_bytes(converted(source)) == sum(r["stats"][0]["bytes_read"] - r["stats"][0]["bytes_checked_extra"] for r in ranks)
+        installed = sum(r["stats"][0]["bytes_read"] - r["stats"][0]["bytes_checked_extra"] for r in ranks)
+        assert sum(reads) == stored_bytes(converted(source)) == installed
     if target.stage == 3:  # each rank exactly its own partitions, plus its share of the replicated buffers
         own = [zero3_partition_bytes(raw, rank, target.world_size) for rank in range(target.world_size)]
         assert all(read >= mine for read, mine in zip(reads, own))

@@ -15,7 +15,6 @@ from pathlib import Path
 import torch
 
 import ucp
-
 from ucp.convert.split_policy import SplitPolicy
 from ucp.convert.tensors import write_tensors
 from ucp.format.folder import INDEX_NAME, tensor_key
@@ -34,7 +33,8 @@ def write_checkpoint(out: Path, tensors: dict[str, dict[str, torch.Tensor]], pol
     widening and these tests see exactly the reads their layouts call for (test_chunk_checksums.py
     covers the widening)."""
     states = [s for s in next(iter(tensors.values())) if s != "fp32"]
-    optimizer = {"type": "AdamW", "states": states, "param_groups": [{"hyperparams": {"lr": 0.1}, "params": list(tensors)}]}
+    optimizer = {"type": "AdamW", "states": states,
+                 "param_groups": [{"hyperparams": {"lr": 0.1}, "params": list(tensors)}]}
     as_fp32 = {name: {state: t.detach().to(torch.float32) for state, t in st.items()} for name, st in tensors.items()}
     return write_tensors(out, as_fp32, optimizer=optimizer, step=1.0, splits=policy, chunk_bytes=chunk_bytes)
 

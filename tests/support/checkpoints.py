@@ -83,7 +83,8 @@ class TinySpec:
     optimizer: str = "AdamW"
     steps: int = 3
     uc_info: bool = False  # model declares universal_checkpoint_info (Megatron-DeepSpeed style)
-    tie: str = ""  # "tied": head.weight is emb.weight; "untied": the same shapes, head.weight its own (train_tiny --tie)
+    # "tied": head.weight is emb.weight; "untied": the same shapes, head.weight its own (train_tiny --tie)
+    tie: str = ""
 
     def __post_init__(self):
         if self.stage not in (0, 1, 2, 3):
@@ -256,8 +257,9 @@ def run_ds_to_universal(tag_dir: Path, out_dir: Path, workers: int = 1, *, injec
     """Run DeepSpeed's ds_to_universal.py on ``tag_dir`` writing ``out_dir``; return ``out_dir``.
 
     Passes ``--inject_missing_state`` unless told not to (ZeRO-1/2 checkpoints then need a model
-    that declared ``universal_checkpoint_info``, i.e. ``TinySpec(uc_info=True)``). ``out_dir.parent/latest_universal`` gets ``out_dir.name``
-    (so stock DeepSpeed resumes with ``load_checkpoint(out_dir.parent, tag=out_dir.name)``).
+    that declared ``universal_checkpoint_info``, i.e. ``TinySpec(uc_info=True)``).
+    ``out_dir.parent/latest_universal`` gets ``out_dir.name`` (so stock DeepSpeed resumes with
+    ``load_checkpoint(out_dir.parent, tag=out_dir.name)``).
     Idempotent through ``out_dir/.done``; the log is ``out_dir.parent/<out_dir.name>.log``.
     ``workers == 1`` converts in-process (no process pool).
     """

@@ -14,7 +14,6 @@ writes stays as it was). Rank 0 writes, by rank: ``{"names", "equal" (per tensor
 import argparse
 import json
 import os
-import sys
 
 import torch
 

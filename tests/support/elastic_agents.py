@@ -34,7 +34,8 @@ class ElasticJob:
         index = len(self.agents)
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={self.nodes}", "--nproc-per-node=1",
                "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{self.port}", "--rdzv-id=ucp-test",
-               "--rdzv-conf=is_host=false,last_call_timeout=2,join_timeout=300,keep_alive_interval=1,keep_alive_max_attempt=3", f"--max-restarts={self.max_restarts}",
+               "--rdzv-conf=is_host=false,last_call_timeout=2,join_timeout=300,keep_alive_interval=1,"
+               "keep_alive_max_attempt=3", f"--max-restarts={self.max_restarts}",
                "--monitor-interval=0.5", str(self.script), *self.args]
         log = open(self.workdir / f"agent{index}.log", "w")
         # A fresh store for the workers of each rendezvous round: with the agents' shared store (torch's

@@ -9,5 +9,6 @@ from ucp.format.dtypes import to_torch
 
 
 def torch_fragment(fragment: Fragment) -> torch.Tensor:
-    """`ucp.convert.assemble.read_fragment` (a numpy array, bfloat16 as raw words) as a torch tensor of the piece's dtype."""
+    """`ucp.convert.assemble.read_fragment` (a numpy array, bfloat16 as raw words) as a torch tensor of the piece's
+    dtype."""
     return to_torch(read_fragment(fragment), fragment.piece.dtype)

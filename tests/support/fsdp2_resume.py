@@ -16,6 +16,7 @@ import json
 import os
 
 import torch
+
 from train_hf_model import OPTIMIZER, build_model, load_dcp, rows
 
 

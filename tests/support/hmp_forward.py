@@ -38,8 +38,8 @@ def run(layout: Layout, rank: int, ckpt: str, cfg: RefConfig, groups: dict,
     loaded = load_slices(layout, rank, ckpt, param_table(cfg))
     weights = {n: s["fp32"].to(torch.float64) for n, s in loaded.tensors.items()}
     stage = RefStage(layout, rank, cfg, weights, {n: s.box for n, s in loaded.slices.items()})
-    stats = {"bytes_read": loaded.bytes_read, "bytes_checked_extra": loaded.bytes_checked_extra, "read_calls": loaded.read_calls, "share_bytes": loaded.share_bytes,
-             "tensors": loaded.tensors_touched}
+    stats = {"bytes_read": loaded.bytes_read, "bytes_checked_extra": loaded.bytes_checked_extra,
+             "read_calls": loaded.read_calls, "share_bytes": loaded.share_bytes, "tensors": loaded.tensors_touched}
     return stage.forward(tokens, groups), stats
 
 

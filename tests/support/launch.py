@@ -20,8 +20,48 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# DeepSpeed's CPU ops that the test jobs load; built once per machine by build_deepspeed_ops().
+DEEPSPEED_OPS = ("ShareMemCommBuilder", "FusedAdamBuilder")
+# torch holds an op's ``lock`` file only while it checks or builds the op; once the ops are built,
+# the check takes milliseconds, so a lock older than this was left by a process that was killed.
+STALE_LOCK_S = 60.0
+
+
+def build_deepspeed_ops(log_path: Path) -> None:
+    """Compile DeepSpeed's CPU ops in one process before any test starts ranks.
+
+    torch's JIT loader takes a ``lock`` file around every check or build of an op and never
+    takes it back from a process that dies holding it; the tests kill ranks on purpose (elastic
+    restarts, kills mid-save), and one killed during the check would leave every later job
+    waiting forever. With the ops built here, release_stale_extension_locks() can tell a
+    left-over lock from a live one by its age.
+    """
+    release_stale_extension_locks()
+    load = "; ".join(f"a.create_op_builder('{name}').load()" for name in DEEPSPEED_OPS)
+    run_logged([sys.executable, "-c", f"from deepspeed.accelerator import get_accelerator as g; a = g(); {load}"],
+               log_path, timeout=900)
+
+
+def release_stale_extension_locks(max_age_s: float = STALE_LOCK_S) -> list[Path]:
+    """Remove op ``lock`` files under TORCH_EXTENSIONS_DIR older than ``max_age_s``; return them."""
+    removed = []
+    for lock in Path(TORCH_EXTENSIONS_DIR).glob("*/lock"):
+        try:
+            if time.time() - lock.stat().st_mtime >= max_age_s:
+                lock.unlink()
+                removed.append(lock)
+        except FileNotFoundError:
+            pass
+    return removed
+
+
 def ds_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """Environment for DeepSpeed-on-CPU child processes."""
+    """Environment for DeepSpeed-on-CPU child processes.
+
+    Called just before each launch, it also removes op locks left by killed processes (see
+    build_deepspeed_ops), so that one killed rank cannot hang every later job.
+    """
+    release_stale_extension_locks()
     env = dict(os.environ)
     env["DS_ACCELERATOR"] = "cpu"
     env["TORCH_EXTENSIONS_DIR"] = TORCH_EXTENSIONS_DIR

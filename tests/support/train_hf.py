@@ -122,7 +122,8 @@ def main() -> None:
             self.losses.append(loss.item())
             return loss
 
-    trainer = RecordingTrainer(model=tiny_model(args.model, args.lora_targets), args=training_args, train_dataset=TokenData())
+    trainer = RecordingTrainer(model=tiny_model(args.model, args.lora_targets), args=training_args,
+                               train_dataset=TokenData())
     if args.resume is None:
         trainer.train()
     else:

@@ -85,6 +85,7 @@ def train_steps(engine, vocab: int, start: int, count: int) -> list[float]:
 def train_one(run: dict, args: argparse.Namespace) -> None:
     import deepspeed
     import torch.distributed as dist
+
     from gather import local_state
 
     config = build_config(run["model"])
@@ -114,8 +115,12 @@ def train_one(run: dict, args: argparse.Namespace) -> None:
 def load_dcp(model, optimizer, folder) -> None:
     """Load a DCP checkpoint into `model` and `optimizer` the way an FSDP2 (or single-process) job does."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                         set_model_state_dict, set_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
 
     state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
     dcp.load(state, checkpoint_id=folder)

@@ -29,6 +29,7 @@ import argparse
 import json
 
 import torch
+
 from multi_run import run_all, save_and_close
 
 VOCAB, HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, SEQ = 37, 16, 24, 2, 4, 2, 6

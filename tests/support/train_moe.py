@@ -19,6 +19,7 @@ import re
 
 import torch
 import torch.nn.functional as F
+
 from multi_run import run_all, save_and_close
 
 VOCAB, DIM, HIDDEN, SEQ, EXPERTS = 12, 8, 6, 4, 4

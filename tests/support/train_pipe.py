@@ -23,6 +23,7 @@ import argparse
 
 import torch
 import torch.nn.functional as F
+
 from multi_run import run_all, save_and_close
 
 VOCAB, DIM, HIDDEN, SEQ = 11, 6, 10, 4

@@ -61,3 +61,36 @@ def test_initialize_leaves_the_callers_config_and_args_as_given(monkeypatch):
     assert config == {"train_batch_size": 2, "ucp": {"bypass": True}}          # the caller's dict untouched
     assert "ucp" not in seen["kwargs"]["config"]                                # DeepSpeed never sees the section
     assert cli_args.deepspeed_config == {"train_batch_size": 2, "ucp": {}}      # nor the caller's args
+
+
+def test_elastic_sets_deepspeeds_batch_keys_for_this_world_size(monkeypatch):
+    """"elastic" replaces the batch keys DeepSpeed checks (micro x accumulation x world) before it runs."""
+    import deepspeed
+
+    seen = {}
+
+    def stop(*args, **kwargs):
+        seen.update(kwargs["config"])
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(deepspeed, "initialize", stop)
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    config = {"train_batch_size": 12, "ucp": {"elastic": {"global_batch": 10, "micro_batch": 2}}}
+    with pytest.raises(RuntimeError, match="stop here"):
+        ucp.deepspeed.initialize(model=torch.nn.Linear(2, 2), config=config)
+    assert (seen["train_batch_size"], seen["train_micro_batch_size_per_gpu"], seen["gradient_accumulation_steps"]) == \
+        (12, 2, 2)  # shares 4, 3, 3 in 2 micro-batches of at most 2, on 3 ranks
+
+
+@pytest.mark.parametrize("section,message", [
+    ({"load": "auto"}, '"load": "auto"} resumes from the save folder: add "save"'),
+    ({"save": {"dir": "/c", "every": 1, "keep": 0}}, '"keep": 0}}: must be a positive number of checkpoints'),
+    ({"save": {"dir": "/c", "every": 1, "kept": 2}}, "unknown key 'kept'"),
+    ({"elastic": {"global_batch": 10}}, 'needs "global_batch"'),
+])
+def test_auto_keep_and_elastic_mistakes_are_one_clear_error(monkeypatch, section, message):
+    import deepspeed
+
+    monkeypatch.setattr(deepspeed, "initialize", lambda *a, **k: pytest.fail("DeepSpeed ran"))
+    with pytest.raises(ConfigError, match=message.replace("{", r"\{").replace("}", r"\}")):
+        ucp.deepspeed.initialize(model=torch.nn.Linear(2, 2), config={"ucp": section})

@@ -14,8 +14,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ucp.hmp.layout import (Layout, LayoutError, ParamSpec, Replica, Stage, choose_global_split, part_bounds,
-                            split_bounds)
+from ucp.hmp.layout import (
+    Layout,
+    LayoutError,
+    ParamSpec,
+    Replica,
+    Stage,
+    choose_global_split,
+    part_bounds,
+    split_bounds,
+)
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -7,10 +7,15 @@ that converters, which import only the plan types, never pull in the driver.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ucp.convert.driver import convert
+
 __all__ = ["convert"]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> object:
     if name == "convert":
         from ucp.convert.driver import convert
 

@@ -5,7 +5,8 @@ States come out as numpy arrays held as `ucp.format.dtypes.NUMPY_DTYPES` (conver
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import typing
+from typing import TYPE_CHECKING, overload
 
 import numpy as np
 
@@ -37,7 +38,16 @@ def materialize_tensor(source: StateSource, *, name: str, strict: bool = False,
     return to_torch(materialize(source, name=name, strict=strict, counter=counter), source.dtype)
 
 
-def assemble(source: StateSource, pieces: list[Array], *, name: str, strict: bool = False) -> Array:
+@overload
+def assemble(source: StateSource, pieces: list[np.ndarray], *, name: str, strict: bool = False) -> np.ndarray: ...
+
+
+@overload
+def assemble(source: StateSource, pieces: list[torch.Tensor], *, name: str, strict: bool = False) -> torch.Tensor: ...
+
+
+def assemble(source: StateSource, pieces: list[np.ndarray] | list[torch.Tensor], *, name: str,
+             strict: bool = False) -> Array:
     """Union → StripPad of fragments already extracted (in `source.fragments` order), in the stored dtype.
 
     numpy pieces give a numpy array, torch pieces (the Ray backend's) a torch tensor.
@@ -49,8 +59,8 @@ def assemble(source: StateSource, pieces: list[Array], *, name: str, strict: boo
             dtypes = {source.dtype}
         dtype = dtypes.pop()
         full = strip_pad(union(source.spec, source.arrange(pieces), strict=strict, name=name, dtype=dtype), source.spec)
-        return cast(full, dtype, source.dtype)
+        return cast(typing.cast(np.ndarray, full), dtype, source.dtype)  # numpy pieces give numpy
     from ucp.format.safetensors_stream import TORCH_DTYPES
 
     full = strip_pad(union(source.spec, source.arrange(pieces), strict=strict, name=name), source.spec)
-    return full.to(TORCH_DTYPES[source.dtype])
+    return typing.cast("torch.Tensor", full).to(TORCH_DTYPES[source.dtype])  # torch pieces give torch

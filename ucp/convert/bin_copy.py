@@ -25,7 +25,6 @@ import os
 import queue
 import sys
 import threading
-import zlib
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -34,7 +33,7 @@ import numpy as np
 
 from ucp.convert.assemble import assemble, read_fragment
 from ucp.convert.plan import ParamPlan, StateSource
-from ucp.format.crc import chunk_bounds, join_segments
+from ucp.format.crc import chunk_bounds, crc32, join_segments
 from ucp.format.dtypes import NUMPY_DTYPES, cast
 from ucp.format.fileio import open_regular, read_exactly, tensor_bytes
 from ucp.format.index import DTYPE_SIZES
@@ -109,7 +108,8 @@ def _parts(source: StateSource, strict: bool) -> list[tuple[tuple[int, ...], lis
         return None
     parts, start = [], 0
     for size, shape in zip(source.groups, spec.shard_shapes):
-        inner = StateSource(dataclasses.replace(spec.inner, shape=tuple(shape)), frags[start:start + size], source.dtype)
+        inner = StateSource(dataclasses.replace(spec.inner, shape=tuple(shape)), frags[start:start + size],
+                            source.dtype)
         start += size
         runs = state_runs(inner, strict)
         if runs is None:
@@ -264,8 +264,8 @@ class Copier:
         try:
             for lo in range(begin, end, PIECE_BYTES):
                 raw = buffer[:min(PIECE_BYTES, end - lo)]
-                self.sources.read(path, memoryview(raw), lo)
-                read.append((path, lo, lo + raw.nbytes, zlib.crc32(raw)))
+                self.sources.read(path, raw.data, lo)
+                read.append((path, lo, lo + raw.nbytes, crc32(raw)))
         finally:
             self._buffers.put(buffer)
         return [], read
@@ -285,8 +285,8 @@ class Copier:
             start = 0
             for run in runs:
                 raw = piece[start:start + run.numel].view(np.uint8)
-                self.sources.read(run.path, memoryview(raw), run.offset)
-                read.append((run.path, run.offset, run.offset + raw.nbytes, zlib.crc32(raw)))
+                self.sources.read(run.path, raw.data, run.offset)
+                read.append((run.path, run.offset, run.offset + raw.nbytes, crc32(raw)))
                 start += run.numel
             out[:, column:column + width] = cast(piece.reshape(rows, width), runs[0].dtype, dtype)
             column += width
@@ -304,12 +304,12 @@ class Copier:
                 source = run.offset + start * itemsize
                 dest = block.dest + (start - block.start) * out_itemsize
                 raw = buffer[:numel * itemsize]
-                self.sources.read(run.path, memoryview(raw), source)
+                self.sources.read(run.path, raw.data, source)
                 if run.dtype == block.dtype:  # the output's CRCs are the source's
                     segments = self.write(raw, dest)
                     read += [(run.path, lo - dest + source, hi - dest + source, crc) for lo, hi, crc in segments]
                 else:
-                    read.append((run.path, source, source + raw.nbytes, zlib.crc32(raw)))
+                    read.append((run.path, source, source + raw.nbytes, crc32(raw)))
                     segments = self.write(cast(raw.view(NUMPY_DTYPES[run.dtype]), run.dtype, block.dtype), dest)
                 written += segments
         finally:
@@ -330,7 +330,7 @@ def write_array(out: BinFile, data: np.ndarray, dest: int) -> list[Segment]:
     segments = []
     for lo, hi in chunk_bounds(dest, dest + len(raw), out.chunk_bytes):
         piece = raw[lo - dest:hi - dest]
-        segments.append((lo, hi, zlib.crc32(piece)))
+        segments.append((lo, hi, crc32(piece)))
         out.write(piece, lo)
     return segments
 
@@ -351,12 +351,12 @@ def copy_states(out: BinFile, params: tuple[ParamPlan, ...], slots: list[TensorS
                 begin = out.begins[slot.key]
                 runs = state_runs(source, strict) if p.splits is None else None
                 rows = row_parts(source, strict) if p.splits is None and runs is None else None
-                if runs is not None or rows is not None:
-                    if runs is not None:
-                        futures = [copier.submit(b) for b in blocks(runs, begin, source.dtype)]
-                    else:
-                        futures = [copier.submit_rows(rows, source.dtype, begin)]
-                        runs = [run for _, part in rows for run in part]
+                if runs is not None:
+                    futures = [copier.submit(b) for b in blocks(runs, begin, source.dtype)]
+                elif rows is not None:
+                    futures = [copier.submit_rows(rows, source.dtype, begin)]
+                    runs = [run for _, part in rows for run in part]
+                if runs is not None:  # copied (blocks or rows), not assembled
                     futures += [copier.submit_checksum(*unread) for unread in unread_bytes(source, runs)]
                     pending.append((source, slot.key, begin, begin + slot.nbytes, futures, []))
                 else:
@@ -397,7 +397,7 @@ def _assembled(copier: Copier, p: ParamPlan, source: StateSource, begin: int,
                strict: bool) -> tuple[list[Segment], list[SourceSegment]]:
     """A state Union computes: its fragments read whole (and CRC'd), assembled, written at `begin`."""
     pieces = [read_fragment(f) for f in source.fragments]
-    read = [(f.piece.path, f.piece.byte_offset, f.piece.byte_offset + piece.nbytes, zlib.crc32(tensor_bytes(piece)))
+    read = [(f.piece.path, f.piece.byte_offset, f.piece.byte_offset + piece.nbytes, crc32(tensor_bytes(piece)))
             for f, piece in zip(source.fragments, pieces)]
     tensor = assemble(source, pieces, name=p.name, strict=strict)
     if p.splits is not None:

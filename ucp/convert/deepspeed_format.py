@@ -16,6 +16,7 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -80,6 +81,7 @@ def save_bin(task: SaveBin, report: Report) -> dict:
         folder.mkdir(parents=True, exist_ok=True)
         for state, source in p.states.items():
             tensor = materialize_tensor(source, name=p.name, strict=task.strict).float()
+            payload: torch.Tensor | dict[str, Any]
             if task.zero3 and p.kind == TRAINABLE:
                 payload = tensor.reshape(-1)
             else:
@@ -114,7 +116,7 @@ def tp_keys(spec: PatternSpec) -> dict:
     if spec.flat or spec.dim is None:
         return keys
     keys["cat_dim"] = spec.dim
-    if spec.pattern is Pattern.SHARD_NC:
+    if spec.pattern is Pattern.SHARD_NC and spec.sub_widths is not None:  # recognize gives shard_nc its widths
         sizes = tuple(sum(w) for w in spec.sub_widths)
         if len(sizes) == 2 and sizes[0] == sizes[1]:
             keys["param_n_sub_params"] = 2
@@ -145,22 +147,23 @@ def _save_optimizer_state(plan: ConversionPlan, path: Path, zero3: bool) -> None
     if LOSS_SCALER in sd:
         out[LOSS_SCALER] = _loss_scaler(sd[LOSS_SCALER], rank0)
     if zero3:
-        inner = _field(sd, OPTIMIZER_STATE_DICT, rank0)
-        state = _field(inner, "state", rank0)
+        inner = _field(sd, OPTIMIZER_STATE_DICT, rank0, dict)
+        state = _field(inner, "state", rank0, dict)
         out[OPTIMIZER_STATE_DICT] = {
-            "state": {i: {"step": _plain(s.get("step"), rank0, "step")} for i, s in state.items()},
-            PARAM_GROUPS: _plain(_field(inner, PARAM_GROUPS, rank0), rank0, PARAM_GROUPS)}
+            "state": {i: {"step": _plain(_field(state, i, rank0, dict).get("step"), rank0, "step")} for i in state},
+            PARAM_GROUPS: _plain(_field(inner, PARAM_GROUPS, rank0, list), rank0, PARAM_GROUPS)}
     else:
-        base = _field(sd, BASE_OPTIMIZER_STATE, rank0)
-        out[PARAM_GROUPS] = _plain(_field(base, PARAM_GROUPS, rank0), rank0, PARAM_GROUPS)
+        base = _field(sd, BASE_OPTIMIZER_STATE, rank0, dict)
+        out[PARAM_GROUPS] = _plain(_field(base, PARAM_GROUPS, rank0, list), rank0, PARAM_GROUPS)
     torch.save(out, path)
 
 
-def _field(sd: dict, key: str, path: Path) -> dict | list:
+def _field(sd: dict, key: object, path: Path, kind: type[dict] | type[list]) -> Any:
+    """`sd[key]`, which must be a `kind` (as DeepSpeed writes it); else one error naming the file."""
     value = sd.get(key)
-    if not isinstance(value, (dict, list)):
-        raise CorruptCheckpointError(f"{path}: optimizer state has no {key}; copy the file again from the "
-                                     "training job")
+    if not isinstance(value, kind):
+        raise CorruptCheckpointError(f"{path}: optimizer state has no {key!r} {kind.__name__}; copy the file again "
+                                     "from the training job")
     return value
 
 
@@ -174,7 +177,7 @@ def _plain(value, path: Path, key: str):
     if isinstance(value, DtypeName):
         return getattr(torch, value)
     if isinstance(value, Device):
-        return torch.device(value.type, value.index)
+        return torch.device(value.type) if value.index is None else torch.device(value.type, value.index)
     if value is None or isinstance(value, (str, int, float, bool)):
         return value
     if isinstance(value, LazyTensor):

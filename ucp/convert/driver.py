@@ -19,7 +19,6 @@ import hashlib
 import logging
 import os
 import time
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,21 +26,36 @@ from pathlib import Path
 import numpy as np
 
 from ucp.convert.balance import plan_bins
-from ucp.convert.bin_copy import BinFile, copy_states, write_array
+from ucp.convert.bin_copy import BinFile, SourceSegment, copy_states, write_array
 from ucp.convert.executor import Executor, LocalExecutor, Report, ShuffleExecutor
 from ucp.convert.index_builder import WrittenFile, build_index, records_of
-from ucp.convert.manifest import (MANIFEST_SUFFIX, BinCheck, committed_damage, manifest_name, remove_manifests,
-                                  reusable_bin, write_manifest)
+from ucp.convert.manifest import (
+    MANIFEST_SUFFIX,
+    BinCheck,
+    committed_damage,
+    manifest_name,
+    remove_manifests,
+    reusable_bin,
+    write_manifest,
+)
 from ucp.convert.plan import ConversionPlan, ParamPlan, StateSource
 from ucp.convert.result import ConvertResult
 from ucp.convert.source_check import check_sources
 from ucp.convert.split_policy import SplitPolicy, apply_split_policy
 from ucp.converters.trainer_folders import left_out_summary
 from ucp.errors import CorruptCheckpointError, OutputExistsError, UcpError
-from ucp.format.crc import CHUNK_BYTES, join_segments
+from ucp.format.crc import CHUNK_BYTES, crc32, join_segments
 from ucp.format.fileio import read_regular, writing_alone
-from ucp.format.folder import (INDEX_NAME, PARTIAL_SUFFIX, commit_index, data_file_name, fsync_dir, is_ucp_file,
-                               read_index, tensor_key)
+from ucp.format.folder import (
+    INDEX_NAME,
+    PARTIAL_SUFFIX,
+    commit_index,
+    data_file_name,
+    fsync_dir,
+    is_ucp_file,
+    read_index,
+    tensor_key,
+)
 from ucp.format.index import FORMAT_NAME, ExtraFile, stored_shape
 from ucp.format.safetensors_stream import StoredTensor, TensorSlot
 from ucp.format.splits import to_split_major
@@ -59,7 +73,7 @@ class WriteBin:
     chunk_bytes: int = CHUNK_BYTES  # the states' chunk checksums cover runs of this many bytes
 
 
-def convert(input_dir: str | os.PathLike, output_dir: str | os.PathLike, *, tag: str | None = None,
+def convert(input_dir: str | os.PathLike[str], output_dir: str | os.PathLike[str], *, tag: str | None = None,
             workers: int | None = None, fmt: str = "ucp", strict: bool = False,
             executor: Executor | None = None, progress: bool = True,
             param_names: list[str] | None = None, resume: bool = False,
@@ -227,7 +241,7 @@ def stream_bin(task: WriteBin, report: Report,
     """Write every state of the bin's parameters, as `state_array` gives it, into one safetensors file
     (the Ray backend's reducer, whose fragments come from the object store; the same bytes as `write_bin`'s)."""
 
-    def fill(out: BinFile, slots: list[TensorSlot], after_state: Callable[[StateSource], None]):
+    def fill(out: BinFile, slots: list[TensorSlot], after_state: Callable[[StateSource], None]) -> Filled:
         stored, keys = {}, iter(slots)
         for p in task.params:
             for source in p.states.values():
@@ -246,18 +260,25 @@ def stream_bin(task: WriteBin, report: Report,
     return _write_file(task, report, fill)[0]
 
 
-def _write_file(task: WriteBin, report: Report, fill) -> tuple[WrittenFile, tuple]:
+# Where each state of a bin landed, and the source segments read: what a bin writer's `fill` returns.
+Filled = tuple[dict[str, StoredTensor], list[SourceSegment]]
+
+
+def _write_file(task: WriteBin, report: Report,
+                fill: Callable[[BinFile, list[TensorSlot], Callable[[StateSource], None]], Filled],
+                ) -> tuple[WrittenFile, tuple[SourceSegment, ...]]:
     """The bin's file, written by `fill(file, slots, after_state)` (which returns where each state landed and
     the source segments read); durable (fsynced, renamed, directory fsynced) before its manifest is written."""
     final = os.path.join(task.output, task.file_name)
     partial = final + PARTIAL_SUFFIX
     slots = bin_slots(task.params)
-    written = []
+    states_written = 0
 
     def after_state(source: StateSource) -> None:
+        nonlocal states_written
         report(source.nbytes)
-        written.append(source)
-        if len(written) == 1:
+        states_written += 1
+        if states_written == 1:
             _hold_for_tests(task.file_name)
 
     out = None
@@ -306,4 +327,4 @@ def copy_extra_file(source: Path, target: Path) -> ExtraFile:
         f.flush()
         os.fsync(f.fileno())
     os.replace(partial, target)
-    return ExtraFile(target.name, len(data), zlib.crc32(data))
+    return ExtraFile(target.name, len(data), crc32(data))

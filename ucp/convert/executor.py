@@ -8,9 +8,9 @@ from __future__ import annotations
 import ctypes
 import multiprocessing
 import os
+import queue as queue_module
 import signal
 import sys
-import queue as queue_module
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
@@ -55,7 +55,7 @@ def progress_bar(total_bytes: int, desc: str, enabled: bool) -> tqdm:
                 disable=None if enabled else True, dynamic_ncols=True)
 
 
-_progress_queue = None
+_progress_queue: multiprocessing.queues.Queue[int] | None = None  # set in each pool worker by _init_worker
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
@@ -79,7 +79,8 @@ def _die_with_parent(parent: int) -> None:
 
 
 def _report_to_queue(nbytes: int) -> None:
-    _progress_queue.put(nbytes)
+    if _progress_queue is not None:
+        _progress_queue.put(nbytes)
 
 
 def _run_in_worker(fn, task):
@@ -121,8 +122,9 @@ class LocalExecutor:
                 for f in pending:
                     f.cancel()
                 for f in futures:
-                    if f.done() and not f.cancelled() and f.exception() is not None:
-                        raise f.exception()
+                    error = f.exception() if f.done() and not f.cancelled() else None
+                    if error is not None:
+                        raise error
                 return [f.result() for f in futures]
         finally:
             stop.set()

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import json
 import os
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 from ucp.convert.executor import Report
 from ucp.convert.index_builder import WrittenFile
+from ucp.format.crc import crc32
 from ucp.format.fileio import read_regular
 from ucp.format.folder import DATA_PREFIX, PARTIAL_SUFFIX, fsync_dir
 from ucp.format.index import Index, header_problems
@@ -110,7 +110,7 @@ def _crc_range(f, begin: int, end: int) -> int:
         chunk = f.read(min(_CHUNK, left))
         if not chunk:
             raise ValueError(f"{f.name}: ends before byte {end}")
-        crc = zlib.crc32(chunk, crc)
+        crc = crc32(chunk, crc)
         left -= len(chunk)
     return crc
 
@@ -128,6 +128,6 @@ def committed_damage(output: Path, index: Index) -> str | None:
                 if _crc_range(f, s.begin, s.end) != s.crc32:
                     return f"{output / data.name}: {s.key} fails its CRC-32"
     for extra in index.extra_files.values():
-        if zlib.crc32(read_regular(str(output / extra.name), follow=False)) != extra.crc32:
+        if crc32(read_regular(str(output / extra.name), follow=False)) != extra.crc32:
             return f"{output / extra.name}: fails its CRC-32"
     return None

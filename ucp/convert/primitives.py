@@ -11,6 +11,7 @@ the two steps that compute on values (PARTIAL's mean, --strict's replica check) 
 from __future__ import annotations
 
 import dataclasses
+import typing
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Union
 
@@ -108,12 +109,13 @@ def _mean(pieces: Sequence[Array], dtype: str | None) -> Array:
     """DeepSpeed's `sum(slices) / len(slices)`, in the same order of operations, so results agree bit for bit."""
     with np.errstate(all="ignore"):  # numpy warns of overflow and NaN where torch computes quietly
         if isinstance(pieces[0], np.ndarray) and dtype == "bfloat16":
+            words = typing.cast("Sequence[np.ndarray]", pieces)  # the pieces are all of one kind
             # torch computes each bfloat16 operation in float32 and rounds the result back: so do we
-            total = from_values(0 + as_values(pieces[0], dtype), dtype)
-            for piece in pieces[1:]:
-                total = from_values(as_values(total, dtype) + as_values(piece, dtype), dtype)
-            return from_values(as_values(total, dtype) / np.float32(len(pieces)), dtype)
-        total = 0 + pieces[0]  # sum() starts from 0: 0 + (-0.0) is +0.0, which a copy would not give
+            running = from_values(0 + as_values(words[0], dtype), dtype)
+            for word in words[1:]:
+                running = from_values(as_values(running, dtype) + as_values(word, dtype), dtype)
+            return from_values(as_values(running, dtype) / np.float32(len(words)), dtype)
+        total: Array = 0 + pieces[0]  # sum() starts from 0: 0 + (-0.0) is +0.0, which a copy would not give
         for piece in pieces[1:]:
             total += piece
         return total / len(pieces)
@@ -122,9 +124,10 @@ def _mean(pieces: Sequence[Array], dtype: str | None) -> Array:
 def _same_copy(a: Array, b: Array, dtype: str | None = None) -> bool:
     """torch.equal, except that NaNs in the same places match (identical copies of a NaN are the same copy)."""
     if isinstance(a, np.ndarray):
-        a, b = as_values(a, dtype or ""), as_values(b, dtype or "")
-        floating = np.issubdtype(a.dtype, np.floating) and (dtype is None or dtype in FLOATS)
-        return a.shape == b.shape and np.array_equal(a, b, equal_nan=floating)
+        x, y = as_values(a, dtype or ""), as_values(typing.cast(np.ndarray, b), dtype or "")  # both of one kind
+        floating = np.issubdtype(x.dtype, np.floating) and (dtype is None or dtype in FLOATS)
+        return x.shape == y.shape and np.array_equal(x, y, equal_nan=floating)
+    b = typing.cast("torch.Tensor", b)
     torch = _torch()
     if torch.equal(a, b):
         return True

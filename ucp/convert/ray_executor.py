@@ -28,7 +28,6 @@ import shutil
 import sys
 import tempfile
 import time
-import zlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -43,6 +42,7 @@ from ucp.convert.driver import WriteBin, WrittenBin, stream_bin
 from ucp.convert.executor import Report, default_workers
 from ucp.convert.plan import Fragment, Piece
 from ucp.errors import UcpError
+from ucp.format.crc import crc32
 from ucp.format.dtypes import NUMPY_DTYPES
 from ucp.format.fileio import pread_into
 from ucp.format.index import DTYPE_SIZES
@@ -146,7 +146,7 @@ def _reduce(task: WriteBin, paths: tuple[str, ...], *shares) -> WrittenBin:
 def _source_segment(path: str, piece: Piece, buffer: np.ndarray, start: int) -> tuple[str, int, int, int]:
     """(file, begin, end, CRC-32) of a piece's bytes as the mapper read them from the rank file."""
     nbytes = piece.numel * DTYPE_SIZES[piece.dtype]
-    return path, piece.byte_offset, piece.byte_offset + nbytes, zlib.crc32(buffer[start:start + nbytes])
+    return path, piece.byte_offset, piece.byte_offset + nbytes, crc32(buffer[start:start + nbytes])
 
 
 @ray.remote(max_retries=MAX_RETRIES, retry_exceptions=False)
@@ -217,8 +217,8 @@ class RayExecutor:
                     i = position[ref]
                     results[i] = _result(ref, labels[i])
                     done, done_bytes = done + 1, done_bytes + sizes[i]
-                    self._log(f"{desc}: {labels[i]} done ({done}/{len(refs)}"
-                              f"{', ' + human_bytes(done_bytes) + ' of ' + human_bytes(sum(sizes)) if sum(sizes) else ''}, "
+                    of_bytes = f", {human_bytes(done_bytes)} of {human_bytes(sum(sizes))}" if sum(sizes) else ""
+                    self._log(f"{desc}: {labels[i]} done ({done}/{len(refs)}{of_bytes}, "
                               f"{time.monotonic() - start:.1f} s)")
                 if not ready:
                     self._log(f"{desc}: {done}/{len(refs)} done, running ({time.monotonic() - start:.0f} s)")
@@ -242,7 +242,7 @@ def _submit_shuffle(tasks: Sequence[WriteBin], maps: list[MapFile]) -> list:
     inputs: list[list[tuple[str, ray.ObjectRef]]] = [[] for _ in tasks]
     for job in maps:
         refs = _extract.options(num_returns=len(job.bins)).remote(job)
-        for b, ref in zip(job.bins, refs if len(job.bins) > 1 else [refs]):
+        for b, ref in zip(job.bins, refs if isinstance(refs, list) else [refs]):  # one return: a ref, not a list
             inputs[b].append((job.path, ref))
     return [_reduce.remote(t, tuple(path for path, _ in inputs[b]), *(ref for _, ref in inputs[b]))
             for b, t in enumerate(tasks)]

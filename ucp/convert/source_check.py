@@ -5,8 +5,8 @@ bytes in the zip directory. Every tensor storage is one entry. The conversion's 
 bytes they read, in pieces, and the bytes of their fragments that no output needs (`ucp.convert.bin_copy`);
 here the driver joins the pieces of each entry that the conversion copies from, in file order, with
 `crc32_combine`, reads and CRCs whatever bytes of it no worker read (tensors no state uses), and
-compares the result with the zip's CRC-32, before the index is committed. Small entries of the same files (steps and other
-scalars, which the plan reads into the index) are read and checked whole: they cost nothing.
+compares the result with the zip's CRC-32, before the index is committed. Small entries of the same files
+(steps and other scalars, which the plan reads into the index) are read and checked whole: they cost nothing.
 Entries of tensors the conversion does not use at all (the model-states file's weights when the
 fp32 masters come from the optimizer files) are not read, so not checked.
 
@@ -19,7 +19,6 @@ from __future__ import annotations
 import bisect
 import os
 import zipfile
-import zlib
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -27,7 +26,7 @@ from dataclasses import dataclass
 from ucp.convert.plan import ConversionPlan, StateSource
 from ucp.converters.torch_zip import ZipEntry, storage_entries
 from ucp.errors import CorruptCheckpointError
-from ucp.format.crc import crc32_combine
+from ucp.format.crc import crc32, crc32_combine
 from ucp.format.fileio import ReadCounter, open_regular
 
 SourceSegment = tuple[str, int, int, int]  # (path, begin, end, crc32) of bytes read from a rank file
@@ -222,7 +221,7 @@ def _read_crc(fd: int, path: str, begin: int, end: int, counter: ReadCounter | N
         if not data:
             raise CorruptCheckpointError(f"{path}: ends at byte {begin}, expected at least {end}; the file is "
                                          "truncated, copy it again")
-        crc = zlib.crc32(data, crc)
+        crc = crc32(data, crc)
         begin += len(data)
         if counter is not None:
             counter.bytes += len(data)

@@ -31,6 +31,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -53,7 +54,13 @@ from ucp.format.optimizer import optimizer_record
 from ucp.format.safetensors_stream import TORCH_DTYPES, StoredTensor, TensorSlot
 from ucp.patterns.recognize import FragmentInfo, recognize
 
+if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
+
 logger = logging.getLogger("ucp.save")
+# What each rank's writer reports to rank 0: (key, start, numel, begin, end, segments) of each piece it wrote,
+# or the error that stopped it.
+RankReport = tuple[list[tuple[str, int, int, int, int, tuple[tuple[int, int, int], ...]]] | None, str | None]
 
 
 @dataclass
@@ -81,7 +88,7 @@ class _Prepared:
 class Saver:
     """Saves one engine: its process group, the arrangement of its files, snapshot buffer and the save in flight."""
 
-    def __init__(self, engine):
+    def __init__(self, engine: DeepSpeedEngine):
         if (getattr(engine, "mp_world_size", 1) > 1 or getattr(engine, "pipeline_parallelism", False)
                 or getattr(engine, "has_moe_layers", False) or tp_size(engine) > 1):
             raise UnsupportedLayoutError("ucp.deepspeed.save handles data parallelism only (ZeRO 0-3); this engine "
@@ -109,8 +116,8 @@ class Saver:
     def leader(self) -> bool:
         return self.rank == self.ranks[0]
 
-    def save(self, save_dir: str | os.PathLike, tag: str | None = None, client_state: dict | None = None,
-             async_: bool = True) -> SaveStats:
+    def save(self, save_dir: str | os.PathLike[str], tag: str | None = None,
+             client_state: dict[str, Any] | None = None, async_: bool = True) -> SaveStats:
         began = time.perf_counter()
         tag = tag or f"global_step{self.engine.global_steps}"
         self.job.wait_turn(tag)  # the buffer is reused: let the previous save finish (raises its failure)
@@ -122,9 +129,9 @@ class Saver:
         prepared = self._prepare()
         with torch.no_grad():
             prepared.buffer.fill([t.view(state) for t, state in prepared.sources])
-        event = None
+        event: torch.cuda.Event | None = None
         if prepared.buffer.data.is_pinned():
-            event = torch.cuda.Event()
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch leaves its __init__ untyped
             event.record()
         meta = _metadata(self, prepared, tag, tag_dir, client_state) if self.leader else None
         stats = SaveStats(tag, str(tag_dir), bytes=prepared.buffer.nbytes)
@@ -172,20 +179,21 @@ class Saver:
 
     # -- the writer thread
 
-    def _write(self, prepared: _Prepared, save_dir: Path, tag: str, meta: dict | None, event) -> None:
+    def _write(self, prepared: _Prepared, save_dir: Path, tag: str, meta: dict[str, Any] | None,
+               event: torch.cuda.Event | None) -> None:
         tag_dir = save_dir / tag
-        report, error = None, None
+        report: RankReport = (None, None)
         try:
             if event is not None:  # the device-to-host copies into the pinned buffer are done
                 event.synchronize()
             written = write_pieces(tag_dir, prepared.files.files, prepared.buffer, headers=self.leader)
-            report = [(w.key, p.start, p.numel, w.begin, w.end, w.segments)
-                      for w, p in zip(written, prepared.buffer.pieces)]
+            report = ([(w.key, p.start, p.numel, w.begin, w.end, w.segments)
+                       for w, p in zip(written, prepared.buffer.pieces)], None)
         except Exception as exc:  # reported to rank 0, which then does not commit
-            error = f"rank {self.rank}: {type(exc).__name__}: {exc}"
-        reports = self._gather((report, error))
+            report = (None, f"rank {self.rank}: {type(exc).__name__}: {exc}")
+        reports = self._gather(report)
         outcome = None
-        if self.leader:
+        if reports is not None and meta is not None:  # rank 0 of the group: it took the metadata and gathers
             try:
                 _commit(prepared, save_dir, tag, reports, meta)
             except Exception as exc:
@@ -198,10 +206,11 @@ class Saver:
                             f"and save again, or delete the incomplete {tag_dir})")
         logger.info("ucp: saved %s", tag_dir)
 
-    def _gather(self, report) -> list:
+    def _gather(self, report: RankReport) -> list[RankReport] | None:
+        """Every rank's report, on rank 0 of the group; None on the others."""
         if self.group is None:
             return [report]
-        out = [None] * len(self.ranks) if self.leader else None
+        out: list[RankReport] | None = [(None, None)] * len(self.ranks) if self.leader else None
         dist.gather_object(report, out, dst=self.ranks[0], group=self.group)
         return out
 
@@ -228,7 +237,8 @@ def _dtype(t: torch.Tensor) -> str:
 
 # -- what the index says besides tensors, taken at snapshot time on rank 0 --------------------------------
 
-def _metadata(saver: Saver, prepared: _Prepared, tag: str, tag_dir: Path, client_state: dict | None) -> dict:
+def _metadata(saver: Saver, prepared: _Prepared, tag: str, tag_dir: Path,
+              client_state: dict[str, Any] | None) -> dict[str, Any]:
     engine, target = saver.engine, saver.target
     groups, group_index = _param_groups(target)
     dtypes = {n: _dtype(p) for n, p in engine.module.named_parameters()}
@@ -238,9 +248,10 @@ def _metadata(saver: Saver, prepared: _Prepared, tag: str, tag_dir: Path, client
         states.setdefault(t.name, {})[state] = dtype
     params = []
     for t in target.tensors:
+        group = t.group if t.kind == "param" else None  # every trainable tensor is in a param group
         params.append({"name": t.name, "shape": t.shape, "kind": t.kind, "states": states[t.name],
-                       "group": group_index[t.group] if t.kind == "param" else None,
-                       "step": target.saved_step(t.group) if t.kind == "param" else None,
+                       "group": group_index[group] if group is not None else None,
+                       "step": target.saved_step(group) if group is not None else None,
                        "model_dtype": dtypes.get(t.name, "float32")})
     config = engine.config if isinstance(engine.config, dict) else {}
     precision = "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32"
@@ -264,13 +275,13 @@ def _metadata(saver: Saver, prepared: _Prepared, tag: str, tag_dir: Path, client
     }
 
 
-def _param_groups(target: Target) -> tuple[list[dict], dict[int, int]]:
+def _param_groups(target: Target) -> tuple[list[dict[str, Any]], dict[int, int]]:
     """The torch param groups as the index records them, and each engine group's index among them.
 
     ZeRO-3 splits a param group into sub-groups with the same hyper-parameters; like `ucp convert`,
     consecutive sub-groups with equal hyper-parameters are one group again.
     """
-    groups: list[dict] = []
+    groups: list[dict[str, Any]] = []
     index = {}
     for i, entry in enumerate(target.optimizer_groups):
         hyper = _to_json({k: v for k, v in entry["group"].items() if k != "params"})
@@ -282,9 +293,9 @@ def _param_groups(target: Target) -> tuple[list[dict], dict[int, int]]:
     return groups, index
 
 
-def _to_json(value):
+def _to_json(value: object) -> Any:
     """A JSON copy of `value`: tensors as numbers or lists, anything else JSON cannot hold by its repr."""
-    def plain(v):
+    def plain(v: object) -> object:
         if torch.is_tensor(v):
             return v.item() if v.dim() == 0 else v.tolist()
         return repr(v)
@@ -293,25 +304,27 @@ def _to_json(value):
 
 # -- rank 0's commit -------------------------------------------------------------------------------------
 
-def _commit(prepared: _Prepared, save_dir: Path, tag: str, reports: list, meta: dict) -> None:
+def _commit(prepared: _Prepared, save_dir: Path, tag: str, reports: list[RankReport], meta: dict[str, Any]) -> None:
     tag_dir = save_dir / tag
     failed = [error for _, error in reports if error]
     if failed:
         raise SaveError(f"{tag_dir}: not committed, {failed[0]}")
-    written, fragments = [], {}
+    pieces: list[WrittenPiece] = []
+    fragments: dict[str, list[tuple[int, int, int]]] = {}
     for rank_index, (report, _) in enumerate(reports):
-        for key, start, numel, begin, end, segments in report:
-            written.append(WrittenPiece(key, begin, end, tuple(map(tuple, segments))))
+        for key, start, numel, begin, end, segments in report or []:
+            pieces.append(WrittenPiece(key, begin, end, tuple((lo, hi, crc) for lo, hi, crc in segments)))
             fragments.setdefault(key, []).append((rank_index, start, numel))
-    crcs = whole_crcs(prepared.files, written)
+    crcs = whole_crcs(prepared.files, pieces)
     for f in prepared.files.files:
         os.replace(partial_path(tag_dir, f.name), tag_dir / f.name)
     fsync_dir(tag_dir)
     params = [_param_record(p, prepared, fragments) for p in meta["params"]]
     fingerprint = hashlib.sha256(f"{tag_dir}:{time.time_ns()}".encode()).hexdigest()[:32]
     run = RunRecord(meta["source"], meta["training"], meta["optimizer"], meta["lr_scheduler"], meta["client_state"])
-    written = [WrittenFile(f.name, f.size, CHUNK_BYTES, {k: StoredTensor(k, s.begin, s.end, *crcs[k])
-                                                         for k, s in prepared.files.spans.items() if s.file == f.name})
+    written = [WrittenFile(f.name, f.size, CHUNK_BYTES,
+                           {k: StoredTensor(k, s.begin, s.end, crcs[k][0], tuple(crcs[k][1]))
+                            for k, s in prepared.files.spans.items() if s.file == f.name})
                for f in prepared.files.files]
     commit_index(tag_dir, build_index(run, meta["aliases"], params, fingerprint, written))
     commit_latest(save_dir, tag)
@@ -328,7 +341,8 @@ def _prune(save_dir: Path, keep: int) -> None:
         logger.info("ucp: removed %s (\"keep\": %d)", tag, keep)
 
 
-def _param_record(p: dict, prepared: _Prepared, fragments: dict) -> ParamRecord:
+def _param_record(p: dict[str, Any], prepared: _Prepared, fragments: dict[str, list[tuple[int, int, int]]]
+                  ) -> ParamRecord:
     """The parameter's index record; its pattern says how the ranks held it (as `ucp convert` records it)."""
     shape = tuple(p["shape"])
     first = tensor_key(p["name"], next(iter(p["states"])))
@@ -344,7 +358,7 @@ def _param_record(p: dict, prepared: _Prepared, fragments: dict) -> ParamRecord:
 _LIVE: weakref.WeakSet[Saver] = weakref.WeakSet()
 
 
-def saver_for(engine) -> Saver:
+def saver_for(engine: DeepSpeedEngine) -> Saver:
     """The engine's saver, created on first use (collectively: every rank must reach this together)."""
     saver = getattr(engine, "_ucp_saver", None)
     if saver is None:
@@ -353,8 +367,8 @@ def saver_for(engine) -> Saver:
     return saver
 
 
-def save(engine, path: str | os.PathLike, tag: str | None = None, async_: bool = True, *,
-         client_state: dict | None = None) -> SaveStats:
+def save(engine: DeepSpeedEngine, path: str | os.PathLike[str], tag: str | None = None, async_: bool = True, *,
+         client_state: dict[str, Any] | None = None) -> SaveStats:
     """Save `engine` into `<path>/<tag>` (default tag `global_step<N>`), then point `<path>/latest` at it.
 
     Call on every rank. Returns once this rank's state is snapshotted (with `async_=False`, once
@@ -364,7 +378,7 @@ def save(engine, path: str | os.PathLike, tag: str | None = None, async_: bool =
     return saver_for(engine).save(path, tag, client_state, async_)
 
 
-def wait(engine) -> SaveStats | None:
+def wait(engine: DeepSpeedEngine) -> SaveStats | None:
     """Block until the engine's save in flight is committed; its stats (None if it never saved).
 
     Raises `SaveError` if it failed. Runs for every engine at interpreter exit too; call it before
@@ -384,7 +398,7 @@ class SaveEvery:
     keep: int | None = None
 
     @classmethod
-    def from_config(cls, options) -> SaveEvery:
+    def from_config(cls, options: object) -> SaveEvery:
         if not isinstance(options, dict) or not isinstance(options.get("dir"), (str, os.PathLike)):
             raise ConfigError(f'"ucp": {{"save": {options!r}}}: needs "dir", the folder to save into, e.g. '
                               '{"dir": "/ckpt/ucp", "every": 100}')
@@ -401,7 +415,7 @@ class SaveEvery:
                               '"keep"')
         return cls(os.fspath(options["dir"]), options["every"], options.get("keep"))
 
-    def install(self, engine) -> None:
+    def install(self, engine: DeepSpeedEngine) -> None:
         """Wrap `engine.step` to save after every `every`-th optimizer step.
 
         Client state for these saves is read from `engine.ucp_client_state` (a dict) when set;
@@ -411,9 +425,9 @@ class SaveEvery:
         engine.ucp_save_dir = self.dir
         saver.last_step = engine.global_steps
         saver.keep = self.keep
-        step: Callable = engine.step
+        step: Callable[..., Any] = engine.step
 
-        def step_and_save(*args, **kwargs):
+        def step_and_save(*args: Any, **kwargs: Any) -> Any:
             result = step(*args, **kwargs)
             if engine.global_steps % self.every == 0 and engine.global_steps != saver.last_step:
                 saver.save(self.dir, None, getattr(engine, "ucp_client_state", None), True)

@@ -64,6 +64,18 @@ def check_engine(engine, batch: ElasticBatch) -> None:
                           "ucp.deepspeed.initialize")
 
 
+def warn_shared_rendezvous_store() -> None:
+    """Under torchrun's elastic agent with restarts, say so when the workers share the agents' store (torch's
+    default): a restarted gloo worker can read an address a dead worker left there in the last round and hang
+    in connect (docs/RELIABILITY.md, "Elastic training"). Rank 0, once per start."""
+    if (_rank() == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            and os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0"
+            and dist.is_initialized() and dist.get_backend() == "gloo"):
+        logger.warning("ucp: torchrun shares its rendezvous store with these gloo workers: a restart can hang in "
+                       "gloo's connect on an address a dead worker left there; start the agents with "
+                       "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1")
+
+
 @dataclass(frozen=True)
 class Resumed:
     """What `resume_auto` loaded (path None: started fresh), its step, and how long the load took."""
@@ -79,11 +91,10 @@ def resume_auto(engine, save_dir: str | os.PathLike, load: Callable[..., dict], 
     Rank 0 lists the candidates and every rank tries the same ones in the same order; `load` raises the
     same error on every rank, with the engine untouched (`check_first`), so all fall back together.
     """
-    found = [str(p) for p in candidates(save_dir)] if _rank() == 0 else None
+    box = [[str(p) for p in candidates(save_dir)] if _rank() == 0 else []]  # the other ranks get rank 0's
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        box = [found]
         dist.broadcast_object_list(box, src=0)
-        found = box[0]
+    found = box[0]
     failed: list[tuple[str, str]] = []
     for path in found:
         began = time.perf_counter()
@@ -123,7 +134,7 @@ class StepBook:
         self.progress_dir = progress_dir if _rank() == 0 else None
         self.resumed = resumed
         self.called = called  # time.time() when ucp.deepspeed.initialize was called
-        self.before = read_progress(progress_dir) if self.progress_dir else None
+        self.before = read_progress(self.progress_dir) if self.progress_dir else None
         self.loaded_at = time.time()
 
     def install(self) -> None:

@@ -16,12 +16,13 @@ measures both on synthetic worlds of 64 to 256 ranks.
 from __future__ import annotations
 
 import pickle
-import zlib
 from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar
 
 import torch
 import torch.distributed as dist
+
+from ucp.format.crc import crc32
 
 T = TypeVar("T")
 Unit = tuple[str, int]  # (file name, first byte) of a unit: the same on every rank
@@ -30,7 +31,7 @@ Unit = tuple[str, int]  # (file name, first byte) of a unit: the same on every r
 def owner_of(unit: Unit, world: int) -> int:
     """The rank that joins the parts of `unit` and checks it."""
     name, begin = unit
-    return zlib.crc32(f"{name}:{begin}".encode()) % world
+    return crc32(f"{name}:{begin}".encode()) % world
 
 
 def by_owner(parts: Iterable[T], unit: Callable[[T], Unit], world: int) -> list[list[T]]:

@@ -27,9 +27,10 @@ def flat_runs(source: StateSource) -> tuple[FlatRun, ...] | None:
     if source.groups is not None or len({f.piece.dtype for f in fragments}) != 1:
         return None
     if spec.flat and spec.padded_size is not None and spec.pattern in (Pattern.UNIQUE, Pattern.SHARD_V):
-        if any(f.info.offset is None for f in fragments):
+        offsets = [f.info.offset for f in fragments if f.info.offset is not None]
+        if len(offsets) != len(fragments):
             return None
-        return tuple(FlatRun(f.info.offset, f.piece) for f in fragments)
+        return tuple(FlatRun(offset, f.piece) for offset, f in zip(offsets, fragments))
     if (spec.pattern == Pattern.UNIQUE and len(fragments) == 1 and spec.padded_size is None
             and fragments[0].piece.numel == spec.numel):
         return (FlatRun(0, fragments[0].piece),)  # one whole tensor, row-major

@@ -82,30 +82,43 @@ import re
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from ucp.checkpoint import AtomicCheckpoint, PlannedCheckpoint, open_checkpoint
+from ucp import errors
+from ucp.checkpoint import AtomicCheckpoint, Checkpoint, open_checkpoint
 from ucp.deepspeed.async_save import SaveEvery, SaveStats, save, wait
 from ucp.deepspeed.autotp import with_tensor_parallel
 from ucp.deepspeed.config import AUTO, load_options, ucp_options, without_ucp
-from ucp.deepspeed.elastic import StepBook, check_engine, resume_auto, with_batch_keys, world_size
+from ucp.deepspeed.elastic import (
+    StepBook,
+    check_engine,
+    resume_auto,
+    warn_shared_rendezvous_store,
+    with_batch_keys,
+    world_size,
+)
 from ucp.deepspeed.load_source import Source, box_numel, source_for
 from ucp.deepspeed.placement import as_layout, place_by_layout
 from ucp.deepspeed.readers import assign_readers
 from ucp.deepspeed.targets import OPTIMIZER_STATES, Target, TargetTensor, module_aliases, target_for
-from ucp import errors
 from ucp.elastic.shares import ElasticBatch
-from ucp.errors import (CheckpointMismatchError, ConfigError, CorruptCheckpointError, UcpError,
-                        UnsupportedLayoutError)
+from ucp.errors import CheckpointMismatchError, ConfigError, CorruptCheckpointError, UcpError, UnsupportedLayoutError
 from ucp.format import loss_scale
 from ucp.format.folder import INDEX_NAME, latest_checkpoint, reading
 from ucp.hmp.layout import Layout, ParamSpec
 
-Checkpoint = AtomicCheckpoint | PlannedCheckpoint
+if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
+    from torch.distributed import ProcessGroup
+
 logger = logging.getLogger("ucp.deepspeed")
 KEEP_BYTES = 64 << 20  # of what the check before a load read, kept for the install (beyond it: read again)
+Key = tuple[str, str]  # (parameter, state)
+Owners = dict[Key, int]  # the rank that reads each shared key
+Groups = dict[int, tuple[tuple[int, ...], "ProcessGroup | None"]]  # id(tensor) -> (its DP ranks, their group)
 __all__ = ["CheckpointMismatchError", "LoadStats", "SaveStats", "initialize", "load", "save", "wait"]
 
 
@@ -124,11 +137,11 @@ class LoadStats:
     tensors: int = 0
     layers: int = 0
     peak_layer_bytes: int = 0
-    client_state: dict = field(default_factory=dict)
+    client_state: dict[str, Any] = field(default_factory=dict)
     kept: list[str] = field(default_factory=list)  # frozen parameters the checkpoint does not hold, left as they were
 
 
-def initialize(*args, **kwargs):
+def initialize(*args: Any, **kwargs: Any) -> Any:
     """`deepspeed.initialize` with the same arguments and result, plus the `"ucp"` config section.
 
     The section is checked before DeepSpeed runs, and the caller's config and `args` are left as given.
@@ -145,11 +158,14 @@ def initialize(*args, **kwargs):
             config = json.load(f)
     options = ucp_options(config)
     save_every = SaveEvery.from_config(options["save"]) if "save" in options else None
-    auto = options.get("load") == AUTO
-    if auto and save_every is None:
-        raise ConfigError('"ucp": {"load": "auto"} resumes from the save folder: add "save": {"dir": ..., "every": ...}')
+    auto_dir = None  # the save folder "load": "auto" resumes from
+    if options.get("load") == AUTO:
+        if save_every is None:
+            raise ConfigError('"ucp": {"load": "auto"} resumes from the save folder: '
+                              'add "save": {"dir": ..., "every": ...}')
+        auto_dir = save_every.dir
     batch = ElasticBatch.from_config(options["elastic"], world_size()) if "elastic" in options else None
-    if options:
+    if options and isinstance(config, dict):  # options come from a dict config's "ucp" section
         ds_config = without_ucp(config)
         kwargs = {**kwargs, config_key: with_batch_keys(ds_config, batch) if batch else ds_config}
         if args and getattr(args[0], "deepspeed_config", None):
@@ -161,21 +177,23 @@ def initialize(*args, **kwargs):
         check_engine(engine, batch)
         engine.ucp_elastic = batch
     resumed = None
-    if auto:
-        resumed = resume_auto(engine, save_every.dir, load, **load_options(options))
+    if auto_dir is not None:
+        warn_shared_rendezvous_store()
+        resumed = resume_auto(engine, auto_dir, load, **load_options(options))
     elif options.get("load"):
         load(engine, options["load"], **load_options(options))
-    if batch is not None or auto:
-        StepBook(engine, batch, save_every.dir if auto else None, resumed, called).install()
+    if batch is not None or auto_dir is not None:
+        StepBook(engine, batch, auto_dir, resumed, called).install()
     if save_every is not None:
         save_every.install(engine)
     return result
 
 
-def load(engine, path: str | os.PathLike, *, bypass: bool = True, load_optimizer_states: bool = True,
-         load_lr_scheduler_states: bool = True, strict: bool = True, check_first: bool = True,
-         layout: Layout | dict | str | os.PathLike | None = None,
-         param_table: Sequence[ParamSpec] | None = None, check_keep_bytes: int = KEEP_BYTES) -> dict:
+def load(engine: DeepSpeedEngine, path: str | os.PathLike[str], *, bypass: bool = True,
+         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True, strict: bool = True,
+         check_first: bool = True,
+         layout: Layout | dict[str, Any] | str | os.PathLike[str] | None = None,
+         param_table: Sequence[ParamSpec] | None = None, check_keep_bytes: int = KEEP_BYTES) -> dict[str, Any]:
     """Restore `engine` from the checkpoint at `path`; returns the saved client state.
 
     `path` is a ucp checkpoint (or a save directory: its `latest`), or a DeepSpeed checkpoint (a
@@ -195,7 +213,7 @@ def load(engine, path: str | os.PathLike, *, bypass: bool = True, load_optimizer
                      layout, param_table, check_keep_bytes)
 
 
-def _tag_folder(path: str | os.PathLike) -> str | os.PathLike:
+def _tag_folder(path: str | os.PathLike[str]) -> str | os.PathLike[str]:
     """The checkpoint folder `path` names (a save folder's `latest`), for the reading lock."""
     if os.path.isfile(os.path.join(path, INDEX_NAME)):
         return path
@@ -205,8 +223,10 @@ def _tag_folder(path: str | os.PathLike) -> str | os.PathLike:
         return path
 
 
-def _load(engine, path, bypass, load_optimizer_states, load_lr_scheduler_states, strict, check_first, layout,
-          param_table, keep_bytes) -> dict:
+def _load(engine: DeepSpeedEngine, path: str | os.PathLike[str], bypass: bool, load_optimizer_states: bool,
+          load_lr_scheduler_states: bool, strict: bool, check_first: bool,
+          layout: Layout | dict[str, Any] | str | os.PathLike[str] | None,
+          param_table: Sequence[ParamSpec] | None, keep_bytes: int) -> dict[str, Any]:
     target = target_for(engine)
     try:
         ckpt = open_checkpoint(path)
@@ -247,7 +267,8 @@ def _load(engine, path, bypass, load_optimizer_states, load_lr_scheduler_states,
 
 # -- checks, before anything is written ---------------------------------------------------------------
 
-def _place(engine, target: Target, layout, param_table) -> set[str]:
+def _place(engine: DeepSpeedEngine, target: Target, layout: Layout | dict[str, Any] | str | os.PathLike[str],
+           param_table: Sequence[ParamSpec] | None) -> set[str]:
     table = param_table if param_table is not None else getattr(engine.module, "ucp_param_table", None)
     if table is None:
         raise UnsupportedLayoutError("loading by a layout needs the model's parameter table: pass param_table= "
@@ -256,7 +277,7 @@ def _place(engine, target: Target, layout, param_table) -> set[str]:
     return place_by_layout(target, as_layout(layout), table, rank)
 
 
-def _check(ckpt: Checkpoint, target: Target, engine, load_optimizer_states: bool, strict: bool,
+def _check(ckpt: Checkpoint, target: Target, engine: DeepSpeedEngine, load_optimizer_states: bool, strict: bool,
            model_names: set[str] | None = None) -> tuple[list[str], list[str]]:
     """The optimizer states to load, and the frozen parameters the checkpoint does not hold (kept as they are)."""
     if isinstance(ckpt, AtomicCheckpoint):
@@ -320,20 +341,21 @@ def _say_kept(ckpt: Checkpoint, kept: list[str]) -> None:
                 ckpt.path, len(kept), why, ", ".join(kept[:3]) + (", ..." if len(kept) > 3 else ""))
 
 
-def _optimizer_states(ckpt: AtomicCheckpoint, target: Target, engine) -> list[str]:
+def _optimizer_states(ckpt: Checkpoint, target: Target, engine: DeepSpeedEngine) -> list[str]:
     """The optimizer states the checkpoint saved, if the engine's optimizer keeps the same ones."""
     saved_states = list((ckpt.optimizer or {}).get("states", []))
-    basic = type(getattr(engine, "basic_optimizer", None) or target.engine.optimizer).__name__.lower()
-    expected = OPTIMIZER_STATES.get(basic)
+    basic = type(getattr(engine, "basic_optimizer", None) or target.engine.optimizer).__name__
+    expected = OPTIMIZER_STATES.get(basic.lower())
     if expected is not None and set(saved_states) != set(expected):
+        saved = (f"optimizer {ckpt.optimizer.get('type')} saved states {saved_states}" if ckpt.optimizer is not None
+                 else "saved no optimizer state")
         raise CheckpointMismatchError(
-            f"{ckpt.path}: optimizer {ckpt.optimizer.get('type')} saved states {saved_states}, but the engine's "
-            f"{type(engine.basic_optimizer).__name__} keeps {list(expected)}; use the same optimizer or pass "
+            f"{ckpt.path}: {saved}, but the engine's {basic} keeps {list(expected)}; use the same optimizer or pass "
             "load_optimizer_states=False")
     return saved_states
 
 
-def _check_untied_copy(ckpt: AtomicCheckpoint, alias: str, source: str) -> None:
+def _check_untied_copy(ckpt: Checkpoint, alias: str, source: str) -> None:
     """The model ties `alias` to `source`, the checkpoint holds both: only equal copies make one parameter."""
     if source not in ckpt.names and source not in ckpt.aliases:
         return  # reported as a missing parameter
@@ -355,7 +377,7 @@ def _agree(error: UcpError | None, kind: type[UcpError] | None = None) -> None:
         if error is not None:
             raise error
         return
-    found = [None] * dist.get_world_size()
+    found: list[tuple[str, str] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(found, None if error is None else (type(error).__name__, str(error)))
     if error is not None:
         raise error
@@ -407,7 +429,8 @@ def _load_tensors(source: Source, target: Target, state_names: list[str], bypass
     groups = _dp_groups(target)
     owners = _shared_owners(source, target, state_names, groups) if bypass else {}
     fresh = target.prepare_states(state_names)
-    kept, done = {}, set()
+    kept: dict[Key, torch.Tensor] = {}
+    done: set[Key] = set()
     if check_first:
         kept, done = _check_first(source, target, state_names, owners, me, bypass, fresh, keep_bytes, stats)
     damaged: UcpError | None = None
@@ -437,8 +460,8 @@ def _load_tensors(source: Source, target: Target, state_names: list[str], bypass
     _agree(damaged, CorruptCheckpointError)
 
 
-def _check_first(source: Source, target: Target, state_names: list[str], owners: dict, me: int, bypass: bool,
-                 fresh: set[str], keep_bytes: int, stats: LoadStats) -> tuple[dict, set]:
+def _check_first(source: Source, target: Target, state_names: list[str], owners: Owners, me: int, bypass: bool,
+                 fresh: set[str], keep_bytes: int, stats: LoadStats) -> tuple[dict[Key, torch.Tensor], set[Key]]:
     """Read and check every byte the load will use, before any is installed where the engine could tell: a
     damaged checkpoint raises on every rank with every engine as it was (`Source.check`, then `Source.close`,
     the one collective before the verdict).
@@ -447,7 +470,9 @@ def _check_first(source: Source, target: Target, state_names: list[str], owners:
     not stepped has none; `Target.drop_new_states` takes them back on damage), or are kept for the install
     while what is kept fits in `keep_bytes`, or are dropped, to be read again as they are installed (and
     compared with what was checked). Returns (kept values, keys already installed)."""
-    kept, done, held = {}, set(), 0
+    kept: dict[Key, torch.Tensor] = {}
+    done: set[Key] = set()
+    held = 0
     damaged: UcpError | None = None
     try:
         for wants in _layers(target.tensors, state_names):
@@ -479,7 +504,7 @@ def _alone(value: torch.Tensor) -> bool:
     return value.untyped_storage().nbytes() == value.numel() * value.element_size()
 
 
-def _mine(wants: dict[tuple, TargetTensor], owners: dict, me: int) -> list[tuple]:
+def _mine(wants: dict[Key, TargetTensor], owners: Owners, me: int) -> list[Key]:
     """The keys this rank reads: shared ones it was assigned (their whole box), the rest where it holds elements."""
     mine = []
     for key, t in wants.items():
@@ -488,7 +513,7 @@ def _mine(wants: dict[tuple, TargetTensor], owners: dict, me: int) -> list[tuple
     return mine
 
 
-def _dp_groups(target: Target) -> dict[int, tuple[tuple[int, ...], object]]:
+def _dp_groups(target: Target) -> Groups:
     """Each tensor's data-parallel group (the ranks that share its box): id(tensor) -> (ranks, group)."""
     out = {}
     for t in target.tensors:
@@ -497,22 +522,22 @@ def _dp_groups(target: Target) -> dict[int, tuple[tuple[int, ...], object]]:
     return out
 
 
-def _group_ranks(group) -> list[int]:
+def _group_ranks(group: ProcessGroup | None) -> list[int]:
     if not dist.is_initialized():
         return [0]
     return dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
 
 
-def _shared_owners(source: Source, target: Target, state_names: list[str], groups: dict) -> dict:
+def _shared_owners(source: Source, target: Target, state_names: list[str], groups: Groups) -> Owners:
     """Who reads each shared key (`ucp.deepspeed.load_source`): balanced over its group, counting the slices each
     rank reads anyway.
 
     Groups are visited in one global order (by their ranks), so ranks that belong to several (expert
     and non-expert data-parallel groups) meet in their collectives without deadlock.
     """
-    sizes: dict[tuple, dict] = {}
-    own: dict[tuple, int] = {}
-    handles = {}
+    sizes: dict[tuple[int, ...], dict[Key, int]] = {}
+    own: dict[tuple[int, ...], int] = {}
+    handles: dict[tuple[int, ...], ProcessGroup | None] = {}
     for t in target.tensors:
         ranks, group = groups[id(t)]
         handles[ranks] = group
@@ -523,26 +548,24 @@ def _shared_owners(source: Source, target: Target, state_names: list[str], group
                 sizes[ranks][(t.name, s)] = box_numel(t) * itemsize
             else:
                 own[ranks] = own.get(ranks, 0) + t.numel * itemsize
-    owners = {}
+    owners: Owners = {}
     for ranks in sorted(sizes):
-        loads = [None] * len(ranks)
+        loads: list[int] = [own.get(ranks, 0)] * len(ranks)  # all_gather_object fills in every rank's
         if len(ranks) > 1:
             dist.all_gather_object(loads, own.get(ranks, 0), group=handles[ranks])
-        else:
-            loads = [own.get(ranks, 0)]
         owners.update(assign_readers(sizes[ranks], list(ranks), dict(zip(ranks, loads))))
     return owners
 
 
-def _broadcast(source: Source, key: tuple[str, str], t: TargetTensor, value, owner: int, group,
-               stats: LoadStats) -> torch.Tensor:
+def _broadcast(source: Source, key: Key, t: TargetTensor, value: torch.Tensor | None, owner: int,
+               group: ProcessGroup | None, stats: LoadStats) -> torch.Tensor:
     buf = value.clone() if value is not None else torch.empty(box_numel(t), dtype=source.dtype(key))
     dist.broadcast(buf, src=owner, group=group)
     stats.bytes_broadcast += buf.numel() * buf.element_size()
     return buf
 
 
-def _check_lr_scheduler(ckpt: Checkpoint, engine) -> None:
+def _check_lr_scheduler(ckpt: Checkpoint, engine: DeepSpeedEngine) -> None:
     """The saved LR scheduler state loads into the engine's scheduler, tried on a shallow copy of it (a state
     dict sets the scheduler's own attributes), so a state that does not fit is refused before anything is
     installed instead of raising from the scheduler after."""
@@ -560,9 +583,11 @@ def _check_lr_scheduler(ckpt: Checkpoint, engine) -> None:
 def _saved_steps(ckpt: Checkpoint, target: Target) -> dict[int, float]:
     """The optimizer step of each engine param group, which all its parameters were saved at (checked before
     anything is installed, so a refused load leaves the engine as it was)."""
-    groups: dict[int, set] = {}
+    groups: dict[int, set[float]] = {}
     for t in target.tensors:
-        step = ckpt.step_of(t.name) if t.kind == "param" and t.group is not None else None
+        if t.kind != "param" or t.group is None:
+            continue
+        step = ckpt.step_of(t.name)
         if step is not None:
             groups.setdefault(t.group, set()).add(step)
     for group, steps in groups.items():
@@ -572,7 +597,7 @@ def _saved_steps(ckpt: Checkpoint, target: Target) -> dict[int, float]:
     return {group: steps.pop() for group, steps in groups.items()}
 
 
-def _restore_loss_scale(ckpt: Checkpoint, engine) -> None:
+def _restore_loss_scale(ckpt: Checkpoint, engine: DeepSpeedEngine) -> None:
     """fp16 only: the dynamic loss scale and its counters continue where training stopped."""
     saved = ckpt.training.get("loss_scaler")
     scaler = loss_scale.live_scaler(engine.optimizer)

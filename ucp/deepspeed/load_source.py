@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import math
 import os
-import zlib
 from pathlib import Path
 from typing import Protocol
 
@@ -52,6 +51,7 @@ from ucp.format.box_read import BoxWant, full_box, read_boxes
 from ucp.format.boxes import Box
 from ucp.format.byte_ranges import ByteRange
 from ucp.format.checked_read import OpenChunk, check_again, close_chunks, fetch
+from ucp.format.crc import crc32
 from ucp.format.dtypes import NUMPY_DTYPES, to_torch
 from ucp.format.fileio import ReadCounter, tensor_bytes
 from ucp.format.index import StoredState
@@ -181,7 +181,8 @@ class AtomicSource:
 
 
 def _piece_range(piece: Piece) -> ByteRange:
-    return ByteRange(piece.path, piece.byte_offset, piece.byte_offset + piece.numel * TORCH_DTYPES[piece.dtype].itemsize)
+    end = piece.byte_offset + piece.numel * TORCH_DTYPES[piece.dtype].itemsize
+    return ByteRange(piece.path, piece.byte_offset, end)
 
 
 class PlannedSource:
@@ -216,7 +217,7 @@ class PlannedSource:
         """See `Source.check`: every range read is CRC'd; a zip entry read whole is checked at once, the part
         read of any other goes to the entry's owner (`close`)."""
         ranges, raws = self._fetch(wants, readers, bypass, stats, again=False)
-        crcs = {r: zlib.crc32(tensor_bytes(raw)) for r, raw in raws.items()}
+        crcs = {r: crc32(tensor_bytes(raw)) for r, raw in raws.items()}
         for r in sorted(crcs, key=lambda r: (r.file, r.begin, r.end)):
             self._parts.add(r.file, self._names[r.file], r.begin, r.end, crcs[r])
         for key, rs in ranges.items():

@@ -53,8 +53,7 @@ def place_by_layout(target: Target, layout: Layout, table: Iterable[ParamSpec], 
             raise UnsupportedLayoutError(f"{t.name}: the module has it but the model's parameter table does not; "
                                          "add it to `ucp_param_table` (name, full shape, TP dim, layer)")
         piece = owned.get(t.name)
-        box_shape = tuple(b - a for a, b in piece.box) if piece else None
-        if box_shape != t.shape:
+        if piece is None or tuple(b - a for a, b in piece.box) != t.shape:
             where = f"box {piece.box}" if piece else "no slice of it"
             raise LayoutError(f"{t.name}: rank {rank}'s module holds shape {t.shape}, but the layout gives it "
                               f"{where}; build the module from the same layout")

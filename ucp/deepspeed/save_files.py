@@ -102,7 +102,7 @@ def whole_crcs(files: SaveFiles, pieces: Iterable[WrittenPiece]) -> dict[str, tu
         by_key.setdefault(piece.key, []).append(piece)
     crcs = {}
     for key, span in files.spans.items():
-        cursor, segments = span.begin, []
+        cursor, segments = span.begin, list[tuple[int, int, int]]()
         for piece in sorted(by_key.pop(key, []), key=lambda p: p.begin):
             if piece.begin != cursor:
                 raise SaveError((f"{span.file}: {key}: no rank wrote bytes [{cursor}, {piece.begin})"

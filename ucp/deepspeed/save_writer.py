@@ -6,7 +6,7 @@ large `pwrite`. The buffer is allocated once, at the size of this rank's share, 
 save; a save waits for the previous one to finish writing before it overwrites the buffer.
 
 Why a thread and not a writer process: the snapshot is already in this process's memory, and the
-writer spends its time in `os.pwrite`, `os.fsync` and `zlib.crc32`, which all release the GIL on
+writer spends its time in `os.pwrite`, `os.fsync` and `crc32`, which all release the GIL on
 large buffers, so a thread overlaps with training as well as a process would, without a shared
 memory segment to size, pin, and clean up after a crash. (On GPU the device-to-host copies go to
 pinned memory on the training stream, and the writer waits on a CUDA event, not on training.)
@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +24,7 @@ import torch
 
 from ucp.deepspeed.save_files import SaveFile, WrittenPiece
 from ucp.errors import SaveError
-from ucp.format.crc import CHUNK_BYTES, chunk_bounds
+from ucp.format.crc import CHUNK_BYTES, chunk_bounds, crc32
 from ucp.format.fileio import tensor_bytes
 from ucp.format.folder import PARTIAL_SUFFIX
 from ucp.format.safetensors_stream import TORCH_DTYPES
@@ -131,7 +130,7 @@ def write_pieces(directory: Path, files: Sequence[SaveFile], buffer: SnapshotBuf
     finally:
         for fd in fds.values():
             os.close(fd)
-    return [WrittenPiece(p.key, p.begin, p.end, tuple(tuple(seg) for seg in segs))
+    return [WrittenPiece(p.key, p.begin, p.end, tuple((lo, hi, crc) for lo, hi, crc in segs))
             for p, segs in zip(buffer.pieces, segments)]
 
 
@@ -142,9 +141,9 @@ def _checksum(segments: list[list[int]], data: memoryview, begin: int) -> None:
         part = data[lo - begin:hi - begin]
         last = segments[-1] if segments else None
         if last is not None and last[1] == lo and lo % CHUNK_BYTES:
-            last[1], last[2] = hi, zlib.crc32(part, last[2])
+            last[1], last[2] = hi, crc32(part, last[2])
         else:
-            segments.append([lo, hi, zlib.crc32(part)])
+            segments.append([lo, hi, crc32(part)])
 
 
 _CHUNK = 4 << 20  # bytes checksummed then written at a time: still in cache when the kernel copies them

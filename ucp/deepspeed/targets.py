@@ -32,13 +32,18 @@ import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from ucp.deepspeed.moe_target import checkpoint_name, expert_groups, local_expert_tensors
 from ucp.errors import UnsupportedLayoutError
 from ucp.format.boxes import Box
+
+if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
 
 View = Callable[[str], torch.Tensor]
 
@@ -67,12 +72,12 @@ class TargetTensor:
     view: View                  # view(state name): the live elements [start, start + numel), flat
     group: int | None = None    # optimizer param group index (trainable parameters)
     box: Box | None = None      # the part of the full tensor this rank's module holds (None: all of it)
-    dp_group: object = None     # the ranks sharing this tensor's box (None: the target's data-parallel group)
+    dp_group: ProcessGroup | None = None  # the ranks sharing this tensor's box (None: the target's data-parallel group)
 
     def install(self, state: str, value: torch.Tensor) -> None:
         self.view(state).copy_(value)
 
-    def shared_by(self, dp_group) -> TargetTensor:
+    def shared_by(self, dp_group: ProcessGroup | None) -> TargetTensor:
         """This tensor, its box shared by the ranks of `dp_group`."""
         return dataclasses.replace(self, dp_group=dp_group)
 
@@ -98,10 +103,10 @@ def _first(view: View, numel: int) -> View:
 class Target:
     """The tensors of one engine on one rank, in model order, plus the hooks around loading them."""
 
-    def __init__(self, engine):
+    def __init__(self, engine: DeepSpeedEngine) -> None:
         self.engine = engine
         self.tensors: list[TargetTensor] = []
-        self.dp_group = getattr(engine, "data_parallel_group", None)
+        self.dp_group: ProcessGroup | None = getattr(engine, "data_parallel_group", None)
         self.every_rank_names: set[str] | None = None  # set where ranks hold different tensors
         self._created: list[tuple] = []  # (optimizer, tensor, state name, held state before) made by prepare_states
 
@@ -186,7 +191,7 @@ def target_for(engine) -> Target:
 
 def _every_rank_names(target: Target) -> set[str]:
     """The union of every rank's tensor names (collective over the world)."""
-    found = [None] * dist.get_world_size()
+    found: list[list[str]] = [[] for _ in range(dist.get_world_size())]
     dist.all_gather_object(found, sorted(t.name for t in target.tensors))
     return {name for names in found for name in names}
 
@@ -334,7 +339,7 @@ class _FlatPartitionTarget(Target):
     module parameters of each group, in the same order).
     """
 
-    zero = None
+    zero: Any = None  # the engine's ZeRO optimizer (DeepSpeed's, untyped)
     flats: list = []
     low_groups: list = []
 

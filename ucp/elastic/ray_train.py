@@ -19,12 +19,16 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import ray.train
 import torch.distributed as dist
 from ray.train import Checkpoint, CheckpointUploadMode
 
 from ucp.format.folder import latest_checkpoint
+
+if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
 
 SAVE_FOLDER = "ucp"
 
@@ -37,16 +41,16 @@ def save_dir() -> str:
     return os.path.join(ray.train.get_context().get_storage().experiment_fs_path, SAVE_FOLDER)
 
 
-def ucp_section(every: int = 1, keep: int | None = 3, **options) -> dict:
+def ucp_section(every: int = 1, keep: int | None = 3, **options: Any) -> dict[str, Any]:
     """The `"ucp"` config section of a Ray Train worker: resume or start (`"auto"`) in `save_dir()`, save every
     `every` optimizer steps and keep the newest `keep`; `options` are further `"ucp"` keys (`"elastic"`, ...)."""
-    save = {"dir": save_dir(), "every": every}
+    save: dict[str, Any] = {"dir": save_dir(), "every": every}
     if keep is not None:
         save["keep"] = keep
     return {"load": "auto", "save": save, **options}
 
 
-def report(engine, metrics: dict) -> None:
+def report(engine: DeepSpeedEngine, metrics: dict[str, Any]) -> None:
     """`ray.train.report(metrics)` on every rank, with the newest committed ucp checkpoint from rank 0 when it
     has not been reported yet. Call it on every rank at the same points (after each optimizer step)."""
     checkpoint = None

@@ -31,7 +31,7 @@ class Progress:
     world: int
 
 
-def record_progress(save_dir: str | os.PathLike, progress: Progress) -> None:
+def record_progress(save_dir: str | os.PathLike[str], progress: Progress) -> None:
     path = Path(save_dir) / PROGRESS_NAME
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
@@ -39,7 +39,7 @@ def record_progress(save_dir: str | os.PathLike, progress: Progress) -> None:
     os.replace(tmp, path)
 
 
-def read_progress(save_dir: str | os.PathLike) -> Progress | None:
+def read_progress(save_dir: str | os.PathLike[str]) -> Progress | None:
     """The progress a previous run of the job recorded, or None (a first start, or an unreadable record)."""
     try:
         raw = json.loads((Path(save_dir) / PROGRESS_NAME).read_text())

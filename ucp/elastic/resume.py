@@ -24,7 +24,7 @@ logger = logging.getLogger("ucp.elastic")
 _STEP_TAG = re.compile(r"global_step(\d+)")
 
 
-def candidates(save_dir: str | os.PathLike) -> list[Path]:
+def candidates(save_dir: str | os.PathLike[str]) -> list[Path]:
     """The committed checkpoints of `save_dir`, newest (highest step) first. A save killed between its index
     and `latest` leaves `latest` one behind: the newest committed is still the newest."""
     committed = [tag for tag in _tags(Path(save_dir)) if (tag / INDEX_NAME).is_file()]
@@ -47,7 +47,7 @@ def set_aside(failed: list[Path], loaded: Path) -> list[Path]:
     return moved
 
 
-def prune(save_dir: str | os.PathLike, keep: int) -> list[Path]:
+def prune(save_dir: str | os.PathLike[str], keep: int) -> list[Path]:
     """Remove all but the newest `keep` committed checkpoints of `save_dir`, and the abandoned partial ones
     older than the newest committed; returns what was removed. Never the one `latest` names, nor one being
     read. Each is uncommitted first (its index removed), so a crash midway leaves no folder that looks whole."""
@@ -80,7 +80,8 @@ def _tags(save_dir: Path) -> list[Path]:
 
 
 def _order(tag: Path) -> int:
-    return int(_STEP_TAG.fullmatch(tag.name).group(1))
+    match = _STEP_TAG.fullmatch(tag.name)
+    return int(match.group(1)) if match is not None else -1  # every tag `_tags` lists matches
 
 
 def _latest_name(save_dir: Path) -> str | None:

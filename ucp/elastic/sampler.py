@@ -20,17 +20,21 @@ its first batch starts in; the next `iter()` goes on from there, as a DataLoader
 from __future__ import annotations
 
 from collections.abc import Iterator, Sized
+from typing import TYPE_CHECKING
 
 import torch
 
 from ucp.elastic.shares import ElasticBatch
 from ucp.errors import ConfigError
 
+if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
 
-class ElasticBatchSampler(torch.utils.data.Sampler):
+
+class ElasticBatchSampler(torch.utils.data.Sampler[list[int]]):
     """This rank's micro-batches (lists of dataset indices) of each global batch, in one seeded global order."""
 
-    def __init__(self, dataset: Sized, engine, shuffle: bool = True, seed: int = 0):
+    def __init__(self, dataset: Sized, engine: DeepSpeedEngine, shuffle: bool = True, seed: int = 0):
         batch = getattr(engine, "ucp_elastic", None)
         if not isinstance(batch, ElasticBatch):
             raise ConfigError('ElasticBatchSampler needs an engine built by ucp.deepspeed.initialize with '
@@ -80,7 +84,8 @@ class ElasticBatchSampler(torch.utils.data.Sampler):
             if len(self._orders) > 2:  # positions only grow: the oldest epoch is done with
                 self._orders.pop(min(self._orders))
             if self.shuffle:
-                self._orders[epoch] = torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + epoch))
+                generator = torch.Generator().manual_seed(self.seed + epoch)
+                self._orders[epoch] = torch.randperm(self.size, generator=generator)
             else:
                 self._orders[epoch] = torch.arange(self.size)
         return self._orders[epoch]

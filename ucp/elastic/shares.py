@@ -77,7 +77,7 @@ class ElasticBatch:
                 "train_micro_batch_size_per_gpu": self.micro_batch, "gradient_accumulation_steps": a}
 
     @classmethod
-    def from_config(cls, section, world: int) -> ElasticBatch:
+    def from_config(cls, section: object, world: int) -> ElasticBatch:
         """The `"elastic"` section of the `"ucp"` config, for a run on `world` ranks."""
         if not isinstance(section, dict) or "global_batch" not in section or "micro_batch" not in section:
             raise ConfigError(f'"ucp": {{"elastic": {section!r}}}: needs "global_batch" (samples per optimizer step, '

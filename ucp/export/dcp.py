@@ -20,16 +20,23 @@ import io
 import os
 import queue
 import warnings
+from collections.abc import Generator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
-from torch.distributed.checkpoint import CheckpointException, FileSystemWriter, save
-from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.planner import WriteItemType
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.state_dict_saver import save
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+from tqdm import tqdm
 
-from ucp.checkpoint import STEP_STATE, open_checkpoint
+from ucp.checkpoint import STEP_STATE, Checkpoint, open_checkpoint
 from ucp.convert.executor import progress_bar
 from ucp.convert.plan import BUFFER, BUFFER_STATE, TRAINABLE, WEIGHT_STATE
 from ucp.errors import ExportError, UcpError
@@ -58,11 +65,11 @@ class DcpExport:
 class _ReadingPlanner(DefaultSavePlanner):
     """DCP's default planner, except that a placeholder's data is read from the checkpoint on demand."""
 
-    def __init__(self, ckpt, sources: dict[int, Source], bar) -> None:
+    def __init__(self, ckpt: Checkpoint, sources: dict[int, Source], bar: tqdm) -> None:
         super().__init__()
         self._ckpt, self._sources, self._bar = ckpt, sources, bar
 
-    def lookup_object(self, index):
+    def lookup_object(self, index: MetadataIndex) -> Any:
         obj = super().lookup_object(index)
         source = self._sources.get(id(obj))
         if source is None:
@@ -76,11 +83,11 @@ class _WriteFailures(io.FileIO):
     """A file DCP writes into, which keeps the OSError a write met: DCP writes tensors with `torch.save`,
     whose writer turns a full disk into a RuntimeError naming no errno ("unexpected pos ...")."""
 
-    def __init__(self, path, failures: list[OSError]) -> None:
+    def __init__(self, path: str | os.PathLike[str], failures: list[OSError]) -> None:
         super().__init__(path, "wb")
         self._failures = failures
 
-    def write(self, data) -> int:
+    def write(self, data: Any) -> int:
         try:
             return super().write(data)
         except OSError as exc:
@@ -96,7 +103,7 @@ class _RecordingFileSystem(FileSystem):
         self.failures: list[OSError] = []
 
     @contextlib.contextmanager
-    def create_stream(self, path, mode: str):
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Generator[io.IOBase, None, None]:
         if mode != "wb":
             with super().create_stream(path, mode) as stream:
                 yield stream
@@ -114,10 +121,11 @@ class _BoundedFileWriter(FileSystemWriter):
     def __init__(self, path: Path, max_bytes: int, workers: int) -> None:
         super().__init__(path, thread_count=workers)
         self._max_bytes = max_bytes
-        self.fs = _RecordingFileSystem()
+        self.recording = _RecordingFileSystem()
+        self.fs = self.recording
 
-    def write_data(self, plan, planner):
-        files: list[list] = [[]]
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        files: list[list[WriteItem]] = [[]]
         size = 0
         for item in sorted(plan.items, key=lambda i: i.type != WriteItemType.BYTE_IO):  # small pickles first
             nbytes = item.tensor_storage_size() or 0
@@ -126,15 +134,15 @@ class _BoundedFileWriter(FileSystemWriter):
                 size = 0
             files[-1].append(item)
             size += nbytes
-        file_queue: queue.Queue = queue.Queue()
+        file_queue: queue.Queue[tuple[str | os.PathLike[str], str, list[WriteItem]]] = queue.Queue()
         for k, items in enumerate(files):
             name = f"{plan.storage_data.prefix}{k}.distcp"
             file_queue.put((self.fs.concat_path(self.path, name), name, items))
         return self._write_data(planner, file_queue)
 
 
-def to_dcp(input: str | os.PathLike, output: str | os.PathLike, *, dtype: str = "float32",
-           config: str | os.PathLike | None = None, workers: int = 1, tag: str | None = None,
+def to_dcp(input: str | os.PathLike[str], output: str | os.PathLike[str], *, dtype: str = "float32",
+           config: str | os.PathLike[str] | None = None, workers: int = 1, tag: str | None = None,
            optimizer: str | None = None, progress: bool = True) -> DcpExport:
     """Write `output` as a DCP checkpoint of the model weights (in `dtype`) and fp32 optimizer states.
 
@@ -160,7 +168,7 @@ def to_dcp(input: str | os.PathLike, output: str | os.PathLike, *, dtype: str = 
         sources[id(t)] = Source(name, state, target)
         return t
 
-    copies = {copy for copy, original in tied.items() if original in ckpt.names}
+    copies = {copy: original for copy, original in tied.items() if original is not None and original in ckpt.names}
     model = {}
     for name in ckpt.names:
         if name in copies:  # a frozen duplicate or an alias of its original: written from the original below
@@ -168,9 +176,9 @@ def to_dcp(input: str | os.PathLike, output: str | os.PathLike, *, dtype: str = 
         state = BUFFER_STATE if ckpt.info(name).kind == BUFFER else WEIGHT_STATE
         own = TORCH_DTYPES[ckpt.dtype(name, state)]
         model[name] = placeholder(name, state, TORCH_DTYPES[dtype] if own.is_floating_point else own)
-    for copy in copies:  # under the name get_model_state_dict gives it too, even where the checkpoint lacks it
-        model[copy] = placeholder(tied[copy], WEIGHT_STATE, TORCH_DTYPES[dtype])
-    state_dict: dict = {"model": model}
+    for copy, original in copies.items():  # under get_model_state_dict's name too, even where the checkpoint lacks it
+        model[copy] = placeholder(original, WEIGHT_STATE, TORCH_DTYPES[dtype])
+    state_dict: dict[str, Any] = {"model": model}
     trainable = [n for n in ckpt.names if ckpt.info(n).kind == TRAINABLE]
     if saved_optimizer is not None:
         state_dict["optimizer"] = {
@@ -188,12 +196,12 @@ def to_dcp(input: str | os.PathLike, output: str | os.PathLike, *, dtype: str = 
             save(state_dict, storage_writer=writer, planner=_ReadingPlanner(ckpt, sources, bar), no_dist=True)
         except CheckpointException as exc:  # DCP wraps each rank's error: raise ours (a full disk, a bad read) as is
             failure = next(iter(exc.failures.values()))[0]
-            raise (failure if isinstance(failure, (UcpError, OSError)) or not writer.fs.failures
-                   else writer.fs.failures[0]) from None
+            raise (failure if isinstance(failure, (UcpError, OSError)) or not writer.recording.failures
+                   else writer.recording.failures[0]) from None
     return DcpExport(Path(output), len(model), len(trainable) if saved_optimizer is not None else 0, total)
 
 
-def _placeholders(tree) -> list[torch.Tensor]:
+def _placeholders(tree: object) -> list[torch.Tensor]:
     if isinstance(tree, dict):
         return [t for v in tree.values() for t in _placeholders(v)]
     if isinstance(tree, list):

@@ -11,15 +11,17 @@ from __future__ import annotations
 import json
 import os
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
+from tqdm import tqdm
 
-from ucp.checkpoint import open_checkpoint
+from ucp.checkpoint import Checkpoint, open_checkpoint
 from ucp.convert.executor import progress_bar
 from ucp.convert.plan import BUFFER, BUFFER_STATE, WEIGHT_STATE
 from ucp.errors import ExportError
@@ -53,7 +55,7 @@ def shard_name(i: int, n: int) -> str:
     return SINGLE_FILE if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
 
 
-def plan_tensors(ckpt, dtype: str, dropped: set[str]) -> list[ExportTensor]:
+def plan_tensors(ckpt: Checkpoint, dtype: str, dropped: set[str]) -> list[ExportTensor]:
     """Every parameter and buffer not in `dropped`, in checkpoint order: weights cast to `dtype`,
     integer buffers kept in their own dtype."""
     out = []
@@ -81,8 +83,8 @@ def assign_shards(tensors: list[ExportTensor], max_bytes: int) -> list[list[Expo
     return shards
 
 
-def to_hf(input: str | os.PathLike, output: str | os.PathLike, *, dtype: str = "float32",
-          max_shard_size: int | str = "5GB", config: str | os.PathLike | None = None, workers: int = 1,
+def to_hf(input: str | os.PathLike[str], output: str | os.PathLike[str], *, dtype: str = "float32",
+          max_shard_size: int | str = "5GB", config: str | os.PathLike[str] | None = None, workers: int = 1,
           tag: str | None = None, progress: bool = True) -> HfExport:
     """Write `output` as a transformers-ready folder from the ucp or DeepSpeed checkpoint `input`."""
     if dtype not in DTYPES:
@@ -107,7 +109,7 @@ def to_hf(input: str | os.PathLike, output: str | os.PathLike, *, dtype: str = "
     return HfExport(Path(output), files, len(tensors), total, sorted(dropped))
 
 
-def read_ahead(ckpt, tensors: list[ExportTensor], workers: int) -> Iterator[torch.Tensor]:
+def read_ahead(ckpt: Checkpoint, tensors: list[ExportTensor], workers: int) -> Generator[torch.Tensor, None, None]:
     """The tensors, in order, each read and cast by a pool of `workers` threads at most `workers` ahead."""
     with ThreadPoolExecutor(max(1, workers)) as pool:
         def load(t: ExportTensor) -> torch.Tensor:
@@ -123,7 +125,7 @@ def read_ahead(ckpt, tensors: list[ExportTensor], workers: int) -> Iterator[torc
             yield tensor
 
 
-def write_shard(path: Path, shard: list[ExportTensor], loaded: Iterator[torch.Tensor], bar) -> None:
+def write_shard(path: Path, shard: list[ExportTensor], loaded: Iterator[torch.Tensor], bar: tqdm) -> None:
     writer = StreamingWriter(str(path), [t.slot for t in shard], METADATA)
     try:
         for t in shard:
@@ -150,7 +152,7 @@ def _write_config(staging: Path, config: ModelConfig, dtype: str) -> None:
             os.fsync(f.fileno())
 
 
-def _write_json(path: Path, value: dict) -> None:
+def _write_json(path: Path, value: dict[str, Any]) -> None:
     with open(path, "w") as f:
         json.dump(value, f, indent=2, sort_keys=True)
         f.write("\n")

@@ -74,8 +74,9 @@ def model_keys(config: ModelConfig) -> ModelKeys:
         import transformers
     except ImportError:
         # Only an explicit tie: the default differs between model classes (GPT-2 ties, Llama does not).
-        tied = {"lm_head.weight": None} if config.values.get("tie_word_embeddings") is True else {}
-        return ModelKeys(_architecture_name(config), None, tied)
+        explicit: dict[str, str | None] = {"lm_head.weight": None}
+        return ModelKeys(_architecture_name(config), None,
+                         explicit if config.values.get("tie_word_embeddings") is True else {})
     import torch
 
     _check_counts(config)
@@ -90,7 +91,8 @@ def model_keys(config: ModelConfig) -> ModelKeys:
                           f"({type(exc).__name__}: {_first_line(exc)}); pass --config with the model's config.json") \
             from None
     first: dict[int, str] = {}
-    tied, expected = {}, {}
+    tied: dict[str, str | None] = {}
+    expected: dict[str, tuple[int, ...]] = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
         source = first.setdefault(id(tensor), name)
         if source != name:  # a second name for the same tensor: save_pretrained stores it once
@@ -184,7 +186,7 @@ def _model_class(config: ModelConfig, transformers):
         raise UnsupportedLayoutError(f"{config.path}: architecture '{archs[0]}' is not a model class of transformers "
                                      "(a model's config names its own, such as LlamaForCausalLM); pass --config "
                                      "with the model's config.json")
-    return cls._from_config
+    return getattr(cls, "_from_config")  # PreTrainedModel's build from a config, without weights
 
 
 def _hf_config(config: ModelConfig, transformers):

@@ -16,7 +16,6 @@ records the CRC-32 of each read's bytes the first time, and `check_again` compar
 """
 from __future__ import annotations
 
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +24,7 @@ import torch
 
 from ucp.errors import CorruptCheckpointError
 from ucp.format.byte_ranges import ByteRange, coalesce
-from ucp.format.crc import chunk_bounds, crc32_combine
+from ucp.format.crc import chunk_bounds, crc32, crc32_combine
 from ucp.format.fileio import ReadCounter, pread_into, tensor_bytes
 from ucp.format.index import StoredState
 
@@ -61,13 +60,13 @@ def check(data: torch.Tensor, read: ByteRange, stored: StoredState, chunk_bytes:
     if read.nbytes == 0:
         return
     if read.begin == stored.begin and read.end == stored.end:
-        if zlib.crc32(raw) == stored.crc32:
+        if crc32(raw) == stored.crc32:
             return
         raise CorruptCheckpointError(f"{where} fails its checksum; the file is damaged, convert again or restore "
                                      "it from a copy")
     first = len(chunk_bounds(stored.begin, read.begin, chunk_bytes))
     for i, (lo, hi) in enumerate(chunk_bounds(read.begin, read.end, chunk_bytes), start=first):
-        if zlib.crc32(raw[lo - read.begin:hi - read.begin]) != stored.chunk_crc32[i]:
+        if crc32(raw[lo - read.begin:hi - read.begin]) != stored.chunk_crc32[i]:  # type: ignore[index]  # a cover
             raise CorruptCheckpointError(f"{where} bytes [{lo}, {hi}) fail their checksum; the file is damaged, "
                                          "convert again or restore it from a copy")
 
@@ -116,18 +115,18 @@ def read_checked(root: Path, wanted: dict[Key, tuple[StoredState, ByteRange]], c
         out[key] = data.narrow(0, rng.begin - read.begin, rng.nbytes)
         if crcs is not None:
             whole = rng.begin == stored.begin and rng.end == stored.end and verify
-            crcs[key] = crc if crc is not None else stored.crc32 if whole else zlib.crc32(tensor_bytes(out[key]))
+            crcs[key] = crc if crc is not None else stored.crc32 if whole else crc32(tensor_bytes(out[key]))
     extra = sum(c.nbytes for c in covers.values()) - sum(rng.nbytes for _, rng in wanted.values())
     return out, extra
 
 
-def check_again(data: torch.Tensor, crc32: int, where: str) -> None:
+def check_again(data: torch.Tensor, expected: int, where: str) -> None:
     """Raise `CorruptCheckpointError` unless `data`, bytes read again after the check before a load, have the
-    CRC-32 the check's read of them had."""
-    found = zlib.crc32(tensor_bytes(data))
-    if found != crc32:
+    CRC-32 the check's read of them had (`expected`)."""
+    found = crc32(tensor_bytes(data))
+    if found != expected:
         raise CorruptCheckpointError(
-            f"{where} changed since the check before the load (CRC-32 {crc32:08x} then, {found:08x} now): something "
+            f"{where} changed since the check before the load (CRC-32 {expected:08x} then, {found:08x} now): something "
             "wrote the file or the storage returns other bytes; the engine holds a partial load, so load again once "
             "the files are stable")
 
@@ -140,8 +139,8 @@ def _check_whole_chunks(data: torch.Tensor, read: ByteRange, stored: StoredState
     for lo, hi in chunk_bounds(read.begin, read.end, chunk_bytes):
         first = max(stored.begin, lo // chunk_bytes * chunk_bytes)
         bounds = (first, min(stored.end, (lo // chunk_bytes + 1) * chunk_bytes))
-        expected = stored.chunk_crc32[len(chunk_bounds(stored.begin, first, chunk_bytes))]
-        crc = zlib.crc32(raw[lo - read.begin:hi - read.begin])
+        expected = stored.chunk_crc32[len(chunk_bounds(stored.begin, first, chunk_bytes))]  # type: ignore[index]
+        crc = crc32(raw[lo - read.begin:hi - read.begin])
         whole = crc32_combine(whole, crc, hi - lo)
         if (lo, hi) != bounds:
             opened.append(OpenChunk(stored.file, *bounds, expected, (lo, hi, crc), where))
@@ -180,6 +179,6 @@ def _joined(path: Path, parts: set[tuple[int, int, int]], begin: int, end: int,
             stop = min((p[0] for p in parts if p[0] > cursor), default=end)
             buf = torch.empty(stop - cursor, dtype=torch.uint8)
             pread_into(str(path), buf, cursor, counter)
-            step, read = (cursor, stop, zlib.crc32(tensor_bytes(buf))), read + stop - cursor
+            step, read = (cursor, stop, crc32(tensor_bytes(buf))), read + stop - cursor
         crc, cursor = crc32_combine(crc, step[2], step[1] - step[0]), step[1]
     return crc, read

@@ -7,7 +7,7 @@ torch's.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -15,9 +15,10 @@ if TYPE_CHECKING:
     import torch
 
 # How each stored dtype (ucp.format.index.DTYPE_SIZES) is held in numpy: bfloat16 as its raw words.
-NUMPY_DTYPES = {"float32": np.dtype("<f4"), "float64": np.dtype("<f8"), "float16": np.dtype("<f2"),
-                "bfloat16": np.dtype("<u2"), "int64": np.dtype("<i8"), "int32": np.dtype("<i4"),
-                "int16": np.dtype("<i2"), "int8": np.dtype("i1"), "uint8": np.dtype("u1"), "bool": np.dtype("?")}
+NUMPY_DTYPES: dict[str, np.dtype[Any]] = {
+    "float32": np.dtype("<f4"), "float64": np.dtype("<f8"), "float16": np.dtype("<f2"), "bfloat16": np.dtype("<u2"),
+    "int64": np.dtype("<i8"), "int32": np.dtype("<i4"), "int16": np.dtype("<i2"), "int8": np.dtype("i1"),
+    "uint8": np.dtype("u1"), "bool": np.dtype("?")}
 FLOATS = ("float32", "float64", "float16", "bfloat16")
 _BF16_NAN = 0xFFFF  # what torch's vectorised float -> bfloat16 cast gives for any NaN (on CPU)
 

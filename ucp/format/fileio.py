@@ -14,7 +14,6 @@ import numpy as np
 
 from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError, OutputExistsError
 
-
 if TYPE_CHECKING:
     import torch
 
@@ -67,10 +66,10 @@ def tensor_bytes(t: torch.Tensor | np.ndarray) -> memoryview:
     if flat.shape[0] == 0:
         return memoryview(b"")
     if isinstance(flat, np.ndarray):
-        return memoryview(flat.view(np.uint8))
+        return flat.view(np.uint8).data
     import torch
 
-    return memoryview(flat.view(torch.uint8).numpy())
+    return flat.view(torch.uint8).numpy().data
 
 
 def open_regular(path: str, follow: bool = True) -> int:

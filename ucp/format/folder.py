@@ -39,7 +39,7 @@ def is_ucp_file(name: str) -> bool:
     return name == INDEX_NAME or name.startswith(DATA_PREFIX) or name.startswith(INDEX_NAME)
 
 
-def commit_index(directory: str | os.PathLike, index: Index) -> Path:
+def commit_index(directory: str | os.PathLike[str], index: Index) -> Path:
     """Write the index atomically: temp file, fsync, rename, fsync the directory."""
     directory = Path(directory)
     final = directory / INDEX_NAME
@@ -54,7 +54,7 @@ def commit_index(directory: str | os.PathLike, index: Index) -> Path:
     return final
 
 
-def commit_latest(save_dir: str | os.PathLike, tag: str) -> None:
+def commit_latest(save_dir: str | os.PathLike[str], tag: str) -> None:
     """Point `<save_dir>/latest` at `tag` atomically; call only once that tag's index is committed."""
     save_dir = Path(save_dir)
     tmp = save_dir / (LATEST_NAME + PARTIAL_SUFFIX)
@@ -66,7 +66,7 @@ def commit_latest(save_dir: str | os.PathLike, tag: str) -> None:
     fsync_dir(save_dir)
 
 
-def latest_checkpoint(save_dir: str | os.PathLike) -> Path | None:
+def latest_checkpoint(save_dir: str | os.PathLike[str]) -> Path | None:
     """The committed ucp checkpoint `<save_dir>/latest` names, or None when there is none."""
     tag = read_latest(save_dir)
     if tag is None:
@@ -75,7 +75,7 @@ def latest_checkpoint(save_dir: str | os.PathLike) -> Path | None:
     return folder if (folder / INDEX_NAME).is_file() else None
 
 
-def read_latest(save_dir: str | os.PathLike) -> str | None:
+def read_latest(save_dir: str | os.PathLike[str]) -> str | None:
     """The tag `<save_dir>/latest` names, or None when there is no `latest`.
 
     `latest` is a regular file (as `engine.save_checkpoint` and `commit_latest` write it) holding the name of
@@ -105,7 +105,7 @@ def _lock_path(directory: Path) -> Path:
 
 
 @contextmanager
-def reading(directory: str | os.PathLike) -> Iterator[None]:
+def reading(directory: str | os.PathLike[str]) -> Iterator[None]:
     """Hold a shared lock on a checkpoint folder while reading it, so retention (`"keep"`) leaves it alone.
 
     Where the lock cannot be taken (a read-only folder), the read goes on without it."""
@@ -122,7 +122,7 @@ def reading(directory: str | os.PathLike) -> Iterator[None]:
 
 
 @contextmanager
-def locked_for_removal(directory: str | os.PathLike) -> Iterator[bool]:
+def locked_for_removal(directory: str | os.PathLike[str]) -> Iterator[bool]:
     """Whether no reader holds `directory` (`reading`); while True, none can start until the block ends."""
     lock = _lock_path(Path(directory))
     try:
@@ -151,7 +151,7 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def read_index(directory: str | os.PathLike) -> Index:
+def read_index(directory: str | os.PathLike[str]) -> Index:
     """The committed index of a ucp checkpoint, checked in full (see `ucp.format.index`), or a clear error
     saying why there is none."""
     directory = Path(directory)

@@ -19,6 +19,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any, Literal, overload
 
 from ucp.errors import CorruptCheckpointError
 from ucp.format.crc import CHUNK_BYTES, chunk_bounds
@@ -63,7 +64,7 @@ class ParamEntry:
     states: dict[str, StoredState]
     group: int | None = None  # the optimizer param group it was trained in
     step: float | None = None  # the optimizer step its moments were last updated at
-    pattern: dict | None = None  # how the ranks that saved it held it (PatternSpec.to_json); informational
+    pattern: dict[str, Any] | None = None  # how the ranks that saved it held it (PatternSpec.to_json); informational
     model_dtype: str | None = None  # the dtype the training model held it in
 
     @property
@@ -109,11 +110,11 @@ class NotSaved:
 class RunRecord:
     """What the index keeps of the training run beside its tensors, as the engine saved it."""
 
-    source: dict = field(default_factory=dict)  # what was converted or saved: framework, degrees, fingerprint
-    training: dict = field(default_factory=dict)  # global_steps, global_samples, skipped_steps, loss_scaler
-    optimizer: dict | None = None  # type, states, param_groups (hyperparams and member names)
+    source: dict[str, Any] = field(default_factory=dict)  # what was converted or saved: framework, degrees, fingerprint
+    training: dict[str, Any] = field(default_factory=dict)  # global_steps, global_samples, skipped_steps, loss_scaler
+    optimizer: dict[str, Any] | None = None  # type, states, param_groups (hyperparams and member names)
     lr_scheduler: object = None  # the scheduler's state_dict
-    client_state: dict = field(default_factory=dict)
+    client_state: dict[str, Any] = field(default_factory=dict)
     not_saved: NotSaved | None = None  # parameters the source left out on purpose
 
 
@@ -134,7 +135,7 @@ class Index:
         return self.params[self.aliases.get(name, name)]
 
 
-def index_json(index: Index) -> dict:
+def index_json(index: Index) -> dict[str, Any]:
     """The JSON docs/FORMAT.md specifies for `index` (what `parse_index` reads back)."""
     return {
         "format": FORMAT_NAME,
@@ -155,12 +156,12 @@ def index_json(index: Index) -> dict:
     }
 
 
-def _not_saved_json(n: NotSaved) -> dict:
+def _not_saved_json(n: NotSaved) -> dict[str, Any]:
     return {"kind": n.kind, "reason": n.reason, "names": list(n.names)}
 
 
-def _param_json(p: ParamEntry) -> dict:
-    entry: dict = {"kind": p.kind, "shape": list(p.shape)}
+def _param_json(p: ParamEntry) -> dict[str, Any]:
+    entry: dict[str, Any] = {"kind": p.kind, "shape": list(p.shape)}
     if p.model_dtype is not None:
         entry["model_dtype"] = p.model_dtype
     if p.pattern is not None:
@@ -173,9 +174,9 @@ def _param_json(p: ParamEntry) -> dict:
     return entry
 
 
-def _state_json(s: StoredState) -> dict:
-    out: dict = {"file": s.file, "key": s.key, "dtype": s.dtype, "shape": list(s.shape), "offsets": [s.begin, s.end],
-                 "crc32": s.crc32}
+def _state_json(s: StoredState) -> dict[str, Any]:
+    out: dict[str, Any] = {"file": s.file, "key": s.key, "dtype": s.dtype, "shape": list(s.shape),
+                           "offsets": [s.begin, s.end], "crc32": s.crc32}
     if s.chunk_crc32 is not None:
         out["chunk_crc32"] = list(s.chunk_crc32)
     if s.splits is not None:
@@ -183,7 +184,7 @@ def _state_json(s: StoredState) -> dict:
     return out
 
 
-def _jsonable(value: dict) -> dict:
+def _jsonable(value: dict[str, Any]) -> dict[str, Any]:
     """A client state JSON can hold, or the repr of each value where it cannot."""
     try:
         json.dumps(value)
@@ -195,12 +196,13 @@ def _jsonable(value: dict) -> dict:
 class _Fields:
     """Typed access to one JSON object of the index, each failure naming where it is."""
 
-    def __init__(self, where: str, value, path: Path):
+    def __init__(self, where: str, value: object, path: Path):
         if not isinstance(value, dict):
             raise _bad(path, where, f"must be an object, got {_kind(value)}")
         self.where, self.value, self.path = where, value, path
 
-    def get(self, key: str, types: tuple[type, ...], required: bool = True):
+    def get(self, key: str, types: tuple[type, ...], required: bool = True) -> Any:
+        """The value at `key`, of one of `types` (JSON's, as parsed), or None where it may be missing."""
         if key not in self.value:
             if required:
                 raise _bad(self.path, f"{self.where}.{key}", "is missing")
@@ -211,14 +213,21 @@ class _Fields:
                        f"got {_kind(value)}")
         return value
 
+    @overload
+    def count(self, key: str, required: Literal[True] = True, limit: int = 1 << 62) -> int: ...
+
+    @overload
+    def count(self, key: str, required: bool, limit: int = 1 << 62) -> int | None: ...
+
     def count(self, key: str, required: bool = True, limit: int = 1 << 62) -> int | None:
-        value = self.get(key, (int,), required)
+        value: int | None = self.get(key, (int,), required)
         if value is not None and not 0 <= value <= limit:
             raise _bad(self.path, f"{self.where}.{key}", f"{value} is out of range [0, {limit}]")
         return value
 
 
-def parse_index(raw, directory: str | os.PathLike, index_path: str | os.PathLike | None = None) -> Index:
+def parse_index(raw: object, directory: str | os.PathLike[str],
+                index_path: str | os.PathLike[str] | None = None) -> Index:
     """The typed, fully checked index of the checkpoint in `directory` (its data files are stat-ed
     and their header lengths read; no tensor byte is read)."""
     directory = Path(directory)
@@ -259,7 +268,7 @@ def parse_index(raw, directory: str | os.PathLike, index_path: str | os.PathLike
                  top.get("created_by", (str,), required=False) or "")
 
 
-def _check_groups(path: Path, params: dict[str, ParamEntry], optimizer: dict | None) -> None:
+def _check_groups(path: Path, params: dict[str, ParamEntry], optimizer: dict[str, Any] | None) -> None:
     """A parameter's optimizer group is one the index lists, and a group lists only trainable parameters of its
     own (the hook restores each engine group's hyper-parameters and step from them)."""
     groups = (optimizer or {}).get("param_groups") or []
@@ -271,8 +280,8 @@ def _check_groups(path: Path, params: dict[str, ParamEntry], optimizer: dict | N
                        f"{len(groups)} param groups")
     for g, group in enumerate(groups):
         for name in group["params"]:
-            entry = params.get(name)
-            if entry is None or entry.kind != "param" or entry.group != g:
+            member = params.get(name)
+            if member is None or member.kind != "param" or member.group != g:
                 raise _bad(path, f"index.optimizer.param_groups[{g}].params", f"names {name!r}, which is not a "
                            f"trainable parameter of group {g} in the index")
 
@@ -360,7 +369,7 @@ def _data_file(directory: Path, path: Path, name: str, recorded: int) -> DataFil
     return DataFile(name, recorded, header_end)
 
 
-def _plain_name(name) -> bool:
+def _plain_name(name: object) -> bool:
     return isinstance(name, str) and name not in ("", ".", "..") and not any(c in name for c in "/\\\0")
 
 
@@ -424,7 +433,7 @@ def _state(path: Path, fields: _Fields, shape: tuple[int, ...], files: dict[str,
     return StoredState(file_name, fields.get("key", (str,)), dtype, shape, begin, end, crc, splits, chunks)
 
 
-def _shape(path: Path, where: str, value: list) -> tuple[int, ...]:
+def _shape(path: Path, where: str, value: list[Any]) -> tuple[int, ...]:
     if len(value) > 64 or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 48
                                   for d in value):
         raise _bad(path, where, f"{value!r} is not a shape (up to 64 sizes, each in [0, 2^48))")
@@ -480,5 +489,5 @@ def _bad(path: Path, where: str, problem: str) -> CorruptCheckpointError:
     return CorruptCheckpointError(f"{path}: {where} {problem}; {_FIX}")
 
 
-def _kind(value) -> str:
+def _kind(value: object) -> str:
     return "null" if value is None else type(value).__name__

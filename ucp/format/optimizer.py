@@ -9,6 +9,8 @@ checkpoint; torch's own optimizers are told apart by the keys they give their pa
 """
 from __future__ import annotations
 
+from typing import Any
+
 ADAM_TYPES = ("adam", "adamw")
 # Keys every torch.optim.Adam / AdamW param group holds (torch 2.x); `decoupled_weight_decay` (torch >= 2.6)
 # tells them apart.
@@ -17,8 +19,8 @@ TORCH_SGD_KEYS = frozenset({"lr", "momentum", "dampening", "nesterov", "weight_d
 UNKNOWN = "unknown"
 
 
-def optimizer_record(config: dict | None, param_groups: list[dict], states: list[str],
-                     client_type: str | None = None) -> dict:
+def optimizer_record(config: dict[str, Any] | None, param_groups: list[dict[str, Any]], states: list[str],
+                     client_type: str | None = None) -> dict[str, Any]:
     """The index's `optimizer` for `param_groups` ([{"hyperparams", "params"}]) and `states`, trained by the
     optimizer the DeepSpeed config's `optimizer` section names, else `client_type`, else the torch optimizer
     the param groups' keys show."""
@@ -31,7 +33,7 @@ def optimizer_record(config: dict | None, param_groups: list[dict], states: list
     return record
 
 
-def client_optimizer_type(param_groups: list[dict]) -> str:
+def client_optimizer_type(param_groups: list[dict[str, Any]]) -> str:
     """"AdamW", "Adam" or "SGD" where the param groups have the keys torch's optimizer of that name gives them."""
     hyper = param_groups[0]["hyperparams"] if param_groups else {}
     if TORCH_ADAM_KEYS <= hyper.keys() and "decoupled_weight_decay" in hyper:
@@ -41,7 +43,7 @@ def client_optimizer_type(param_groups: list[dict]) -> str:
     return UNKNOWN
 
 
-def adam_w_mode(config: dict, kind: str, param_groups: list[dict]) -> bool | None:
+def adam_w_mode(config: dict[str, Any], kind: str, param_groups: list[dict[str, Any]]) -> bool | None:
     """Whether an Adam-family optimizer decoupled its weight decay; None for another optimizer, or where
     nothing says."""
     if str(kind).lower() not in ADAM_TYPES:

@@ -12,13 +12,12 @@ import json
 import math
 import os
 import struct
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ucp.errors import CorruptCheckpointError
-from ucp.format.crc import CHUNK_BYTES, join_segments, segment_crcs
+from ucp.format.crc import CHUNK_BYTES, crc32, join_segments, segment_crcs
 from ucp.format.fileio import ReadCounter, pread_into, tensor_bytes
 from ucp.format.index import DTYPE_SIZES, SAFETENSORS_DTYPES
 
@@ -28,14 +27,15 @@ if TYPE_CHECKING:
 _ALIGN = 8  # safetensors pads the header so the data section starts 8-byte aligned
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> dict[str, torch.dtype]:
     # TORCH_DTYPES (dtype name -> torch.dtype) is built on first use, so that conversion, which
     # imports this module, never imports torch.
     if name == "TORCH_DTYPES":
         import torch
 
-        globals()[name] = {dtype: getattr(torch, dtype) for dtype in SAFETENSORS_DTYPES}
-        return globals()[name]
+        dtypes: dict[str, torch.dtype] = {dtype: getattr(torch, dtype) for dtype in SAFETENSORS_DTYPES}
+        globals()[name] = dtypes
+        return dtypes
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -66,7 +66,7 @@ def encode_header(slots: Sequence[TensorSlot], metadata: dict[str, str] | None =
 
     The data of slot i then starts at len(header) + the sum of the sizes of slots before it.
     """
-    header: dict = {"__metadata__": metadata} if metadata else {}
+    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
     cursor = 0
     for slot in slots:
         header[slot.key] = {"dtype": SAFETENSORS_DTYPES[slot.dtype], "shape": list(slot.shape),
@@ -96,7 +96,8 @@ class StreamingWriter:
         if key != slot.key:
             raise ValueError(f"{self.path}: expected tensor {slot.key}, got {key}")
         if tuple(tensor.shape) != slot.shape or str(tensor.dtype).removeprefix("torch.") != slot.dtype:
-            raise ValueError(f"{key}: got {tuple(tensor.shape)} {tensor.dtype}, the header says {slot.shape} {slot.dtype}")
+            raise ValueError(f"{key}: got {tuple(tensor.shape)} {tensor.dtype}, "
+                             f"the header says {slot.shape} {slot.dtype}")
         data = tensor_bytes(tensor.contiguous())
         try:
             self._file.write(data)
@@ -140,7 +141,7 @@ def read_stored(path: str, begin: int, end: int, dtype: str, shape: Sequence[int
     if tensor_bytes(out).nbytes != end - begin:
         raise CorruptCheckpointError(f"{path}: bytes [{begin}, {end}) cannot hold {dtype}{list(shape)}")
     pread_into(path, out, begin, counter)
-    if expected_crc is not None and zlib.crc32(tensor_bytes(out)) != expected_crc:
+    if expected_crc is not None and crc32(tensor_bytes(out)) != expected_crc:
         raise CorruptCheckpointError(f"{path}: bytes [{begin}, {end}) fail their checksum; the file is damaged, "
                                      "convert again or restore it from a copy")
     return out

@@ -48,9 +48,11 @@ def plan_slice_read(key: tuple[str, str], stored: StoredState, box: Box) -> Slic
     itemsize = DTYPE_SIZES[stored.dtype]
     whole = ByteRange(file, begin, end)
     cut = [d for d, (lo, hi) in enumerate(box) if (lo, hi) != (0, shape[d])]
-    dim, count = stored.splits or (0, None)
+    dim, count = stored.splits or (0, 0)  # count 0: row-major, one split per index along dim 0
     reordered = dim > 0 and count > 1  # stored bytes are not in row-major order
-    layout = (dim, tuple(split_bounds(shape[dim], count))) if reordered else (None, ())
+    layout: tuple[int | None, tuple[int, ...]] = (None, ())
+    if reordered:
+        layout = (dim, tuple(split_bounds(shape[dim], count)))
     if not cut:
         return SliceRead(key, whole, *layout, (), True)
     if any(lo == hi for lo, hi in box):  # a TP rank of a dim smaller than its group holds nothing

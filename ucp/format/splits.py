@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, overload
 
 import numpy as np
 
@@ -20,18 +20,27 @@ from ucp.format.boxes import split_bounds
 if TYPE_CHECKING:
     import torch
 
+    from ucp.format.slice_read import SliceRead
+
+@overload
+def to_split_major(tensor: torch.Tensor, dim: int, count: int) -> torch.Tensor: ...
+
+
+@overload
+def to_split_major(tensor: np.ndarray, dim: int, count: int) -> np.ndarray: ...
+
+
 def to_split_major(tensor: torch.Tensor | np.ndarray, dim: int, count: int) -> torch.Tensor | np.ndarray:
     """The elements of `tensor` (a torch tensor or numpy array) split after split along `dim` (flat when dim > 0)."""
-    numpy = isinstance(tensor, np.ndarray)
     if dim == 0 or count == 1:
-        return np.require(tensor, requirements="C") if numpy else tensor.contiguous()
+        return np.require(tensor, requirements="C") if isinstance(tensor, np.ndarray) else tensor.contiguous()
     bounds = split_bounds(tensor.shape[dim], count)
-    splits = [tensor[(slice(None),) * dim + (slice(a, b),)].reshape(-1) for a, b in zip(bounds, bounds[1:])]
-    if numpy:
-        return np.concatenate(splits)
+    cuts = [(slice(None),) * dim + (slice(a, b),) for a, b in zip(bounds, bounds[1:])]
+    if isinstance(tensor, np.ndarray):
+        return np.concatenate([tensor[cut].reshape(-1) for cut in cuts])
     import torch
 
-    return torch.cat(splits)
+    return torch.cat([tensor[cut].reshape(-1) for cut in cuts])
 
 
 def join_splits(flat: torch.Tensor, shape: Sequence[int], dim: int, bounds: Sequence[int]) -> torch.Tensor:
@@ -60,7 +69,7 @@ def from_split_major(flat: torch.Tensor, shape: Sequence[int], dim: int, count: 
     return join_splits(flat.reshape(-1), shape, dim, split_bounds(shape[dim], count))
 
 
-def box_of_read(flat: torch.Tensor, shape: Sequence[int], read, box_shape: tuple[int, ...]) -> torch.Tensor:
+def box_of_read(flat: torch.Tensor, shape: Sequence[int], read: SliceRead, box_shape: tuple[int, ...]) -> torch.Tensor:
     """The elements one `ucp.format.slice_read.SliceRead` brought in (`flat`), as the box it was planned for."""
     if flat.numel() == 0:
         return flat.reshape(box_shape)

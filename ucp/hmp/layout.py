@@ -27,6 +27,7 @@ from functools import cached_property
 from ucp.errors import UcpError
 from ucp.format.boxes import Box, part_bounds, split_bounds
 
+
 class LayoutError(UcpError):
     """A layout is malformed, or does not fit the model it is applied to."""
 
@@ -133,13 +134,12 @@ class Layout:
     def from_json(cls, data: dict | str) -> Layout:
         """A layout from `to_json()`'s dict, or its JSON text."""
         try:
-            if isinstance(data, str):
-                data = json.loads(data)
+            fields = json.loads(data) if isinstance(data, str) else data
             replicas = tuple(Replica(tuple(Stage((int(s["layers"][0]), int(s["layers"][1])),
                                                  tuple(int(r) for r in s["ranks"]))
                                            for s in r["stages"]), int(r["micro_batches"]))
-                             for r in data["replicas"])
-            return cls(int(data["num_layers"]), replicas, int(data.get("zero_stage", 0)))
+                             for r in fields["replicas"])
+            return cls(int(fields["num_layers"]), replicas, int(fields.get("zero_stage", 0)))
         except (KeyError, IndexError, TypeError, ValueError) as exc:
             raise LayoutError(f"not a layout ({type(exc).__name__}: {exc}); expected {{'num_layers': L, "
                               "'replicas': [{'micro_batches': M, 'stages': [{'layers': [a, b], 'ranks': [...]}]}]}")

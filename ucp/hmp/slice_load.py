@@ -43,7 +43,7 @@ class LoadedSlices:
 
     slices: dict[str, OwnedSlice]
     tensors: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
-    shards: dict[str, tuple[int, int]] = field(default_factory=dict)  # ZeRO: flat [start, stop) of the box kept
+    shards: dict[str, tuple[int, int] | None] = field(default_factory=dict)  # ZeRO: flat [start, stop) of the box kept
     bytes_read: int = 0
     bytes_checked_extra: int = 0  # of bytes_read: read only to check whole chunks around a partial read
     read_calls: int = 0

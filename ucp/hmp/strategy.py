@@ -16,6 +16,7 @@ import itertools
 import math
 from collections import Counter
 from dataclasses import dataclass
+from typing import Any
 
 from ucp.errors import UcpError
 from ucp.hmp.layout import Layout, Replica, Stage
@@ -327,11 +328,12 @@ class _Search:
         shapes = deal(tp_max, full, rest, dp)
         if () in shapes:
             return None
-        best = {}
+        best: dict[tuple[int, ...], tuple[Any, ...]] = {}
         for shape, count in shapes.items():
-            best[shape] = self.replica(shape, count if self.cost.zero_stage else 1)
-            if best[shape] is None:
+            option = self.replica(shape, count if self.cost.zero_stage else 1)
+            if option is None:
                 return None
+            best[shape] = option
         kinds = [(best[shape][0], len(shape), count) for shape, count in shapes.items()]  # (tau, p, count)
         split = _assign_micro_batches(kinds, self.work.micro_batches)
         replicas, slowest, most_params = [], 0.0, 0.0
@@ -352,8 +354,7 @@ class _Search:
         """(time per micro-batch, stages, peak bytes, most parameters on a GPU) of the best stage order, or None."""
         key = (shape, zero_peers)
         if key not in self._replicas:
-            options = [self._fill(order, zero_peers) for order in stage_orders(shape)]
-            options = [o for o in options if o is not None]
+            options = [o for o in (self._fill(order, zero_peers) for order in stage_orders(shape)) if o is not None]
             self._replicas[key] = min(options, key=lambda o: (o[0], o[2])) if options else None
         return self._replicas[key]
 
@@ -380,7 +381,7 @@ class _Search:
         if order not in self._unbounded:
             self._unbounded[order] = _balance_layers(coeffs, [n_layers] * p, n_layers)
         layers = self._unbounded[order]
-        if any(co.c * k + co.e > self.budget for co, k in zip(coeffs, layers)):
+        if layers is None or any(co.c * k + co.e > self.budget for co, k in zip(coeffs, layers)):
             caps = [int((self.budget - co.e) // co.c) if co.c > 0 else n_layers for co in coeffs]
             layers = _balance_layers(coeffs, caps, n_layers) if min(caps) >= 1 else None
             if layers is None:

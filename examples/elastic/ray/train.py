@@ -28,9 +28,9 @@ def train_fn(config: dict) -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")   # CPU only
     sys.path.insert(0, config["examples"])
     import deepspeed
+    from training import Run, train
 
     import ucp.elastic.ray_train
-    from training import Run, train
 
     deepspeed.init_distributed(dist_backend="gloo")   # CPU only
     run = Run(save_dir="", steps=config["steps"], stage=config["stage"], global_batch=config["global_batch"],

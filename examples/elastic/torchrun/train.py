@@ -22,9 +22,9 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")   # CPU only
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import deepspeed  # noqa: E402
+from training import Run, train  # noqa: E402
 
 import ucp.deepspeed  # noqa: E402
-from training import Run, train  # noqa: E402
 
 
 def main() -> None:

@@ -1,0 +1,299 @@
+#!/usr/bin/env python
+"""Benchmark: elastic training under Elastor-style failure traces, against stock DeepSpeed's path to a new size.
+
+    python benchmarks/elastic.py [--steps 12] [--every 4] [--traces B C D E] [--markdown-out FILE]
+
+The ~112M-parameter benchmark Llama (ZeRO-1, fp32, global batch 12, micro-batch 1) trains for --steps optimizer
+steps on 4 CPU ranks under torchrun's own elastic agents (each agent a "node"), with `"load": "auto"`,
+`"save": {"every": K, "keep": 2}` and `"elastic"` (benchmarks/_elastic_llama.py). Traces, scaled from Elastor's
+Cases to 4 ranks on one machine:
+
+    B  one rank lost                 4 agents x 1 rank: one agent killed (3 ranks go on)
+    C  two ranks of one node lost    2 agents x 2 ranks: one agent killed (2 ranks go on)
+    D  a node lost, then back        4 x 1: one agent killed, a new agent joins (4 ranks again)
+    E  mixed                         4 x 1: a worker killed (4 ranks restart), an agent killed, one joins
+
+Reported per trace: total wall to finish, against the same run without failures; per event the time from the
+fault (the kill; for a join, the new agent's start) to the first step after it, split into detection and
+relaunch (to `ucp.deepspeed.initialize`), engine start-up, load and the first step, and the steps redone.
+
+Stock DeepSpeed's only path to a new world size, run by hand on the same model: `engine.save_checkpoint` ->
+`ds_to_universal.py` -> a new job with `{"checkpoint": {"load_universal": true}}`; its convert + load time is
+measured for 3 and 2 ranks. Targets: ucp's load on a restart <= 1/3 of stock's convert + load; steps redone
+<= every; with "every": 1, the saves slow training by at most 10% (same run without saves, in the same run).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+HERE = Path(__file__).resolve().parent
+WORKER = HERE / "_elastic_llama.py"
+NO_SAVES = 10 ** 9
+
+
+def env() -> dict:
+    e = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    e.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/ucp/torch_extensions"))
+    return e
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def records(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass
+    return out
+
+
+def wait_until(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise SystemExit(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def kill_tree(pid: int) -> None:
+    try:
+        root = psutil.Process(pid)
+        victims = [*root.children(recursive=True), root]
+    except psutil.NoSuchProcess:
+        return
+    for p in victims:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(victims, timeout=30)
+
+
+class Agents:
+    """torchrun elastic agents on this machine against one rendezvous store hosted here (so any may go)."""
+
+    def __init__(self, work: Path, args: list[str], per_node: int):
+        from torch.distributed import TCPStore
+
+        self.work, self.args, self.per_node = work, args, per_node
+        self.port = free_port()
+        self.store = TCPStore("127.0.0.1", self.port, is_master=True, multi_tenant=True, wait_for_workers=False)
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self) -> int:
+        i = len(self.procs)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:4", f"--nproc-per-node={self.per_node}",
+               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{self.port}", "--rdzv-id=bench",
+               "--rdzv-conf=is_host=false,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3",
+               "--max-restarts=10", "--monitor-interval=0.5", str(WORKER), *self.args]
+        with open(self.work / f"agent{i}.log", "w") as log:
+            self.procs.append(subprocess.Popen(cmd, env=env(), stdout=log, stderr=subprocess.STDOUT,
+                                               start_new_session=True))
+        return i
+
+    def lose_node(self, i: int) -> float:
+        at = time.time()
+        kill_tree(self.procs[i].pid)
+        return at
+
+    def lose_worker(self, i: int) -> float:
+        workers = wait_until(lambda: [p for p in psutil.Process(self.procs[i].pid).children(recursive=True)
+                                      if str(WORKER) in " ".join(p.cmdline())], 60, "a worker")
+        at = time.time()
+        workers[0].kill()
+        return at
+
+    def wait(self) -> None:
+        for p in self.procs:
+            if p.poll() is None and p.wait(timeout=3600) != 0:
+                raise SystemExit(f"an agent failed (exit {p.returncode}); see {self.work}")
+
+    def stop(self) -> None:
+        for p in self.procs:
+            kill_tree(p.pid)
+
+
+TRACES = {
+    # name: (ranks per agent, agents, events: (after step, "node" i | "worker" i | "join"))
+    "B": (1, 4, [(4, "node", 3)]),
+    "C": (2, 2, [(4, "node", 1)]),
+    "D": (1, 4, [(4, "node", 3), (8, "join", None)]),
+    "E": (1, 4, [(3, "worker", 1), (6, "node", 3), (9, "join", None)]),
+}
+
+
+def run_trace(name: str, steps: int, every: int, work: Path) -> dict:
+    per_node, agents_n, events = TRACES[name]
+    out = work / name
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    recs = out / "records.jsonl"
+    agents = Agents(out, ["--mode", "ucp", "--save-dir", str(out / "ckpt"), "--steps", str(steps), "--every",
+                          str(every), "--records", str(recs)], per_node)
+    began = time.time()
+    faults = []
+    try:
+        for _ in range(agents_n):
+            agents.start()
+        for after, kind, which in events:
+            wait_until(lambda: any(r.get("step", 0) >= after for r in records(recs)), 3600, f"step {after}")
+            if kind == "node":
+                faults.append((kind, agents.lose_node(which)))
+            elif kind == "worker":
+                faults.append((kind, agents.lose_worker(which)))
+            else:
+                faults.append((kind, time.time()))
+                agents.start()
+            seen = len([r for r in records(recs) if "restart" in r])
+            wait_until(lambda: len([r for r in records(recs) if "restart" in r]) > seen, 3600, "the restart")
+        agents.wait()
+    finally:
+        agents.stop()
+    wall = time.time() - began
+    restarts = [r for r in records(recs) if "restart" in r]
+    first_step_at = {}
+    for r in records(recs):
+        if "step" in r:
+            first_step_at.setdefault((r["world"], r["step"]), r["time"])
+    events_out = []
+    for (kind, at), rec in zip(faults, restarts):
+        report = rec["restart"]
+        called = rec["initialize_called"]
+        load_began = called + report["startup_s"]
+        first = load_began + report["load_s"] + report["first_step_s"]
+        events_out.append({"event": kind, "old_world": report["old_world"], "new_world": report["new_world"],
+                           "fault_to_first_step_s": first - at, "detection_s": called - at,
+                           "startup_s": report["startup_s"], "load_s": report["load_s"],
+                           "first_step_s": report["first_step_s"], "steps_redone": report["steps_redone"],
+                           "checkpoint_step": report["checkpoint_step"]})
+    return {"trace": name, "wall_s": wall, "events": events_out}
+
+
+def run_plain(every: int, steps: int, work: Path, tag: str) -> dict:
+    """The same job without failures on 4 ranks (plain torchrun): wall, and the mean step time past the first."""
+    out = work / tag
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    recs = out / "records.jsonl"
+    began = time.time()
+    torchrun(["--mode", "ucp", "--save-dir", str(out / "ckpt"), "--steps", str(steps), "--every", str(every),
+              "--records", str(recs)], 4, out / "log")
+    times = [r["time"] for r in records(recs) if "step" in r]
+    return {"wall_s": time.time() - began, "step_s": (times[-1] - times[1]) / (len(times) - 2)}
+
+
+def torchrun(args: list[str], nproc: int, log: Path) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+           str(free_port()), str(WORKER), *args]
+    with open(log, "w") as f:
+        if subprocess.run(cmd, env=env(), stdout=f, stderr=subprocess.STDOUT).returncode != 0:
+            raise SystemExit(f"failed; see {log}")
+
+
+def stock_path(every: int, work: Path) -> dict:
+    """save_checkpoint at step `every` on 4 ranks, ds_to_universal, then load_universal on 3, 2 and 4 ranks."""
+    import deepspeed
+
+    out = work / "stock"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    torchrun(["--mode", "stock", "--save-dir", str(out / "ds"), "--steps", str(every), "--every", str(every),
+              "--records", str(out / "train.jsonl")], 4, out / "train.log")
+    tag = (out / "ds" / "latest").read_text().strip()
+    script = Path(deepspeed.__file__).parent / "checkpoint" / "ds_to_universal.py"
+    began = time.perf_counter()
+    subprocess.run([sys.executable, str(script), "--input_folder", str(out / "ds" / tag), "--output_folder",
+                    str(out / "universal" / tag), "--num_extract_workers", "2", "--num_merge_workers", "2"],
+                   check=True, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    convert_s = time.perf_counter() - began
+    loads = {}
+    for world in (3, 2, 4):
+        recs = out / f"load{world}.jsonl"
+        torchrun(["--mode", "stock", "--save-dir", str(out / f"after{world}"), "--steps", str(every + 1),
+                  "--every", str(NO_SAVES), "--records", str(recs), "--load-universal",
+                  str(out / "universal" / tag)], world, out / f"load{world}.log")
+        loads[str(world)] = next(r["load_universal_s"] for r in records(recs) if "load_universal_s" in r)
+    return {"convert_s": convert_s, "load_s": loads}
+
+
+def markdown(results: dict) -> str:
+    stock, plain = results["stock"], results["plain"]
+    lines = [f"{results['machine']}; ~112M-parameter Llama, ZeRO-1 fp32, global batch 12, {results['steps']} steps, "
+             f"save every {results['every']}.", "",
+             "| trace | wall | vs no failure | event | ranks | fault → first step | detection + relaunch | "
+             "start-up | load | first step | steps redone | load vs stock convert+load |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for t in results["traces"]:
+        for i, e in enumerate(t["events"]):
+            stock_s = stock["convert_s"] + stock["load_s"][str(e["new_world"])]
+            head = (f"{t['trace']} | {t['wall_s']:.0f} s | {t['wall_s'] / plain['every']['wall_s']:.2f}×" if i == 0
+                    else " | | ")
+            lines.append(f"| {head} | {e['event']} | {e['old_world']} → {e['new_world']} | "
+                         f"{e['fault_to_first_step_s']:.1f} s | {e['detection_s']:.1f} s | {e['startup_s']:.1f} s | "
+                         f"{e['load_s']:.2f} s | {e['first_step_s']:.1f} s | {e['steps_redone']} | "
+                         f"{e['load_s'] / stock_s:.3f} |")
+    lines += ["", f"Stock path: ds_to_universal {stock['convert_s']:.1f} s; load_universal "
+              + ", ".join(f"{w} ranks {s:.1f} s" for w, s in stock["load_s"].items()) + ".",
+              f"No failure, 4 ranks: every {results['every']}: {plain['every']['wall_s']:.0f} s "
+              f"({plain['every']['step_s']:.2f} s/step); every 1: {plain['every1']['step_s']:.2f} s/step; no saves: "
+              f"{plain['none']['step_s']:.2f} s/step; saving every step slows training by "
+              f"{plain['every1']['step_s'] / plain['none']['step_s'] - 1:+.1%}."]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--every", type=int, default=4)
+    parser.add_argument("--traces", nargs="+", default=list(TRACES), choices=list(TRACES))
+    parser.add_argument("--work", help="working folder (default: a temporary one, removed)")
+    parser.add_argument("--json-out")
+    parser.add_argument("--markdown-out")
+    args = parser.parse_args()
+    work = Path(args.work or tempfile.mkdtemp(prefix="ucp-elastic-bench-"))
+    results = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores", "steps": args.steps,
+               "every": args.every}
+    print("stock path (save, ds_to_universal, load_universal) ...", flush=True)
+    results["stock"] = stock_path(args.every, work)
+    print("no failures: every K, every 1, no saves ...", flush=True)
+    results["plain"] = {"every": run_plain(args.every, args.steps, work, "plain-every"),
+                        "every1": run_plain(1, args.steps, work, "plain-every1"),
+                        "none": run_plain(NO_SAVES, args.steps, work, "plain-none")}
+    results["traces"] = []
+    for name in args.traces:
+        print(f"trace {name} ...", flush=True)
+        results["traces"].append(run_trace(name, args.steps, args.every, work))
+    text = markdown(results)
+    print(text)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(results, indent=1))
+    if args.markdown_out:
+        Path(args.markdown_out).write_text(text + "\n")
+    if not args.work:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
