@@ -48,6 +48,7 @@ def main() -> None:
                         "ucp-no-conversion: DeepSpeed's save dir")
     parser.add_argument("--stage", type=int, default=3)
     parser.add_argument("--model", choices=sorted(MODELS), default="112m")
+    parser.add_argument("--check-keep-bytes", type=int, help="ucp modes: check_keep_bytes (default: ucp's own)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -77,7 +78,8 @@ def main() -> None:
         path = Path(args.path)
         engine.load_checkpoint(str(path.parent), tag=path.name)
     else:
-        ucp.deepspeed.load(engine, args.path, bypass=args.mode != "ucp-no-bypass")
+        keep = {} if args.check_keep_bytes is None else {"check_keep_bytes": args.check_keep_bytes}
+        ucp.deepspeed.load(engine, args.path, bypass=args.mode != "ucp-no-bypass", **keep)
     dist.barrier()
     wall = time.perf_counter() - start
     io_after = proc_io()
@@ -90,7 +92,8 @@ def main() -> None:
     if stats is not None:
         mine.update(ucp_bytes_read=stats.bytes_read, ucp_read_calls=stats.read_calls,
                     bytes_broadcast=stats.bytes_broadcast, bytes_checked_extra=stats.bytes_checked_extra,
-                    bytes_checked_sources=stats.bytes_checked_sources, bytes_read_again=stats.bytes_read_again)
+                    bytes_checked_sources=stats.bytes_checked_sources, bytes_read_again=stats.bytes_read_again,
+                    bytes_exchanged=stats.bytes_exchanged)
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     if dist.get_rank() == 0:

@@ -69,10 +69,11 @@ def build(cache: Path, model: str) -> tuple[Path, Path, Path]:
     return atomic, universal, root / "deepspeed"
 
 
-def run(mode: str, path: Path, nproc: int, model: str, work: Path) -> list[dict]:
+def run(mode: str, path: Path, nproc: int, model: str, work: Path, keep: int | None) -> list[dict]:
     out = work / f"{model}-{mode}-{nproc}.json"
-    torchrun(HERE / "_load_llama.py", ["--mode", mode, "--path", str(path), "--out", str(out), "--model", model],
-             nproc, work / f"{model}-{mode}-{nproc}.log")
+    extra = [] if keep is None else ["--check-keep-bytes", str(keep)]
+    torchrun(HERE / "_load_llama.py", ["--mode", mode, "--path", str(path), "--out", str(out), "--model", model,
+                                       *extra], nproc, work / f"{model}-{mode}-{nproc}.log")
     return json.loads(out.read_text())
 
 
@@ -138,6 +139,8 @@ def main() -> None:
                         help="benchmark Llama sizes (benchmarks/_train_llama.py MODELS); 359m for memory vs size")
     parser.add_argument("--modes", nargs="+", default=["stock", "ucp", "ucp-no-conversion"], choices=MODES,
                         help="loads to run (ucp-no-bypass: every rank reads every tensor whole, a control)")
+    parser.add_argument("--check-keep-bytes", type=int,
+                        help="what ucp's check before the load keeps for the install (default: ucp's KEEP_BYTES)")
     parser.add_argument("--cache", type=Path, default=Path(os.path.expanduser("~/.cache/ucp-bench")))
     parser.add_argument("--markdown-out", type=Path)
     parser.add_argument("--splits", action="store_true",
@@ -157,7 +160,7 @@ def main() -> None:
         sizes[model] = sum(f.stat().st_size for f in atomic.glob("*.safetensors"))
         paths = {"stock": universal, "ucp-no-bypass": atomic, "ucp": atomic, "ucp-no-conversion": source}
         for n in args.ranks:
-            results = {mode: summary(run(mode, paths[mode], n, model, work)) for mode in modes}
+            results = {mode: summary(run(mode, paths[mode], n, model, work, args.check_keep_bytes)) for mode in modes}
             rows += [(model, n, mode, r, results["stock"]) for mode, r in results.items()]
     import deepspeed
     import torch

@@ -18,7 +18,7 @@ from support.llama_tp_runs import build_sources
 from test_load_hook_tp import TRAIN
 from ucp.convert import convert
 from ucp.convert.plan import ConversionPlan, Fragment, ParamPlan, Piece, StateSource
-from ucp.deepspeed import LoadStats
+from ucp.deepspeed import LoadStats, hook
 from ucp.deepspeed.flat_runs import FlatRun, flat_runs, run_reads
 from ucp.deepspeed.load_source import AtomicSource, PlannedSource, box_numel
 from ucp.deepspeed.targets import TargetTensor
@@ -233,3 +233,20 @@ def test_bytes_that_change_after_the_check_are_refused_when_read_again(sources, 
         f.write(bytes([byte ^ 0x10]))
     with pytest.raises(CorruptCheckpointError, match="changed since the check before the load"):
         source.read(wants, list(wants), True, stats)
+
+
+def test_the_hook_reads_a_layer_in_consecutive_batches_of_at_most_batch_bytes(sources, monkeypatch):
+    """A rank holds one batch of a layer's values at a time: consecutive keys, in the layer's order, up to
+    `BATCH_BYTES` of the values they read (a state larger than that alone)."""
+    planned, atomic, _ = sources["z2-fp32-dp2"]
+    layer = {(name, state): _partitions(name, tuple(entry.shape), entry.kind, 2)[1]
+             for name, entry in atomic.ckpt.index.params.items() for state in entry.states}
+    monkeypatch.setattr(hook, "BATCH_BYTES", 256)
+    for source in (planned, atomic):
+        batches = list(hook._batches(layer, source))
+        sizes = [sum(t.numel * source.dtype(key).itemsize for key, t in batch.items()) for batch in batches]
+        assert [key for batch in batches for key in batch] == list(layer)
+        assert all(size <= 256 or len(batch) == 1 for size, batch in zip(sizes, batches))
+        firsts = [next(iter(batch.items())) for batch in batches[1:]]  # each batch as full as the next allows
+        assert all(size + t.numel * source.dtype(key).itemsize > 256 for size, (key, t) in zip(sizes, firsts))
+        assert len(batches) > 2  # the test's layer is larger than a batch

@@ -11,9 +11,11 @@ import torch
 from support.checkpoints import TinySpec, ucp_load_errors
 from ucp.cli.main import main
 from ucp.convert.manifest import MANIFEST_SUFFIX
+from ucp.convert.source_check import SMALL_ENTRY_BYTES
 from ucp.converters.dispatch import plan_deepspeed
-from ucp.converters.torch_zip import storage_entries
+from ucp.converters.torch_zip import ZipEntry, storage_entries
 from ucp.format.folder import INDEX_NAME
+from ucp.format.safetensors_stream import TORCH_DTYPES
 
 
 @pytest.fixture
@@ -33,6 +35,34 @@ def flip_bit(path: str, offset: int) -> None:
         byte = f.read(1)[0]
         f.seek(offset)
         f.write(bytes([byte ^ 0x10]))
+
+
+def unloaded_bytes(save_dir: Path) -> dict[tuple[str, ZipEntry], list[int]]:
+    """The bytes of each checked zip entry of `save_dir`'s rank files that no state of its plan takes: the
+    padding of ZeRO partitions, and small entries (steps, scalars) no state reads. An entry is checked when a
+    state's bytes lie in it, or when it is small (`SMALL_ENTRY_BYTES`) in a file some state reads from."""
+    used: dict[str, set[int]] = {}
+    for p in plan_deepspeed(save_dir).params:
+        for src in p.states.values():
+            for f in src.fragments:
+                begin = f.piece.byte_offset
+                used.setdefault(f.piece.path, set()).update(
+                    range(begin, begin + f.piece.numel * TORCH_DTYPES[f.piece.dtype].itemsize))
+    gaps = {}
+    for path, taken in used.items():
+        for e in storage_entries(path).values():
+            mine = taken.intersection(range(e.start, e.end))
+            if e.crc32 != 0 and (mine or e.end - e.start <= SMALL_ENTRY_BYTES) and len(mine) < e.end - e.start:
+                gaps[(path, e)] = [o for o in range(e.start, e.end) if o not in mine]
+    return gaps
+
+
+def padding_byte(save_dir: Path) -> tuple[str, int]:
+    """A byte of ZeRO's partition padding: in an entry that states read, read by none of them."""
+    found = [(path, offsets[-1]) for (path, e), offsets in unloaded_bytes(save_dir).items()
+             if len(offsets) < e.end - e.start]
+    assert found, "the checkpoint has no partition padding to damage"
+    return found[0]
 
 
 def piece_of(save_dir: Path, name: str, state: str, file_part: str):
@@ -79,17 +109,7 @@ def test_a_flipped_bit_in_bytes_no_state_reads_is_refused(source, tmp_path, caps
     """Bytes of a read entry that no state uses (here the tail of a rank's partition past the last parameter:
     ZeRO's alignment padding) are read and checked too, so the whole entry is covered."""
     save_dir = source(TinySpec(stage=2))
-    plan = plan_deepspeed(save_dir)
-    used: dict[str, set[int]] = {}
-    for p in plan.params:
-        for src in p.states.values():
-            for f in src.fragments:
-                size = f.piece.numel * {"float32": 4, "bfloat16": 2}[f.piece.dtype]
-                used.setdefault(f.piece.path, set()).update(range(f.piece.byte_offset, f.piece.byte_offset + size))
-    unused = [(path, e.end - 1) for path in used for e in storage_entries(path).values()
-              if e.start in used[path] and e.end - 1 not in used[path]]
-    assert unused, "the checkpoint has no partition padding to damage"
-    path, offset = unused[0]
+    path, offset = padding_byte(save_dir)
     flip_bit(path, offset)
     out = tmp_path / "out"
     assert_refused(*convert(capsys, save_dir, out), path, out)
@@ -110,6 +130,25 @@ def test_a_flipped_bit_in_a_rank_file_stops_a_zero_conversion_load_on_every_rank
         assert error is not None and "fails its CRC-32" in error and Path(piece.path).name in error, error
     assert result["untouched_on"] == [True, True]
 
+
+def test_a_flipped_bit_loaded_or_not_stops_a_zero3_load_from_zero2_files_on_every_rank(tiny_checkpoint, tmp_path,
+                                                                                       ckpt_root):
+    """ZeRO-2 files loaded into ZeRO-3 on 3 ranks (each rank reads parts of every partition entry; each entry is
+    checked by its owner rank from the CRC-32s of the parts): a flipped bit in bytes a rank loads, or in the
+    padding no rank loads, is refused on every rank, every engine untouched (the fresh engine's optimizer states
+    that the check filled are taken back); the undamaged copy, loaded last, loads (control)."""
+    raw = tiny_checkpoint(TinySpec(stage=2))
+    loaded, gap = (shutil.copytree(raw, tmp_path / name) for name in ("loaded", "gap"))
+    piece = piece_of(loaded, "emb.weight", "exp_avg", "rank_0_mp_rank_00_optim")
+    flip_bit(piece.path, piece.byte_offset + 4 * (piece.numel // 2) + 1)
+    path, offset = padding_byte(gap)
+    flip_bit(path, offset)
+    results = ucp_load_errors([loaded, gap, raw], TinySpec(stage=3, world_size=3), ckpt_root)
+    for result, damaged in zip(results, (piece.path, path)):
+        for error in result["errors"]:
+            assert error is not None and "fails its CRC-32" in error and Path(damaged).name in error, error
+        assert result["untouched_on"] == [True] * 3
+    assert results[2]["errors"] == [None] * 3 and results[2]["untouched_on"] == [False] * 3
 
 
 def test_a_flipped_bit_is_refused_when_a_deepspeed_checkpoint_is_read_directly(source):

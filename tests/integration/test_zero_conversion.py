@@ -33,6 +33,7 @@ from support.checkpoints import (
 from support.launch import run_torchrun
 from support.llama_tp_runs import build_sources, load_stats, losses, resume
 from test_load_hook_tp import RESUME, SAVED_AT, TRAIN
+from test_source_checksums import unloaded_bytes
 from ucp.convert import convert
 from ucp.convert.plan import BUFFER
 from ucp.format.safetensors_stream import TORCH_DTYPES
@@ -40,6 +41,7 @@ from ucp.format.safetensors_stream import TORCH_DTYPES
 CASES = [  # (saved at, loaded at)
     (TinySpec(stage=2), TinySpec(stage=2, world_size=1)),                               # DP 2 -> 1
     (TinySpec(stage=2), TinySpec(stage=3, world_size=3)),                               # ZeRO 2 -> 3
+    (TinySpec(stage=1), TinySpec(stage=3)),                                             # ZeRO 1 -> 3, DP 2
     (TinySpec(stage=1), TinySpec(stage=1, world_size=3)),                               # ZeRO-1, DP 2 -> 3
     (TinySpec(stage=3, dtype="bf16", world_size=3), TinySpec(stage=2, dtype="bf16")),   # bf16, ZeRO 3 -> 2
 ]
@@ -121,6 +123,12 @@ def test_loads_equal_loads_of_the_converted_checkpoint(source, target, tiny_chec
         own = [zero3_partition_bytes(raw, rank, target.world_size) for rank in range(target.world_size)]
         assert all(read >= mine for read, mine in zip(reads, own))
         assert sum(reads) - sum(own) == buffer_bytes(raw) > 0
+    # The check before the load read nothing but what no rank loads (partition padding, small entries no state
+    # reads): every other byte of the entries was checked from the CRC-32s of the parts the ranks loaded.
+    raw_stats = [r["stats"][1] for r in ranks]
+    gaps = unloaded_bytes(raw)
+    assert sum(s["bytes_checked_sources"] for s in raw_stats) == sum(map(len, gaps.values())) > 0
+    assert not any(s["bytes_checked_extra"] or s["bytes_read_again"] for s in raw_stats)
 
 
 def test_resume_from_the_deepspeed_checkpoint_continues_the_uninterrupted_run(tiny_checkpoint, ckpt_root):

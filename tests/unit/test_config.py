@@ -17,6 +17,9 @@ from ucp.errors import ConfigError
     ({"strict": "yes"}, '"strict": \'yes\'}: must be bool'),
     ({"load": 3}, "must be the path of a checkpoint"),
     ({"layout": 5}, "must be dict or str or PathLike"),
+    ({"check_keep_bytes": -1}, '"check_keep_bytes": -1}: must be a number of bytes, 0 or more'),
+    ({"check_keep_bytes": True}, "must be a number of bytes"),
+    ({"check_keep_bytes": 1.5}, "must be int"),
     ([], "must be an object"),
 ])
 def test_bad_sections_are_one_clear_error(section, message):
@@ -25,8 +28,9 @@ def test_bad_sections_are_one_clear_error(section, message):
 
 
 def test_good_section_splits_into_load_options():
-    options = ucp_options({"train_batch_size": 2, "ucp": {"load": "/ckpt", "strict": False, "bypass": True}})
-    assert load_options(options) == {"strict": False, "bypass": True}
+    options = ucp_options({"train_batch_size": 2, "ucp": {"load": "/ckpt", "strict": False, "bypass": True,
+                                                          "check_keep_bytes": 0}})
+    assert load_options(options) == {"strict": False, "bypass": True, "check_keep_bytes": 0}
     assert without_ucp({"train_batch_size": 2, "ucp": {}}) == {"train_batch_size": 2}
     assert ucp_options({"train_batch_size": 2}) == {}
 

@@ -32,12 +32,17 @@ committed, and runs at exit too; see `ucp.deepspeed.async_save`). The `"ucp"` co
 * `load_optimizer_states` (bool, default true), `load_lr_scheduler_states` (bool, default true).
 * `check_first` (bool, default true): read and check every byte the load will use before installing
   any, so that a damaged checkpoint raises `CorruptCheckpointError` on every rank with the engine
-  untouched. From a ucp checkpoint each rank checks exactly what it will read (its chunks' CRC-32s)
-  and keeps up to 1 GiB of it to install, reading again only what did not fit; from a DeepSpeed
-  checkpoint, whose zip records one CRC-32 per rank-file entry, the job's ranks split the entries
-  and check each whole (the checkpoint read once more across the job). False reads once and installs
-  layer by layer: unchecked for a DeepSpeed source, and damage found at layer k of a ucp checkpoint
-  leaves layers before k loaded.
+  untouched. Each rank reads exactly its share of the load once and CRCs what it read; a unit with a
+  CRC-32 of its own (a chunk of a ucp checkpoint's state, a zip entry of a DeepSpeed rank file) that a
+  rank read only part of is checked by one owner rank from the parts' CRC-32s, sent to it by one
+  all-to-all (`ucp.deepspeed.exchange`), reading only the bytes no rank loads (ZeRO's padding, small
+  entries). What the check read goes straight into the optimizer states this load creates (an engine
+  that has not stepped: taken back on damage), or is kept for the install up to `check_keep_bytes`,
+  or is read again as it is installed and compared with the CRC-32 the check saw. False reads once
+  and installs layer by layer: unchecked for a DeepSpeed source, and damage found at layer k of a ucp
+  checkpoint leaves layers before k loaded.
+* `check_keep_bytes` (int, default 64 MiB): see `check_first`; 0 keeps nothing (what the check cannot put
+  into new optimizer states is then read twice).
 * `strict` (bool, default true): a checkpoint parameter the model lacks is an error (tied weights:
   see below). A frozen parameter of the model that the checkpoint lacks is an error too, unless the
   checkpoint records that it left its frozen parameters out (`save_checkpoint(exclude_frozen_parameters=True)`,
@@ -50,8 +55,10 @@ committed, and runs at exit too; see `ucp.deepspeed.async_save`). The `"ucp"` co
   exposes the whole model's `ucp_param_table`; every rank reads exactly its slices
   (`ucp.deepspeed.placement`).
 
-Loading is layer by layer: a rank holds its own shard plus one layer's states at a time (with
-`check_first`, plus up to 1 GiB of what the check read, kept for the install).
+Loading is layer by layer: a rank holds its own shard plus one batch of a layer's states at a time
+(`BATCH_BYTES`, or one state larger than that; with `check_first`, plus up to `check_keep_bytes` of what
+the check read, kept for the install). Read buffers from 1 MiB on are mappings of their own
+(`ucp.format.fileio.read_buffer`), returned to the system as soon as they are freed.
 
 Tied weights (one Parameter under two names, e.g. `lm_head.weight` and `model.embed_tokens.weight`)
 are one parameter: the checkpoint records the second name as an alias of the first (its index's
@@ -116,6 +123,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("ucp.deepspeed")
 KEEP_BYTES = 64 << 20  # of what the check before a load read, kept for the install (beyond it: read again)
+BATCH_BYTES = 32 << 20  # of a layer's values read at once
 Key = tuple[str, str]  # (parameter, state)
 Owners = dict[Key, int]  # the rank that reads each shared key
 Groups = dict[int, tuple[tuple[int, ...], "ProcessGroup | None"]]  # id(tensor) -> (its DP ranks, their group)
@@ -413,6 +421,22 @@ def _layers(tensors: list[TargetTensor], state_names: list[str]) -> Iterator[dic
         yield _wants(batch, state_names)
 
 
+def _batches(wants: dict[Key, TargetTensor], source: Source) -> Iterator[dict[Key, TargetTensor]]:
+    """One layer's `wants` in consecutive parts of at most `BATCH_BYTES` of the values they read (a state larger
+    than that alone), so that a rank holds one part at a time, not a whole layer."""
+    batch: dict[Key, TargetTensor] = {}
+    size = 0
+    for key, t in wants.items():
+        nbytes = (box_numel(t) if source.shared(key, t) else t.numel) * source.dtype(key).itemsize
+        if batch and size + nbytes > BATCH_BYTES:
+            yield batch
+            batch, size = {}, 0
+        batch[key] = t
+        size += nbytes
+    if batch:
+        yield batch
+
+
 def _wants(layer: list[TargetTensor], state_names: list[str]) -> dict[tuple[str, str], TargetTensor]:
     return {(t.name, s): t for t in layer for s in _states_of(t, state_names)}
 
@@ -434,29 +458,31 @@ def _load_tensors(source: Source, target: Target, state_names: list[str], bypass
     if check_first:
         kept, done = _check_first(source, target, state_names, owners, me, bypass, fresh, keep_bytes, stats)
     damaged: UcpError | None = None
-    for wants in _layers(target.tensors, state_names):
-        mine = [key for key in _mine(wants, owners, me) if key not in done]
-        try:
-            values = {key: kept.pop(key) for key in mine if key in kept}
-            values.update(source.read(wants, [key for key in mine if key not in values], bypass, stats))
-        except UcpError as exc:  # damaged bytes: keep the group's broadcasts going, then raise on every rank
-            damaged, values = damaged or exc, {}
-        for key, t in wants.items():  # in the same order on every rank of a group
-            if key not in owners:
-                continue
-            ranks, group = groups[id(t)]
-            if len(ranks) > 1:
-                values[key] = _broadcast(source, key, t, values.get(key), owners[key], group, stats)
-            if not t.whole and key in values:
-                values[key] = values[key].narrow(0, t.start, t.numel)
-        if damaged is not None:
-            continue  # nothing more is installed
-        for key, t in wants.items():
-            if t.numel and key not in done:
-                t.install(key[1], values[key])
-                stats.tensors += 1
+    for layer in _layers(target.tensors, state_names):
+        for wants in _batches(layer, source):
+            mine = [key for key in _mine(wants, owners, me) if key not in done]
+            try:
+                values = {key: kept.pop(key) for key in mine if key in kept}
+                values.update(source.read(wants, [key for key in mine if key not in values], bypass, stats))
+            except UcpError as exc:  # damaged bytes: keep the group's broadcasts going, then raise on every rank
+                damaged, values = damaged or exc, {}
+            for key, t in wants.items():  # in the same order on every rank of a group
+                if key not in owners:
+                    continue
+                ranks, group = groups[id(t)]
+                if len(ranks) > 1:
+                    values[key] = _broadcast(source, key, t, values.get(key), owners[key], group, stats)
+                if not t.whole and key in values:
+                    values[key] = values[key].narrow(0, t.start, t.numel)
+            if damaged is not None:
+                continue  # nothing more is installed
+            for key, t in wants.items():
+                if t.numel and key not in done:
+                    t.install(key[1], values[key])
+                    stats.tensors += 1
+            stats.peak_layer_bytes = max(stats.peak_layer_bytes,
+                                         sum(v.numel() * v.element_size() for v in values.values()))
         stats.layers += 1
-        stats.peak_layer_bytes = max(stats.peak_layer_bytes, sum(v.numel() * v.element_size() for v in values.values()))
     _agree(damaged, CorruptCheckpointError)
 
 
@@ -475,7 +501,7 @@ def _check_first(source: Source, target: Target, state_names: list[str], owners:
     held = 0
     damaged: UcpError | None = None
     try:
-        for wants in _layers(target.tensors, state_names):
+        for wants in (batch for layer in _layers(target.tensors, state_names) for batch in _batches(layer, source)):
             for key, value in source.check(wants, _mine(wants, owners, me), bypass, stats).items():
                 t = wants[key]
                 if key[1] in fresh and key not in owners:  # this rank's own elements, into memory nothing reads yet

@@ -25,7 +25,7 @@ import torch
 from ucp.errors import CorruptCheckpointError
 from ucp.format.byte_ranges import ByteRange, coalesce
 from ucp.format.crc import chunk_bounds, crc32, crc32_combine
-from ucp.format.fileio import ReadCounter, pread_into, tensor_bytes
+from ucp.format.fileio import ReadCounter, pread_into, read_buffer, tensor_bytes
 from ucp.format.index import StoredState
 
 Key = tuple[str, str]
@@ -75,7 +75,7 @@ def fetch(root: Path, ranges: list[ByteRange], counter: ReadCounter) -> dict[Byt
     """The bytes of every range (relative to `root` unless absolute), touching ranges of a file read at once."""
     chunks = {}
     for merged, parts in coalesce(ranges):
-        buf = torch.empty(merged.nbytes, dtype=torch.uint8)
+        buf = read_buffer(merged.nbytes)
         pread_into(str(root / merged.file), buf, merged.begin, counter)
         for part in parts:
             chunks[part] = buf.narrow(0, part.begin - merged.begin, part.nbytes)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import mmap
 import os
 import stat
 from collections.abc import Iterator
@@ -19,6 +20,20 @@ if TYPE_CHECKING:
 
 ArrayT = TypeVar("ArrayT", bound=Union["torch.Tensor", np.ndarray])
 _held_locks: set[int] = set()  # descriptors of the output folders this process holds locked
+MAPPED_BUFFER_BYTES = 1 << 20  # read buffers this large get memory of their own (`read_buffer`)
+
+
+def read_buffer(nbytes: int) -> torch.Tensor:
+    """An uninitialised uint8 tensor of `nbytes` to read into. From 1 MiB on it is anonymous memory mapped for it
+    alone, which goes back to the system as soon as the last tensor viewing it is freed: a load reads many
+    buffers of a few MiB to tens of MiB one after the other, and glibc serves blocks of up to 32 MiB from its heap
+    once it has freed blocks that size (its mmap threshold follows the blocks freed), and seldom gives that
+    memory back, so a heap-allocated load kept hundreds of MiB it no longer used."""
+    import torch
+
+    if nbytes < MAPPED_BUFFER_BYTES:
+        return torch.empty(nbytes, dtype=torch.uint8)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)  # the tensor keeps the mapping alive
 
 
 @contextlib.contextmanager
