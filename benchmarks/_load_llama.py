@@ -8,7 +8,9 @@
 the DeepSpeed checkpoint itself. Bytes and read calls come from /proc/self/io (rchar, syscr), so
 all tools are measured the same way, page-cache hits included. Memory: peak RSS over the process's life
 (`ru_maxrss`), and the engine's own footprint (VmRSS just before the load) with the peak during the load alone
-(VmHWM, reset before the load through /proc/self/clear_refs), so that what the load itself holds shows.
+(VmHWM, reset before the load through /proc/self/clear_refs), so that what the load itself holds shows, and
+VmRSS after the load (the engine with the optimizer states the load created), so that what it held only while
+it ran shows.
 """
 import argparse
 import json
@@ -83,11 +85,12 @@ def main() -> None:
     dist.barrier()
     wall = time.perf_counter() - start
     io_after = proc_io()
-    load_peak = vm_mib("VmHWM")
+    load_peak, loaded_rss = vm_mib("VmHWM"), vm_mib("VmRSS")
     mine = {"wall_s": wall, "bytes_read": io_after["rchar"] - io_before["rchar"],
             "read_calls": io_after["syscr"] - io_before["syscr"],
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "rss_before_mib": rss_before / 1024, "engine_rss_mib": engine_rss, "load_peak_rss_mib": load_peak}
+            "rss_before_mib": rss_before / 1024, "engine_rss_mib": engine_rss, "load_peak_rss_mib": load_peak,
+            "loaded_rss_mib": loaded_rss}
     stats = getattr(engine, "ucp_load_stats", None)
     if stats is not None:
         mine.update(ucp_bytes_read=stats.bytes_read, ucp_read_calls=stats.read_calls,

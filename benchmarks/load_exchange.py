@@ -15,9 +15,10 @@ counts (8 bytes each way per rank), as `LoadStats.bytes_exchanged` counts them. 
 check used before (`all_gather_object` of every rank's parts), which hands each rank W copies of the largest
 rank's pickled list.
 
-Per rank the all-to-all moves 16 W bytes of counts plus about two records (~60 bytes each, pickled) per
-part a rank reads, and a ZeRO-3 rank reads one part per (parameter, state) and source partition its run
-crosses: O(parameters x states), flat in W. The all-gather moves W times that.
+Per rank the all-to-all moves 16 W bytes of counts plus about two records (60-160 bytes each, pickled: one
+list per peer, each with its own header) per part a rank reads, and a ZeRO-3 rank reads one part per
+(parameter, state) and source partition its run crosses: O(parameters x states) + O(W). The all-gather moves
+W times the largest rank's list.
 """
 from __future__ import annotations
 

@@ -8,10 +8,11 @@ first byte, so every rank computes it alike without talking, and units spread ev
 
 One all-to-all moves the parts (`to_owners`): each rank sends each of its parts once, to one rank, and
 receives the parts of the units it owns. Per rank that is 2 x 8 x world bytes of counts (the all-to-all's
-sizes), plus its parts and the parts of its units: about one record (~50 bytes) per unit a read of it cuts,
-so O(states) for a ZeRO-1/2 target and O(parameters x states) for ZeRO-3, whatever the world size. An
-all-gather, as before, sent every rank's parts to every rank: world x that. `benchmarks/load_exchange.py`
-measures both on synthetic worlds of 64 to 256 ranks.
+sizes), plus its parts and the parts of the units it owns, pickled one list per peer: 60 to 160 bytes a part
+(the more peers a rank's parts spread over, the more lists, each with its own pickle header). A ZeRO-1/2 target
+reads O(states) parts a rank, a ZeRO-3 target O(parameters x states), whatever the world size; so a rank
+exchanges O(parameters x states) + O(world) bytes. An all-gather, as before, handed every rank every rank's
+parts: world x that. `benchmarks/load_exchange.py` measures both on synthetic worlds of 64 to 256 ranks.
 """
 from __future__ import annotations
 
