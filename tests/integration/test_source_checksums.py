@@ -2,6 +2,7 @@
 the CRC-32 `torch.save` recorded for it (ucp.convert.source_check), before anything is committed."""
 from __future__ import annotations
 
+import math
 import shutil
 from pathlib import Path
 
@@ -39,15 +40,19 @@ def flip_bit(path: str, offset: int) -> None:
 
 def unloaded_bytes(save_dir: Path) -> dict[tuple[str, ZipEntry], list[int]]:
     """The bytes of each checked zip entry of `save_dir`'s rank files that no state of its plan takes: the
-    padding of ZeRO partitions, and small entries (steps, scalars) no state reads. An entry is checked when a
-    state's bytes lie in it, or when it is small (`SMALL_ENTRY_BYTES`) in a file some state reads from."""
+    padding of ZeRO partitions (ZeRO-1/2's after a group's last parameter, ZeRO-3's after each parameter's last
+    element), and small entries (steps, scalars) no state reads. An entry is checked when a state's bytes lie
+    in it, or when it is small (`SMALL_ENTRY_BYTES`) in a file some state reads from."""
     used: dict[str, set[int]] = {}
     for p in plan_deepspeed(save_dir).params:
         for src in p.states.values():
             for f in src.fragments:
+                numel = f.piece.numel  # a run of the flattened tensor holds its elements up to the padding
+                if f.info.offset is not None:
+                    numel = max(0, min(numel, math.prod(p.shape) - f.info.offset))
                 begin = f.piece.byte_offset
                 used.setdefault(f.piece.path, set()).update(
-                    range(begin, begin + f.piece.numel * TORCH_DTYPES[f.piece.dtype].itemsize))
+                    range(begin, begin + numel * TORCH_DTYPES[f.piece.dtype].itemsize))
     gaps = {}
     for path, taken in used.items():
         for e in storage_entries(path).values():
