@@ -225,7 +225,9 @@ def stock_path(every: int, work: Path) -> dict:
     script = Path(deepspeed.__file__).parent / "checkpoint" / "ds_to_universal.py"
     began = time.perf_counter()
     subprocess.run([sys.executable, str(script), "--input_folder", str(out / "ds" / tag), "--output_folder",
-                    str(out / "universal" / tag), "--num_extract_workers", "2", "--num_merge_workers", "2"],
+                    str(out / "universal" / tag), "--num_extract_workers", "2", "--num_merge_workers", "2",
+                    # a plain model carries no universal_checkpoint_info; DeepSpeed's converter then needs this
+                    "--inject_missing_state"],
                    check=True, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     convert_s = time.perf_counter() - began
     loads = {}
