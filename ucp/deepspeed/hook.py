@@ -107,7 +107,7 @@ from ucp.deepspeed.targets import OPTIMIZER_STATES, Target, TargetTensor, module
 from ucp.elastic.shares import ElasticBatch
 from ucp.errors import CheckpointMismatchError, ConfigError, CorruptCheckpointError, UcpError, UnsupportedLayoutError
 from ucp.format import loss_scale
-from ucp.format.folder import INDEX_NAME, latest_checkpoint, reading
+from ucp.format.folder import INDEX_NAME, latest_checkpoint, local_path, reading
 from ucp.hmp.layout import Layout, ParamSpec
 
 if TYPE_CHECKING:
@@ -205,6 +205,7 @@ def load(engine: DeepSpeedEngine, path: str | os.PathLike[str], *, bypass: bool 
     layout gives this rank; `param_table` (default: the module's `ucp_param_table`) describes the
     full model.
     """
+    path = local_path(path)
     with reading(_tag_folder(path)):
         return _load(engine, path, bypass, load_optimizer_states, load_lr_scheduler_states, strict, check_first,
                      layout, param_table)
