@@ -90,7 +90,7 @@ def convert(input_dir: str | os.PathLike[str], output_dir: str | os.PathLike[str
     """
     from ucp.converters.dispatch import plan_deepspeed
 
-    input_dir, output_dir = local_path(input_dir), local_path(output_dir)
+    local_path(input_dir), local_path(output_dir)  # a URL is refused before anything is read or written
     if fmt not in ("ucp", "deepspeed"):
         raise UcpError(f"unknown output format '{fmt}'; use 'ucp' or 'deepspeed'")
     if resume and fmt != "ucp":

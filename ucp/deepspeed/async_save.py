@@ -375,7 +375,7 @@ def save(engine: DeepSpeedEngine, path: str | os.PathLike[str], tag: str | None 
     the checkpoint is committed). A save still writing when the next one starts is waited for,
     with a warning in the log. A failed save raises `SaveError` from the next `save` or `wait`.
     """
-    path = local_path(path)
+    local_path(path)  # a URL is refused before the engine is touched
     return saver_for(engine).save(path, tag, client_state, async_)
 
 
@@ -414,7 +414,8 @@ class SaveEvery:
         if unknown:
             raise ConfigError(f'"ucp": {{"save": ...}}: unknown key {sorted(unknown)[0]!r}; known: "dir", "every", '
                               '"keep"')
-        return cls(os.fspath(local_path(options["dir"])), options["every"], options.get("keep"))
+        local_path(options["dir"])
+        return cls(os.fspath(options["dir"]), options["every"], options.get("keep"))
 
     def install(self, engine: DeepSpeedEngine) -> None:
         """Wrap `engine.step` to save after every `every`-th optimizer step.

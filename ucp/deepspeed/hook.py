@@ -205,7 +205,7 @@ def load(engine: DeepSpeedEngine, path: str | os.PathLike[str], *, bypass: bool 
     layout gives this rank; `param_table` (default: the module's `ucp_param_table`) describes the
     full model.
     """
-    path = local_path(path)
+    local_path(path)  # a URL is refused before the engine is touched
     with reading(_tag_folder(path)):
         return _load(engine, path, bypass, load_optimizer_states, load_lr_scheduler_states, strict, check_first,
                      layout, param_table)
