@@ -19,7 +19,7 @@ from ucp.converters.trainer_folders import LINK_REASON
 from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError, UcpError
 from ucp.format.crc import crc32
 from ucp.format.fileio import ReadCounter, read_regular
-from ucp.format.folder import INDEX_NAME, latest_checkpoint, read_index
+from ucp.format.folder import INDEX_NAME, latest_checkpoint, local_path, read_index
 from ucp.format.index import ExtraFile, Index, NotSaved, ParamEntry, StoredState, header_problems
 from ucp.format.safetensors_stream import read_stored
 from ucp.format.splits import from_split_major
@@ -329,7 +329,7 @@ Checkpoint = AtomicCheckpoint | PlannedCheckpoint  # what open_checkpoint gives:
 def open_checkpoint(path: str | os.PathLike[str], tag: str | None = None) -> Checkpoint:
     """Open a ucp checkpoint directory (or a save directory, through its `latest`), or a DeepSpeed
     checkpoint (save dir or tag folder) through its plan."""
-    path = Path(path)
+    path = local_path(path)
     if (path / INDEX_NAME).is_file():
         return AtomicCheckpoint(path)
     latest = latest_checkpoint(path) if tag is None else None  # a ucp.deepspeed.save directory

@@ -29,6 +29,10 @@ class UnsupportedLayoutError(UcpError):
     """The checkpoint uses a layout this version of ucp does not convert."""
 
 
+class UnsupportedStorageError(UcpError):
+    """A location ucp cannot read or write: an object-storage URL (s3://, gs://, ...) where a local path goes."""
+
+
 class SaveError(UcpError):
     """An asynchronous save did not commit; the previous checkpoint stays the latest."""
 

@@ -34,9 +34,8 @@ def build_deepspeed_ops(log_path: Path) -> None:
     takes it back from a process that dies holding it; the tests kill ranks on purpose (elastic
     restarts, kills mid-save), and one killed during the check would leave every later job
     waiting forever. With the ops built here, release_stale_extension_locks() can tell a
-    left-over lock from a live one by its age.
+    left-over lock from a live one by its age (run_logged's ds_env() removes stale ones first).
     """
-    release_stale_extension_locks()
     load = "; ".join(f"a.create_op_builder('{name}').load()" for name in DEEPSPEED_OPS)
     run_logged([sys.executable, "-c", f"from deepspeed.accelerator import get_accelerator as g; a = g(); {load}"],
                log_path, timeout=900)

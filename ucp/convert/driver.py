@@ -53,6 +53,7 @@ from ucp.format.folder import (
     data_file_name,
     fsync_dir,
     is_ucp_file,
+    local_path,
     read_index,
     tensor_key,
 )
@@ -89,6 +90,7 @@ def convert(input_dir: str | os.PathLike[str], output_dir: str | os.PathLike[str
     """
     from ucp.converters.dispatch import plan_deepspeed
 
+    local_path(input_dir), local_path(output_dir)  # a URL is refused before anything is read or written
     if fmt not in ("ucp", "deepspeed"):
         raise UcpError(f"unknown output format '{fmt}'; use 'ucp' or 'deepspeed'")
     if resume and fmt != "ucp":

@@ -48,7 +48,7 @@ from ucp.elastic.resume import prune
 from ucp.errors import ConfigError, OutputExistsError, SaveError, UnsupportedLayoutError
 from ucp.format import loss_scale
 from ucp.format.crc import CHUNK_BYTES
-from ucp.format.folder import INDEX_NAME, commit_index, commit_latest, fsync_dir, tensor_key
+from ucp.format.folder import INDEX_NAME, commit_index, commit_latest, fsync_dir, local_path, tensor_key
 from ucp.format.index import FORMAT_NAME, RunRecord
 from ucp.format.optimizer import optimizer_record
 from ucp.format.safetensors_stream import TORCH_DTYPES, StoredTensor, TensorSlot
@@ -375,6 +375,7 @@ def save(engine: DeepSpeedEngine, path: str | os.PathLike[str], tag: str | None 
     the checkpoint is committed). A save still writing when the next one starts is waited for,
     with a warning in the log. A failed save raises `SaveError` from the next `save` or `wait`.
     """
+    local_path(path)  # a URL is refused before the engine is touched
     return saver_for(engine).save(path, tag, client_state, async_)
 
 
@@ -413,6 +414,7 @@ class SaveEvery:
         if unknown:
             raise ConfigError(f'"ucp": {{"save": ...}}: unknown key {sorted(unknown)[0]!r}; known: "dir", "every", '
                               '"keep"')
+        local_path(options["dir"])
         return cls(os.fspath(options["dir"]), options["every"], options.get("keep"))
 
     def install(self, engine: DeepSpeedEngine) -> None:

@@ -114,7 +114,7 @@ from ucp.deepspeed.targets import OPTIMIZER_STATES, Target, TargetTensor, module
 from ucp.elastic.shares import ElasticBatch
 from ucp.errors import CheckpointMismatchError, ConfigError, CorruptCheckpointError, UcpError, UnsupportedLayoutError
 from ucp.format import loss_scale
-from ucp.format.folder import INDEX_NAME, latest_checkpoint, reading
+from ucp.format.folder import INDEX_NAME, latest_checkpoint, local_path, reading
 from ucp.hmp.layout import Layout, ParamSpec
 
 if TYPE_CHECKING:
@@ -216,6 +216,7 @@ def load(engine: DeepSpeedEngine, path: str | os.PathLike[str], *, bypass: bool 
     layout gives this rank; `param_table` (default: the module's `ucp_param_table`) describes the
     full model. `check_keep_bytes` bounds what the check before the load keeps for the install (module docstring).
     """
+    local_path(path)  # a URL is refused before the engine is touched
     with reading(_tag_folder(path)):
         return _load(engine, path, bypass, load_optimizer_states, load_lr_scheduler_states, strict, check_first,
                      layout, param_table, check_keep_bytes)

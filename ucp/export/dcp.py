@@ -44,6 +44,7 @@ from ucp.export.hf import DTYPES
 from ucp.export.model_config import find_config, model_keys
 from ucp.export.optimizer import default_target, export_groups
 from ucp.export.staging import staged_output
+from ucp.format.folder import local_path
 from ucp.format.safetensors_stream import TORCH_DTYPES
 
 
@@ -152,6 +153,7 @@ def to_dcp(input: str | os.PathLike[str], output: str | os.PathLike[str], *, dty
     "torch.optim.AdamW" (the default for an Adam-family optimizer), "torch.optim.Adam", or "saved" (the
     checkpoint's own keys, the default otherwise).
     """
+    local_path(output)
     if dtype not in DTYPES:
         raise ExportError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
     ckpt = open_checkpoint(input, tag)

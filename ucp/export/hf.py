@@ -27,6 +27,7 @@ from ucp.convert.plan import BUFFER, BUFFER_STATE, WEIGHT_STATE
 from ucp.errors import ExportError
 from ucp.export.model_config import CONFIG_NAME, ModelConfig, check_tensors, model_keys, require_config
 from ucp.export.staging import parse_size, staged_output
+from ucp.format.folder import local_path
 from ucp.format.safetensors_stream import TORCH_DTYPES, StreamingWriter, TensorSlot
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -87,6 +88,7 @@ def to_hf(input: str | os.PathLike[str], output: str | os.PathLike[str], *, dtyp
           max_shard_size: int | str = "5GB", config: str | os.PathLike[str] | None = None, workers: int = 1,
           tag: str | None = None, progress: bool = True) -> HfExport:
     """Write `output` as a transformers-ready folder from the ucp or DeepSpeed checkpoint `input`."""
+    local_path(output)
     if dtype not in DTYPES:
         raise ExportError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
     ckpt = open_checkpoint(input, tag)

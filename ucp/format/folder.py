@@ -10,11 +10,17 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 
-from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
+from ucp.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    UnsupportedStorageError,
+)
 from ucp.format.fileio import read_regular
 from ucp.format.index import Index, index_json, parse_index
 
@@ -23,6 +29,18 @@ DATA_PREFIX = "data-"
 PARTIAL_SUFFIX = ".partial"
 LATEST_NAME = "latest"
 LATEST_MAX_BYTES = 4096  # a tag name; DeepSpeed writes e.g. "global_step1000"
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")  # scheme://..., as s3://bucket/prefix or gs://...
+
+
+def local_path(path: str | os.PathLike[str]) -> Path:
+    """`path` as a local Path, refusing a URL: taken for a path, `s3://bucket/run` would read or write a local
+    folder named `s3:` and report success."""
+    text = os.fspath(path)
+    if _URL.match(text):
+        raise UnsupportedStorageError(f"{text}: ucp reads and writes local (or mounted) folders only, not object "
+                                      "storage URLs yet; copy the checkpoint to a local folder, or mount the "
+                                      "bucket (e.g. s3fs, mountpoint-s3) and pass the mount's path")
+    return Path(text)
 
 
 def data_file_name(i: int, n: int) -> str:
