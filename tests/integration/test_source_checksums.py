@@ -140,15 +140,16 @@ def test_a_flipped_bit_loaded_or_not_stops_a_zero3_load_from_zero2_files_on_ever
                                                                                        ckpt_root):
     """ZeRO-2 files loaded into ZeRO-3 on 3 ranks (each rank reads parts of every partition entry; each entry is
     checked by its owner rank from the CRC-32s of the parts): a flipped bit in bytes a rank loads, or in the
-    padding no rank loads, is refused on every rank, every engine untouched (the fresh engine's optimizer states
-    that the check filled are taken back); the undamaged copy, loaded last, loads (control)."""
+    padding no rank loads, is refused on every rank, every engine untouched: keeping nothing for the install
+    (check_keep_bytes=0), the check filled the fresh engine's masters and new optimizer states, and took both back;
+    the undamaged copy, loaded last, loads (control)."""
     raw = tiny_checkpoint(TinySpec(stage=2))
     loaded, gap = (shutil.copytree(raw, tmp_path / name) for name in ("loaded", "gap"))
     piece = piece_of(loaded, "emb.weight", "exp_avg", "rank_0_mp_rank_00_optim")
     flip_bit(piece.path, piece.byte_offset + 4 * (piece.numel // 2) + 1)
     path, offset = padding_byte(gap)
     flip_bit(path, offset)
-    results = ucp_load_errors([loaded, gap, raw], TinySpec(stage=3, world_size=3), ckpt_root)
+    results = ucp_load_errors([loaded, gap, raw], TinySpec(stage=3, world_size=3), ckpt_root, check_keep_bytes=0)
     for result, damaged in zip(results, (piece.path, path)):
         for error in result["errors"]:
             assert error is not None and "fails its CRC-32" in error and Path(damaged).name in error, error

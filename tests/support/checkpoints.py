@@ -372,8 +372,10 @@ def ucp_stats(result: RunResult) -> list[dict]:
     return json.loads((result.run_dir / "ucp_stats.json").read_text())
 
 
-def ucp_load_errors(ucp_dirs: list[Path], spec: TinySpec, root: Path, check_first: bool = True) -> list[dict]:
-    """Load each of ``ucp_dirs`` into one fresh engine expecting ucp errors (``check_first`` as `ucp.deepspeed.load`).
+def ucp_load_errors(ucp_dirs: list[Path], spec: TinySpec, root: Path, check_first: bool = True,
+                    check_keep_bytes: int | None = None) -> list[dict]:
+    """Load each of ``ucp_dirs`` into one fresh engine expecting ucp errors (``check_first`` and
+    ``check_keep_bytes`` as `ucp.deepspeed.load`; None: its default).
 
     Returns ``[{"path", "error": str | None, "untouched": bool, "errors": [every rank's error],
     "untouched_on": [whether each rank's engine is as before]}]``, one per directory, in order
@@ -385,7 +387,8 @@ def ucp_load_errors(ucp_dirs: list[Path], spec: TinySpec, root: Path, check_firs
     out = run_dir / "error.json"
     run_tiny(spec, run_dir, steps=0, save=False,
              extra_args=["--ucp-load", ",".join(str(d) for d in ucp_dirs), "--ucp-expect-error", str(out)]
-             + ([] if check_first else ["--ucp-no-check-first"]))
+             + ([] if check_first else ["--ucp-no-check-first"])
+             + ([] if check_keep_bytes is None else ["--ucp-check-keep-bytes", str(check_keep_bytes)]))
     return json.loads(out.read_text())
 
 

@@ -4,10 +4,11 @@ rank holds after each: every module tensor (ZeRO-3: the rank's partition), flat 
 optimizer state tensor, with torch.equal; plus global steps, LR scheduler and client state.
 
 Launched with ``torchrun --nproc_per_node N compare_loads.py --stage S [--dtype D] --first A --second B
---out OUT``. Before the second load every tensor goes back to what the fresh engine held (zeros for
-the optimizer states the first load created), so what the second load does not write compares
-unequal wherever the first load changed it (alignment padding of flat partitions neither load
-writes stays as it was). Rank 0 writes, by rank: ``{"names", "equal" (per tensor),
+--out OUT [--check-keep-bytes K]``. Before the second load the engine goes back to what it was when fresh: every
+tensor to what it held, and the optimizer states the first load created are removed (a fresh engine has none),
+so the second load is a resume into a fresh engine too, and what it does not write compares unequal (or
+missing) wherever the first load changed it (alignment padding of flat partitions neither load writes stays as
+it was). Rank 0 writes, by rank: ``{"names", "equal" (per tensor),
 "fresh_equal" (per tensor: the first load left it as the fresh engine had it), "meta_equal",
 "stats" (ucp.deepspeed.LoadStats of both loads, less client state)}``.
 """
@@ -29,6 +30,7 @@ def parse_args():
     p.add_argument("--first", required=True)
     p.add_argument("--second", required=True)
     p.add_argument("--out", required=True)
+    p.add_argument("--check-keep-bytes", type=int, default=None, help="ucp.deepspeed.load's check_keep_bytes")
     args = p.parse_args()
     args.load_universal = False
     return args
@@ -80,14 +82,15 @@ def main():
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.param_groups(),
                                       config=ds_config(args, dist.get_world_size()))
     fresh = snapshot(engine)
-    first_meta = meta(engine, ucp.deepspeed.load(engine, args.first))
+    keep = {} if args.check_keep_bytes is None else {"check_keep_bytes": args.check_keep_bytes}
+    first_meta = meta(engine, ucp.deepspeed.load(engine, args.first, **keep))
     first, first_stats = snapshot(engine), stats_of(engine)
     for name, t in rank_tensors(engine).items():
         if name in fresh:
             t.copy_(fresh[name])
-        else:
-            t.zero_()
-    second_meta = meta(engine, ucp.deepspeed.load(engine, args.second))
+    if not any(name.startswith("state.") for name in fresh):  # the fresh engine held no optimizer state
+        getattr(engine.optimizer, "optimizer", engine.optimizer).state.clear()
+    second_meta = meta(engine, ucp.deepspeed.load(engine, args.second, **keep))
     second = snapshot(engine)
     result = {"names": list(first), "equal": [k in second and torch.equal(first[k], second[k]) for k in first],
               "fresh_equal": [k in fresh and torch.equal(first[k], fresh[k]) for k in first],

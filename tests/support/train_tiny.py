@@ -147,6 +147,8 @@ def parse_args(argv=None):
     p.add_argument("--ucp-no-bypass", action="store_true", help="turn redundancy-bypassing reads off")
     p.add_argument("--ucp-no-check-first", action="store_true",
                    help="with --ucp-expect-error: load with check_first=False (install as it reads)")
+    p.add_argument("--ucp-check-keep-bytes", type=int, default=None,
+                   help="with --ucp-expect-error: ucp.deepspeed.load's check_keep_bytes (default: ucp's own)")
     p.add_argument("--ucp-stats-out", type=str, default=None,
                    help="rank 0 writes every rank's ucp load statistics (JSON list, by rank)")
     p.add_argument("--ucp-save-dir", type=str, default=None,
@@ -282,7 +284,7 @@ def engine_digest(engine) -> str:
     for holder in (opt, getattr(opt, "optimizer", None)):
         for state in getattr(holder, "state", {}).values():
             tensors += [v for v in state.values() if torch.is_tensor(v)]
-    for name in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"):
+    for name in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat_partition"):
         tensors += list(getattr(opt, name, []))
     for t in tensors:
         h.update(t.detach().float().cpu().contiguous().numpy().tobytes())
@@ -299,7 +301,8 @@ def expect_ucp_error(engine, args, rank) -> int:
     for path in args.ucp_load.split(","):
         before = engine_digest(engine)
         try:
-            ucp.deepspeed.load(engine, path, check_first=not args.ucp_no_check_first)
+            keep = {} if args.ucp_check_keep_bytes is None else {"check_keep_bytes": args.ucp_check_keep_bytes}
+            ucp.deepspeed.load(engine, path, check_first=not args.ucp_no_check_first, **keep)
             error = None
         except UcpError as exc:
             error = str(exc)

@@ -36,13 +36,16 @@ committed, and runs at exit too; see `ucp.deepspeed.async_save`). The `"ucp"` co
   CRC-32 of its own (a chunk of a ucp checkpoint's state, a zip entry of a DeepSpeed rank file) that a
   rank read only part of is checked by one owner rank from the parts' CRC-32s, sent to it by one
   all-to-all (`ucp.deepspeed.exchange`), reading only the bytes no rank loads (ZeRO's padding, small
-  entries). What the check read goes straight into the optimizer states this load creates (an engine
-  that has not stepped: taken back on damage), or is kept for the install up to `check_keep_bytes`,
-  or is read again as it is installed and compared with the CRC-32 the check saw. False reads once
+  entries). What the check read goes straight into the engine where damage can be undone: the
+  optimizer states this load creates (an engine that has not stepped: taken back on damage) and the
+  fp32 masters while they equal the module's low-precision weights (as DeepSpeed makes them before the
+  first step, and keeps them in fp32 training: put back from those weights on damage), so a resume reads
+  each byte once. Anything else is kept for the install up to `check_keep_bytes`, or is read again as it
+  is installed and compared with the CRC-32 the check saw. False reads once
   and installs layer by layer: unchecked for a DeepSpeed source, and damage found at layer k of a ucp
   checkpoint leaves layers before k loaded.
 * `check_keep_bytes` (int, default 64 MiB): see `check_first`; 0 keeps nothing (what the check cannot put
-  into new optimizer states is then read twice).
+  into the engine is then read twice: the masters of a bf16/fp16 engine that has stepped).
 * `strict` (bool, default true): a checkpoint parameter the model lacks is an error (tied weights:
   see below). A frozen parameter of the model that the checkpoint lacks is an error too, unless the
   checkpoint records that it left its frozen parameters out (`save_checkpoint(exclude_frozen_parameters=True)`,
@@ -457,6 +460,8 @@ def _load_tensors(source: Source, target: Target, state_names: list[str], bypass
     kept: dict[Key, torch.Tensor] = {}
     done: set[Key] = set()
     if check_first:
+        if target.prepare_masters():
+            fresh.add("fp32")
         kept, done = _check_first(source, target, state_names, owners, me, bypass, fresh, keep_bytes, stats)
     damaged: UcpError | None = None
     for layer in _layers(target.tensors, state_names):
@@ -493,8 +498,10 @@ def _check_first(source: Source, target: Target, state_names: list[str], owners:
     damaged checkpoint raises on every rank with every engine as it was (`Source.check`, then `Source.close`,
     the one collective before the verdict).
 
-    Each layer's values go straight into the optimizer states this load created (`fresh`: an engine that has
-    not stepped has none; `Target.drop_new_states` takes them back on damage), or are kept for the install
+    Each layer's values go straight into the engine where it can be put back (`fresh`): the optimizer states
+    this load created (an engine that has not stepped has none; `Target.drop_new_states` takes them back on
+    damage) and, under "fp32", the masters when they equal the module's low-precision copies
+    (`Target.prepare_masters`; `Target.restore_masters` puts them back). Other values are kept for the install
     while what is kept fits in `keep_bytes`, or are dropped, to be read again as they are installed (and
     compared with what was checked). Returns (kept values, keys already installed)."""
     kept: dict[Key, torch.Tensor] = {}
@@ -505,7 +512,8 @@ def _check_first(source: Source, target: Target, state_names: list[str], owners:
         for wants in (batch for layer in _layers(target.tensors, state_names) for batch in _batches(layer, source)):
             for key, value in source.check(wants, _mine(wants, owners, me), bypass, stats).items():
                 t = wants[key]
-                if key[1] in fresh and key not in owners:  # this rank's own elements, into memory nothing reads yet
+                if key[1] in fresh and key not in owners and t.kind == "param":  # this rank's own elements,
+                    # into memory that the engine reads only after the verdict, or that is put back on damage
                     t.install(key[1], value)
                     done.add(key)
                     stats.tensors += 1
@@ -522,6 +530,8 @@ def _check_first(source: Source, target: Target, state_names: list[str], owners:
         _agree(damaged, CorruptCheckpointError)
     except UcpError:
         target.drop_new_states()
+        if "fp32" in fresh:
+            target.restore_masters()
         raise
     return kept, done
 

@@ -149,6 +149,23 @@ class Target:
                 del optimizer.state[key]
         self._created = []
 
+    def master_copies(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(fp32 master, the module's low-precision copy of it) for each master a load fills; empty where the
+        module's own weights are the masters (ZeRO-0 in fp32)."""
+        return []
+
+    def prepare_masters(self) -> bool:
+        """Whether a load may fill the masters before its checks are done: each master equals its low-precision
+        copy, upcast, as DeepSpeed makes them before the first step (and keeps them through fp32 training), so
+        `restore_masters` puts them back exactly from the copies, which a load writes only after its checks."""
+        copies = self.master_copies()
+        return bool(copies) and all(_equal_upcast(master, low) for master, low in copies)
+
+    def restore_masters(self) -> None:
+        """Put every master back to its low-precision copy (valid after `prepare_masters` said yes)."""
+        for master, low in self.master_copies():
+            master.copy_(low.view(master.shape))
+
     def set_step(self, group: int, step: float) -> None:
         raise NotImplementedError
 
@@ -171,6 +188,18 @@ class Target:
 
     def finish(self) -> None:
         """Propagate fp32 masters to the low-precision module weights."""
+
+
+def _equal_upcast(master: torch.Tensor, low: torch.Tensor, chunk: int = 1 << 22) -> bool:
+    """`master == low.to(master.dtype)`, a chunk at a time (no whole upcast copy of a partition)."""
+    if master.numel() != low.numel():
+        return False
+    master, low = master.detach().reshape(-1), low.detach().reshape(-1)
+    for start in range(0, master.numel(), chunk):
+        n = min(chunk, master.numel() - start)
+        if not torch.equal(master.narrow(0, start, n), low.narrow(0, start, n).to(master.dtype)):
+            return False
+    return True
 
 
 def target_for(engine) -> Target:
@@ -326,6 +355,10 @@ class Zero0MixedTarget(Target):
     def optimizer_state(self, group: int) -> dict:
         return self.optimizer.state.get(self.wrapper.fp32_groups[group][0], {})
 
+    def master_copies(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(master.data, lp.data) for low, masters in zip(self.wrapper.fp16_groups, self.wrapper.fp32_groups)
+                for lp, master in zip(low, masters)]
+
     def finish(self) -> None:
         for low, masters in zip(self.wrapper.fp16_groups, self.wrapper.fp32_groups):
             for lp, master in zip(low, masters):
@@ -394,6 +427,12 @@ class Zero12Target(_FlatPartitionTarget):
                                                  self._view(flat, hp_address.start, hp_address.numel), g))
         _buffers_and_frozen(self, seen, zero3=False)
 
+    def master_copies(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        lows = (self.zero.bf16_partitioned_groups if type(self.zero).__name__ == "BF16_Optimizer"
+                else self.zero.parallel_partitioned_bit16_groups)
+        return [(flat, lows[g][dist.get_rank(group=self.zero.real_dp_process_group[g])])
+                for g, flat in enumerate(self.flats)]
+
     def finish(self) -> None:
         self.zero.update_lp_params()
 
@@ -434,6 +473,9 @@ class Zero3Target(_FlatPartitionTarget):
                                                  self._view(flat, offset, real), sub))
                 offset += pn
         _buffers_and_frozen(self, seen, zero3=True)
+
+    def master_copies(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return list(zip(self.flats, self.zero.fp16_partitioned_groups_flat))
 
     def finish(self) -> None:
         # As DeepSpeed's own universal loader does: masters → low-precision partitions → params.
