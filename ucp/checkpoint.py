@@ -19,10 +19,12 @@ from ucp.converters.trainer_folders import LINK_REASON
 from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError, UcpError
 from ucp.format.crc import crc32
 from ucp.format.fileio import ReadCounter, read_regular
-from ucp.format.folder import INDEX_NAME, latest_checkpoint, local_path, read_index
+from ucp.format.folder import DATA_PREFIX, INDEX_NAME, latest_checkpoint, read_index
 from ucp.format.index import ExtraFile, Index, NotSaved, ParamEntry, StoredState, header_problems
+from ucp.format.locations import Location, ObjectPath, location
 from ucp.format.safetensors_stream import read_stored
 from ucp.format.splits import from_split_major
+from ucp.format.storage import is_file, list_names, read_small
 
 STEP_STATE = "step"
 
@@ -39,10 +41,10 @@ class ParamInfo:
 
 
 class AtomicCheckpoint:
-    """A committed ucp checkpoint directory."""
+    """A committed ucp checkpoint directory (local, or a prefix of an object store)."""
 
-    def __init__(self, path: str | os.PathLike[str]):
-        self.path = Path(path)
+    def __init__(self, path: str | os.PathLike[str] | ObjectPath):
+        self.path: Location = location(path)
         self.index: Index = read_index(self.path)  # checked in full (ucp.format.index)
         self.counter = ReadCounter()
         self._headers_checked: set[str] = set()
@@ -86,7 +88,7 @@ class AtomicCheckpoint:
         s = e.states[state]
         if verify:
             self.check_headers([s.file])
-        stored = read_stored(str(self.path / s.file), s.begin, s.end, s.dtype, s.shape,
+        stored = read_stored(self.path / s.file, s.begin, s.end, s.dtype, s.shape,
                              s.crc32 if verify else None, self.counter)
         if s.splits is not None:  # stored split-major: put the logical order back (a no-op along dim 0)
             return from_split_major(stored, s.shape, *s.splits)
@@ -128,14 +130,17 @@ class AtomicCheckpoint:
         """The small files carried along from the source (a Trainer's config, tokenizer, trainer_state)."""
         return list(self.index.extra_files)
 
-    def extra_file_path(self, name: str) -> Path:
+    def extra_file_path(self, name: str) -> Location:
         self._extra(name)
         return self.path / name
 
     def extra_file(self, name: str) -> bytes:
         """The bytes of an extra file, checked against the size and CRC-32 the index records."""
         record = self._extra(name)
-        data = read_regular(str(self.extra_file_path(name)), follow=False)  # a link may reach any file
+        data = read_small(self.extra_file_path(name), follow=False)  # a link may reach any file
+        if data is None:
+            raise CheckpointNotFoundError(f"{self.path / name}: missing, though {INDEX_NAME} lists it; restore it "
+                                          "from the checkpoint's copy, or convert again")
         if len(data) != record.nbytes or crc32(data) != record.crc32:
             raise CorruptCheckpointError(f"{self.path / name}: differs from what {INDEX_NAME} records "
                                          f"({record.nbytes} bytes, CRC-32 {record.crc32}); convert the "
@@ -154,7 +159,7 @@ class AtomicCheckpoint:
         for name, entry in self.index.params.items():
             for state, s in entry.states.items():
                 try:
-                    read_stored(str(self.path / s.file), s.begin, s.end, s.dtype, s.shape, s.crc32)
+                    read_stored(self.path / s.file, s.begin, s.end, s.dtype, s.shape, s.crc32)
                 except CorruptCheckpointError:
                     problems.append(f"{name}:{state}: checksum mismatch in {s.file}")
         return problems + self._verify_extra_files()
@@ -326,20 +331,27 @@ class PlannedCheckpoint:
 Checkpoint = AtomicCheckpoint | PlannedCheckpoint  # what open_checkpoint gives: the same reading API
 
 
-def open_checkpoint(path: str | os.PathLike[str], tag: str | None = None) -> Checkpoint:
+def open_checkpoint(path: str | os.PathLike[str] | ObjectPath, tag: str | None = None) -> Checkpoint:
     """Open a ucp checkpoint directory (or a save directory, through its `latest`), or a DeepSpeed
-    checkpoint (save dir or tag folder) through its plan."""
-    path = local_path(path)
-    if (path / INDEX_NAME).is_file():
-        return AtomicCheckpoint(path)
-    latest = latest_checkpoint(path) if tag is None else None  # a ucp.deepspeed.save directory
+    checkpoint (save dir or tag folder) through its plan. `path` may be an `s3://bucket/prefix` URL of a ucp
+    checkpoint (DeepSpeed's own checkpoints are read from local folders)."""
+    place = location(path)
+    if is_file(place / INDEX_NAME):
+        return AtomicCheckpoint(place)
+    latest = latest_checkpoint(place) if tag is None else None  # a ucp.deepspeed.save directory
     if latest is not None:
         return AtomicCheckpoint(latest)
-    if not path.is_dir():
-        raise CheckpointNotFoundError(f"{path}: no such directory")
-    if any(n.startswith("data-") for n in os.listdir(path)):
-        return AtomicCheckpoint(path)  # raises IncompleteCheckpointError with the fix
-    return PlannedCheckpoint(path, tag)
+    if isinstance(place, ObjectPath):
+        if any(n.startswith(DATA_PREFIX) for n in list_names(place)):
+            return AtomicCheckpoint(place)  # raises IncompleteCheckpointError with the fix
+        raise CheckpointNotFoundError(f"{place}: holds no ucp checkpoint (no {INDEX_NAME}, no latest); write one "
+                                      "there with ucp convert --output, or convert a DeepSpeed checkpoint from a "
+                                      "local folder")
+    if not place.is_dir():
+        raise CheckpointNotFoundError(f"{place}: no such directory")
+    if any(n.startswith(DATA_PREFIX) for n in os.listdir(place)):
+        return AtomicCheckpoint(place)  # raises IncompleteCheckpointError with the fix
+    return PlannedCheckpoint(place, tag)
 
 
 def saved_world_size(path: str | os.PathLike[str]) -> int:

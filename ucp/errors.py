@@ -33,6 +33,11 @@ class UnsupportedStorageError(UcpError):
     """A location ucp cannot read or write: an object-storage URL (s3://, gs://, ...) where a local path goes."""
 
 
+class StorageAccessError(UcpError):
+    """An object store refused or failed a request: no or wrong credentials, a missing bucket, an unreachable
+    endpoint, or errors that outlasted the retries."""
+
+
 class SaveError(UcpError):
     """An asynchronous save did not commit; the previous checkpoint stays the latest."""
 

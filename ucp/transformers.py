@@ -122,7 +122,7 @@ def trainer_folder(path: str | os.PathLike[str] | Literal[True], output_dir: str
     """The folder to resume from: `path`; the last `checkpoint-N` of `output_dir` for True, or of `path` when it
     is an output directory; or the committed checkpoint a ucp save directory's `latest` names. It must hold
     `trainer_state.json`."""
-    from ucp.format.folder import latest_checkpoint
+    from ucp.format.folder import latest_checkpoint, local_path
 
     if path is True:
         if not Path(output_dir).is_dir() or not checkpoint_folders(output_dir):
@@ -135,7 +135,7 @@ def trainer_folder(path: str | os.PathLike[str] | Literal[True], output_dir: str
                                       "or its ucp conversion")
     if not (folder / TRAINER_STATE).is_file() and checkpoint_folders(folder):
         folder = last_complete(folder)  # an output_dir, as `ucp convert --input OUTPUT_DIR` takes it
-    folder = latest_checkpoint(folder) or folder
+    folder = local_path(latest_checkpoint(folder) or folder, "the Trainer's resume")
     if not (folder / TRAINER_STATE).is_file():
         raise CheckpointNotFoundError(
             f"{folder}: no {TRAINER_STATE}, which holds the Trainer's step, epoch and data position; pass the "

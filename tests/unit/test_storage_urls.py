@@ -1,5 +1,8 @@
-"""An object-storage URL is never taken for a local path (issue #22): every entry point refuses it in one line
-and writes nothing, where `ucp convert --output s3://bucket/run1` used to write a local folder `s3:` and exit 0."""
+"""An object-storage URL is never taken for a local path (issue #22). `s3://bucket/prefix` is an `ObjectPath` where
+ucp reads and writes object storage (`ucp convert --output`, inspect, verify, `open_checkpoint`,
+`ucp.deepspeed.load`; tests/integration/test_s3.py runs them against a real S3 server); every other entry point
+refuses it in one line that says where URLs work, and any other protocol is refused everywhere, writing nothing,
+where `ucp convert --output s3://bucket/run1` used to write a local folder `s3:` and exit 0."""
 from __future__ import annotations
 
 import os
@@ -16,15 +19,39 @@ from ucp.deepspeed.async_save import SaveEvery
 from ucp.errors import UnsupportedStorageError
 from ucp.export import to_dcp, to_hf
 from ucp.format.folder import local_path
+from ucp.format.locations import ObjectPath, location
 
 URLS = ["s3://bucket/run1", "gs://bucket/run1", "file:///tmp/run1", "hf+s3://x/y"]
+OTHER_PROTOCOLS = URLS[1:]
 UCP = [sys.executable, "-m", "ucp.cli.main"]
 
 
 @pytest.mark.parametrize("url", URLS)
-def test_a_url_is_refused_naming_itself(url):
+def test_a_url_is_refused_where_local_folders_only_go_naming_itself(url):
     with pytest.raises(UnsupportedStorageError, match=url.replace("+", r"\+")):
         local_path(url)
+
+
+def test_local_only_entry_points_say_where_s3_works():
+    with pytest.raises(UnsupportedStorageError, match="ucp export --output takes local .* s3:// works with ucp convert "
+                                                      "--output, ucp inspect, ucp verify, ucp.open_checkpoint"):
+        local_path("s3://bucket/run1", "ucp export --output")
+
+
+@pytest.mark.parametrize("url, bucket, key", [("s3://bucket/run1", "bucket", "run1"),
+                                              ("s3://bucket/a/b/", "bucket", "a/b"), ("S3://bucket", "bucket", "")])
+def test_s3_urls_are_object_paths(url, bucket, key):
+    place = location(url)
+    assert place == ObjectPath("s3", bucket, key)
+    assert str(place / "ucp_index.json") == f"s3://{bucket}/{key + '/' if key else ''}ucp_index.json"
+    assert not hasattr(place, "__fspath__")  # never opened as a local file by mistake
+
+
+@pytest.mark.parametrize("url", OTHER_PROTOCOLS + ["s3:///no-bucket"])
+def test_other_protocols_are_refused_in_one_line(url):
+    with pytest.raises(UnsupportedStorageError, match=url.replace("+", r"\+")) as info:
+        location(url)
+    assert "\n" not in str(info.value)
 
 
 @pytest.mark.parametrize("path", ["ckpt/run1", "/abs/s3:/x", "s3:bucket", "./s3://x", "weird name://not a url"])
@@ -32,35 +59,49 @@ def test_local_paths_pass_unchanged(path):
     """Only `scheme://` at the very start is a URL; a folder named `s3:` or a path that holds `://` later is
     a path (control)."""
     assert local_path(path) == Path(path)
+    assert location(path) == Path(path)
 
 
 @pytest.mark.parametrize("call", [
-    lambda tmp: convert(tmp / "in", "s3://bucket/run1", progress=False),
     lambda tmp: convert("s3://bucket/run1", tmp / "out", progress=False),
-    lambda tmp: ucp.open_checkpoint("s3://bucket/run1"),
+    lambda tmp: convert(tmp / "in", "s3://bucket/run1", fmt="deepspeed", progress=False),
+    lambda tmp: convert(tmp / "in", "s3://bucket/run1", resume=True, progress=False),
     lambda tmp: to_hf(tmp / "in", "s3://bucket/hf", progress=False),
     lambda tmp: to_dcp(tmp / "in", "s3://bucket/dcp", progress=False),
     lambda tmp: SaveEvery.from_config({"dir": "s3://bucket/ckpt", "every": 1}),
-    lambda tmp: ucp.deepspeed.load(object(), "s3://bucket/ckpt"),
     lambda tmp: ucp.deepspeed.save(object(), "s3://bucket/ckpt"),
-], ids=["convert-output", "convert-input", "open_checkpoint", "to_hf", "to_dcp", "save-config", "deepspeed.load",
-        "deepspeed.save"])
-def test_api_entry_points_refuse_urls_before_touching_disk(call, tmp_path, monkeypatch):
+], ids=["convert-input", "convert-output-deepspeed-format", "convert-output-resume", "to_hf", "to_dcp",
+        "save-config", "deepspeed.save"])
+def test_entry_points_without_object_storage_refuse_s3_before_touching_disk(call, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(UnsupportedStorageError):
+    with pytest.raises(UnsupportedStorageError, match="s3://bucket/"):
         call(tmp_path)
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize("url", OTHER_PROTOCOLS)
+@pytest.mark.parametrize("call", [
+    lambda tmp, url: convert(tmp / "in", url, progress=False),
+    lambda tmp, url: ucp.open_checkpoint(url),
+    lambda tmp, url: ucp.deepspeed.load(object(), url),
+], ids=["convert-output", "open_checkpoint", "deepspeed.load"])
+def test_entry_points_with_object_storage_refuse_other_protocols(call, url, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UnsupportedStorageError, match="s3://"):
+        call(tmp_path, url)
+    assert os.listdir(tmp_path) == []
+
+
 @pytest.mark.parametrize("argv", [
-    ["convert", "--input", "IN", "--output", "s3://bucket/run1"],
-    ["verify", "s3://bucket/run1"],
-    ["inspect", "s3://bucket/run1"],
+    ["convert", "--input", "s3://bucket/run1", "--output", "OUT"],
+    ["convert", "--input", "IN", "--output", "gs://bucket/run1"],
+    ["verify", "gs://bucket/run1"],
+    ["inspect", "file://bucket/run1"],
     ["export", "--to", "hf", "--input", "IN", "--output", "s3://bucket/hf"],
 ])
 def test_cli_refuses_urls_in_one_line_and_writes_nothing(argv, tmp_path):
     (tmp_path / "IN").mkdir()
     out = subprocess.run([*UCP, *argv], capture_output=True, text=True, cwd=tmp_path)
     assert out.returncode == 2, out.stderr
-    assert len(out.stderr.strip().splitlines()) == 1 and "s3://bucket/" in out.stderr, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and "://bucket/" in out.stderr, out.stderr
     assert sorted(os.listdir(tmp_path)) == ["IN"]

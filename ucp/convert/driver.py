@@ -43,7 +43,7 @@ from ucp.convert.result import ConvertResult
 from ucp.convert.source_check import check_sources
 from ucp.convert.split_policy import SplitPolicy, apply_split_policy
 from ucp.converters.trainer_folders import left_out_summary
-from ucp.errors import CorruptCheckpointError, OutputExistsError, UcpError
+from ucp.errors import CorruptCheckpointError, OutputExistsError, UcpError, UnsupportedStorageError
 from ucp.format.crc import CHUNK_BYTES, crc32, join_segments
 from ucp.format.fileio import read_regular, writing_alone
 from ucp.format.folder import (
@@ -58,6 +58,7 @@ from ucp.format.folder import (
     tensor_key,
 )
 from ucp.format.index import FORMAT_NAME, ExtraFile, stored_shape
+from ucp.format.locations import ObjectPath, location
 from ucp.format.safetensors_stream import StoredTensor, TensorSlot
 from ucp.format.splits import to_split_major
 
@@ -90,7 +91,12 @@ def convert(input_dir: str | os.PathLike[str], output_dir: str | os.PathLike[str
     """
     from ucp.converters.dispatch import plan_deepspeed
 
-    local_path(input_dir), local_path(output_dir)  # a URL is refused before anything is read or written
+    local_path(input_dir, "ucp convert --input")  # a URL is refused before anything is read or written
+    output = location(output_dir)
+    if isinstance(output, ObjectPath) and (fmt != "ucp" or resume):
+        raise UnsupportedStorageError(f"{output}: --output s3:// takes --format ucp without --resume (an interrupted "
+                                      "conversion to object storage is converted again); convert to a local folder "
+                                      "for --format deepspeed")
     if fmt not in ("ucp", "deepspeed"):
         raise UcpError(f"unknown output format '{fmt}'; use 'ucp' or 'deepspeed'")
     if resume and fmt != "ucp":
@@ -106,7 +112,12 @@ def convert(input_dir: str | os.PathLike[str], output_dir: str | os.PathLike[str
         from ucp.convert.deepspeed_format import write_deepspeed_universal
 
         return write_deepspeed_universal(plan, Path(output_dir), executor, strict=strict)
-    return write_atomic(plan, Path(output_dir), executor, strict=strict, resume=resume, chunk_bytes=chunk_bytes)
+    if isinstance(output, ObjectPath):
+        from ucp.convert.object_output import convert_to_object_store
+
+        return convert_to_object_store(output, source_fingerprint(plan, chunk_bytes), lambda staging: write_atomic(
+            plan, staging, executor, strict=strict, chunk_bytes=chunk_bytes))
+    return write_atomic(plan, output, executor, strict=strict, resume=resume, chunk_bytes=chunk_bytes)
 
 
 def source_fingerprint(plan: ConversionPlan, chunk_bytes: int = CHUNK_BYTES) -> str:

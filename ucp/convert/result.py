@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
+
+from ucp.format.locations import Location
 
 
 @dataclass(frozen=True)
 class ConvertResult:
-    output: Path
+    output: Location  # a local folder, or an s3:// prefix
     params: int
     files: tuple[str, ...]
     bytes_written: int

@@ -375,7 +375,7 @@ def save(engine: DeepSpeedEngine, path: str | os.PathLike[str], tag: str | None 
     the checkpoint is committed). A save still writing when the next one starts is waited for,
     with a warning in the log. A failed save raises `SaveError` from the next `save` or `wait`.
     """
-    local_path(path)  # a URL is refused before the engine is touched
+    local_path(path, "ucp.deepspeed.save")  # a URL is refused before the engine is touched
     return saver_for(engine).save(path, tag, client_state, async_)
 
 
@@ -414,7 +414,7 @@ class SaveEvery:
         if unknown:
             raise ConfigError(f'"ucp": {{"save": ...}}: unknown key {sorted(unknown)[0]!r}; known: "dir", "every", '
                               '"keep"')
-        local_path(options["dir"])
+        local_path(options["dir"], '"ucp": {"save": {"dir": ...}}')
         return cls(os.fspath(options["dir"]), options["every"], options.get("keep"))
 
     def install(self, engine: DeepSpeedEngine) -> None:

@@ -117,7 +117,8 @@ from ucp.deepspeed.targets import OPTIMIZER_STATES, Target, TargetTensor, module
 from ucp.elastic.shares import ElasticBatch
 from ucp.errors import CheckpointMismatchError, ConfigError, CorruptCheckpointError, UcpError, UnsupportedLayoutError
 from ucp.format import loss_scale
-from ucp.format.folder import INDEX_NAME, latest_checkpoint, local_path, reading
+from ucp.format.folder import INDEX_NAME, latest_checkpoint, reading
+from ucp.format.locations import Location, ObjectPath, location
 from ucp.hmp.layout import Layout, ParamSpec
 
 if TYPE_CHECKING:
@@ -219,15 +220,15 @@ def load(engine: DeepSpeedEngine, path: str | os.PathLike[str], *, bypass: bool 
     layout gives this rank; `param_table` (default: the module's `ucp_param_table`) describes the
     full model. `check_keep_bytes` bounds what the check before the load keeps for the install (module docstring).
     """
-    local_path(path)  # a URL is refused before the engine is touched
-    with reading(_tag_folder(path)):
-        return _load(engine, path, bypass, load_optimizer_states, load_lr_scheduler_states, strict, check_first,
+    place = location(path)  # a URL other than s3:// is refused before the engine is touched
+    with reading(_tag_folder(place)):
+        return _load(engine, place, bypass, load_optimizer_states, load_lr_scheduler_states, strict, check_first,
                      layout, param_table, check_keep_bytes)
 
 
-def _tag_folder(path: str | os.PathLike[str]) -> str | os.PathLike[str]:
+def _tag_folder(path: Location) -> Location:
     """The checkpoint folder `path` names (a save folder's `latest`), for the reading lock."""
-    if os.path.isfile(os.path.join(path, INDEX_NAME)):
+    if isinstance(path, ObjectPath) or (path / INDEX_NAME).is_file():  # an object store has no locks
         return path
     try:
         return latest_checkpoint(path) or path
@@ -235,7 +236,7 @@ def _tag_folder(path: str | os.PathLike[str]) -> str | os.PathLike[str]:
         return path
 
 
-def _load(engine: DeepSpeedEngine, path: str | os.PathLike[str], bypass: bool, load_optimizer_states: bool,
+def _load(engine: DeepSpeedEngine, path: Location, bypass: bool, load_optimizer_states: bool,
           load_lr_scheduler_states: bool, strict: bool, check_first: bool,
           layout: Layout | dict[str, Any] | str | os.PathLike[str] | None,
           param_table: Sequence[ParamSpec] | None, keep_bytes: int) -> dict[str, Any]:

@@ -153,7 +153,7 @@ def to_dcp(input: str | os.PathLike[str], output: str | os.PathLike[str], *, dty
     "torch.optim.AdamW" (the default for an Adam-family optimizer), "torch.optim.Adam", or "saved" (the
     checkpoint's own keys, the default otherwise).
     """
-    local_path(output)
+    local_path(output, "ucp export --output")
     if dtype not in DTYPES:
         raise ExportError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
     ckpt = open_checkpoint(input, tag)

@@ -88,7 +88,7 @@ def to_hf(input: str | os.PathLike[str], output: str | os.PathLike[str], *, dtyp
           max_shard_size: int | str = "5GB", config: str | os.PathLike[str] | None = None, workers: int = 1,
           tag: str | None = None, progress: bool = True) -> HfExport:
     """Write `output` as a transformers-ready folder from the ucp or DeepSpeed checkpoint `input`."""
-    local_path(output)
+    local_path(output, "ucp export --output")
     if dtype not in DTYPES:
         raise ExportError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
     ckpt = open_checkpoint(input, tag)

@@ -10,7 +10,6 @@ are cut to the box.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -18,6 +17,7 @@ from ucp.format.boxes import Box
 from ucp.format.checked_read import Key, OpenChunk, read_checked
 from ucp.format.fileio import ReadCounter
 from ucp.format.index import StoredState
+from ucp.format.locations import Location
 from ucp.format.safetensors_stream import TORCH_DTYPES
 from ucp.format.slice_read import SliceRead, plan_flat_read, plan_slice_read
 from ucp.format.splits import box_of_read
@@ -35,7 +35,7 @@ class BoxWant:
     whole: bool = False
 
 
-def read_boxes(root: Path, wants: dict[Key, BoxWant], chunk_bytes: int, counter: ReadCounter,
+def read_boxes(root: Location, wants: dict[Key, BoxWant], chunk_bytes: int, counter: ReadCounter,
                verify: bool = True, open_chunks: list[OpenChunk] | None = None, crcs: dict[Key, int] | None = None,
                again: dict[Key, int] | None = None) -> tuple[dict[Key, torch.Tensor], int]:
     """Each want's box (a tensor of the box's shape) or run (1-D), from the checkpoint folder `root`; and

@@ -18,15 +18,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from ucp.errors import CorruptCheckpointError
 from ucp.format.byte_ranges import ByteRange, coalesce
 from ucp.format.crc import chunk_bounds, crc32, crc32_combine
-from ucp.format.fileio import ReadCounter, pread_into, read_buffer, tensor_bytes
+from ucp.format.fileio import ReadCounter, read_buffer, tensor_bytes
 from ucp.format.index import StoredState
+from ucp.format.locations import Location
+from ucp.format.storage import read_ranges
 
 Key = tuple[str, str]
 
@@ -71,18 +72,20 @@ def check(data: torch.Tensor, read: ByteRange, stored: StoredState, chunk_bytes:
                                          "convert again or restore it from a copy")
 
 
-def fetch(root: Path, ranges: list[ByteRange], counter: ReadCounter) -> dict[ByteRange, torch.Tensor]:
-    """The bytes of every range (relative to `root` unless absolute), touching ranges of a file read at once."""
-    chunks = {}
+def fetch(root: Location, ranges: list[ByteRange], counter: ReadCounter) -> dict[ByteRange, torch.Tensor]:
+    """The bytes of every range (relative to `root` unless absolute), touching ranges of a file read at once,
+    all handed to the storage together (an object store runs them concurrently)."""
+    chunks, reads = {}, []
     for merged, parts in coalesce(ranges):
         buf = read_buffer(merged.nbytes)
-        pread_into(str(root / merged.file), buf, merged.begin, counter)
+        reads.append((root / merged.file, merged.begin, tensor_bytes(buf)))
         for part in parts:
             chunks[part] = buf.narrow(0, part.begin - merged.begin, part.nbytes)
+    read_ranges(reads, counter)
     return chunks
 
 
-def read_checked(root: Path, wanted: dict[Key, tuple[StoredState, ByteRange]], chunk_bytes: int,
+def read_checked(root: Location, wanted: dict[Key, tuple[StoredState, ByteRange]], chunk_bytes: int,
                  counter: ReadCounter, verify: bool = True, open_chunks: list[OpenChunk] | None = None,
                  crcs: dict[Key, int] | None = None,
                  again: dict[Key, int] | None = None) -> tuple[dict[Key, torch.Tensor], int]:
@@ -150,7 +153,7 @@ def _check_whole_chunks(data: torch.Tensor, read: ByteRange, stored: StoredState
     return opened, whole
 
 
-def close_chunks(root: Path, parts: Sequence[OpenChunk], counter: ReadCounter) -> int:
+def close_chunks(root: Location, parts: Sequence[OpenChunk], counter: ReadCounter) -> int:
     """Check each chunk that `parts` (what every rank read of the chunks this rank closes) are parts of, from
     them joined in file order; bytes of a chunk no rank read are read here. Returns how many were."""
     joined: dict[tuple[str, int], set[tuple[int, int, int]]] = {}
@@ -168,7 +171,7 @@ def close_chunks(root: Path, parts: Sequence[OpenChunk], counter: ReadCounter) -
     return extra
 
 
-def _joined(path: Path, parts: set[tuple[int, int, int]], begin: int, end: int,
+def _joined(path: Location, parts: set[tuple[int, int, int]], begin: int, end: int,
             counter: ReadCounter) -> tuple[int, int]:
     """The CRC-32 of bytes [begin, end) of `path` from `parts` (begin, end, CRC-32) of them, in file order,
     reading what no part covers; and how many bytes that read."""
@@ -178,7 +181,7 @@ def _joined(path: Path, parts: set[tuple[int, int, int]], begin: int, end: int,
         if step is None:  # a gap: up to the next part
             stop = min((p[0] for p in parts if p[0] > cursor), default=end)
             buf = torch.empty(stop - cursor, dtype=torch.uint8)
-            pread_into(str(path), buf, cursor, counter)
+            read_ranges([(path, cursor, tensor_bytes(buf))], counter)
             step, read = (cursor, stop, crc32(tensor_bytes(buf))), read + stop - cursor
         crc, cursor = crc32_combine(crc, step[2], step[1] - step[0]), step[1]
     return crc, read

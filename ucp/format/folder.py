@@ -3,14 +3,15 @@
 See docs/FORMAT.md for the specification. A directory is a ucp checkpoint exactly when it holds a
 complete `ucp_index.json`; the index is written last, to a temporary name, fsynced, and renamed.
 A save directory holds one checkpoint per tag and a `latest` file naming the newest committed one,
-replaced atomically only after that checkpoint's index is committed.
+replaced atomically only after that checkpoint's index is committed. In an object store (`ucp.format.storage`)
+there is no rename: the index object is written after every data object, and `latest` after the index, each in
+one request, so a checkpoint is committed by the order its objects are written in.
 """
 from __future__ import annotations
 
 import fcntl
 import json
 import os
-import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
@@ -19,28 +20,23 @@ from ucp.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
-    UnsupportedStorageError,
 )
-from ucp.format.fileio import read_regular
 from ucp.format.index import Index, index_json, parse_index
+from ucp.format.locations import Location, ObjectPath, local_only, location
+from ucp.format.storage import is_file, list_names, put_bytes, read_small
 
 INDEX_NAME = "ucp_index.json"
 DATA_PREFIX = "data-"
 PARTIAL_SUFFIX = ".partial"
 LATEST_NAME = "latest"
 LATEST_MAX_BYTES = 4096  # a tag name; DeepSpeed writes e.g. "global_step1000"
-_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")  # scheme://..., as s3://bucket/prefix or gs://...
+INDEX_MAX_BYTES = 1 << 30  # far above any index (about 1 KiB per tensor state)
 
 
-def local_path(path: str | os.PathLike[str]) -> Path:
-    """`path` as a local Path, refusing a URL: taken for a path, `s3://bucket/run` would read or write a local
-    folder named `s3:` and report success."""
-    text = os.fspath(path)
-    if _URL.match(text):
-        raise UnsupportedStorageError(f"{text}: ucp reads and writes local (or mounted) folders only, not object "
-                                      "storage URLs yet; copy the checkpoint to a local folder, or mount the "
-                                      "bucket (e.g. s3fs, mountpoint-s3) and pass the mount's path")
-    return Path(text)
+def local_path(path: str | os.PathLike[str] | ObjectPath, entry_point: str = "this command") -> Path:
+    """`path` as a local Path for an entry point that takes no object storage yet (`storage.local_only`): taken
+    for a path, `s3://bucket/run` would read or write a local folder named `s3:` and report success."""
+    return local_only(path, entry_point)
 
 
 def data_file_name(i: int, n: int) -> str:
@@ -57,9 +53,13 @@ def is_ucp_file(name: str) -> bool:
     return name == INDEX_NAME or name.startswith(DATA_PREFIX) or name.startswith(INDEX_NAME)
 
 
-def commit_index(directory: str | os.PathLike[str], index: Index) -> Path:
-    """Write the index atomically: temp file, fsync, rename, fsync the directory."""
-    directory = Path(directory)
+def commit_index(directory: str | os.PathLike[str] | ObjectPath, index: Index) -> Location:
+    """Write the index atomically: temp file, fsync, rename, fsync the directory; in an object store, one PUT
+    (call it once every data object is written)."""
+    directory = location(directory)
+    if isinstance(directory, ObjectPath):
+        put_bytes(directory / INDEX_NAME, (json.dumps(index_json(index), indent=1, sort_keys=False) + "\n").encode())
+        return directory / INDEX_NAME
     final = directory / INDEX_NAME
     tmp = directory / (INDEX_NAME + PARTIAL_SUFFIX)
     with open(tmp, "w") as f:
@@ -72,9 +72,12 @@ def commit_index(directory: str | os.PathLike[str], index: Index) -> Path:
     return final
 
 
-def commit_latest(save_dir: str | os.PathLike[str], tag: str) -> None:
+def commit_latest(save_dir: str | os.PathLike[str] | ObjectPath, tag: str) -> None:
     """Point `<save_dir>/latest` at `tag` atomically; call only once that tag's index is committed."""
-    save_dir = Path(save_dir)
+    save_dir = location(save_dir)
+    if isinstance(save_dir, ObjectPath):
+        put_bytes(save_dir / LATEST_NAME, tag.encode())
+        return
     tmp = save_dir / (LATEST_NAME + PARTIAL_SUFFIX)
     with open(tmp, "w") as f:
         f.write(tag)
@@ -84,16 +87,16 @@ def commit_latest(save_dir: str | os.PathLike[str], tag: str) -> None:
     fsync_dir(save_dir)
 
 
-def latest_checkpoint(save_dir: str | os.PathLike[str]) -> Path | None:
+def latest_checkpoint(save_dir: str | os.PathLike[str] | ObjectPath) -> Location | None:
     """The committed ucp checkpoint `<save_dir>/latest` names, or None when there is none."""
     tag = read_latest(save_dir)
     if tag is None:
         return None
-    folder = Path(save_dir) / tag
-    return folder if (folder / INDEX_NAME).is_file() else None
+    folder = location(save_dir) / tag
+    return folder if is_file(folder / INDEX_NAME) else None
 
 
-def read_latest(save_dir: str | os.PathLike[str]) -> str | None:
+def read_latest(save_dir: str | os.PathLike[str] | ObjectPath) -> str | None:
     """The tag `<save_dir>/latest` names, or None when there is no `latest`.
 
     `latest` is a regular file (as `engine.save_checkpoint` and `commit_latest` write it) holding the name of
@@ -101,10 +104,10 @@ def read_latest(save_dir: str | os.PathLike[str]) -> str | None:
     symbolic link (which may reach any file on the machine, never read), a special file, binary or multi-line
     text, an absolute path or one that climbs out with `..` (which would load another run's checkpoint).
     """
-    pointer = Path(save_dir) / LATEST_NAME
-    if not os.path.lexists(pointer):
+    pointer = location(save_dir) / LATEST_NAME
+    raw = read_small(pointer, limit=LATEST_MAX_BYTES, follow=False)
+    if raw is None:
         return None
-    raw = read_regular(str(pointer), follow=False, limit=LATEST_MAX_BYTES)
     try:
         tag = raw.decode("utf-8").strip()
     except UnicodeDecodeError:
@@ -123,12 +126,17 @@ def _lock_path(directory: Path) -> Path:
 
 
 @contextmanager
-def reading(directory: str | os.PathLike[str]) -> Iterator[None]:
+def reading(directory: str | os.PathLike[str] | ObjectPath) -> Iterator[None]:
     """Hold a shared lock on a checkpoint folder while reading it, so retention (`"keep"`) leaves it alone.
 
-    Where the lock cannot be taken (a read-only folder), the read goes on without it."""
+    Where the lock cannot be taken (a read-only folder, an object store, which has no locks), the read goes on
+    without it."""
+    place = location(directory)
+    if isinstance(place, ObjectPath):
+        yield
+        return
     try:
-        fd = os.open(_lock_path(Path(directory)), os.O_RDONLY | os.O_CREAT, 0o644)
+        fd = os.open(_lock_path(place), os.O_RDONLY | os.O_CREAT, 0o644)
     except OSError:
         yield
         return
@@ -169,20 +177,20 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def read_index(directory: str | os.PathLike[str]) -> Index:
+def read_index(directory: str | os.PathLike[str] | ObjectPath) -> Index:
     """The committed index of a ucp checkpoint, checked in full (see `ucp.format.index`), or a clear error
     saying why there is none."""
-    directory = Path(directory)
+    directory = location(directory)
     path = directory / INDEX_NAME
-    if not path.is_file():
-        if directory.is_dir() and any(n.startswith(DATA_PREFIX) for n in os.listdir(directory)):
+    raw = read_small(path, limit=INDEX_MAX_BYTES) if isinstance(path, ObjectPath) or path.is_file() else None
+    if raw is None:
+        if any(n.startswith(DATA_PREFIX) for n in list_names(directory)):
             raise IncompleteCheckpointError(
                 f"incomplete checkpoint at {directory}: data files but no {INDEX_NAME}; the conversion or save "
                 "that wrote it did not finish. Run it again (ucp convert ... --resume continues it)")
         raise CheckpointNotFoundError(f"{directory}: not a ucp checkpoint (no {INDEX_NAME})")
     try:
-        with open(path) as f:
-            index = json.load(f)
+        index = json.loads(raw)
     except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, over-long integers
         raise CorruptCheckpointError(f"{path}: damaged index ({exc}); convert the checkpoint again") from None
     return parse_index(index, directory, path)

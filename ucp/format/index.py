@@ -18,11 +18,12 @@ import stat
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any, Literal, overload
 
 from ucp.errors import CorruptCheckpointError
 from ucp.format.crc import CHUNK_BYTES, chunk_bounds
+from ucp.format.locations import Location, ObjectPath, location
+from ucp.format.storage import read_ranges
 from ucp.version import __version__
 
 DTYPE_SIZES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
@@ -196,7 +197,7 @@ def _jsonable(value: dict[str, Any]) -> dict[str, Any]:
 class _Fields:
     """Typed access to one JSON object of the index, each failure naming where it is."""
 
-    def __init__(self, where: str, value: object, path: Path):
+    def __init__(self, where: str, value: object, path: Location):
         if not isinstance(value, dict):
             raise _bad(path, where, f"must be an object, got {_kind(value)}")
         self.where, self.value, self.path = where, value, path
@@ -226,12 +227,12 @@ class _Fields:
         return value
 
 
-def parse_index(raw: object, directory: str | os.PathLike[str],
-                index_path: str | os.PathLike[str] | None = None) -> Index:
+def parse_index(raw: object, directory: str | os.PathLike[str] | ObjectPath,
+                index_path: str | os.PathLike[str] | ObjectPath | None = None) -> Index:
     """The typed, fully checked index of the checkpoint in `directory` (its data files are stat-ed
     and their header lengths read; no tensor byte is read)."""
-    directory = Path(directory)
-    path = Path(index_path) if index_path is not None else directory / "ucp_index.json"
+    directory = location(directory)
+    path = location(index_path) if index_path is not None else directory / "ucp_index.json"
     if not isinstance(raw, dict) or raw.get("format") != FORMAT_NAME:
         raise CorruptCheckpointError(f"{path}: not a {FORMAT_NAME} index; convert the checkpoint again")
     version = raw.get("format_version")
@@ -268,7 +269,7 @@ def parse_index(raw: object, directory: str | os.PathLike[str],
                  top.get("created_by", (str,), required=False) or "")
 
 
-def _check_groups(path: Path, params: dict[str, ParamEntry], optimizer: dict[str, Any] | None) -> None:
+def _check_groups(path: Location, params: dict[str, ParamEntry], optimizer: dict[str, Any] | None) -> None:
     """A parameter's optimizer group is one the index lists, and a group lists only trainable parameters of its
     own (the hook restores each engine group's hyper-parameters and step from them)."""
     groups = (optimizer or {}).get("param_groups") or []
@@ -286,14 +287,14 @@ def _check_groups(path: Path, params: dict[str, ParamEntry], optimizer: dict[str
                            f"trainable parameter of group {g} in the index")
 
 
-def _step(path: Path, where: str, value: int | float | None) -> float | None:
+def _step(path: Location, where: str, value: int | float | None) -> float | None:
     """An optimizer step: a whole number of steps a float holds exactly (DeepSpeed keeps it as a float)."""
     if value is not None and not (math.isfinite(value) and 0 <= value <= MAX_STEP and value == int(value)):
         raise _bad(path, where, f"{value!r} is not a step count (a whole number in [0, 2^53])")
     return value
 
 
-def _aliases(top: _Fields, path: Path, params: dict[str, ParamEntry]) -> dict[str, str]:
+def _aliases(top: _Fields, path: Location, params: dict[str, ParamEntry]) -> dict[str, str]:
     aliases = top.get("aliases", (dict,), required=False) or {}
     for alias, source in aliases.items():
         if alias in params or not isinstance(source, str) or source not in params:
@@ -302,7 +303,7 @@ def _aliases(top: _Fields, path: Path, params: dict[str, ParamEntry]) -> dict[st
     return dict(aliases)
 
 
-def _not_saved(top: _Fields, path: Path, held: set[str]) -> NotSaved | None:
+def _not_saved(top: _Fields, path: Location, held: set[str]) -> NotSaved | None:
     raw = top.get("not_saved", (dict,), required=False)
     if raw is None:
         return None
@@ -316,7 +317,7 @@ def _not_saved(top: _Fields, path: Path, held: set[str]) -> NotSaved | None:
     return NotSaved(kind, fields.get("reason", (str,)), tuple(names))
 
 
-def _run_record(top: _Fields, path: Path) -> RunRecord:
+def _run_record(top: _Fields, path: Location) -> RunRecord:
     """The JSON records beside the tensors, checked to have the shapes their readers (hook, inspect) rely on."""
     source, client_state = (top.get(key, (dict,), required=False) or {} for key in ("source", "client_state"))
     lr_scheduler = top.get("lr_scheduler", (dict, type(None)), required=False)
@@ -339,9 +340,11 @@ def _run_record(top: _Fields, path: Path) -> RunRecord:
     return RunRecord(source, training, optimizer, lr_scheduler, client_state)
 
 
-def _data_file(directory: Path, path: Path, name: str, recorded: int) -> DataFile:
+def _data_file(directory: Location, path: Location, name: str, recorded: int) -> DataFile:
     if not _plain_name(name):
         raise _bad(path, f"files[{name!r}]", "is not a plain file name inside the checkpoint folder")
+    if isinstance(directory, ObjectPath):
+        return _data_object(directory / name, name, recorded)
     file_path = directory / name
     try:
         fd = os.open(file_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
@@ -369,11 +372,32 @@ def _data_file(directory: Path, path: Path, name: str, recorded: int) -> DataFil
     return DataFile(name, recorded, header_end)
 
 
+def _data_object(file_path: ObjectPath, name: str, recorded: int) -> DataFile:
+    """`_data_file` of an object: its size and header length, in one HEAD and one ranged GET."""
+    from ucp.format.storage import size
+
+    found = size(file_path)
+    if found is None:
+        raise CorruptCheckpointError(f"{file_path}: missing, though the index lists it; {_FIX}")
+    if found != recorded:
+        raise CorruptCheckpointError(f"{file_path}: {found} bytes, the index records {recorded}; the object was "
+                                     f"truncated or changed; {_FIX}")
+    if found < HEADER_LENGTH_BYTES:
+        raise CorruptCheckpointError(f"{file_path}: too short for a safetensors file; {_FIX}")
+    head = bytearray(HEADER_LENGTH_BYTES)
+    read_ranges([(file_path, 0, memoryview(head))])
+    header_end = HEADER_LENGTH_BYTES + struct.unpack("<Q", head)[0]
+    if header_end > recorded:
+        raise CorruptCheckpointError(f"{file_path}: its safetensors header claims {header_end} bytes of a "
+                                     f"{recorded}-byte file; {_FIX}")
+    return DataFile(name, recorded, header_end)
+
+
 def _plain_name(name: object) -> bool:
     return isinstance(name, str) and name not in ("", ".", "..") and not any(c in name for c in "/\\\0")
 
 
-def _param(path: Path, name: str, entry: _Fields, files: dict[str, DataFile], chunk_bytes: int) -> ParamEntry:
+def _param(path: Location, name: str, entry: _Fields, files: dict[str, DataFile], chunk_bytes: int) -> ParamEntry:
     kind = entry.get("kind", (str,))
     if kind not in KINDS:
         raise _bad(path, f"{entry.where}.kind", f"{kind!r} is not one of {', '.join(KINDS)}")
@@ -393,7 +417,7 @@ def _param(path: Path, name: str, entry: _Fields, files: dict[str, DataFile], ch
     return ParamEntry(name, kind, shape, states, group, step, pattern, model_dtype)
 
 
-def _state(path: Path, fields: _Fields, shape: tuple[int, ...], files: dict[str, DataFile],
+def _state(path: Location, fields: _Fields, shape: tuple[int, ...], files: dict[str, DataFile],
            chunk_bytes: int) -> StoredState:
     where = fields.where
     file_name = fields.get("file", (str,))
@@ -433,7 +457,7 @@ def _state(path: Path, fields: _Fields, shape: tuple[int, ...], files: dict[str,
     return StoredState(file_name, fields.get("key", (str,)), dtype, shape, begin, end, crc, splits, chunks)
 
 
-def _shape(path: Path, where: str, value: list[Any]) -> tuple[int, ...]:
+def _shape(path: Location, where: str, value: list[Any]) -> tuple[int, ...]:
     if len(value) > 64 or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 48
                                   for d in value):
         raise _bad(path, where, f"{value!r} is not a shape (up to 64 sizes, each in [0, 2^48))")
@@ -447,13 +471,13 @@ def stored_shape(shape: Sequence[int], split: tuple[int, int] | None) -> tuple[i
     return (math.prod(shape),)
 
 
-def header_problems(path: Path, data: DataFile, states: list[StoredState]) -> list[str]:
+def header_problems(path: Location, data: DataFile, states: list[StoredState]) -> list[str]:
     """Where the safetensors header of data file `path` disagrees with what the index says it holds."""
     try:
-        with open(path, "rb") as f:
-            raw = f.read(data.header_end)[HEADER_LENGTH_BYTES:]
-        header = json.loads(raw)
-    except (OSError, ValueError, RecursionError) as exc:
+        head = bytearray(data.header_end)
+        read_ranges([(path, 0, memoryview(head))])
+        header = json.loads(head[HEADER_LENGTH_BYTES:])
+    except (OSError, ValueError, RecursionError, CorruptCheckpointError) as exc:
         return [f"{path}: its safetensors header cannot be read ({exc})"]
     if not isinstance(header, dict):
         return [f"{path}: its safetensors header is not a JSON object"]
@@ -472,7 +496,7 @@ def header_problems(path: Path, data: DataFile, states: list[StoredState]) -> li
     return problems
 
 
-def _no_overlaps(path: Path, params: dict[str, ParamEntry]) -> None:
+def _no_overlaps(path: Location, params: dict[str, ParamEntry]) -> None:
     by_file: dict[str, list[tuple[int, int, str]]] = {}
     for name, entry in params.items():
         for state, stored in entry.states.items():
@@ -485,7 +509,7 @@ def _no_overlaps(path: Path, params: dict[str, ParamEntry]) -> None:
                 raise CorruptCheckpointError(f"{path}: {first} and {second} overlap in {file_name}; {_FIX}")
 
 
-def _bad(path: Path, where: str, problem: str) -> CorruptCheckpointError:
+def _bad(path: Location, where: str, problem: str) -> CorruptCheckpointError:
     return CorruptCheckpointError(f"{path}: {where} {problem}; {_FIX}")
 
 

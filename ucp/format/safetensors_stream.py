@@ -18,8 +18,10 @@ from typing import TYPE_CHECKING, Any
 
 from ucp.errors import CorruptCheckpointError
 from ucp.format.crc import CHUNK_BYTES, crc32, join_segments, segment_crcs
-from ucp.format.fileio import ReadCounter, pread_into, tensor_bytes
+from ucp.format.fileio import ReadCounter, tensor_bytes
 from ucp.format.index import DTYPE_SIZES, SAFETENSORS_DTYPES
+from ucp.format.locations import Location
+from ucp.format.storage import read_ranges
 
 if TYPE_CHECKING:
     import torch
@@ -132,7 +134,7 @@ class StreamingWriter:
         self._file.close()
 
 
-def read_stored(path: str, begin: int, end: int, dtype: str, shape: Sequence[int],
+def read_stored(path: Location, begin: int, end: int, dtype: str, shape: Sequence[int],
                 expected_crc: int | None = None, counter: ReadCounter | None = None) -> torch.Tensor:
     """The tensor stored at bytes [begin, end) of `path`, checked against its CRC-32 when given."""
     import torch
@@ -140,7 +142,7 @@ def read_stored(path: str, begin: int, end: int, dtype: str, shape: Sequence[int
     out = torch.empty(tuple(shape), dtype=getattr(torch, dtype))
     if tensor_bytes(out).nbytes != end - begin:
         raise CorruptCheckpointError(f"{path}: bytes [{begin}, {end}) cannot hold {dtype}{list(shape)}")
-    pread_into(path, out, begin, counter)
+    read_ranges([(path, begin, tensor_bytes(out))], counter)
     if expected_crc is not None and crc32(tensor_bytes(out)) != expected_crc:
         raise CorruptCheckpointError(f"{path}: bytes [{begin}, {end}) fail their checksum; the file is damaged, "
                                      "convert again or restore it from a copy")

@@ -1,0 +1,178 @@
+"""Checkpoints in S3-compatible object storage (issue #22, first slice), against moto's real S3 server on
+127.0.0.1 behind a counting, fault-injecting proxy (support/s3_proxy.py): `ucp convert --output s3://`, then
+verify, inspect, `open_checkpoint` and a 2-rank hook load from `s3://`, each equal to the same checkpoint
+converted locally; the bytes each rank reads counted at the HTTP level; throttling and 500s retried; an upload
+that fails midway leaves no index and no parts; wrong credentials and a missing bucket give one line.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import ucp
+from support.checkpoints import TinySpec
+from support.s3_proxy import Fault, S3Proxy
+from test_zero_conversion import compare_loads
+from ucp.cli.main import main as cli_main
+from ucp.convert import convert
+
+boto3 = pytest.importorskip("boto3")
+moto_server = pytest.importorskip("moto.server")
+
+SPEC = TinySpec(stage=2)  # saved on 2 ranks, loaded on 2
+BUCKET = "ucp-test"
+PART_BYTES = 1024  # so the tiny checkpoint's data files go up as multipart uploads of several parts
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """moto's S3 server and the proxy in front of it, both on 127.0.0.1; the environment points clients (this
+    process and its children: CLI runs, torchrun ranks) at the proxy."""
+    import moto.s3.models
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(moto.s3.models, "S3_UPLOAD_PART_MIN_SIZE", PART_BYTES)  # AWS's is 5 MiB, too big for tiny files
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    proxy = S3Proxy(host, port).start()
+    env = {"AWS_ENDPOINT_URL": proxy.url, "AWS_ACCESS_KEY_ID": "test-key-id", "AWS_SECRET_ACCESS_KEY": "test-secret",
+           "AWS_DEFAULT_REGION": "us-east-1", "AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+           "UCP_S3_PART_BYTES": str(PART_BYTES)}
+    for key, value in env.items():
+        patch.setenv(key, value)
+    patch.delenv("AWS_PROFILE", raising=False)
+    direct = boto3.client("s3", endpoint_url=f"http://{host}:{port}")  # the test's own view, past the proxy
+    direct.create_bucket(Bucket=BUCKET)
+    try:
+        yield SimpleNamespace(proxy=proxy, client=direct, endpoint=f"http://{host}:{port}")
+    finally:
+        proxy.stop()
+        server.stop()
+        patch.undo()
+
+
+@pytest.fixture(scope="module")
+def converted(s3, tiny_checkpoint, tmp_path_factory):
+    """The tiny checkpoint converted by `ucp convert` to s3://BUCKET/run1 and to a local folder; the requests
+    the S3 conversion sent."""
+    save_dir = tiny_checkpoint(SPEC)
+    local = convert(save_dir, tmp_path_factory.mktemp("s3-local") / "run1", workers=2, progress=False).output
+    s3.proxy.reset()
+    url = f"s3://{BUCKET}/run1"
+    assert cli_main(["convert", "--input", str(save_dir), "--output", url, "--workers", "2", "--quiet"]) == 0
+    return SimpleNamespace(url=url, local=Path(local), requests=list(s3.proxy.seen))
+
+
+def keys(s3, prefix: str) -> list[str]:
+    return sorted(o["Key"] for o in s3.client.list_objects_v2(Bucket=BUCKET, Prefix=prefix).get("Contents", []))
+
+
+def open_uploads(s3) -> list[str]:
+    return [u["Key"] for u in s3.client.list_multipart_uploads(Bucket=BUCKET).get("Uploads", [])]
+
+
+def test_convert_to_s3_commits_by_object_order_and_reads_back_equal(s3, converted, capsys):
+    local_keys = sorted(p.name for p in converted.local.iterdir())
+    assert keys(s3, "run1/") == [f"run1/{n}" for n in local_keys]
+    index = s3.client.get_object(Bucket=BUCKET, Key="run1/ucp_index.json")["Body"].read()
+    assert index == (converted.local / "ucp_index.json").read_bytes()
+    writes = [r for r in converted.requests if r.method in ("PUT", "POST")]
+    assert writes[-1].path == f"/{BUCKET}/run1/ucp_index.json" and writes[-1].method == "PUT"  # committed last
+    assert any(r.method == "POST" and r.query == "uploads" for r in writes), "no multipart upload was exercised"
+    assert open_uploads(s3) == []
+
+    s3_ckpt, local_ckpt = ucp.open_checkpoint(converted.url), ucp.open_checkpoint(converted.local)
+    assert s3_ckpt.names == local_ckpt.names and s3_ckpt.training == local_ckpt.training
+    for name in local_ckpt.names:
+        for state in local_ckpt.states(name):
+            assert torch.equal(s3_ckpt.tensor(name, state), local_ckpt.tensor(name, state)), (name, state)
+
+    assert cli_main(["verify", converted.url]) == 0
+    assert "OK" in capsys.readouterr().out
+    assert cli_main(["inspect", "--json", converted.url]) == 0
+    from_s3 = json.loads(capsys.readouterr().out)
+    assert cli_main(["inspect", "--json", str(converted.local)]) == 0
+    assert from_s3 == json.loads(capsys.readouterr().out)
+
+
+def test_local_reads_send_nothing_through_the_proxy(s3, converted):
+    """Control for the counts below: the proxy sees only what reads s3://."""
+    s3.proxy.reset()
+    ckpt = ucp.open_checkpoint(converted.local)
+    for name in ckpt.names:
+        ckpt.tensor(name, ckpt.states(name)[0])
+    assert s3.proxy.seen == []
+    ucp.open_checkpoint(converted.url).tensor(ckpt.names[0], ckpt.states(ckpt.names[0])[0])
+    assert s3.proxy.seen
+
+
+def test_hook_load_from_s3_equals_a_local_load_and_reads_no_more_bytes(s3, converted, ckpt_root):
+    s3.proxy.reset()
+    ranks = compare_loads(converted.local, converted.url, SPEC, ckpt_root)
+    index = ucp.open_checkpoint(converted.local).index
+    header_end = {f"/{BUCKET}/run1/{name}": f.header_end for name, f in index.files.items()}
+    for rank, result in enumerate(ranks):
+        assert result["names"] and all(result["equal"]), [n for n, e in zip(result["names"], result["equal"]) if not e]
+        assert result["meta_equal"]
+        local_stats, s3_stats = result["stats"]
+        gets = [r for r in s3.proxy.seen if r.rank == rank and r.method == "GET" and r.path in header_end]
+        tensor_bytes = sum(r.body_bytes for r in gets if r.range_begin is not None
+                           and r.range_begin >= header_end[r.path])
+        assert 0 < tensor_bytes == s3_stats["bytes_read"] <= local_stats["bytes_read"], (rank, tensor_bytes,
+                                                                                          local_stats, s3_stats)
+
+
+def test_throttling_and_server_errors_are_retried_with_identical_data(s3, converted, tiny_checkpoint):
+    s3.proxy.reset()
+    s3.proxy.faults += [Fault(503, "SlowDown", 2, lambda m, p, q: m == "PUT" and "partNumber" in q),
+                        Fault(500, "InternalError", 2, lambda m, p, q: m == "PUT" and "partNumber" not in q)]
+    url = f"s3://{BUCKET}/retried"
+    assert cli_main(["convert", "--input", str(tiny_checkpoint(SPEC)), "--output", url, "--quiet"]) == 0
+    s3.proxy.faults += [Fault(503, "SlowDown", 2, lambda m, p, q: m == "GET" and "/data-" in p),
+                        Fault(500, "InternalError", 2, lambda m, p, q: m == "GET" and "/data-" in p, skip=3)]
+    retried, local = ucp.open_checkpoint(url), ucp.open_checkpoint(converted.local)
+    for name in local.names:
+        for state in local.states(name):
+            assert torch.equal(retried.tensor(name, state), local.tensor(name, state)), (name, state)
+    assert s3.proxy.injected == 8  # every fault fired (control)
+    assert open_uploads(s3) == []
+
+
+def test_an_upload_failing_midway_leaves_no_index_and_no_parts(s3, tiny_checkpoint, capsys):
+    s3.proxy.reset()
+    s3.proxy.faults.append(Fault(403, "AccessDenied", 1000, lambda m, p, q: m == "PUT" and "partNumber" in q,
+                                 skip=3))
+    url = f"s3://{BUCKET}/broken"
+    assert cli_main(["convert", "--input", str(tiny_checkpoint(SPEC)), "--output", url, "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and url in err and "AccessDenied" in err, err
+    assert s3.proxy.injected > 0
+    assert not any(k.endswith("ucp_index.json") for k in keys(s3, "broken/"))
+    assert open_uploads(s3) == []
+    assert cli_main(["verify", url]) == 2  # incomplete, and says so
+    assert "incomplete" in capsys.readouterr().err
+    s3.proxy.reset()  # the same command again, with the store working: the leftovers go, the commit follows
+    assert cli_main(["convert", "--input", str(tiny_checkpoint(SPEC)), "--output", url, "--quiet"]) == 0
+    assert cli_main(["verify", url]) == 0
+
+
+def test_a_missing_bucket_and_wrong_credentials_give_one_line(s3, converted, monkeypatch, capsys):
+    import moto.settings
+
+    for argv in (["verify", "s3://no-such-bucket/run1"], ["inspect", "s3://no-such-bucket/run1"]):
+        assert cli_main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "s3://no-such-bucket/run1" in err and "does not exist" in err, err
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "WRONGKEYID")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong-secret-value")
+    monkeypatch.setattr(moto.settings, "INITIAL_NO_AUTH_ACTION_COUNT", 0)  # the server checks credentials now
+    assert cli_main(["verify", converted.url]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and converted.url in err and "access refused" in err, err
+    assert "wrong-secret-value" not in err and "WRONGKEYID" not in err

@@ -1,0 +1,248 @@
+"""S3-compatible object storage through boto3, the only module that imports it (on first use of an s3:// URL).
+
+Credentials and the endpoint come from the standard AWS chain (environment, `AWS_ENDPOINT_URL`, config files,
+instance roles); they are never logged, nor put into an error or an index. Throttling (503 SlowDown) and 5xx
+answers are retried with exponential backoff by botocore's "standard" retry mode. Reads are ranged GETs, each
+range cut into parts of `part_bytes()` that run concurrently, at most `max_in_flight()` at once per process;
+uploads of more than that are multipart, their parts in parallel, and a failed one is aborted so that
+no parts are left behind.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar
+
+from ucp.errors import CorruptCheckpointError, StorageAccessError, UcpError
+from ucp.format.locations import ObjectPath
+
+PART_BYTES = 8 << 20  # ranged GETs and multipart parts are cut this large, unless $UCP_S3_PART_BYTES says
+MAX_ATTEMPTS = 10  # per request, throttling and 5xx included (botocore's standard mode backs off exponentially)
+_ACCESS_CODES = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
+                 "InvalidToken", "AllAccessDisabled", "AuthorizationHeaderMalformed"}
+_OPENING_BUCKET = "opening its bucket"
+_MISSING_KEY_CODES = {"NoSuchKey", "404", "NotFound"}
+_lock = threading.Lock()
+# One client and pool per process (a forked worker makes its own) and per endpoint and credentials in the
+# environment, so a process that changes them gets a new client.
+_state: dict[tuple[int, str | None, str | None, str | None], tuple[Any, ThreadPoolExecutor]] = {}
+T = TypeVar("T")
+
+
+def max_in_flight() -> int:
+    """How many requests a process has in flight at most ($UCP_S3_MAX_IN_FLIGHT, default 8)."""
+    return max(1, int(os.environ.get("UCP_S3_MAX_IN_FLIGHT", "8")))
+
+
+def part_bytes() -> int:
+    """How large ranged GETs and multipart parts are cut ($UCP_S3_PART_BYTES, default 8 MiB; AWS takes parts of
+    at least 5 MiB but the last)."""
+    return max(1, int(os.environ.get("UCP_S3_PART_BYTES", PART_BYTES)))
+
+
+def _client_and_pool() -> tuple[Any, ThreadPoolExecutor]:
+    with _lock:
+        env = os.environ.get
+        key = (os.getpid(), env("AWS_ENDPOINT_URL"), env("AWS_ACCESS_KEY_ID"), env("AWS_PROFILE"))
+        if key not in _state:
+            import boto3
+            from botocore.config import Config
+
+            rank = os.environ.get("RANK")
+            config = Config(retries={"mode": "standard", "max_attempts": MAX_ATTEMPTS},
+                            max_pool_connections=max_in_flight(),
+                            user_agent_extra="ucp" + (f" ucp-rank/{rank}" if rank is not None else ""),
+                            # ucp checks every byte against its own CRC-32s; no second checksum per request
+                            request_checksum_calculation="when_required",
+                            response_checksum_validation="when_required")
+            client = boto3.session.Session().client("s3", config=config)
+            _state[key] = (client, ThreadPoolExecutor(max_in_flight(), thread_name_prefix="ucp-s3"))
+        return _state[key]
+
+
+def _client() -> Any:
+    return _client_and_pool()[0]
+
+
+def _error(exc: Exception, path: ObjectPath, doing: str) -> UcpError:
+    """One line naming `path` and the fix for a failed request; never the credentials (nor the request's text,
+    which can carry the access key id)."""
+    from botocore.exceptions import ClientError, EndpointConnectionError, NoCredentialsError
+
+    chain = ("give credentials for the bucket through the standard AWS chain (AWS_ACCESS_KEY_ID and "
+             "AWS_SECRET_ACCESS_KEY, AWS_PROFILE, ~/.aws/credentials or an instance role)")
+    if isinstance(exc, NoCredentialsError):
+        return StorageAccessError(f"{path}: no AWS credentials found while {doing}; {chain}")
+    if isinstance(exc, EndpointConnectionError):
+        return StorageAccessError(f"{path}: cannot reach the object store while {doing}; check AWS_ENDPOINT_URL "
+                                  "(or the AWS config's endpoint_url) and the network")
+    if isinstance(exc, ClientError):
+        code = str(exc.response.get("Error", {}).get("Code", "?"))
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", "?")
+        if code == "NoSuchBucket" or doing == _OPENING_BUCKET and status == 404:  # a HEAD's 404 has no code
+            return StorageAccessError(f"{path}: bucket '{path.bucket}' does not exist; create it, or correct the "
+                                      "URL (and AWS_ENDPOINT_URL if the store is not AWS)")
+        if code in _ACCESS_CODES or status == 403:
+            return StorageAccessError(f"{path}: access refused ({code}) while {doing}; {chain}")
+        return StorageAccessError(f"{path}: {doing} failed ({code}, HTTP {status}; throttling and server errors "
+                                  f"are tried {MAX_ATTEMPTS} times); check the object store, then run the command "
+                                  "again")
+    return StorageAccessError(f"{path}: {doing} failed ({type(exc).__name__}); check the object store and "
+                              "the network, then run the command again")
+
+
+def _call(path: ObjectPath, doing: str, request: Callable[[], T]) -> T:
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        return request()
+    except (BotoCoreError, ClientError) as exc:
+        raise _error(exc, path, doing) from None
+
+
+def _missing(exc: Exception) -> bool:
+    from botocore.exceptions import ClientError
+
+    return isinstance(exc, ClientError) and str(exc.response.get("Error", {}).get("Code")) in _MISSING_KEY_CODES
+
+
+def size(path: ObjectPath) -> int | None:
+    """The object's size, or None when there is no such object (a missing bucket raises)."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        head = _client().head_object(Bucket=path.bucket, Key=path.key)
+    except ClientError as exc:
+        if _missing(exc):
+            _check_bucket(path)
+            return None
+        raise _error(exc, path, "reading its size") from None
+    except BotoCoreError as exc:
+        raise _error(exc, path, "reading its size") from None
+    return int(head["ContentLength"])
+
+
+def _check_bucket(path: ObjectPath) -> None:
+    """Raise the one-line error of a missing or refused bucket (a HEAD of a missing key does not say which)."""
+    _call(path, _OPENING_BUCKET, lambda: _client().head_bucket(Bucket=path.bucket))
+
+
+def read_object(path: ObjectPath, limit: int | None = None) -> bytes | None:
+    """The whole object (refused unread when larger than `limit`), or None when there is none."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        got = _client().get_object(Bucket=path.bucket, Key=path.key)
+    except ClientError as exc:
+        if _missing(exc):
+            _check_bucket(path)
+            return None
+        raise _error(exc, path, "reading it") from None
+    except BotoCoreError as exc:
+        raise _error(exc, path, "reading it") from None
+    nbytes = int(got["ContentLength"])
+    if limit is not None and nbytes > limit:
+        got["Body"].close()
+        raise CorruptCheckpointError(f"{path}: {nbytes} bytes, more than the {limit} this file can hold; it is not "
+                                     "the file ucp expects here")
+    return _call(path, "reading it", lambda: bytes(got["Body"].read()))
+
+
+def _get_range(path: ObjectPath, view: memoryview, offset: int) -> None:
+    """Fill `view` with bytes [offset, offset + len(view)) of the object, in one ranged GET (retried whole)."""
+    def request() -> None:
+        got = _client().get_object(Bucket=path.bucket, Key=path.key, Range=f"bytes={offset}-{offset + len(view) - 1}")
+        body, done = got["Body"], 0
+        while done < len(view):
+            data = body.read(min(len(view) - done, 1 << 20))
+            if not data:
+                raise CorruptCheckpointError(f"{path}: ends at byte {offset + done}, expected at least "
+                                             f"{offset + len(view)}; the object is truncated, upload it again")
+            view[done:done + len(data)] = data
+            done += len(data)
+        body.close()
+
+    _call(path, f"reading bytes [{offset}, {offset + len(view)})", request)
+
+
+def _parts(nbytes: int) -> Iterator[tuple[int, int]]:
+    step = part_bytes()
+    for begin in range(0, nbytes, step):
+        yield begin, min(nbytes, begin + step)
+
+
+def read_many(reads: Sequence[tuple[ObjectPath, int, memoryview]]) -> None:
+    """Fill each (object, offset, buffer): every range cut into parts, all parts concurrently (bounded)."""
+    pool = _client_and_pool()[1]
+    jobs = [pool.submit(_get_range, path, view[lo:hi], offset + lo)
+            for path, offset, view in reads for lo, hi in _parts(len(view))]
+    _wait(jobs)
+
+
+def _wait(jobs: list[Future[Any]]) -> list[Any]:
+    """The results of `jobs`, in order; the first failure is raised once all have ended (none left running)."""
+    failure = None
+    results = []
+    for job in jobs:
+        try:
+            results.append(job.result())
+        except BaseException as exc:  # noqa: BLE001  # raised below, once every job has ended
+            failure = failure or exc
+    if failure is not None:
+        raise failure
+    return results
+
+
+def list_names(folder: ObjectPath) -> list[str]:
+    """The names of the objects directly under prefix `folder`."""
+    prefix = f"{folder.key}/" if folder.key else ""
+    pages = _client().get_paginator("list_objects_v2").paginate(Bucket=folder.bucket, Prefix=prefix, Delimiter="/")
+    names: list[str] = []
+    for page in _call(folder, "listing it", lambda: list(pages)):
+        names += [item["Key"][len(prefix):] for item in page.get("Contents", [])]
+    return names
+
+
+def put_bytes(path: ObjectPath, data: bytes) -> None:
+    _call(path, "writing it", lambda: _client().put_object(Bucket=path.bucket, Key=path.key, Body=data))
+
+
+def delete(path: ObjectPath) -> None:
+    _call(path, "deleting it", lambda: _client().delete_object(Bucket=path.bucket, Key=path.key))
+
+
+def upload_file(source: Path, path: ObjectPath) -> None:
+    """Upload `source` to `path`; a file of more than `part_bytes()` goes up as a multipart upload, its parts in
+    parallel, completed only when every part is up and aborted on any failure (no orphaned parts)."""
+    nbytes = source.stat().st_size
+    if nbytes <= part_bytes():
+        put_bytes(path, source.read_bytes())
+        return
+    client, pool = _client_and_pool()
+    upload = _call(path, "starting a multipart upload",
+                   lambda: client.create_multipart_upload(Bucket=path.bucket, Key=path.key))["UploadId"]
+    try:
+        jobs = [pool.submit(_upload_part, source, path, upload, number, lo, hi)
+                for number, (lo, hi) in enumerate(_parts(nbytes), start=1)]
+        parts = _wait(jobs)
+        _call(path, "completing its multipart upload",
+              lambda: client.complete_multipart_upload(Bucket=path.bucket, Key=path.key, UploadId=upload,
+                                                       MultipartUpload={"Parts": parts}))
+    except BaseException:
+        try:
+            client.abort_multipart_upload(Bucket=path.bucket, Key=path.key, UploadId=upload)
+        except Exception:  # noqa: BLE001  # the upload's own error says what went wrong; a bucket lifecycle rule
+            pass           # (AbortIncompleteMultipartUpload) removes what an abort that fails too leaves
+        raise
+
+
+def _upload_part(source: Path, path: ObjectPath, upload: str, number: int, lo: int, hi: int) -> dict[str, Any]:
+    with open(source, "rb") as f:
+        data = os.pread(f.fileno(), hi - lo, lo)
+    got = _call(path, f"uploading part {number}",
+                lambda: _client().upload_part(Bucket=path.bucket, Key=path.key, UploadId=upload,
+                                              PartNumber=number, Body=data))
+    return {"PartNumber": number, "ETag": got["ETag"]}

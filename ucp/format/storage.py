@@ -1,0 +1,101 @@
+"""Where a checkpoint's files live: a local folder, or a prefix of an S3-compatible object store.
+
+This is the one storage layer of the format (docs/ARCHITECTURE.md): readers and writers name a file by a
+`Location` (a `Path`, or an `ObjectPath` for `s3://bucket/prefix/...`) and call the functions here, which
+take the local fast path (`fileio`: positional reads into the caller's buffer, no new import) or the object
+store (`object_store`, which alone imports boto3, on first use). The interface is small: ranged reads into a
+caller's buffer, the size of a file, whole small files, list, delete, and writes that commit by order
+(`put_bytes` for the index and `latest`, written last; `upload_file` for data, multipart when large).
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from ucp.format.fileio import ReadCounter, open_regular, read_exactly, read_regular
+from ucp.format.locations import Location, ObjectPath
+
+
+def is_file(path: Location) -> bool:
+    """Whether a file (an object) is at `path`."""
+    if isinstance(path, ObjectPath):
+        from ucp.format import object_store
+
+        return object_store.size(path) is not None
+    return path.is_file()
+
+
+def size(path: Location) -> int | None:
+    """The size of file `path` in bytes, or None when there is none."""
+    if isinstance(path, ObjectPath):
+        from ucp.format import object_store
+
+        return object_store.size(path)
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return None
+
+
+def read_small(path: Location, limit: int | None = None, follow: bool = True) -> bytes | None:
+    """The whole content of file `path` (at most `limit` bytes, else refused unread), or None when there is none.
+    Locally it must be a regular file (and, unless `follow`, not a symbolic link: `fileio.read_regular`)."""
+    if isinstance(path, ObjectPath):
+        from ucp.format import object_store
+
+        return object_store.read_object(path, limit)
+    if not os.path.lexists(path):
+        return None
+    return read_regular(str(path), follow=follow, limit=limit)
+
+
+def read_ranges(reads: Sequence[tuple[Location, int, memoryview]], counter: ReadCounter | None = None) -> None:
+    """Fill each (file, offset, buffer) with the file's bytes from offset. Local files are read in turn (the
+    page cache makes that the fast path); objects by ranged GETs, a bounded number in flight. `counter` counts
+    the bytes and one call per read."""
+    objects = [(p, offset, view) for p, offset, view in reads if isinstance(p, ObjectPath) and len(view)]
+    if objects:
+        from ucp.format import object_store
+
+        object_store.read_many(objects)
+    for p, offset, view in reads:
+        if isinstance(p, Path) and len(view):
+            fd = open_regular(str(p))
+            try:
+                read_exactly(fd, str(p), view, offset)
+            finally:
+                os.close(fd)
+        if counter is not None and len(view):
+            counter.bytes += len(view)
+            counter.calls += 1
+
+
+def list_names(folder: Location) -> list[str]:
+    """The names of the files directly inside `folder` (objects directly under the prefix); [] when none."""
+    if isinstance(folder, ObjectPath):
+        from ucp.format import object_store
+
+        return object_store.list_names(folder)
+    return os.listdir(folder) if folder.is_dir() else []
+
+
+def put_bytes(path: ObjectPath, data: bytes) -> None:
+    """Write the object `path` in one request: visible whole or not at all, so the index and `latest` commit by
+    being written after every object they name (docs/FORMAT.md, "Object storage")."""
+    from ucp.format import object_store
+
+    object_store.put_bytes(path, data)
+
+
+def upload_file(source: Path, path: ObjectPath) -> None:
+    """Upload local file `source` to `path`: multipart with parts in parallel when large, aborted on failure."""
+    from ucp.format import object_store
+
+    object_store.upload_file(source, path)
+
+
+def delete(path: ObjectPath) -> None:
+    from ucp.format import object_store
+
+    object_store.delete(path)
