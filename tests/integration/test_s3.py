@@ -8,6 +8,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -159,6 +164,36 @@ def test_an_upload_failing_midway_leaves_no_index_and_no_parts(s3, tiny_checkpoi
     assert "incomplete" in capsys.readouterr().err
     s3.proxy.reset()  # the same command again, with the store working: the leftovers go, the commit follows
     assert cli_main(["convert", "--input", str(tiny_checkpoint(SPEC)), "--output", url, "--quiet"]) == 0
+    assert cli_main(["verify", url]) == 0
+
+
+def test_a_convert_killed_midway_commits_nothing_and_the_next_aborts_its_parts(s3, tiny_checkpoint, capsys):
+    """A writer killed outright cannot abort its multipart upload (S3 keeps the parts: the control below); the
+    prefix holds no index, and the next conversion to it aborts the upload and commits."""
+    held = threading.Event()
+    s3.proxy.reset()
+    s3.proxy.faults.append(Fault(503, "SlowDown", 1000, lambda m, p, q: m == "PUT" and "partNumber" in q, skip=2,
+                                 hold=held))
+    url = f"s3://{BUCKET}/killed"
+    argv = ["convert", "--input", str(tiny_checkpoint(SPEC)), "--output", url, "--quiet"]
+    proc = subprocess.Popen([sys.executable, "-m", "ucp.cli.main", *argv], start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while s3.proxy.holding == 0 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert s3.proxy.holding > 0, "the conversion never reached its part uploads"
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        held.set()
+    assert open_uploads(s3), "a killed writer leaves its upload open"  # control: what the next run must clean
+    assert not any(k.endswith("ucp_index.json") for k in keys(s3, "killed/"))
+    assert cli_main(["verify", url]) == 2  # not a checkpoint: no index object
+    assert "no ucp_index.json" in capsys.readouterr().err
+    s3.proxy.reset()
+    assert cli_main(argv) == 0
+    assert open_uploads(s3) == []
     assert cli_main(["verify", url]) == 0
 
 

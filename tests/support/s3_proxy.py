@@ -33,13 +33,15 @@ class Seen:
 @dataclass
 class Fault:
     """Answer up to `times` requests for which `when(method, path, query)` holds with `status` and S3 error
-    `code`, after letting `skip` matching ones through."""
+    `code`, after letting `skip` matching ones through. With `hold`, each waits for that event first (a server
+    that stops answering), so a test can kill the client meanwhile."""
 
     status: int
     code: str
     times: int
     when: Callable[[str, str, str], bool] = lambda method, path, query: True
     skip: int = 0
+    hold: threading.Event | None = None
 
 
 class S3Proxy:
@@ -48,6 +50,7 @@ class S3Proxy:
         self.seen: list[Seen] = []
         self.faults: list[Fault] = []
         self.injected = 0
+        self.holding = 0  # requests a `hold` fault keeps waiting
         self._lock = threading.Lock()
         proxy = self
 
@@ -58,7 +61,10 @@ class S3Proxy:
                 pass
 
             def do_GET(self) -> None:
-                proxy._handle(self)
+                try:
+                    proxy._handle(self)
+                except (BrokenPipeError, ConnectionResetError):  # the client went away (a test killed it)
+                    self.close_connection = True
 
             do_PUT = do_POST = do_HEAD = do_DELETE = do_GET
 
@@ -83,6 +89,7 @@ class S3Proxy:
             self.seen.clear()
             self.faults.clear()
             self.injected = 0
+            self.holding = 0
 
     def _fault_for(self, method: str, path: str, query: str) -> Fault | None:
         with self._lock:
@@ -106,6 +113,10 @@ class S3Proxy:
         rank_match = _RANK.search(h.headers.get("User-Agent", ""))
         rank = int(rank_match.group(1)) if rank_match else None
         fault = self._fault_for(method, parts.path, parts.query)
+        if fault is not None and fault.hold is not None:
+            with self._lock:
+                self.holding += 1
+            fault.hold.wait(120)
         if fault is not None:
             payload = (f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{fault.code}</Code>'
                        f"<Message>injected by the test proxy</Message></Error>").encode()

@@ -21,6 +21,13 @@ def test_import_ucp_and_the_planning_side_pull_in_no_torch():
                     ("torch", "ray", "deepspeed")) == []
 
 
+def test_local_checkpoints_import_no_object_store_client():
+    """boto3 is imported by ucp.format.object_store alone, when an s3:// location is first used (issue #22)."""
+    assert imported("ucp, ucp.checkpoint, ucp.format.storage, ucp.format.folder, ucp.format.box_read, "
+                    "ucp.convert.driver, ucp.format.checked_read", ("boto3", "botocore", "s3fs", "fsspec")) == []
+    assert imported("ucp.format.object_store; ucp.format.object_store._client()", ("boto3",)) == ["boto3"]  # control
+
+
 def test_cli_help_does_not_import_torch():
     code = ("import sys; from ucp.cli.main import build_parser; build_parser().format_help();"
             "print('torch' in sys.modules)")

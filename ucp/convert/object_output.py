@@ -4,7 +4,8 @@ The conversion runs as it does for a local folder, into a staging folder ($UCP_S
 temporary folder; removed afterwards), and is then uploaded: every data file and carried extra file first
 (multipart, parts in parallel, when large), the index object last. Until the index object exists the prefix
 reads as incomplete, so a conversion interrupted at any point never looks complete (docs/FORMAT.md, "Object
-storage"); a failed multipart upload is aborted (`ucp.format.object_store`).
+storage"); a failed multipart upload is aborted (`ucp.format.object_store`), and the uploads a conversion
+killed outright left open are aborted by the next one to the same prefix.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from ucp.errors import OutputExistsError
 from ucp.format.folder import INDEX_NAME, commit_index, is_ucp_file, read_index
 from ucp.format.index import Index
 from ucp.format.locations import ObjectPath
-from ucp.format.storage import delete, is_file, list_names, upload_file
+from ucp.format.storage import abort_uploads, delete, is_file, list_names, upload_file
 
 
 def convert_to_object_store(output: ObjectPath, fingerprint: str,
@@ -53,6 +54,7 @@ def _prepare(output: ObjectPath, fingerprint: str) -> Index | None:
                                 "an empty or new --output prefix")
     for name in names:  # leftovers of an interrupted conversion: not a checkpoint
         delete(output / name)
+    abort_uploads(output)  # and the open uploads of one killed outright
     return None
 
 

@@ -239,6 +239,19 @@ def upload_file(source: Path, path: ObjectPath) -> None:
         raise
 
 
+def abort_uploads(prefix: ObjectPath) -> int:
+    """Abort the multipart uploads open under `prefix` (what a writer killed outright leaves); how many."""
+    client = _client()
+    got = _call(prefix, "listing its open uploads",
+                lambda: client.list_multipart_uploads(Bucket=prefix.bucket,
+                                                      Prefix=f"{prefix.key}/" if prefix.key else ""))
+    uploads = got.get("Uploads", [])
+    for u in uploads:
+        _call(prefix, "aborting an open upload",
+              lambda: client.abort_multipart_upload(Bucket=prefix.bucket, Key=u["Key"], UploadId=u["UploadId"]))
+    return len(uploads)
+
+
 def _upload_part(source: Path, path: ObjectPath, upload: str, number: int, lo: int, hi: int) -> dict[str, Any]:
     with open(source, "rb") as f:
         data = os.pread(f.fileno(), hi - lo, lo)

@@ -95,6 +95,13 @@ def upload_file(source: Path, path: ObjectPath) -> None:
     object_store.upload_file(source, path)
 
 
+def abort_uploads(prefix: ObjectPath) -> int:
+    """Abort the multipart uploads open under `prefix`, which a writer killed outright leaves; how many."""
+    from ucp.format import object_store
+
+    return object_store.abort_uploads(prefix)
+
+
 def delete(path: ObjectPath) -> None:
     from ucp.format import object_store
 
