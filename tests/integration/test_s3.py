@@ -38,8 +38,11 @@ PART_BYTES = 1024  # so the tiny checkpoint's data files go up as multipart uplo
 def s3():
     """moto's S3 server and the proxy in front of it, both on 127.0.0.1; the environment points clients (this
     process and its children: CLI runs, torchrun ranks) at the proxy."""
+    import logging
+
     import moto.s3.models
 
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto's server logs every request otherwise
     patch = pytest.MonkeyPatch()
     patch.setattr(moto.s3.models, "S3_UPLOAD_PART_MIN_SIZE", PART_BYTES)  # AWS's is 5 MiB, too big for tiny files
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
@@ -104,6 +107,31 @@ def test_convert_to_s3_commits_by_object_order_and_reads_back_equal(s3, converte
     from_s3 = json.loads(capsys.readouterr().out)
     assert cli_main(["inspect", "--json", str(converted.local)]) == 0
     assert from_s3 == json.loads(capsys.readouterr().out)
+
+
+def test_export_from_s3_writes_what_the_local_export_writes(s3, converted, tmp_path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from ucp.export import to_dcp
+
+    loaded = []
+    for source, name in ((converted.url, "from-s3"), (converted.local, "from-local")):
+        to_dcp(source, tmp_path / name, progress=False)
+        dcp_to_torch_save(tmp_path / name, tmp_path / f"{name}.pt")
+        loaded.append(flat(torch.load(tmp_path / f"{name}.pt", weights_only=False)))
+    from_s3, from_local = loaded
+    assert from_local and sorted(from_s3) == sorted(from_local)
+    for key, value in from_local.items():
+        same = torch.equal(from_s3[key], value) if torch.is_tensor(value) else from_s3[key] == value
+        assert same, key
+
+
+def flat(tree: object, prefix: str = "") -> dict[str, object]:
+    if isinstance(tree, dict):
+        return {k: v for key, sub in tree.items() for k, v in flat(sub, f"{prefix}{key}/").items()}
+    if isinstance(tree, (list, tuple)):
+        return {k: v for i, sub in enumerate(tree) for k, v in flat(sub, f"{prefix}{i}/").items()}
+    return {prefix: tree}
 
 
 def test_local_reads_send_nothing_through_the_proxy(s3, converted):

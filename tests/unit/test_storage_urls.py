@@ -1,8 +1,8 @@
-"""An object-storage URL is never taken for a local path (issue #22). `s3://bucket/prefix` is an `ObjectPath` where
-ucp reads and writes object storage (`ucp convert --output`, inspect, verify, `open_checkpoint`,
-`ucp.deepspeed.load`; tests/integration/test_s3.py runs them against a real S3 server); every other entry point
-refuses it in one line that says where URLs work, and any other protocol is refused everywhere, writing nothing,
-where `ucp convert --output s3://bucket/run1` used to write a local folder `s3:` and exit 0."""
+"""An object-storage URL is never taken for a local path (issue #22). `s3://bucket/prefix` is an `ObjectPath`
+where ucp reads and writes object storage (`ucp convert --output`, inspect, verify, `ucp export --input`,
+`open_checkpoint`, `ucp.deepspeed.load`; tests/integration/test_s3.py runs them against a real S3 server); every
+other entry point refuses it in one line that says where URLs work, and any other protocol is refused everywhere,
+writing nothing, where `ucp convert --output s3://bucket/run1` used to write a local folder `s3:` and exit 0."""
 from __future__ import annotations
 
 import os
@@ -34,7 +34,8 @@ def test_a_url_is_refused_where_local_folders_only_go_naming_itself(url):
 
 def test_local_only_entry_points_say_where_s3_works():
     with pytest.raises(UnsupportedStorageError, match="ucp export --output takes local .* s3:// works with ucp convert "
-                                                      "--output, ucp inspect, ucp verify, ucp.open_checkpoint"):
+                                                      "--output, ucp inspect, ucp verify, ucp export --input, "
+                                                      "ucp.open_checkpoint"):
         local_path("s3://bucket/run1", "ucp export --output")
 
 
