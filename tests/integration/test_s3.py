@@ -6,6 +6,7 @@ that fails midway leaves no index and no parts; wrong credentials and a missing 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -20,7 +21,7 @@ import pytest
 import torch
 
 import ucp
-from support.checkpoints import TinySpec
+from support.checkpoints import TinySpec, ucp_resume, uninterrupted_losses
 from support.s3_proxy import Fault, S3Proxy
 from test_zero_conversion import compare_loads
 from ucp.cli.main import main as cli_main
@@ -159,6 +160,14 @@ def test_hook_load_from_s3_equals_a_local_load_and_reads_no_more_bytes(s3, conve
                            and r.range_begin >= header_end[r.path])
         assert 0 < tensor_bytes == s3_stats["bytes_read"] <= local_stats["bytes_read"], (rank, tensor_bytes,
                                                                                           local_stats, s3_stats)
+
+
+def test_training_resumes_from_s3_through_the_config_key(converted, ckpt_root):
+    """`"ucp": {"load": "s3://..."}` in the DeepSpeed config (train_tiny.py --ucp-load): the resumed run's losses
+    are the uninterrupted run's (fp32, same layout)."""
+    resumed = ucp_resume(converted.url, SPEC, 2, SPEC.steps, ckpt_root)
+    straight = uninterrupted_losses(dataclasses.replace(SPEC, steps=0), SPEC.steps + 2, ckpt_root)
+    assert resumed.losses == pytest.approx(straight[SPEC.steps:], rel=1e-6)
 
 
 def test_throttling_and_server_errors_are_retried_with_identical_data(s3, converted, tiny_checkpoint):
