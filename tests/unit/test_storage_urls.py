@@ -55,6 +55,13 @@ def test_other_protocols_are_refused_in_one_line(url):
     assert "\n" not in str(info.value)
 
 
+def test_s3_without_boto3_is_refused_in_one_line():
+    code = ("import sys; sys.modules['boto3'] = None; from ucp.format.locations import location; "
+            "location('s3://bucket/run1')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode != 0 and "UnsupportedStorageError: s3://bucket/run1: object storage needs boto3" in out.stderr
+
+
 @pytest.mark.parametrize("path", ["ckpt/run1", "/abs/s3:/x", "s3:bucket", "./s3://x", "weird name://not a url"])
 def test_local_paths_pass_unchanged(path):
     """Only `scheme://` at the very start is a URL; a folder named `s3:` or a path that holds `://` later is

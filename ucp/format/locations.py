@@ -2,6 +2,7 @@
 never taken for a local path."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 from dataclasses import dataclass
@@ -67,7 +68,18 @@ def location(path: str | os.PathLike[str] | ObjectPath) -> Location:
     bucket, _, key = text[len(scheme) + 3:].partition("/")
     if not bucket:
         raise UnsupportedStorageError(f"{text}: names no bucket; write s3://BUCKET/PREFIX")
+    if not _installed("boto3"):
+        raise UnsupportedStorageError(f"{text}: object storage needs boto3, which is not installed; pip install "
+                                      "boto3, or copy the checkpoint to a local folder")
     return ObjectPath(scheme.lower(), bucket, key.strip("/"))
+
+
+def _installed(module: str) -> bool:
+    """Whether `module` can be imported, without importing it (a local checkpoint never needs boto3)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # ValueError: a module set to None in sys.modules (blocked)
+        return False
 
 
 def local_only(path: str | os.PathLike[str] | ObjectPath, entry_point: str) -> Path:
