@@ -34,14 +34,6 @@ class ObjectPath:
     def __str__(self) -> str:
         return f"{self.scheme}://{self.bucket}/{self.key}" if self.key else f"{self.scheme}://{self.bucket}"
 
-    @property
-    def name(self) -> str:
-        return self.key.rpartition("/")[2]
-
-    @property
-    def parent(self) -> ObjectPath:
-        return ObjectPath(self.scheme, self.bucket, self.key.rpartition("/")[0])
-
 
 Location = Union[Path, ObjectPath]
 
