@@ -156,6 +156,11 @@ def _get_range(path: ObjectPath, view: memoryview, offset: int) -> None:
     def request() -> None:
         got = _client().get_object(Bucket=path.bucket, Key=path.key, Range=f"bytes={offset}-{offset + len(view) - 1}")
         body, done = got["Body"], 0
+        if not str(got.get("ContentRange", "")).startswith(f"bytes {offset}-"):  # a store that ignored the range
+            body.close()
+            raise StorageAccessError(f"{path}: the object store answered a ranged read of bytes [{offset}, "
+                                     f"{offset + len(view)}) with other bytes; use an S3-compatible store that "
+                                     "serves Range requests")
         while done < len(view):
             data = body.read(min(len(view) - done, 1 << 20))
             if not data:
