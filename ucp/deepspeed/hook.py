@@ -99,7 +99,7 @@ import torch.distributed as dist
 
 from ucp import errors
 from ucp.checkpoint import AtomicCheckpoint, Checkpoint, open_checkpoint
-from ucp.deepspeed.async_save import SaveEvery, SaveStats, save, wait
+from ucp.deepspeed.async_save import SaveEvery, SaveStats, save, saver_for, wait
 from ucp.deepspeed.autotp import with_tensor_parallel
 from ucp.deepspeed.config import AUTO, load_options, ucp_options, without_ucp
 from ucp.deepspeed.elastic import (
@@ -111,6 +111,7 @@ from ucp.deepspeed.elastic import (
     world_size,
 )
 from ucp.deepspeed.load_source import Source, box_numel, source_for
+from ucp.deepspeed.memory_tier import MemoryTier
 from ucp.deepspeed.placement import as_layout, place_by_layout
 from ucp.deepspeed.readers import assign_readers
 from ucp.deepspeed.targets import OPTIMIZER_STATES, Target, TargetTensor, module_aliases, target_for
@@ -190,12 +191,16 @@ def initialize(*args: Any, **kwargs: Any) -> Any:
     resumed = None
     if auto_dir is not None:
         warn_shared_rendezvous_store()
-        resumed = resume_auto(engine, auto_dir, load, **load_options(options))
+        memory = save_every.memory if save_every is not None else None
+        resumed = resume_auto(engine, auto_dir, load, memory, **load_options(options))
     elif options.get("load"):
         load(engine, options["load"], **load_options(options))
     if batch is not None or auto_dir is not None:
         StepBook(engine, batch, auto_dir, resumed, called).install()
     if save_every is not None:
+        if save_every.memory is not None:
+            saver = saver_for(engine)
+            saver.memory = MemoryTier(saver, save_every.memory, engine.global_steps)
         save_every.install(engine)
     return result
 
