@@ -89,7 +89,8 @@ def test_lose_a_node_resume_from_the_peer_copy_newer_than_disk(tmp_path, referen
     try:
         for node in (0, 1):
             job.start_agent(node_env(tmp_path, node))
-        wait_for(reached(losses, DISK_EVERY + 2, world=4), 300, f"step {DISK_EVERY + 2} on 4 ranks")  # memory save 5 committed
+        # step 6 logged: memory save 5, which save 6 waited for, is committed on both nodes
+        wait_for(reached(losses, DISK_EVERY + 2, world=4), 300, f"step {DISK_EVERY + 2} on 4 ranks")
         paused = job.pause()                         # nothing moves while the node goes
         job.lose_node(1)                             # node 1 is gone, with its memory
         shutil.rmtree(tmp_path / "node1")
@@ -102,9 +103,10 @@ def test_lose_a_node_resume_from_the_peer_copy_newer_than_disk(tmp_path, referen
         raise
     assert set(codes.values()) == {0}, job.logs()
     logs = job.logs(tail=None)
-    resumed = re.findall(rf"resuming from {re.escape(str(tmp_path))}/node0/global_step(\d+) \(step (\d+)\) on 2 ranks", logs)
+    node0 = re.escape(str(tmp_path / "node0"))
+    resumed = re.findall(rf"resuming from {node0}/global_step(\d+) \(step \d+\) on 2 ranks", logs)
     assert resumed, logs[-6000:]
-    step = int(resumed[0][0])
+    step = int(resumed[0])
     assert step % DISK_EVERY, f"step {step} is on disk too: the memory tier must be newer"
     assert lost_at["ranks"] == 4 and sorted(lost_at["holds"]) == ["0", "1", "2", "3"]  # its own and the peer's
     assert not (tmp_path / "node1").exists()
@@ -127,7 +129,8 @@ def test_a_node_that_lost_its_memory_fetches_the_checkpoint_from_its_peer(six_st
     shutil.rmtree(run / "node1")
     logs = run_two_nodes(run, 8, 1)
     assert "filled the memory checkpoint global_step6 from peer copies" in logs
-    assert re.search(rf"resuming from {re.escape(str(run))}/node[01]/global_step6 \(step 6\) on 4 ranks", logs), logs[-6000:]
+    nodes = re.escape(str(run))
+    assert re.search(rf"resuming from {nodes}/node[01]/global_step6 \(step 6\) on 4 ranks", logs), logs[-6000:]
     records = read_losses(run / "losses.jsonl")
     assert [r["step"] for r in records][-3:] == [6, 7, 8]
     assert_same_losses(records, reference)

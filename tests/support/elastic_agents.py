@@ -33,8 +33,9 @@ class ElasticJob:
     def start_agent(self, env: dict[str, str] | None = None) -> int:
         """Start one more agent (with `env` added to its environment); its index."""
         index = len(self.agents)
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={self.nodes}", f"--nproc-per-node={self.nproc}",
-               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{self.port}", "--rdzv-id=ucp-test",
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={self.nodes}",
+               f"--nproc-per-node={self.nproc}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{self.port}",
+               "--rdzv-id=ucp-test",
                "--rdzv-conf=is_host=false,last_call_timeout=2,join_timeout=300,keep_alive_interval=1,"
                "keep_alive_max_attempt=3", f"--max-restarts={self.max_restarts}",
                "--monitor-interval=0.5", str(self.script), *self.args]

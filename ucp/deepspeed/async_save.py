@@ -91,6 +91,7 @@ class MemoryWriter(Protocol):
 
     dir: Path
     last_step: int | None
+    job: BackgroundSave
 
     def write(self, saver: Saver, prepared: Prepared, tag: str, meta: dict[str, Any] | None,
               event: torch.cuda.Event | None) -> None: ...
@@ -121,7 +122,7 @@ class Saver:
         self.stats: SaveStats | None = None
         self.keep: int | None = None  # after each commit, keep this many committed checkpoints (all when None)
         self.memory: MemoryWriter | None = None  # the host-memory tier, when the config has one
-        self._prepared: Prepared | None = None
+        self._prepared: dict[str, Prepared] = {}  # per tier ("disk", "memory"): each has a buffer of its own
         _LIVE.add(self)
 
     @property
@@ -137,8 +138,9 @@ class Saver:
         tag_dir = save_dir / tag
         if (tag_dir / INDEX_NAME).is_file():
             raise OutputExistsError(f"{tag_dir}: already holds a committed checkpoint; pass another tag or delete it")
-        prepared, meta, event, stats = self._snapshot(tag, tag_dir, client_state)
+        prepared, meta, event, stats = self._snapshot("disk", tag, tag_dir, client_state)
         self.last_step = self.engine.global_steps
+        self.stats = stats
 
         def work() -> None:
             self._write(prepared, save_dir, tag, meta, event)
@@ -151,14 +153,15 @@ class Saver:
         return stats
 
     def save_memory(self, client_state: dict[str, Any] | None = None) -> SaveStats:
-        """A save into the host-memory tier (`ucp.deepspeed.memory_tier`), in the background like `save`."""
+        """A save into the host-memory tier (`ucp.deepspeed.memory_tier`), in the background like `save`, with a
+        snapshot buffer, writer thread and gloo group of its own: it never waits for a disk save in flight."""
         began = time.perf_counter()
         tier = self.memory
         if tier is None:
             raise ConfigError('no memory tier: add "memory": {"every": k} to "ucp": {"save": ...}')
         tag = f"global_step{self.engine.global_steps}"
-        self.job.wait_turn(tag)
-        prepared, meta, event, stats = self._snapshot(tag, tier.dir / tag, client_state)
+        tier.job.wait_turn(tag)
+        prepared, meta, event, stats = self._snapshot("memory", tag, tier.dir / tag, client_state)
         tier.last_step = self.engine.global_steps
 
         def work() -> None:
@@ -166,15 +169,15 @@ class Saver:
             stats.durable_s = time.perf_counter() - began
 
         stats.snapshot_s = time.perf_counter() - began
-        self.job.start(tag, work)
+        tier.job.start(tag, work)
         return stats
 
-    def _snapshot(self, tag: str, tag_dir: Path, client_state: dict[str, Any] | None
+    def _snapshot(self, tier: str, tag: str, tag_dir: Path, client_state: dict[str, Any] | None
                   ) -> tuple[Prepared, dict[str, Any] | None, torch.cuda.Event | None, SaveStats]:
         """Copy this rank's pieces into the snapshot buffer (and on rank 0 take the metadata); training goes on
         once this returns."""
         tag_dir.mkdir(parents=True, exist_ok=True)
-        prepared = self._prepare()
+        prepared = self._prepare(tier)
         with torch.no_grad():
             prepared.buffer.fill([t.view(state) for t, state in prepared.sources])
         event: torch.cuda.Event | None = None
@@ -183,20 +186,25 @@ class Saver:
             event.record()
         meta = _metadata(self, prepared, tag, tag_dir, client_state) if self.leader else None
         stats = SaveStats(tag, str(tag_dir), bytes=prepared.buffer.nbytes)
-        self.stats = stats
         return prepared, meta, event, stats
 
     def wait(self) -> SaveStats | None:
-        self.job.wait()
+        """Wait for the disk save in flight, and the memory save (its stats are the disk save's)."""
+        try:
+            self.job.wait()
+        finally:
+            if self.memory is not None:
+                self.memory.job.wait()
         return self.stats
 
     # -- files and buffer, rebuilt only when the optimizer's states change (e.g. after the first step)
 
-    def _prepare(self) -> Prepared:
+    def _prepare(self, tier: str) -> Prepared:
         moments = tuple(self.target.state_names())
-        if self._prepared is not None and self._prepared.moments == moments:
-            return self._prepared
-        self._prepared = None  # free the old buffer before allocating the new one
+        known = self._prepared.get(tier)
+        if known is not None and known.moments == moments:
+            return known
+        self._prepared.pop(tier, None)  # free the old buffer before allocating the new one
         entries = _entries(self.target, moments)
         slots = [TensorSlot(tensor_key(t.name, s), dtype, t.shape) for t, s, dtype in entries]
         files = arrange_files(slots, TARGET_FILE_BYTES, {"format": FORMAT_NAME})
@@ -211,9 +219,9 @@ class Saver:
             pieces.append(SavePiece(key, span.file, span.begin, span.end, dtype, t.start))
             sources[key] = (t, state)
         buffer = SnapshotBuffer(pieces, pin=torch.device(self.engine.device).type == "cuda")
-        self._prepared = Prepared(moments, files, buffer, tuple(sources[p.key] for p in buffer.pieces),
-                                   frozenset(whole))
-        return self._prepared
+        prepared = Prepared(moments, files, buffer, tuple(sources[p.key] for p in buffer.pieces), frozenset(whole))
+        self._prepared[tier] = prepared
+        return prepared
 
     # -- the writer thread
 
@@ -466,7 +474,7 @@ class SaveEvery:
 
     def install(self, engine: DeepSpeedEngine) -> None:
         """Wrap `engine.step` to save after every `every`-th optimizer step (and into the memory tier, which the
-        caller attached to the engine's saver, after every `memory.every`-th: first, as it is the faster).
+        caller attached to the engine's saver, after every `memory.every`-th).
 
         Client state for these saves is read from `engine.ucp_client_state` (a dict) when set;
         `engine.ucp_save_dir` says where they go.

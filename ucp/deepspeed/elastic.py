@@ -7,7 +7,8 @@
   (DeepSpeed refuses a train_batch_size that is not micro x accumulation x world).
 * `resume_auto` loads the newest committed checkpoint of the save folder that passes its checks, falling
   back to older ones with a warning naming both (the newer ones are set aside as `<tag>.damaged`), or
-  starts fresh; every rank takes the same decision.
+  starts fresh; every rank takes the same decision. With the memory tier, a newer memory checkpoint that
+  the nodes hold completely is tried first (`ucp.deepspeed.memory_resume`).
 * `StepBook` wraps `engine.step`: after each optimizer step it keeps `global_samples` at B per step
   (DeepSpeed adds its nominal train_batch_size), records the job's progress, and after the first step
   of a restarted job logs what the restart cost (`ucp.elastic.restart`).

@@ -19,7 +19,9 @@ committed, and runs at exit too; see `ucp.deepspeed.async_save`). The `"ucp"` co
   else to call), and moves `<dir>/latest` once each is committed; with `keep`, only the newest `keep`
   committed checkpoints stay (never the one `latest` names, nor one being read). A save that finds
   the previous one still writing waits for it, with a warning. Client state for these saves is
-  `engine.ucp_client_state` (a dict) when set. Data parallelism (ZeRO 0-3) only.
+  `engine.ucp_client_state` (a dict) when set. Data parallelism (ZeRO 0-3) only. With
+  `"memory": {"every": k, "replicas": r, "dir": ...}` it also saves every k steps into each node's host
+  memory, with copies on r other nodes, which `"auto"` prefers when newer (`ucp.deepspeed.memory_tier`).
 * `elastic` (dict): `{"global_batch": B, "micro_batch": m}` sets DeepSpeed's batch keys for the
   current world size so that every optimizer step sees the same B samples at any world size, in
   uneven shares where B does not divide (`ucp.elastic.shares`); pair it with

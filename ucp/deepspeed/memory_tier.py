@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from ucp.deepspeed.async_save import Prepared, RankReport, Saver, index_of
 from ucp.deepspeed.memory_files import MemoryEvery, node_key, write_manifest, write_ranges
-from ucp.deepspeed.save_writer import partial_path, write_pieces
+from ucp.deepspeed.save_writer import BackgroundSave, partial_path, write_pieces
 from ucp.elastic.memory_plan import held_by, nodes_of, peer_pairs
 from ucp.elastic.resume import prune, tag_step
 from ucp.errors import SaveError
@@ -49,7 +49,11 @@ class MemoryTier:
         self.dir = config.path
         self.dir.mkdir(parents=True, exist_ok=True)
         self.last_step: int | None = step
-        keys = _all_gather(node_key(self.dir), saver.group)
+        # A writer thread and a gloo group of its own: a memory save never queues behind a disk save in flight,
+        # and the two writers' collectives never interleave.
+        self.job = BackgroundSave()
+        self.group = dist.new_group(saver.ranks, backend="gloo") if saver.group is not None else None
+        keys = _all_gather(node_key(self.dir), self.group)
         self.nodes = [[saver.ranks[i] for i in node] for node in nodes_of(keys)]
         self.pairs = peer_pairs(self.nodes, config.replicas)
         self.node = next(n for n in self.nodes if saver.rank in n)
@@ -57,14 +61,14 @@ class MemoryTier:
         self.index = {rank: i for i, rank in enumerate(saver.ranks)}  # global rank -> place in the saving group
         if config.replicas > len(self.nodes) - 1 and saver.leader:
             logger.warning("ucp: the memory tier keeps %d peer copies of each node's pieces, not %d: this run has "
-                           "%d nodes; losing a node loses its memory checkpoint", len(self.nodes) - 1,
+                           "%d node(s); losing a node loses its memory checkpoint", len(self.nodes) - 1,
                            config.replicas, len(self.nodes))
         self._runs: tuple[Prepared, list[Runs]] | None = None
         self._received: torch.Tensor | None = None
         if self.leader:
             self._drop_newer(step)
-        if saver.group is not None:
-            dist.barrier(group=saver.group)  # no rank writes a memory save before the stale ones are gone
+        if self.group is not None:
+            dist.barrier(group=self.group)  # no rank writes a memory save before the stale ones are gone
 
     def _drop_newer(self, step: int) -> None:
         """Remove memory checkpoints newer than `step` (a run resumed from an older one goes another way)."""
@@ -91,7 +95,8 @@ class MemoryTier:
         error = self._exchange(saver, prepared, tag_dir, runs)
         if error is not None and report[1] is None:
             report = (None, f"rank {saver.rank}: {error}")
-        reports = saver._gather(report)
+        gathered = _gather(report, saver.ranks[0], self.group)
+        reports = gathered if saver.leader else None
         box: list[Any] = [None]
         if reports is not None and meta is not None:
             try:
@@ -100,14 +105,14 @@ class MemoryTier:
             except Exception as exc:
                 box = [(None, str(exc) if isinstance(exc, SaveError) else f"{tag_dir}: {type(exc).__name__}: {exc}")]
         if saver.group is not None:
-            dist.broadcast_object_list(box, src=saver.ranks[0], group=saver.group)
+            dist.broadcast_object_list(box, src=saver.ranks[0], group=self.group)
         index, failure = box[0]
         if failure is None and self.leader:
             try:
                 self._commit(prepared, tag, index, meta_step(index), runs)
             except Exception as exc:
                 failure = f"{tag_dir}: {type(exc).__name__}: {exc}"
-        failures = [f for f in _all_gather(failure, saver.group) if f is not None]
+        failures = [f for f in _all_gather(failure, self.group) if f is not None]
         if failures:
             raise SaveError(f"memory save {tag} failed: {failures[0]}; the node's previous memory checkpoint "
                             "stays its newest")
@@ -117,7 +122,7 @@ class MemoryTier:
         """Every rank's snapshot runs (they change only when the buffer does)."""
         if self._runs is None or self._runs[0] is not prepared:
             mine = [(r.file, r.begin, r.end, r.offset) for r in prepared.buffer.runs]
-            self._runs = (prepared, _all_gather(mine, saver.group))
+            self._runs = (prepared, _all_gather(mine, self.group))
             self._received = None
         return self._runs[1]
 
@@ -128,10 +133,10 @@ class MemoryTier:
         sizes = [sum(end - begin for _, begin, end, _ in runs[self.index[src]]) for src in sources]
         if self._received is None or self._received.numel() != sum(sizes):
             self._received = torch.empty(sum(sizes), dtype=torch.uint8)
-        works = [dist.isend(prepared.buffer.data, dst, group=saver.group) for dst in sends]
+        works = [dist.isend(prepared.buffer.data, dst, group=self.group) for dst in sends]
         offset = 0
         for src, size in zip(sources, sizes):
-            works.append(dist.irecv(self._received.narrow(0, offset, size), src, group=saver.group))
+            works.append(dist.irecv(self._received.narrow(0, offset, size), src, group=self.group))
             offset += size
         try:
             for work in works:
@@ -173,6 +178,15 @@ def _write_runs(tag_dir: Path, runs: Runs, data: memoryview) -> None:
         parts.append((partial_path(Path("."), file).name, begin, data[cursor:cursor + end - begin]))
         cursor += end - begin
     write_ranges(tag_dir, parts)
+
+
+def _gather(value: RankReport, dst: int, group: Any) -> list[RankReport]:
+    """Every rank's report on rank `dst` (a list of Nones elsewhere)."""
+    if group is None:
+        return [value]
+    out: list[RankReport] = [(None, None)] * dist.get_world_size(group)
+    dist.gather_object(value, out if dist.get_rank() == dst else None, dst=dst, group=group)
+    return out
 
 
 def _all_gather(value: Any, group: Any) -> list[Any]:
