@@ -35,6 +35,7 @@ from ucp.elastic.resume import prune, tag_step
 from ucp.errors import SaveError
 from ucp.format.fileio import tensor_bytes
 from ucp.format.folder import INDEX_NAME, commit_index, commit_latest, fsync_dir
+from ucp.format.index import Index
 
 logger = logging.getLogger("ucp.save")
 # A rank's snapshot as runs of bytes: (data file, begin, end, offset in the snapshot buffer).
@@ -104,12 +105,12 @@ class MemoryTier:
                 box = [(index, None)]
             except Exception as exc:
                 box = [(None, str(exc) if isinstance(exc, SaveError) else f"{tag_dir}: {type(exc).__name__}: {exc}")]
-        if saver.group is not None:
+        if self.group is not None:
             dist.broadcast_object_list(box, src=saver.ranks[0], group=self.group)
         index, failure = box[0]
         if failure is None and self.leader:
             try:
-                self._commit(prepared, tag, index, meta_step(index), runs)
+                self._commit(prepared, tag, index, runs)
             except Exception as exc:
                 failure = f"{tag_dir}: {type(exc).__name__}: {exc}"
         failures = [f for f in _all_gather(failure, self.group) if f is not None]
@@ -150,7 +151,7 @@ class MemoryTier:
             return f"peer copy: {type(exc).__name__}: {exc}"
         return None
 
-    def _commit(self, prepared: Prepared, tag: str, index: Any, step: int, runs: list[Runs]) -> None:
+    def _commit(self, prepared: Prepared, tag: str, index: Index, runs: list[Runs]) -> None:
         """This node's copy: data files into place, then the manifest, the index, `latest`; older ones go."""
         tag_dir = self.dir / tag
         for f in prepared.files.files:
@@ -158,16 +159,13 @@ class MemoryTier:
         fsync_dir(tag_dir)
         holds = {str(self.index[r]): [[file, begin, end] for file, begin, end, _ in runs[self.index[r]]]
                  for r in held_by(self.node, self.pairs)}
+        step = int(index.run.training["global_steps"])
         write_manifest(tag_dir, {"tag": tag, "step": step, "fingerprint": index.run.source["fingerprint"],
                                  "ranks": len(runs), "holds": holds,
                                  "files": [[f.name, f.size, len(f.header)] for f in prepared.files.files]})
         commit_index(tag_dir, index)
         commit_latest(self.dir, tag)
         prune(self.dir, 1)
-
-
-def meta_step(index: Any) -> int:
-    return int(index.run.training["global_steps"])
 
 
 def _write_runs(tag_dir: Path, runs: Runs, data: memoryview) -> None:
