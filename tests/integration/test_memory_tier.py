@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+import ucp
 from support.elastic_agents import ElasticJob, reached, read_losses
 from support.launch import run_torchrun
 from support.processes import wait_for
@@ -135,6 +136,8 @@ def test_a_node_that_lost_its_memory_fetches_the_checkpoint_from_its_peer(six_st
     records = read_losses(run / "losses.jsonl")
     assert [r["step"] for r in records][-3:] == [6, 7, 8]
     assert_same_losses(records, reference)
+    for node in ("node0", "node1"):  # with a copy on the other node, each node's copy is a whole checkpoint
+        assert ucp.open_checkpoint(run / node / (run / node / "latest").read_text()).verify() == []
 
 
 def test_without_a_copy_of_every_piece_it_falls_back_to_disk_with_a_warning(six_steps, tmp_path, reference):
@@ -142,7 +145,8 @@ def test_without_a_copy_of_every_piece_it_falls_back_to_disk_with_a_warning(six_
     checkpoint is incomplete; the run resumes from the disk tier, older, and says what was lost."""
     run = copy_of(six_steps[0], tmp_path)
     held = manifest(run / "node0")["holds"]
-    assert len(held) == 2  # its own two ranks' pieces only
+    assert len(held) == 2  # its own two ranks' pieces only: not a checkpoint on its own
+    assert ucp.open_checkpoint(run / "node0" / "global_step6").verify() != []
     shutil.rmtree(run / "node1")
     logs = run_two_nodes(run, 8, 0)
     lost = sorted(set(range(4)) - {int(r) for r in held})
