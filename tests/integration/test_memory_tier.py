@@ -156,3 +156,17 @@ def test_without_a_copy_of_every_piece_it_falls_back_to_disk_with_a_warning(six_
     records = read_losses(run / "losses.jsonl")
     assert [r["step"] for r in records][-4:] == [5, 6, 7, 8]  # steps 5 and 6 redone from disk
     assert_same_losses(records, reference)
+
+
+def test_a_peer_copy_that_cannot_be_sent_falls_back_to_disk_before_any_transfer(six_steps, tmp_path, reference):
+    """Node 1 lost its memory and node 0's copy is cut short: the fill is called off before any rank waits for
+    bytes (one warning), and the disk tier loads."""
+    run = copy_of(six_steps[1], tmp_path)
+    shutil.rmtree(run / "node1")
+    data = next((run / "node0" / "global_step6").glob("data-*.safetensors"))
+    with open(data, "r+b") as f:
+        f.truncate(data.stat().st_size - 8)
+    logs = run_two_nodes(run, 8, 1)
+    assert "memory checkpoint global_step6 cannot be filled from its peers" in logs, logs[-6000:]
+    assert f"resuming from {run}/ckpt/global_step4 (step 4) on 4 ranks" in logs
+    assert_same_losses(read_losses(run / "losses.jsonl"), reference)

@@ -55,6 +55,13 @@ def memory_resume_point(config: MemoryEvery, newer_than: int, fallback: str) -> 
     plan = fills(held, next(c.ranks for c in held if c is not None))
     mine = next(i for i, node in enumerate(nodes) if rank in node)
     tag_dir = folder / tag
+    problem = _unreadable(tag_dir, manifests[mine][tag]) if any(f.src == mine for f in plan) else None
+    problems = [p for p in _all_gather(problem if rank == nodes[mine][0] else None, initialized, group) if p]
+    if problems:  # found before any transfer starts: no rank waits for bytes that will not come
+        if rank == 0:
+            logger.warning("ucp: memory checkpoint %s cannot be filled from its peers (%s); %s", tag, problems[0],
+                           fallback)
+        return None
     for fill in plan:
         src, dst = nodes[fill.src][0], nodes[fill.dst][0]
         if rank == src:
@@ -74,6 +81,19 @@ def memory_resume_point(config: MemoryEvery, newer_than: int, fallback: str) -> 
 def _copy(manifest: dict[str, Any]) -> NodeCopy:
     return NodeCopy(manifest["tag"], int(manifest["step"]), manifest["fingerprint"], int(manifest["ranks"]),
                     frozenset(int(s) for s in manifest["holds"]))
+
+
+def _unreadable(tag_dir: Path, manifest: dict[str, Any]) -> str | None:
+    """What keeps this node from sending its copy: a missing index or data file, or one of another size."""
+    try:
+        (tag_dir / INDEX_NAME).stat()
+        for name, nbytes, _ in manifest["files"]:
+            size = (tag_dir / name).stat().st_size
+            if size != nbytes:
+                return f"{tag_dir / name}: {size} bytes, the manifest says {nbytes}"
+    except OSError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 def _ranges(fill: Fill, holder: dict[str, Any]) -> list[tuple[str, int, int]]:
