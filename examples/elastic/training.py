@@ -34,6 +34,7 @@ class Run:
     losses_out: str | None = None   # a JSON line per step from rank 0: step, loss, world size
     stock: bool = False             # negative control: DistributedSampler and per-rank batch keys, no "elastic"
     ucp: dict | None = None         # the "ucp" section's load and save keys, when a launcher gives them (Ray Train)
+    memory: dict | None = None      # the save section's "memory" tier: {"every": k, "replicas": r, "dir": ...}
     after_step: Callable[[object, float], None] = field(default=lambda engine, loss: None)  # (engine, mean loss)
 
 
@@ -65,6 +66,8 @@ def deepspeed_config(run: Run) -> dict:
         "zero_optimization": {"stage": run.stage}, "steps_per_print": 10 ** 9,
         "ucp": run.ucp or {"load": "auto", "save": {"dir": run.save_dir, "every": run.every, "keep": run.keep}},  # ucp
     }
+    if run.memory is not None:
+        config["ucp"]["save"]["memory"] = run.memory                                                    # ucp
     if run.stock:
         world = dist.get_world_size()
         config.update(train_micro_batch_size_per_gpu=-(-run.global_batch // world), gradient_accumulation_steps=1)

@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import boto3  # the test extra brings boto3 and moto[server]: a missing one fails the suite, not skips it
+import moto.server as moto_server
 import pytest
 import torch
 
@@ -26,9 +28,6 @@ from support.s3_proxy import Fault, S3Proxy
 from test_zero_conversion import compare_loads
 from ucp.cli.main import main as cli_main
 from ucp.convert import convert
-
-boto3 = pytest.importorskip("boto3")
-moto_server = pytest.importorskip("moto.server")
 
 SPEC = TinySpec(stage=2)  # saved on 2 ranks, loaded on 2
 BUCKET = "ucp-test"

@@ -1,6 +1,6 @@
-"""torchrun elastic agents on this machine, each a "node" of one worker, for fault tests (loopback only).
+"""torchrun elastic agents on this machine, each a "node" of `nproc` workers, for fault tests (loopback only).
 
-Every agent runs `torchrun --nnodes=MIN:MAX --nproc-per-node=1 --rdzv-backend=c10d` against one rendezvous
+Every agent runs `torchrun --nnodes=MIN:MAX --nproc-per-node=NPROC --rdzv-backend=c10d` against one rendezvous
 on 127.0.0.1, whose store this process hosts (as a job's launcher or a head node would), so that any agent can
 be taken away. A node lost is its agent and every process under it killed with SIGKILL; a worker lost is one
 worker process.
@@ -19,9 +19,10 @@ from support.processes import kill_tree, wait_for
 
 
 class ElasticJob:
-    def __init__(self, script: Path, args: list[str], workdir: Path, nodes: str = "1:4", max_restarts: int = 10):
+    def __init__(self, script: Path, args: list[str], workdir: Path, nodes: str = "1:4", max_restarts: int = 10,
+                 nproc: int = 1):
         self.script, self.args, self.workdir = script, [str(a) for a in args], workdir
-        self.nodes, self.max_restarts = nodes, max_restarts
+        self.nodes, self.max_restarts, self.nproc = nodes, max_restarts, nproc
         from torch.distributed import TCPStore
 
         self.port = free_port()
@@ -29,11 +30,12 @@ class ElasticJob:
         self.agents: list[subprocess.Popen] = []
         workdir.mkdir(parents=True, exist_ok=True)
 
-    def start_agent(self) -> int:
-        """Start one more agent; its index."""
+    def start_agent(self, env: dict[str, str] | None = None) -> int:
+        """Start one more agent (with `env` added to its environment); its index."""
         index = len(self.agents)
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={self.nodes}", "--nproc-per-node=1",
-               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{self.port}", "--rdzv-id=ucp-test",
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={self.nodes}",
+               f"--nproc-per-node={self.nproc}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{self.port}",
+               "--rdzv-id=ucp-test",
                "--rdzv-conf=is_host=false,last_call_timeout=2,join_timeout=300,keep_alive_interval=1,"
                "keep_alive_max_attempt=3", f"--max-restarts={self.max_restarts}",
                "--monitor-interval=0.5", str(self.script), *self.args]
@@ -41,7 +43,7 @@ class ElasticJob:
         # A fresh store for the workers of each rendezvous round: with the agents' shared store (torch's
         # default), a restarted gloo worker can read a dead worker's address left from the last round and hang
         # in connect (docs/RELIABILITY.md).
-        env = ds_env({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "LOGLEVEL": "INFO"})
+        env = ds_env({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "LOGLEVEL": "INFO", **(env or {})})
         self.agents.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True))
         log.close()
         return index
@@ -56,6 +58,21 @@ class ElasticJob:
         """The node is gone: its agent and every process under it, SIGKILL."""
         kill_tree(self.agents[index].pid)
         self.agents[index].wait()
+
+    def pause(self) -> list[psutil.Process]:
+        """Stop (SIGSTOP) every running worker, so that nothing moves while a test changes the scene; the workers."""
+        workers = [p for i, a in enumerate(self.agents) if a.poll() is None for p in self.workers(i)]
+        for p in workers:
+            p.suspend()
+        return workers
+
+    @staticmethod
+    def resume(workers: list[psutil.Process]) -> None:
+        for p in workers:
+            try:
+                p.resume()
+            except psutil.NoSuchProcess:
+                pass
 
     def lose_worker(self, index: int) -> None:
         """One worker process dies (SIGKILL); its agent lives on."""

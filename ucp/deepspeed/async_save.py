@@ -31,7 +31,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -40,6 +40,7 @@ from ucp.convert.balance import TARGET_FILE_BYTES
 from ucp.convert.index_builder import ParamRecord, WrittenFile, build_index
 from ucp.convert.plan import BUFFER_STATE, WEIGHT_STATE
 from ucp.deepspeed.autotp import tp_size
+from ucp.deepspeed.memory_files import MemoryEvery
 from ucp.deepspeed.readers import assign_readers
 from ucp.deepspeed.save_files import SaveFiles, WrittenPiece, arrange_files, whole_crcs
 from ucp.deepspeed.save_writer import BackgroundSave, SavePiece, SnapshotBuffer, partial_path, write_pieces
@@ -49,7 +50,7 @@ from ucp.errors import ConfigError, OutputExistsError, SaveError, UnsupportedLay
 from ucp.format import loss_scale
 from ucp.format.crc import CHUNK_BYTES
 from ucp.format.folder import INDEX_NAME, commit_index, commit_latest, fsync_dir, local_path, tensor_key
-from ucp.format.index import FORMAT_NAME, RunRecord
+from ucp.format.index import FORMAT_NAME, Index, RunRecord
 from ucp.format.optimizer import optimizer_record
 from ucp.format.safetensors_stream import TORCH_DTYPES, StoredTensor, TensorSlot
 from ucp.patterns.recognize import FragmentInfo, recognize
@@ -75,7 +76,7 @@ class SaveStats:
 
 
 @dataclass(frozen=True)
-class _Prepared:
+class Prepared:
     """Layout and snapshot buffer for one set of optimizer states, reused by every save."""
 
     moments: tuple[str, ...]
@@ -83,6 +84,17 @@ class _Prepared:
     buffer: SnapshotBuffer
     sources: tuple[tuple[TargetTensor, str], ...]   # the live tensor of each buffer piece, in buffer order
     whole: frozenset[str]                           # keys stored whole by one owner (not partitioned)
+
+
+class MemoryWriter(Protocol):
+    """The host-memory tier as a saver sees it (`ucp.deepspeed.memory_tier.MemoryTier`)."""
+
+    dir: Path
+    last_step: int | None
+    job: BackgroundSave
+
+    def write(self, saver: Saver, prepared: Prepared, tag: str, meta: dict[str, Any] | None,
+              event: torch.cuda.Event | None) -> None: ...
 
 
 class Saver:
@@ -109,7 +121,8 @@ class Saver:
         self.last_step: int | None = None
         self.stats: SaveStats | None = None
         self.keep: int | None = None  # after each commit, keep this many committed checkpoints (all when None)
-        self._prepared: _Prepared | None = None
+        self.memory: MemoryWriter | None = None  # the host-memory tier, when the config has one
+        self._prepared: dict[str, Prepared] = {}  # per tier ("disk", "memory"): each has a buffer of its own
         _LIVE.add(self)
 
     @property
@@ -125,16 +138,7 @@ class Saver:
         tag_dir = save_dir / tag
         if (tag_dir / INDEX_NAME).is_file():
             raise OutputExistsError(f"{tag_dir}: already holds a committed checkpoint; pass another tag or delete it")
-        tag_dir.mkdir(parents=True, exist_ok=True)
-        prepared = self._prepare()
-        with torch.no_grad():
-            prepared.buffer.fill([t.view(state) for t, state in prepared.sources])
-        event: torch.cuda.Event | None = None
-        if prepared.buffer.data.is_pinned():
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch leaves its __init__ untyped
-            event.record()
-        meta = _metadata(self, prepared, tag, tag_dir, client_state) if self.leader else None
-        stats = SaveStats(tag, str(tag_dir), bytes=prepared.buffer.nbytes)
+        prepared, meta, event, stats = self._snapshot("disk", tag, tag_dir, client_state)
         self.last_step = self.engine.global_steps
         self.stats = stats
 
@@ -148,17 +152,59 @@ class Saver:
             self.job.wait()
         return stats
 
+    def save_memory(self, client_state: dict[str, Any] | None = None) -> SaveStats:
+        """A save into the host-memory tier (`ucp.deepspeed.memory_tier`), in the background like `save`, with a
+        snapshot buffer, writer thread and gloo group of its own: it never waits for a disk save in flight."""
+        began = time.perf_counter()
+        tier = self.memory
+        if tier is None:
+            raise ConfigError('no memory tier: add "memory": {"every": k} to "ucp": {"save": ...}')
+        tag = f"global_step{self.engine.global_steps}"
+        tier.job.wait_turn(tag)
+        prepared, meta, event, stats = self._snapshot("memory", tag, tier.dir / tag, client_state)
+        tier.last_step = self.engine.global_steps
+
+        def work() -> None:
+            tier.write(self, prepared, tag, meta, event)
+            stats.durable_s = time.perf_counter() - began
+
+        stats.snapshot_s = time.perf_counter() - began
+        tier.job.start(tag, work)
+        return stats
+
+    def _snapshot(self, tier: str, tag: str, tag_dir: Path, client_state: dict[str, Any] | None
+                  ) -> tuple[Prepared, dict[str, Any] | None, torch.cuda.Event | None, SaveStats]:
+        """Copy this rank's pieces into the snapshot buffer (and on rank 0 take the metadata); training goes on
+        once this returns."""
+        tag_dir.mkdir(parents=True, exist_ok=True)
+        prepared = self._prepare(tier)
+        with torch.no_grad():
+            prepared.buffer.fill([t.view(state) for t, state in prepared.sources])
+        event: torch.cuda.Event | None = None
+        if prepared.buffer.data.is_pinned():
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch leaves its __init__ untyped
+            event.record()
+        meta = _metadata(self, prepared, tag, tag_dir, client_state) if self.leader else None
+        stats = SaveStats(tag, str(tag_dir), bytes=prepared.buffer.nbytes)
+        return prepared, meta, event, stats
+
     def wait(self) -> SaveStats | None:
-        self.job.wait()
+        """Wait for the disk save in flight, and the memory save (its stats are the disk save's)."""
+        try:
+            self.job.wait()
+        finally:
+            if self.memory is not None:
+                self.memory.job.wait()
         return self.stats
 
     # -- files and buffer, rebuilt only when the optimizer's states change (e.g. after the first step)
 
-    def _prepare(self) -> _Prepared:
+    def _prepare(self, tier: str) -> Prepared:
         moments = tuple(self.target.state_names())
-        if self._prepared is not None and self._prepared.moments == moments:
-            return self._prepared
-        self._prepared = None  # free the old buffer before allocating the new one
+        known = self._prepared.get(tier)
+        if known is not None and known.moments == moments:
+            return known
+        self._prepared.pop(tier, None)  # free the old buffer before allocating the new one
         entries = _entries(self.target, moments)
         slots = [TensorSlot(tensor_key(t.name, s), dtype, t.shape) for t, s, dtype in entries]
         files = arrange_files(slots, TARGET_FILE_BYTES, {"format": FORMAT_NAME})
@@ -173,13 +219,13 @@ class Saver:
             pieces.append(SavePiece(key, span.file, span.begin, span.end, dtype, t.start))
             sources[key] = (t, state)
         buffer = SnapshotBuffer(pieces, pin=torch.device(self.engine.device).type == "cuda")
-        self._prepared = _Prepared(moments, files, buffer, tuple(sources[p.key] for p in buffer.pieces),
-                                   frozenset(whole))
-        return self._prepared
+        prepared = Prepared(moments, files, buffer, tuple(sources[p.key] for p in buffer.pieces), frozenset(whole))
+        self._prepared[tier] = prepared
+        return prepared
 
     # -- the writer thread
 
-    def _write(self, prepared: _Prepared, save_dir: Path, tag: str, meta: dict[str, Any] | None,
+    def _write(self, prepared: Prepared, save_dir: Path, tag: str, meta: dict[str, Any] | None,
                event: torch.cuda.Event | None) -> None:
         tag_dir = save_dir / tag
         report: RankReport = (None, None)
@@ -237,7 +283,7 @@ def _dtype(t: torch.Tensor) -> str:
 
 # -- what the index says besides tensors, taken at snapshot time on rank 0 --------------------------------
 
-def _metadata(saver: Saver, prepared: _Prepared, tag: str, tag_dir: Path,
+def _metadata(saver: Saver, prepared: Prepared, tag: str, tag_dir: Path,
               client_state: dict[str, Any] | None) -> dict[str, Any]:
     engine, target = saver.engine, saver.target
     groups, group_index = _param_groups(target)
@@ -304,8 +350,18 @@ def _to_json(value: object) -> Any:
 
 # -- rank 0's commit -------------------------------------------------------------------------------------
 
-def _commit(prepared: _Prepared, save_dir: Path, tag: str, reports: list[RankReport], meta: dict[str, Any]) -> None:
+def _commit(prepared: Prepared, save_dir: Path, tag: str, reports: list[RankReport], meta: dict[str, Any]) -> None:
     tag_dir = save_dir / tag
+    index = index_of(prepared, tag_dir, reports, meta)
+    for f in prepared.files.files:
+        os.replace(partial_path(tag_dir, f.name), tag_dir / f.name)
+    fsync_dir(tag_dir)
+    commit_index(tag_dir, index)
+    commit_latest(save_dir, tag)
+
+
+def index_of(prepared: Prepared, tag_dir: Path, reports: list[RankReport], meta: dict[str, Any]) -> Index:
+    """The index of the save the ranks' `reports` describe (each rank's pieces must tile every tensor)."""
     failed = [error for _, error in reports if error]
     if failed:
         raise SaveError(f"{tag_dir}: not committed, {failed[0]}")
@@ -316,9 +372,6 @@ def _commit(prepared: _Prepared, save_dir: Path, tag: str, reports: list[RankRep
             pieces.append(WrittenPiece(key, begin, end, tuple((lo, hi, crc) for lo, hi, crc in segments)))
             fragments.setdefault(key, []).append((rank_index, start, numel))
     crcs = whole_crcs(prepared.files, pieces)
-    for f in prepared.files.files:
-        os.replace(partial_path(tag_dir, f.name), tag_dir / f.name)
-    fsync_dir(tag_dir)
     params = [_param_record(p, prepared, fragments) for p in meta["params"]]
     fingerprint = hashlib.sha256(f"{tag_dir}:{time.time_ns()}".encode()).hexdigest()[:32]
     run = RunRecord(meta["source"], meta["training"], meta["optimizer"], meta["lr_scheduler"], meta["client_state"])
@@ -326,8 +379,7 @@ def _commit(prepared: _Prepared, save_dir: Path, tag: str, reports: list[RankRep
                            {k: StoredTensor(k, s.begin, s.end, crcs[k][0], tuple(crcs[k][1]))
                             for k, s in prepared.files.spans.items() if s.file == f.name})
                for f in prepared.files.files]
-    commit_index(tag_dir, build_index(run, meta["aliases"], params, fingerprint, written))
-    commit_latest(save_dir, tag)
+    return build_index(run, meta["aliases"], params, fingerprint, written)
 
 
 def _prune(save_dir: Path, keep: int) -> None:
@@ -341,7 +393,7 @@ def _prune(save_dir: Path, keep: int) -> None:
         logger.info("ucp: removed %s (\"keep\": %d)", tag, keep)
 
 
-def _param_record(p: dict[str, Any], prepared: _Prepared, fragments: dict[str, list[tuple[int, int, int]]]
+def _param_record(p: dict[str, Any], prepared: Prepared, fragments: dict[str, list[tuple[int, int, int]]]
                   ) -> ParamRecord:
     """The parameter's index record; its pattern says how the ranks held it (as `ucp convert` records it)."""
     shape = tuple(p["shape"])
@@ -392,11 +444,13 @@ def wait(engine: DeepSpeedEngine) -> SaveStats | None:
 @dataclass(frozen=True)
 class SaveEvery:
     """The `"save"` section of the `"ucp"` config: save into `dir` after every `every`-th optimizer step, and
-    keep the newest `keep` committed checkpoints there (all when None; `ucp.elastic.resume.prune`)."""
+    keep the newest `keep` committed checkpoints there (all when None; `ucp.elastic.resume.prune`); with
+    `memory`, save into the host-memory tier too (`ucp.deepspeed.memory_tier`)."""
 
     dir: str
     every: int
     keep: int | None = None
+    memory: MemoryEvery | None = None
 
     @classmethod
     def from_config(cls, options: object) -> SaveEvery:
@@ -410,15 +464,17 @@ class SaveEvery:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 what = "optimizer steps" if key == "every" else "checkpoints to keep (at least 1)"
                 raise ConfigError(f'"ucp": {{"save": {{"{key}": {value!r}}}}}: must be a positive number of {what}')
-        unknown = set(options) - {"dir", "every", "keep"}
+        unknown = set(options) - {"dir", "every", "keep", "memory"}
         if unknown:
             raise ConfigError(f'"ucp": {{"save": ...}}: unknown key {sorted(unknown)[0]!r}; known: "dir", "every", '
-                              '"keep"')
+                              '"keep", "memory"')
         local_path(options["dir"], '"ucp": {"save": {"dir": ...}}')
-        return cls(os.fspath(options["dir"]), options["every"], options.get("keep"))
+        memory = MemoryEvery.from_config(options["memory"], os.fspath(options["dir"])) if "memory" in options else None
+        return cls(os.fspath(options["dir"]), options["every"], options.get("keep"), memory)
 
     def install(self, engine: DeepSpeedEngine) -> None:
-        """Wrap `engine.step` to save after every `every`-th optimizer step.
+        """Wrap `engine.step` to save after every `every`-th optimizer step (and into the memory tier, which the
+        caller attached to the engine's saver, after every `memory.every`-th).
 
         Client state for these saves is read from `engine.ucp_client_state` (a dict) when set;
         `engine.ucp_save_dir` says where they go.
@@ -431,8 +487,13 @@ class SaveEvery:
 
         def step_and_save(*args: Any, **kwargs: Any) -> Any:
             result = step(*args, **kwargs)
-            if engine.global_steps % self.every == 0 and engine.global_steps != saver.last_step:
-                saver.save(self.dir, None, getattr(engine, "ucp_client_state", None), True)
+            steps, client_state = engine.global_steps, getattr(engine, "ucp_client_state", None)
+            memory = saver.memory
+            if (self.memory is not None and memory is not None and steps % self.memory.every == 0
+                    and steps != memory.last_step):
+                saver.save_memory(client_state)
+            if steps % self.every == 0 and steps != saver.last_step:
+                saver.save(self.dir, None, client_state, True)
             return result
 
         engine.step = step_and_save

@@ -7,7 +7,8 @@
   (DeepSpeed refuses a train_batch_size that is not micro x accumulation x world).
 * `resume_auto` loads the newest committed checkpoint of the save folder that passes its checks, falling
   back to older ones with a warning naming both (the newer ones are set aside as `<tag>.damaged`), or
-  starts fresh; every rank takes the same decision.
+  starts fresh; every rank takes the same decision. With the memory tier, a newer memory checkpoint that
+  the nodes hold completely is tried first (`ucp.deepspeed.memory_resume`).
 * `StepBook` wraps `engine.step`: after each optimizer step it keeps `global_samples` at B per step
   (DeepSpeed adds its nominal train_batch_size), records the job's progress, and after the first step
   of a restarted job logs what the restart cost (`ucp.elastic.restart`).
@@ -23,8 +24,10 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from ucp.deepspeed.memory_files import MemoryEvery
+from ucp.deepspeed.memory_resume import memory_resume_point
 from ucp.elastic.restart import Progress, RestartReport, read_progress, record_progress
-from ucp.elastic.resume import candidates, set_aside
+from ucp.elastic.resume import candidates, set_aside, tag_step
 from ucp.elastic.shares import BATCH_KEYS, ElasticBatch
 from ucp.errors import ConfigError, CorruptCheckpointError, UnsupportedLayoutError
 
@@ -85,8 +88,10 @@ class Resumed:
     load_s: float
 
 
-def resume_auto(engine, save_dir: str | os.PathLike, load: Callable[..., dict], **load_kwargs) -> Resumed:
-    """Load the newest committed checkpoint of `save_dir` that passes its checks, or start fresh.
+def resume_auto(engine, save_dir: str | os.PathLike, load: Callable[..., dict], memory: MemoryEvery | None = None,
+                **load_kwargs) -> Resumed:
+    """Load the newest committed checkpoint of `save_dir` that passes its checks, or start fresh; with `memory`,
+    a newer memory checkpoint that the nodes hold completely comes first (`ucp.deepspeed.memory_resume`).
 
     Rank 0 lists the candidates and every rank tries the same ones in the same order; `load` raises the
     same error on every rank, with the engine untouched (`check_first`), so all fall back together.
@@ -95,6 +100,15 @@ def resume_auto(engine, save_dir: str | os.PathLike, load: Callable[..., dict], 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(box, src=0)
     found = box[0]
+    in_memory = None  # this rank's node copy of the memory checkpoint tried first (each rank names its own)
+    if memory is not None:
+        newest = tag_step(Path(found[0])) if found else -1
+        fallback = (f"resuming from the disk tier ({found[0]}, step {newest})" if found
+                    else "starting fresh (no disk checkpoint)")
+        point = memory_resume_point(memory, newest, fallback)
+        if point is not None:
+            in_memory = str(point)
+            found = [in_memory, *found]
     failed: list[tuple[str, str]] = []
     for path in found:
         began = time.perf_counter()
@@ -107,10 +121,11 @@ def resume_auto(engine, save_dir: str | os.PathLike, load: Callable[..., dict], 
                 logger.warning("ucp: %s fails its checks (%s); %s", path, exc,
                                f"falling back to {later}" if later else "no older committed checkpoint is left")
             continue
-        if failed and _rank() == 0:
-            moved = set_aside([Path(p) for p, _ in failed], Path(path))
+        on_disk = [Path(p) for p, _ in failed if p != in_memory]
+        if on_disk and _rank() == 0:
+            moved = set_aside(on_disk, Path(path))
             logger.warning("ucp: set aside %s, so that training saves those steps again", ", ".join(map(str, moved)))
-        if failed and dist.is_available() and dist.is_initialized():
+        if on_disk and dist.is_available() and dist.is_initialized():
             dist.barrier()  # every rank's first save comes after the renames
         if _rank() == 0:
             logger.warning("ucp: resuming from %s (step %d) on %d ranks", path, engine.global_steps, world_size())

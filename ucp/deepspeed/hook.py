@@ -19,7 +19,9 @@ committed, and runs at exit too; see `ucp.deepspeed.async_save`). The `"ucp"` co
   else to call), and moves `<dir>/latest` once each is committed; with `keep`, only the newest `keep`
   committed checkpoints stay (never the one `latest` names, nor one being read). A save that finds
   the previous one still writing waits for it, with a warning. Client state for these saves is
-  `engine.ucp_client_state` (a dict) when set. Data parallelism (ZeRO 0-3) only.
+  `engine.ucp_client_state` (a dict) when set. Data parallelism (ZeRO 0-3) only. With
+  `"memory": {"every": k, "replicas": r, "dir": ...}` it also saves every k steps into each node's host
+  memory, with copies on r other nodes, which `"auto"` prefers when newer (`ucp.deepspeed.memory_tier`).
 * `elastic` (dict): `{"global_batch": B, "micro_batch": m}` sets DeepSpeed's batch keys for the
   current world size so that every optimizer step sees the same B samples at any world size, in
   uneven shares where B does not divide (`ucp.elastic.shares`); pair it with
@@ -99,7 +101,7 @@ import torch.distributed as dist
 
 from ucp import errors
 from ucp.checkpoint import AtomicCheckpoint, Checkpoint, open_checkpoint
-from ucp.deepspeed.async_save import SaveEvery, SaveStats, save, wait
+from ucp.deepspeed.async_save import SaveEvery, SaveStats, save, saver_for, wait
 from ucp.deepspeed.autotp import with_tensor_parallel
 from ucp.deepspeed.config import AUTO, load_options, ucp_options, without_ucp
 from ucp.deepspeed.elastic import (
@@ -111,6 +113,7 @@ from ucp.deepspeed.elastic import (
     world_size,
 )
 from ucp.deepspeed.load_source import Source, box_numel, source_for
+from ucp.deepspeed.memory_tier import MemoryTier
 from ucp.deepspeed.placement import as_layout, place_by_layout
 from ucp.deepspeed.readers import assign_readers
 from ucp.deepspeed.targets import OPTIMIZER_STATES, Target, TargetTensor, module_aliases, target_for
@@ -191,12 +194,16 @@ def initialize(*args: Any, **kwargs: Any) -> Any:
     resumed = None
     if auto_dir is not None:
         warn_shared_rendezvous_store()
-        resumed = resume_auto(engine, auto_dir, load, **load_options(options))
+        memory = save_every.memory if save_every is not None else None
+        resumed = resume_auto(engine, auto_dir, load, memory, **load_options(options))
     elif options.get("load"):
         load(engine, options["load"], **load_options(options))
     if batch is not None or auto_dir is not None:
         StepBook(engine, batch, auto_dir, resumed, called).install()
     if save_every is not None:
+        if save_every.memory is not None:
+            saver = saver_for(engine)
+            saver.memory = MemoryTier(saver, save_every.memory, engine.global_steps)
         save_every.install(engine)
     return result
 

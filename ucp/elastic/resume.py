@@ -28,7 +28,7 @@ def candidates(save_dir: str | os.PathLike[str]) -> list[Path]:
     """The committed checkpoints of `save_dir`, newest (highest step) first. A save killed between its index
     and `latest` leaves `latest` one behind: the newest committed is still the newest."""
     committed = [tag for tag in _tags(Path(save_dir)) if (tag / INDEX_NAME).is_file()]
-    return sorted(committed, key=lambda tag: -_order(tag))
+    return sorted(committed, key=lambda tag: -tag_step(tag))
 
 
 def set_aside(failed: list[Path], loaded: Path) -> list[Path]:
@@ -55,9 +55,9 @@ def prune(save_dir: str | os.PathLike[str], keep: int) -> list[Path]:
     committed = candidates(save_dir)
     if not committed:
         return []
-    latest, newest = _latest_name(save_dir), max(_order(tag) for tag in committed)
+    latest, newest = _latest_name(save_dir), max(tag_step(tag) for tag in committed)
     doomed = committed[keep:] + [tag for tag in _tags(save_dir)
-                                 if not (tag / INDEX_NAME).is_file() and _order(tag) < newest]
+                                 if not (tag / INDEX_NAME).is_file() and tag_step(tag) < newest]
     removed = []
     for tag in doomed:
         if tag.name == latest:
@@ -79,9 +79,10 @@ def _tags(save_dir: Path) -> list[Path]:
             if p.is_dir() and not p.is_symlink() and _STEP_TAG.fullmatch(p.name) is not None]
 
 
-def _order(tag: Path) -> int:
+def tag_step(tag: Path) -> int:
+    """The step a tag folder `global_step<N>` names; -1 for any other name."""
     match = _STEP_TAG.fullmatch(tag.name)
-    return int(match.group(1)) if match is not None else -1  # every tag `_tags` lists matches
+    return int(match.group(1)) if match is not None else -1
 
 
 def _latest_name(save_dir: Path) -> str | None:

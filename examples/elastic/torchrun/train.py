@@ -36,12 +36,20 @@ def main() -> None:
     p.add_argument("--micro-batch", type=int, default=2, help="the most samples per forward pass")
     p.add_argument("--every", type=int, default=1, help="save every this many optimizer steps")
     p.add_argument("--keep", type=int, default=3, help="committed checkpoints to keep")
+    p.add_argument("--memory-every", type=int, help="also save into host memory every this many steps")
+    p.add_argument("--replicas", type=int, default=1, help="other nodes that keep a copy of each node's memory save")
+    p.add_argument("--memory-dir", help="each node's memory folder ($VARS expanded on the node; default /dev/shm)")
     p.add_argument("--losses-out", help="append each step's loss here (JSON lines, rank 0)")
     p.add_argument("--stock", action="store_true", help="negative control: DistributedSampler, no \"elastic\"")
     args = p.parse_args()
     deepspeed.init_distributed(dist_backend="gloo")   # CPU only
+    memory = None
+    if args.memory_every:
+        memory = {"every": args.memory_every, "replicas": args.replicas}
+        if args.memory_dir:
+            memory["dir"] = args.memory_dir
     train(Run(args.save_dir, args.steps, args.stage, args.global_batch, args.micro_batch, args.every, args.keep,
-              args.losses_out, args.stock))
+              args.losses_out, args.stock, memory=memory))
 
 
 if __name__ == "__main__":

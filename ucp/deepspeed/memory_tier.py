@@ -1,0 +1,195 @@
+"""The host-memory tier: every k steps each node keeps the newest checkpoint in memory, plus peer copies.
+
+    "ucp": {"load": "auto", "save": {"dir": "/ckpt/ucp", "every": 1000,
+                                     "memory": {"every": 50, "replicas": 1, "dir": "/dev/shm/ucp-job"}}}
+
+A node is the set of ranks whose memory directory is the same folder on the same host (by default
+`/dev/shm/ucp-<hash of the save dir>`, which outlives a worker process; `$VARS` in `dir` are expanded on
+each node). A memory save is an asynchronous save (`ucp.deepspeed.async_save`: the same snapshot buffer and
+writer thread) whose data files are node-private: each rank pwrites its pieces at their final offsets into
+its node's copy, so a node's data files are sparse and hold the byte ranges of its own ranks. Each rank also
+sends its snapshot to its peers on the next `replicas` nodes (`ucp.elastic.memory_plan.peer_pairs`), over the
+saver's own gloo group, and they pwrite it into their copies. Once every rank reported, rank 0 builds the
+index; each node commits its copy in the disk order: data files renamed, then the manifest
+(`ucp_memory.json`: which saving ranks' byte ranges the node holds), the index, `latest`; then it removes its
+older memory checkpoints. So a node holds at most two: the one being written and the last committed.
+
+`ucp.deepspeed.memory_resume` restores from these copies at any world size.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ucp.deepspeed.async_save import Prepared, RankReport, Saver, index_of
+from ucp.deepspeed.memory_files import MemoryEvery, node_key, write_manifest, write_ranges
+from ucp.deepspeed.save_writer import BackgroundSave, partial_path, write_pieces
+from ucp.elastic.memory_plan import held_by, nodes_of, peer_pairs
+from ucp.elastic.resume import prune, tag_step
+from ucp.errors import SaveError
+from ucp.format.fileio import tensor_bytes
+from ucp.format.folder import INDEX_NAME, commit_index, commit_latest, fsync_dir
+from ucp.format.index import Index
+
+logger = logging.getLogger("ucp.save")
+# A rank's snapshot as runs of bytes: (data file, begin, end, offset in the snapshot buffer).
+Runs = list[tuple[str, int, int, int]]
+
+
+class MemoryTier:
+    """A saver's memory tier: its nodes and peers, fixed when training starts (collectively)."""
+
+    def __init__(self, saver: Saver, config: MemoryEvery, step: int):
+        self.config = config
+        self.dir = config.path
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.last_step: int | None = step
+        # A writer thread and a gloo group of its own: a memory save never queues behind a disk save in flight,
+        # and the two writers' collectives never interleave.
+        self.job = BackgroundSave()
+        self.group = dist.new_group(saver.ranks, backend="gloo") if saver.group is not None else None
+        keys = _all_gather(node_key(self.dir), self.group)
+        self.nodes = [[saver.ranks[i] for i in node] for node in nodes_of(keys)]
+        self.pairs = peer_pairs(self.nodes, config.replicas)
+        self.node = next(n for n in self.nodes if saver.rank in n)
+        self.leader = saver.rank == self.node[0]
+        self.index = {rank: i for i, rank in enumerate(saver.ranks)}  # global rank -> place in the saving group
+        if config.replicas > len(self.nodes) - 1 and saver.leader:
+            logger.warning("ucp: the memory tier keeps %d peer copies of each node's pieces, not %d: this run has "
+                           "%d node(s); losing a node loses its memory checkpoint", len(self.nodes) - 1,
+                           config.replicas, len(self.nodes))
+        self._runs: tuple[Prepared, list[Runs]] | None = None
+        self._received: torch.Tensor | None = None
+        if self.leader:
+            self._drop_newer(step)
+        if self.group is not None:
+            dist.barrier(group=self.group)  # no rank writes a memory save before the stale ones are gone
+
+    def _drop_newer(self, step: int) -> None:
+        """Remove memory checkpoints newer than `step` (a run resumed from an older one goes another way)."""
+        for tag in self.dir.iterdir():
+            if tag.is_dir() and tag_step(tag) > step:
+                (tag / INDEX_NAME).unlink(missing_ok=True)
+                shutil.rmtree(tag, ignore_errors=True)
+
+    # -- the writer thread
+
+    def write(self, saver: Saver, prepared: Prepared, tag: str, meta: dict[str, Any] | None,
+              event: torch.cuda.Event | None) -> None:
+        tag_dir = self.dir / tag
+        report: RankReport = (None, None)
+        try:
+            if event is not None:
+                event.synchronize()
+            written = write_pieces(tag_dir, prepared.files.files, prepared.buffer, headers=self.leader)
+            report = ([(w.key, p.start, p.numel, w.begin, w.end, w.segments)
+                       for w, p in zip(written, prepared.buffer.pieces)], None)
+        except Exception as exc:
+            report = (None, f"rank {saver.rank}: {type(exc).__name__}: {exc}")
+        runs = self._all_runs(saver, prepared)
+        error = self._exchange(saver, prepared, tag_dir, runs)
+        if error is not None and report[1] is None:
+            report = (None, f"rank {saver.rank}: {error}")
+        gathered = _gather(report, saver.ranks[0], self.group)
+        reports = gathered if saver.leader else None
+        box: list[Any] = [None]
+        if reports is not None and meta is not None:
+            try:
+                index = index_of(prepared, tag_dir, reports, meta)
+                box = [(index, None)]
+            except Exception as exc:
+                box = [(None, str(exc) if isinstance(exc, SaveError) else f"{tag_dir}: {type(exc).__name__}: {exc}")]
+        if self.group is not None:
+            dist.broadcast_object_list(box, src=saver.ranks[0], group=self.group)
+        index, failure = box[0]
+        if failure is None and self.leader:
+            try:
+                self._commit(prepared, tag, index, runs)
+            except Exception as exc:
+                failure = f"{tag_dir}: {type(exc).__name__}: {exc}"
+        failures = [f for f in _all_gather(failure, self.group) if f is not None]
+        if failures:
+            raise SaveError(f"memory save {tag} failed: {failures[0]}; the node's previous memory checkpoint "
+                            "stays its newest")
+        logger.info("ucp: saved %s to host memory", tag)
+
+    def _all_runs(self, saver: Saver, prepared: Prepared) -> list[Runs]:
+        """Every rank's snapshot runs (they change only when the buffer does)."""
+        if self._runs is None or self._runs[0] is not prepared:
+            mine = [(r.file, r.begin, r.end, r.offset) for r in prepared.buffer.runs]
+            self._runs = (prepared, _all_gather(mine, self.group))
+            self._received = None
+        return self._runs[1]
+
+    def _exchange(self, saver: Saver, prepared: Prepared, tag_dir: Path, runs: list[Runs]) -> str | None:
+        """Send this rank's snapshot to its peers, receive theirs and write it into this node's copy."""
+        sends = [dst for src, dst in self.pairs if src == saver.rank]
+        sources = [src for src, dst in self.pairs if dst == saver.rank]
+        sizes = [sum(end - begin for _, begin, end, _ in runs[self.index[src]]) for src in sources]
+        if self._received is None or self._received.numel() != sum(sizes):
+            self._received = torch.empty(sum(sizes), dtype=torch.uint8)
+        works = [dist.isend(prepared.buffer.data, dst, group=self.group) for dst in sends]
+        offset = 0
+        for src, size in zip(sources, sizes):
+            works.append(dist.irecv(self._received.narrow(0, offset, size), src, group=self.group))
+            offset += size
+        try:
+            for work in works:
+                if work is not None:
+                    work.wait()
+            offset = 0
+            for src, size in zip(sources, sizes):
+                _write_runs(tag_dir, runs[self.index[src]], tensor_bytes(self._received)[offset:offset + size])
+                offset += size
+        except Exception as exc:
+            return f"peer copy: {type(exc).__name__}: {exc}"
+        return None
+
+    def _commit(self, prepared: Prepared, tag: str, index: Index, runs: list[Runs]) -> None:
+        """This node's copy: data files into place, then the manifest, the index, `latest`; older ones go."""
+        tag_dir = self.dir / tag
+        for f in prepared.files.files:
+            os.replace(partial_path(tag_dir, f.name), tag_dir / f.name)
+        fsync_dir(tag_dir)
+        holds = {str(self.index[r]): [[file, begin, end] for file, begin, end, _ in runs[self.index[r]]]
+                 for r in held_by(self.node, self.pairs)}
+        step = int(index.run.training["global_steps"])
+        write_manifest(tag_dir, {"tag": tag, "step": step, "fingerprint": index.run.source["fingerprint"],
+                                 "ranks": len(runs), "holds": holds,
+                                 "files": [[f.name, f.size, len(f.header)] for f in prepared.files.files]})
+        commit_index(tag_dir, index)
+        commit_latest(self.dir, tag)
+        prune(self.dir, 1)
+
+
+def _write_runs(tag_dir: Path, runs: Runs, data: memoryview) -> None:
+    """A peer's snapshot (its runs, back to back in `data`) into this node's partial data files."""
+    cursor = 0
+    parts: list[tuple[str, int, bytes | memoryview]] = []
+    for file, begin, end, _ in runs:
+        parts.append((partial_path(Path("."), file).name, begin, data[cursor:cursor + end - begin]))
+        cursor += end - begin
+    write_ranges(tag_dir, parts)
+
+
+def _gather(value: RankReport, dst: int, group: Any) -> list[RankReport]:
+    """Every rank's report on rank `dst` (a list of Nones elsewhere)."""
+    if group is None:
+        return [value]
+    out: list[RankReport] = [(None, None)] * dist.get_world_size(group)
+    dist.gather_object(value, out if dist.get_rank() == dst else None, dst=dst, group=group)
+    return out
+
+
+def _all_gather(value: Any, group: Any) -> list[Any]:
+    if group is None:
+        return [value]
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, value, group=group)
+    return out
