@@ -55,6 +55,8 @@ def main() -> None:
     p.add_argument("--every", type=int, default=4)
     p.add_argument("--global-batch", type=int, default=12)
     p.add_argument("--records", required=True)
+    p.add_argument("--memory-every", type=int, help="ucp: the host-memory tier every K steps, one peer copy")
+    p.add_argument("--memory-dir", help="ucp: each node's memory folder ($VARS expanded on each node)")
     p.add_argument("--load-universal", help="stock: DeepSpeed's universal checkpoint folder (its tag) to load")
     args = p.parse_args()
 
@@ -75,6 +77,8 @@ def main() -> None:
     if args.mode == "ucp":
         config["ucp"] = {"load": "auto", "save": {"dir": args.save_dir, "every": args.every, "keep": 2},
                          "elastic": {"global_batch": args.global_batch, "micro_batch": 1}}
+        if args.memory_every:
+            config["ucp"]["save"]["memory"] = {"every": args.memory_every, "replicas": 1, "dir": args.memory_dir}
     else:
         config.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=args.global_batch // world)
         if args.load_universal:

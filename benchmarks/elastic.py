@@ -12,10 +12,15 @@ Cases to 4 ranks on one machine:
     C  two ranks of one node lost    2 agents x 2 ranks: one agent killed (2 ranks go on)
     D  a node lost, then back        4 x 1: one agent killed, a new agent joins (4 ranks again)
     E  mixed                         4 x 1: a worker killed (4 ranks restart), an agent killed, one joins
+    M  C with the host-memory tier   2 x 2: memory every step, one peer copy (each agent its own folder in
+                                     /dev/shm); the survivors resume from memory, newer than the disk tier
 
 Reported per trace: total wall to finish, against the same run without failures; per event the time from the
 fault (the kill; for a join, the new agent's start) to the first step after it, split into detection and
 relaunch (to `ucp.deepspeed.initialize`), engine start-up, load and the first step, and the steps redone.
+
+`--memory` adds trace M and, for the overhead per memory save, the run without failures with memory saves every
+step (disk saves never) against the one without saves.
 
 Stock DeepSpeed's only path to a new world size, run by hand on the same model: `engine.save_checkpoint` ->
 `ds_to_universal.py` -> a new job with `{"checkpoint": {"load_universal": true}}`; its convert + load time is
@@ -94,10 +99,10 @@ def kill_tree(pid: int) -> None:
 class Agents:
     """torchrun elastic agents on this machine against one rendezvous store hosted here (so any may go)."""
 
-    def __init__(self, work: Path, args: list[str], per_node: int):
+    def __init__(self, work: Path, args: list[str], per_node: int, node_env: str | None = None):
         from torch.distributed import TCPStore
 
-        self.work, self.args, self.per_node = work, args, per_node
+        self.work, self.args, self.per_node, self.node_env = work, args, per_node, node_env
         self.port = free_port()
         self.store = TCPStore("127.0.0.1", self.port, is_master=True, multi_tenant=True, wait_for_workers=False)
         self.procs: list[subprocess.Popen] = []
@@ -109,7 +114,8 @@ class Agents:
                "--rdzv-conf=is_host=false,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3",
                "--max-restarts=10", "--monitor-interval=0.5", str(WORKER), *self.args]
         with open(self.work / f"agent{i}.log", "w") as log:
-            self.procs.append(subprocess.Popen(cmd, env=env(), stdout=log, stderr=subprocess.STDOUT,
+            extra = {self.node_env: str(i)} if self.node_env else {}  # the agent's "node", for its memory folder
+            self.procs.append(subprocess.Popen(cmd, env={**env(), **extra}, stdout=log, stderr=subprocess.STDOUT,
                                                start_new_session=True))
         return i
 
@@ -143,7 +149,10 @@ TRACES = {
     "C": (2, 2, [(6, "node", 1)]),
     "D": (1, 4, [(6, "node", 3), (10, "join", None)]),
     "E": (1, 4, [(5, "worker", 1), (7, "node", 3), (10, "join", None)]),
+    "M": (2, 2, [(6, "node", 1)]),
 }
+MEMORY_TRACES = {"M"}
+NODE_ENV = "UCP_BENCH_NODE"
 
 
 def run_trace(name: str, steps: int, every: int, work: Path) -> dict:
@@ -152,8 +161,13 @@ def run_trace(name: str, steps: int, every: int, work: Path) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     recs = out / "records.jsonl"
-    agents = Agents(out, ["--mode", "ucp", "--save-dir", str(out / "ckpt"), "--steps", str(steps), "--every",
-                          str(every), "--records", str(recs)], per_node)
+    args = ["--mode", "ucp", "--save-dir", str(out / "ckpt"), "--steps", str(steps), "--every", str(every),
+            "--records", str(recs)]
+    memory = None
+    if name in MEMORY_TRACES:
+        memory = Path(tempfile.mkdtemp(prefix="ucp-bench-", dir="/dev/shm"))
+        args += ["--memory-every", "1", "--memory-dir", f"{memory}/node${NODE_ENV}"]
+    agents = Agents(out, args, per_node, NODE_ENV if memory else None)
     began = time.time()
     faults = []
     try:
@@ -163,6 +177,8 @@ def run_trace(name: str, steps: int, every: int, work: Path) -> dict:
             wait_until(lambda: any(r.get("step", 0) >= after for r in records(recs)), 3600, f"step {after}")
             if kind == "node":
                 faults.append((kind, agents.lose_node(which)))
+                if memory is not None:  # the node's memory goes with it
+                    shutil.rmtree(memory / f"node{which}", ignore_errors=True)
             elif kind == "worker":
                 faults.append((kind, agents.lose_worker(which)))
             else:
@@ -173,6 +189,8 @@ def run_trace(name: str, steps: int, every: int, work: Path) -> dict:
         agents.wait()
     finally:
         agents.stop()
+        if memory is not None:
+            shutil.rmtree(memory, ignore_errors=True)
     wall = time.time() - began
     restarts = [r for r in records(recs) if "restart" in r]
     first_step_at = {}
@@ -189,19 +207,29 @@ def run_trace(name: str, steps: int, every: int, work: Path) -> dict:
                            "fault_to_first_step_s": first - at, "detection_s": called - at,
                            "startup_s": report["startup_s"], "load_s": report["load_s"],
                            "first_step_s": report["first_step_s"], "steps_redone": report["steps_redone"],
-                           "checkpoint_step": report["checkpoint_step"]})
+                           "checkpoint_step": report["checkpoint_step"],
+                           "tier": "memory" if memory is not None and str(report["checkpoint"]).startswith(str(memory))
+                           else "disk"})
     return {"trace": name, "wall_s": wall, "events": events_out}
 
 
-def run_plain(every: int, steps: int, work: Path, tag: str) -> dict:
+def run_plain(every: int, steps: int, work: Path, tag: str, memory_every: int | None = None) -> dict:
     """The same job without failures on 4 ranks (plain torchrun): wall, and the mean step time past the first."""
     out = work / tag
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     recs = out / "records.jsonl"
     began = time.time()
-    torchrun(["--mode", "ucp", "--save-dir", str(out / "ckpt"), "--steps", str(steps), "--every", str(every),
-              "--records", str(recs)], 4, out / "log")
+    memory = []
+    if memory_every:
+        folder = Path(tempfile.mkdtemp(prefix="ucp-bench-", dir="/dev/shm"))
+        memory = ["--memory-every", str(memory_every), "--memory-dir", str(folder)]
+    try:
+        torchrun(["--mode", "ucp", "--save-dir", str(out / "ckpt"), "--steps", str(steps), "--every", str(every),
+                  "--records", str(recs), *memory], 4, out / "log")
+    finally:
+        if memory:
+            shutil.rmtree(memory[-1], ignore_errors=True)
     times = [r["time"] for r in records(recs) if "step" in r]
     return {"wall_s": time.time() - began, "step_s": (times[-1] - times[1]) / (len(times) - 2)}
 
@@ -248,23 +276,30 @@ def markdown(results: dict) -> str:
              f"~112M-parameter Llama, ZeRO-1 fp32, global batch 12, {results['steps']} steps, "
              f"save every {results['every']}.", "",
              "| trace | wall | vs no failure | event | ranks | fault → first step | detection + relaunch | "
-             "start-up | load | first step | steps redone | load vs stock convert+load |",
+             "start-up | load (tier) | first step | steps redone | load vs stock convert+load |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for t in results["traces"]:
         for i, e in enumerate(t["events"]):
-            stock_s = stock["convert_s"] + stock["load_s"][str(e["new_world"])]
+            vs_stock = (f"{e['load_s'] / (stock['convert_s'] + stock['load_s'][str(e['new_world'])]):.3f}" if stock
+                        else "–")
             head = (f"{t['trace']} | {t['wall_s']:.0f} s | {t['wall_s'] / plain['every']['wall_s']:.2f}×" if i == 0
                     else " | | ")
             lines.append(f"| {head} | {e['event']} | {e['old_world']} → {e['new_world']} | "
                          f"{e['fault_to_first_step_s']:.1f} s | {e['detection_s']:.1f} s | {e['startup_s']:.1f} s | "
-                         f"{e['load_s']:.2f} s | {e['first_step_s']:.1f} s | {e['steps_redone']} | "
-                         f"{e['load_s'] / stock_s:.3f} |")
-    lines += ["", f"Stock path: ds_to_universal {stock['convert_s']:.1f} s; load_universal "
-              + ", ".join(f"{w} ranks {s:.1f} s" for w, s in stock["load_s"].items()) + ".",
-              f"No failure, 4 ranks: every {results['every']}: {plain['every']['wall_s']:.0f} s "
+                         f"{e['load_s']:.2f} s ({e.get('tier', 'disk')}, step {e['checkpoint_step']}) | "
+                         f"{e['first_step_s']:.1f} s | {e['steps_redone']} | "
+                         f"{vs_stock} |")
+    if stock:
+        lines += ["", f"Stock path: ds_to_universal {stock['convert_s']:.1f} s; load_universal "
+                  + ", ".join(f"{w} ranks {s:.1f} s" for w, s in stock["load_s"].items()) + "."]
+    lines += ["", f"No failure, 4 ranks: every {results['every']}: {plain['every']['wall_s']:.0f} s "
               f"({plain['every']['step_s']:.2f} s/step); every 1: {plain['every1']['step_s']:.2f} s/step; no saves: "
               f"{plain['none']['step_s']:.2f} s/step; saving every step slows training by "
               f"{plain['every1']['step_s'] / plain['none']['step_s'] - 1:+.1%}."]
+    if "memory1" in plain:
+        lines.append(f"Memory tier every step (one peer copy, no disk saves): {plain['memory1']['step_s']:.2f} s/step, "
+                     f"{plain['memory1']['step_s'] / plain['none']['step_s'] - 1:+.1%} against no saves (the disk save "
+                     f"every step: {plain['every1']['step_s'] / plain['none']['step_s'] - 1:+.1%}).")
     return "\n".join(lines)
 
 
@@ -273,6 +308,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--every", type=int, default=4)
     parser.add_argument("--traces", nargs="+", default=list(TRACES), choices=list(TRACES))
+    parser.add_argument("--memory", action="store_true",
+                        help="also trace M (host-memory tier) and the cost of a memory save every step")
+    parser.add_argument("--no-stock", action="store_true", help="skip the stock path (its column shows –)")
     parser.add_argument("--work", help="working folder (default: a temporary one, removed)")
     parser.add_argument("--json-out")
     parser.add_argument("--markdown-out")
@@ -280,12 +318,17 @@ def main() -> None:
     work = Path(args.work or tempfile.mkdtemp(prefix="ucp-elastic-bench-"))
     results = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores", "steps": args.steps,
                "every": args.every}
-    print("stock path (save, ds_to_universal, load_universal) ...", flush=True)
-    results["stock"] = stock_path(args.every, work)
+    results["stock"] = None
+    if not args.no_stock:
+        print("stock path (save, ds_to_universal, load_universal) ...", flush=True)
+        results["stock"] = stock_path(args.every, work)
     print("no failures: every K, every 1, no saves ...", flush=True)
     results["plain"] = {"every": run_plain(args.every, args.steps, work, "plain-every"),
                         "every1": run_plain(1, args.steps, work, "plain-every1"),
                         "none": run_plain(NO_SAVES, args.steps, work, "plain-none")}
+    if args.memory:
+        results["plain"]["memory1"] = run_plain(NO_SAVES, args.steps, work, "plain-memory1", memory_every=1)
+        args.traces = [*args.traces, *sorted(MEMORY_TRACES - set(args.traces))]
     results["traces"] = []
     for name in args.traces:
         print(f"trace {name} ...", flush=True)
