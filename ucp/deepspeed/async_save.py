@@ -15,6 +15,10 @@ A save, on every rank of the data-parallel group:
 3. (rank 0's writer) when every rank reported success: renames the data files into place, commits
    the index, then points `<dir>/latest` at the new tag, and tells the other ranks the outcome.
 
+Into object storage (`s3://bucket/prefix`) step 2 writes a local staging copy and uploads it as one multipart
+upload per data file, each part by one rank, and step 3 completes the uploads before the index object and
+`latest` (`ucp.deepspeed.object_save`).
+
 Each checkpoint has its own folder `<dir>/<tag>`, and `latest` moves only after its index is
 committed, so a crash, a killed process or a full disk mid-save leaves the previous checkpoint the
 latest and loadable, and the new folder without an index ("incomplete checkpoint at ...").
