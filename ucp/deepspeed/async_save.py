@@ -294,7 +294,6 @@ class Saver:
             got = object_save.to_peers([(error, mine) for mine in sends], self.group)
             error = error or next((e for e, _ in got if e), None)  # every rank knows whether any failed
             if error is None and staging is not None:  # staged (no error) on every rank
-                object_save.write_ranges(staging, [piece for _, theirs in got for piece in theirs])
                 opened: dict[str, str] | str = {}
                 if self.leader:
                     try:
@@ -307,6 +306,7 @@ class Saver:
                 else:
                     uploads = dict(opened)
                     try:
+                        object_save.write_ranges(staging, [piece for _, theirs in got for piece in theirs])
                         etags = object_save.upload_mine(staging, tag_dir, uploads, parts, me)
                     except Exception as exc:
                         error = f"rank {self.rank}: {type(exc).__name__}: {exc}"
