@@ -2,7 +2,9 @@
 127.0.0.1 behind a counting, fault-injecting proxy (support/s3_proxy.py): `ucp convert --output s3://`, then
 verify, inspect, `open_checkpoint` and a 2-rank hook load from `s3://`, each equal to the same checkpoint
 converted locally; the bytes each rank reads counted at the HTTP level; throttling and 500s retried; an upload
-that fails midway leaves no index and no parts; wrong credentials and a missing bucket give one line.
+that fails midway leaves no index and no parts; wrong credentials and a missing bucket give one line. Training
+saves asynchronously to s3:// with "keep" and resumes from there with "load": "auto"; a save whose uploads fail
+commits nothing and leaves no parts.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ import pytest
 import torch
 
 import ucp
-from support.checkpoints import TinySpec, ucp_resume, uninterrupted_losses
+from support.checkpoints import TinySpec, run_tiny, ucp_resume, uninterrupted_losses
 from support.s3_proxy import Fault, S3Proxy
 from test_zero_conversion import compare_loads
 from ucp.cli.main import main as cli_main
@@ -247,3 +249,109 @@ def test_a_missing_bucket_and_wrong_credentials_give_one_line(s3, converted, mon
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and converted.url in err and "access refused" in err, err
     assert "wrong-secret-value" not in err and "WRONGKEYID" not in err
+
+
+# -- asynchronous saves to s3:// ("ucp": {"save": {"dir": "s3://...", "keep": N}}) and "load": "auto" ---------
+
+SAVE_SPEC = TinySpec(stage=2, steps=0)  # 2 ranks at ZeRO-2: every data file has parts of both ranks
+
+
+def s3_save_run(url: str, steps: int, ckpt_root: Path, tmp_path: Path, name: str, keep: int | None = 2):
+    """train_tiny.py on 2 ranks with `"save": {"dir": url, "every": 1, "keep": keep}` and `"load": "auto"`."""
+    extra = ["--ucp-save-dir", url, "--ucp-save-every", "1", "--ucp-load", "auto"]
+    extra += [] if keep is None else ["--ucp-save-keep", str(keep)]
+    return run_tiny(SAVE_SPEC, tmp_path / name, steps=steps, save=False, extra_args=extra)
+
+
+def tags_in(s3, prefix: str) -> set[str]:
+    return {k[len(prefix):].split("/")[0] for k in keys(s3, prefix)}
+
+
+def test_async_saves_to_s3_keep_the_newest_two_and_auto_resume_continues_the_run(s3, ckpt_root, tmp_path, capsys):
+    """Saves every step to s3:// with "keep": 2, then "load": "auto" from there: the resumed run's losses are the
+    uninterrupted run's (fp32, same layout); each save commits by object order (data objects, then the index,
+    then `latest`), the bucket holds the 2 newest checkpoints and `latest` only, and no upload is left open."""
+    url, prefix = f"s3://{BUCKET}/train", "train/"
+    s3.proxy.reset()
+    first = s3_save_run(url, 3, ckpt_root, tmp_path, "first")
+    straight = uninterrupted_losses(SAVE_SPEC, 5, ckpt_root)  # the run the test above compares with (cached)
+    assert first.losses == straight[:3]  # saving does not disturb training, to the bit
+    assert tags_in(s3, prefix) == {"global_step2", "global_step3", "latest"}
+    writes = [r for r in s3.proxy.seen if r.method in ("PUT", "POST", "DELETE") and r.status < 300]
+    for step in range(1, 4):
+        tag = f"/{BUCKET}/train/global_step{step}/"
+        completed = [i for i, r in enumerate(writes) if r.path.startswith(tag) and r.method == "POST"
+                     and "uploadId" in r.query]
+        index = [i for i, r in enumerate(writes) if r.path == tag + "ucp_index.json" and r.method == "PUT"]
+        latest = [i for i, r in enumerate(writes) if r.path == f"/{BUCKET}/train/latest" and r.method == "PUT"]
+        assert completed and len(index) == 1 and max(completed) < index[0] < latest[step - 1], step
+        # "keep": 2 deleted step 1, index first (control: it was committed)
+        deleted = [i for i, r in enumerate(writes) if r.path.startswith(tag) and r.method == "DELETE"]
+        assert bool(deleted) == (step == 1) and (not deleted or writes[deleted[0]].path == tag + "ucp_index.json")
+    assert {r.rank for r in writes if "partNumber" in r.query} == {0, 1}  # each rank uploads parts of its own
+    assert open_uploads(s3) == []
+    for step in (2, 3):
+        assert cli_main(["verify", f"{url}/global_step{step}"]) == 0
+    assert cli_main(["verify", url]) == 0  # its `latest`
+    assert capsys.readouterr().out.count(": OK") == 3
+
+    resumed = s3_save_run(url, 2, ckpt_root, tmp_path, "resumed")
+    log = (tmp_path / "resumed" / "train.log").read_text()
+    assert f"resuming from {url}/global_step3 (step 3)" in log
+    assert resumed.losses == pytest.approx(straight[3:5], rel=1e-6)
+    assert tags_in(s3, prefix) == {"global_step4", "global_step5", "latest"}
+    assert s3.client.get_object(Bucket=BUCKET, Key="train/latest")["Body"].read() == b"global_step5"
+    assert open_uploads(s3) == []
+    assert cli_main(["verify", f"{url}/global_step4"]) == 0 and cli_main(["verify", url]) == 0
+
+
+def test_a_save_whose_uploads_fail_commits_nothing_and_training_is_told(s3, ckpt_root, tmp_path, capsys):
+    """Part uploads of step 2's save refused (after two went up): the save aborts its uploads and commits
+    nothing, `latest` stays at step 1, and the next save raises the failure in training, as a full disk does."""
+    url, prefix = f"s3://{BUCKET}/failing", "failing/"
+    s3.proxy.reset()
+    s3.proxy.faults.append(Fault(403, "AccessDenied", 1000, lambda m, p, q: m == "PUT" and "partNumber" in q
+                                 and p.startswith(f"/{BUCKET}/failing/global_step2/"), skip=2))
+    with pytest.raises(RuntimeError):
+        s3_save_run(url, 3, ckpt_root, tmp_path, "failing", keep=None)
+    log = (tmp_path / "failing" / "train.log").read_text()
+    assert f"{url}/global_step2: not committed, rank" in log and "AccessDenied" in log, log[-3000:]
+    assert s3.proxy.injected > 0
+    uploaded = [r for r in s3.proxy.seen if "partNumber" in r.query and r.status == 200 and "global_step2" in r.path]
+    assert uploaded, "no part went up before the fault: the abort would have nothing to remove"  # control
+    assert tags_in(s3, prefix) == {"global_step1", "latest"}
+    assert s3.client.get_object(Bucket=BUCKET, Key="failing/latest")["Body"].read() == b"global_step1"
+    assert open_uploads(s3) == []
+    assert cli_main(["verify", url]) == 0
+    assert f"{url}/global_step1: OK" in capsys.readouterr().out
+
+
+def test_auto_and_keep_over_an_object_store_prefix(s3, converted):
+    """`candidates`, `set_aside` and `prune` (ucp.elastic.resume) on an s3:// save prefix, without training:
+    copies of the converted checkpoint as tags 1 and 2, and a tag 0 that never committed (data, no index)."""
+    from ucp.elastic.resume import candidates, prune, set_aside
+    from ucp.format.folder import commit_latest
+    from ucp.format.locations import location
+
+    def copy_tag(tag: str, skip_index: bool = False) -> None:
+        for key in keys(s3, "run1/"):
+            if not (skip_index and key.endswith("ucp_index.json")):
+                s3.client.copy_object(Bucket=BUCKET, Key=f"saves/{tag}/{key[len('run1/'):]}",
+                                      CopySource={"Bucket": BUCKET, "Key": key})
+
+    for tag, partial in (("global_step0", True), ("global_step1", False), ("global_step2", False)):
+        copy_tag(tag, partial)
+    url, data = location(f"s3://{BUCKET}/saves"), sorted(k[len("run1/"):] for k in keys(s3, "run1/"))
+    assert candidates(url) == [url / "global_step2", url / "global_step1"]  # committed only, newest first
+    set_aside([url / "global_step2"], url / "global_step1")  # as "auto" does after step 2 failed its checks
+    assert tags_in(s3, "saves/") == {"global_step0", "global_step1", "global_step2.damaged", "latest"}
+    assert sorted(k[len("saves/global_step2.damaged/"):] for k in keys(s3, "saves/global_step2.damaged/")) == data
+    assert s3.client.get_object(Bucket=BUCKET, Key="saves/latest")["Body"].read() == b"global_step1"
+    assert candidates(url) == [url / "global_step1"]
+    copy_tag("global_step3")
+    # "keep": 1 keeps step 3, and step 1 too, which `latest` names; the uncommitted step 0 goes
+    assert prune(url, 1) == [url / "global_step0"]
+    assert tags_in(s3, "saves/") == {"global_step1", "global_step2.damaged", "global_step3", "latest"}
+    commit_latest(url, "global_step3")
+    assert prune(url, 1) == [url / "global_step1"]  # control: no longer named by `latest`, it goes
+    assert tags_in(s3, "saves/") == {"global_step2.damaged", "global_step3", "latest"}

@@ -155,6 +155,8 @@ def parse_args(argv=None):
                    help="save asynchronously with ucp into this folder (config \"ucp\": {\"save\": ...}); the run "
                    "waits for the last save before it ends")
     p.add_argument("--ucp-save-every", type=int, default=1, help="with --ucp-save-dir: every K optimizer steps")
+    p.add_argument("--ucp-save-keep", type=int, default=None,
+                   help="with --ucp-save-dir: keep this many committed checkpoints (\"keep\")")
     p.add_argument("--ucp-save-faults", metavar="DIR", default=None,
                    help="with --ucp-save-dir: files in DIR stall or fail the saves' writers (support/save_faults.py)")
     p.add_argument("--ucp-expect-error", type=str, default=None,
@@ -349,6 +351,8 @@ def main(argv=None):
             config["ucp"].update(load=args.ucp_load, bypass=not args.ucp_no_bypass)
         if args.ucp_save_dir:
             config["ucp"]["save"] = {"dir": args.ucp_save_dir, "every": args.ucp_save_every}
+            if args.ucp_save_keep is not None:
+                config["ucp"]["save"]["keep"] = args.ucp_save_keep
         engine, _, _, _ = ucp.deepspeed.initialize(model=model, model_parameters=model.param_groups(),
                                                    config=config)
         engine.ucp_client_state = dict(CLIENT_STATE)  # what the periodic saves record as client state
@@ -358,7 +362,7 @@ def main(argv=None):
             install(args.ucp_save_faults)
     else:
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.param_groups(), config=config)
-    if args.ucp_load:
+    if args.ucp_load and (args.ucp_load != "auto" or engine.global_steps > 0):  # "auto" may start fresh
         if engine.ucp_load_stats.client_state.get("client_marker") != CLIENT_STATE["client_marker"]:
             raise RuntimeError("client_state not restored by ucp")
         if args.ucp_stats_out:

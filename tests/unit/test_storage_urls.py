@@ -76,10 +76,7 @@ def test_local_paths_pass_unchanged(path):
     lambda tmp: convert(tmp / "in", "s3://bucket/run1", resume=True, progress=False),
     lambda tmp: to_hf(tmp / "in", "s3://bucket/hf", progress=False),
     lambda tmp: to_dcp(tmp / "in", "s3://bucket/dcp", progress=False),
-    lambda tmp: SaveEvery.from_config({"dir": "s3://bucket/ckpt", "every": 1}),
-    lambda tmp: ucp.deepspeed.save(object(), "s3://bucket/ckpt"),
-], ids=["convert-input", "convert-output-deepspeed-format", "convert-output-resume", "to_hf", "to_dcp",
-        "save-config", "deepspeed.save"])
+], ids=["convert-input", "convert-output-deepspeed-format", "convert-output-resume", "to_hf", "to_dcp"])
 def test_entry_points_without_object_storage_refuse_s3_before_touching_disk(call, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(UnsupportedStorageError, match="s3://bucket/"):
@@ -92,8 +89,11 @@ def test_entry_points_without_object_storage_refuse_s3_before_touching_disk(call
     lambda tmp, url: convert(tmp / "in", url, progress=False),
     lambda tmp, url: ucp.open_checkpoint(url),
     lambda tmp, url: ucp.deepspeed.load(object(), url),
-], ids=["convert-output", "open_checkpoint", "deepspeed.load"])
+    lambda tmp, url: SaveEvery.from_config({"dir": url, "every": 1}),
+    lambda tmp, url: ucp.deepspeed.save(object(), url),
+], ids=["convert-output", "open_checkpoint", "deepspeed.load", "save-config", "deepspeed.save"])
 def test_entry_points_with_object_storage_refuse_other_protocols(call, url, tmp_path, monkeypatch):
+    """s3:// is taken (tests/integration/test_s3.py); any other scheme is refused, nothing written."""
     monkeypatch.chdir(tmp_path)
     with pytest.raises(UnsupportedStorageError, match="s3://"):
         call(tmp_path, url)

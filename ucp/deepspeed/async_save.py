@@ -15,6 +15,10 @@ A save, on every rank of the data-parallel group:
 3. (rank 0's writer) when every rank reported success: renames the data files into place, commits
    the index, then points `<dir>/latest` at the new tag, and tells the other ranks the outcome.
 
+Into object storage (`s3://bucket/prefix`) step 2 writes a local staging copy and uploads it as one multipart
+upload per data file, each part by one rank, and step 3 completes the uploads before the index object and
+`latest` (`ucp.deepspeed.object_save`).
+
 Each checkpoint has its own folder `<dir>/<tag>`, and `latest` moves only after its index is
 committed, so a crash, a killed process or a full disk mid-save leaves the previous checkpoint the
 latest and loadable, and the new folder without an index ("incomplete checkpoint at ...").
@@ -31,7 +35,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -42,17 +46,19 @@ from ucp.convert.plan import BUFFER_STATE, WEIGHT_STATE
 from ucp.deepspeed.autotp import tp_size
 from ucp.deepspeed.memory_files import MemoryEvery
 from ucp.deepspeed.readers import assign_readers
-from ucp.deepspeed.save_files import SaveFiles, WrittenPiece, arrange_files, whole_crcs
+from ucp.deepspeed.save_files import SaveFiles, WrittenPiece, arrange_files, bytes_to_send, plan_parts, whole_crcs
 from ucp.deepspeed.save_writer import BackgroundSave, SavePiece, SnapshotBuffer, partial_path, write_pieces
 from ucp.deepspeed.targets import Target, TargetTensor, Zero3Target, module_aliases, target_for
 from ucp.elastic.resume import prune
-from ucp.errors import ConfigError, OutputExistsError, SaveError, UnsupportedLayoutError
+from ucp.errors import ConfigError, OutputExistsError, SaveError, UcpError, UnsupportedLayoutError
 from ucp.format import loss_scale
 from ucp.format.crc import CHUNK_BYTES
-from ucp.format.folder import INDEX_NAME, commit_index, commit_latest, fsync_dir, local_path, tensor_key
+from ucp.format.folder import INDEX_NAME, commit_index, commit_latest, fsync_dir, tensor_key
 from ucp.format.index import FORMAT_NAME, Index, RunRecord
+from ucp.format.locations import Location, ObjectPath, location
 from ucp.format.optimizer import optimizer_record
 from ucp.format.safetensors_stream import TORCH_DTYPES, StoredTensor, TensorSlot
+from ucp.format.storage import is_file
 from ucp.patterns.recognize import FragmentInfo, recognize
 
 if TYPE_CHECKING:
@@ -61,6 +67,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger("ucp.save")
 # What each rank's writer reports to rank 0: (key, start, numel, begin, end, segments) of each piece it wrote,
 # or the error that stopped it.
+T = TypeVar("T")
+B = TypeVar("B")
 RankReport = tuple[list[tuple[str, int, int, int, int, tuple[tuple[int, int, int], ...]]] | None, str | None]
 
 
@@ -134,16 +142,20 @@ class Saver:
         began = time.perf_counter()
         tag = tag or f"global_step{self.engine.global_steps}"
         self.job.wait_turn(tag)  # the buffer is reused: let the previous save finish (raises its failure)
-        save_dir = Path(save_dir).resolve()
-        tag_dir = save_dir / tag
-        if (tag_dir / INDEX_NAME).is_file():
+        place = location(save_dir)
+        folder = place.resolve() if isinstance(place, Path) else place
+        tag_dir = folder / tag
+        if is_file(tag_dir / INDEX_NAME):
             raise OutputExistsError(f"{tag_dir}: already holds a committed checkpoint; pass another tag or delete it")
         prepared, meta, event, stats = self._snapshot("disk", tag, tag_dir, client_state)
         self.last_step = self.engine.global_steps
         self.stats = stats
 
         def work() -> None:
-            self._write(prepared, save_dir, tag, meta, event)
+            if isinstance(folder, ObjectPath):
+                self._write_object(prepared, folder, tag, meta, event)
+            else:
+                self._write(prepared, folder, tag, meta, event)
             stats.durable_s = time.perf_counter() - began
 
         stats.snapshot_s = time.perf_counter() - began
@@ -172,11 +184,12 @@ class Saver:
         tier.job.start(tag, work)
         return stats
 
-    def _snapshot(self, tier: str, tag: str, tag_dir: Path, client_state: dict[str, Any] | None
+    def _snapshot(self, tier: str, tag: str, tag_dir: Location, client_state: dict[str, Any] | None
                   ) -> tuple[Prepared, dict[str, Any] | None, torch.cuda.Event | None, SaveStats]:
         """Copy this rank's pieces into the snapshot buffer (and on rank 0 take the metadata); training goes on
         once this returns."""
-        tag_dir.mkdir(parents=True, exist_ok=True)
+        if isinstance(tag_dir, Path):
+            tag_dir.mkdir(parents=True, exist_ok=True)
         prepared = self._prepare(tier)
         with torch.no_grad():
             prepared.buffer.fill([t.view(state) for t, state in prepared.sources])
@@ -237,7 +250,7 @@ class Saver:
                        for w, p in zip(written, prepared.buffer.pieces)], None)
         except Exception as exc:  # reported to rank 0, which then does not commit
             report = (None, f"rank {self.rank}: {type(exc).__name__}: {exc}")
-        reports = self._gather(report)
+        reports: list[RankReport] | None = self._gather(report)
         outcome = None
         if reports is not None and meta is not None:  # rank 0 of the group: it took the metadata and gathers
             try:
@@ -252,15 +265,92 @@ class Saver:
                             f"and save again, or delete the incomplete {tag_dir})")
         logger.info("ucp: saved %s", tag_dir)
 
-    def _gather(self, report: RankReport) -> list[RankReport] | None:
+    def _write_object(self, prepared: Prepared, save_dir: ObjectPath, tag: str, meta: dict[str, Any] | None,
+                      event: torch.cuda.Event | None) -> None:
+        """`_write` into an object store (`ucp.deepspeed.object_save`): stage, exchange the bytes of shared parts,
+        upload each rank's parts, then rank 0 completes the uploads and writes the index object, then `latest`.
+        Every rank takes the same branch at each collective, whatever failed where."""
+        from ucp.deepspeed import object_save
+        from ucp.format.object_store import part_bytes
+
+        tag_dir, files, me = save_dir / tag, prepared.files.files, self.ranks.index(self.rank)
+        step = part_bytes()
+        staging, written, error = None, None, None
+        uploads: dict[str, str] = {}
+        etags: list[tuple[str, int, str]] = []
+        try:
+            runs = [(r.file, r.begin, r.end) for r in prepared.buffer.runs]
+            parts = plan_parts(files, self._all_gather(runs), step)
+            sends: list[list[tuple[str, int, bytes]]] = [[] for _ in self.ranks]
+            try:
+                staging = object_save.staging_dir()
+                if event is not None:
+                    event.synchronize()
+                written = write_pieces(staging, files, prepared.buffer, headers=True)
+                for uploader, name, begin, end in bytes_to_send(parts, runs, me, step):
+                    sends[uploader] += object_save.read_ranges(staging, [(name, begin, end)])
+            except Exception as exc:
+                error = f"rank {self.rank}: {type(exc).__name__}: {exc}"
+            got = object_save.to_peers([(error, mine) for mine in sends], self.group)
+            error = error or next((e for e, _ in got if e), None)  # every rank knows whether any failed
+            if error is None and staging is not None:  # staged (no error) on every rank
+                opened: dict[str, str] | str = {}
+                if self.leader:
+                    try:
+                        opened = object_save.open_uploads(save_dir, tag_dir, files)
+                    except Exception as exc:
+                        opened = f"rank {self.rank}: {type(exc).__name__}: {exc}"
+                opened = self._broadcast(opened)
+                if isinstance(opened, str):
+                    error = opened
+                else:
+                    uploads = dict(opened)
+                    try:
+                        object_save.write_ranges(staging, [piece for _, theirs in got for piece in theirs])
+                        etags = object_save.upload_mine(staging, tag_dir, uploads, parts, me)
+                    except Exception as exc:
+                        error = f"rank {self.rank}: {type(exc).__name__}: {exc}"
+            report: RankReport = (None, error) if error is not None or written is None else (
+                [(w.key, p.start, p.numel, w.begin, w.end, w.segments)
+                 for w, p in zip(written, prepared.buffer.pieces)], None)
+            reports = self._gather((report, etags))
+            outcome = None
+            if reports is not None and meta is not None:
+                try:
+                    index = index_of(prepared, tag_dir, [r for r, _ in reports], meta)
+                    object_save.complete(tag_dir, uploads, [e for _, mine in reports for e in mine], parts)
+                    commit_index(tag_dir, index)
+                    commit_latest(save_dir, tag)
+                except Exception as exc:
+                    outcome = str(exc) if isinstance(exc, SaveError) else f"{tag_dir}: {type(exc).__name__}: {exc}"
+                finally:
+                    object_save.abort(tag_dir, uploads)  # whatever is still open: the save failed
+                if outcome is None and self.keep is not None:
+                    _prune(save_dir, self.keep)
+            outcome = self._broadcast(outcome)
+        finally:
+            object_save.remove_staging(staging)
+        if outcome is not None:
+            raise SaveError(f"{outcome}; {save_dir / 'latest'} still names the previous checkpoint (fix the cause "
+                            "and save again; the next save removes what this one left)")
+        logger.info("ucp: saved %s", tag_dir)
+
+    def _gather(self, report: T) -> list[T] | None:
         """Every rank's report, on rank 0 of the group; None on the others."""
         if self.group is None:
             return [report]
-        out: list[RankReport] | None = [(None, None)] * len(self.ranks) if self.leader else None
+        out: list[T] | None = [report] * len(self.ranks) if self.leader else None
         dist.gather_object(report, out, dst=self.ranks[0], group=self.group)
         return out
 
-    def _broadcast(self, outcome: str | None) -> str | None:
+    def _all_gather(self, value: T) -> list[T]:
+        if self.group is None:
+            return [value]
+        out: list[T] = [value] * len(self.ranks)
+        dist.all_gather_object(out, value, group=self.group)
+        return out
+
+    def _broadcast(self, outcome: B) -> B:
         if self.group is None:
             return outcome
         box = [outcome]
@@ -283,7 +373,7 @@ def _dtype(t: torch.Tensor) -> str:
 
 # -- what the index says besides tensors, taken at snapshot time on rank 0 --------------------------------
 
-def _metadata(saver: Saver, prepared: Prepared, tag: str, tag_dir: Path,
+def _metadata(saver: Saver, prepared: Prepared, tag: str, tag_dir: Location,
               client_state: dict[str, Any] | None) -> dict[str, Any]:
     engine, target = saver.engine, saver.target
     groups, group_index = _param_groups(target)
@@ -360,7 +450,7 @@ def _commit(prepared: Prepared, save_dir: Path, tag: str, reports: list[RankRepo
     commit_latest(save_dir, tag)
 
 
-def index_of(prepared: Prepared, tag_dir: Path, reports: list[RankReport], meta: dict[str, Any]) -> Index:
+def index_of(prepared: Prepared, tag_dir: Location, reports: list[RankReport], meta: dict[str, Any]) -> Index:
     """The index of the save the ranks' `reports` describe (each rank's pieces must tile every tensor)."""
     failed = [error for _, error in reports if error]
     if failed:
@@ -382,11 +472,11 @@ def index_of(prepared: Prepared, tag_dir: Path, reports: list[RankReport], meta:
     return build_index(run, meta["aliases"], params, fingerprint, written)
 
 
-def _prune(save_dir: Path, keep: int) -> None:
+def _prune(save_dir: Location, keep: int) -> None:
     """Retention after a commit; a checkpoint that cannot be removed stays, said in the log (the save stands)."""
     try:
         removed = prune(save_dir, keep)
-    except OSError as exc:
+    except (OSError, UcpError) as exc:
         logger.warning("ucp: keeping old checkpoints in %s: %s", save_dir, exc)
         return
     for tag in removed:
@@ -427,7 +517,7 @@ def save(engine: DeepSpeedEngine, path: str | os.PathLike[str], tag: str | None 
     the checkpoint is committed). A save still writing when the next one starts is waited for,
     with a warning in the log. A failed save raises `SaveError` from the next `save` or `wait`.
     """
-    local_path(path, "ucp.deepspeed.save")  # a URL is refused before the engine is touched
+    location(path)  # a URL other than s3:// is refused before the engine is touched
     return saver_for(engine).save(path, tag, client_state, async_)
 
 
@@ -468,7 +558,7 @@ class SaveEvery:
         if unknown:
             raise ConfigError(f'"ucp": {{"save": ...}}: unknown key {sorted(unknown)[0]!r}; known: "dir", "every", '
                               '"keep", "memory"')
-        local_path(options["dir"], '"ucp": {"save": {"dir": ...}}')
+        location(options["dir"])  # a URL other than s3:// is refused in one line
         memory = MemoryEvery.from_config(options["memory"], os.fspath(options["dir"])) if "memory" in options else None
         return cls(os.fspath(options["dir"]), options["every"], options.get("keep"), memory)
 

@@ -30,6 +30,7 @@ from ucp.elastic.restart import Progress, RestartReport, read_progress, record_p
 from ucp.elastic.resume import candidates, set_aside, tag_step
 from ucp.elastic.shares import BATCH_KEYS, ElasticBatch
 from ucp.errors import ConfigError, CorruptCheckpointError, UnsupportedLayoutError
+from ucp.format.locations import Location, location
 
 logger = logging.getLogger("ucp.elastic")
 
@@ -83,7 +84,7 @@ def warn_shared_rendezvous_store() -> None:
 class Resumed:
     """What `resume_auto` loaded (path None: started fresh), its step, and how long the load took."""
 
-    path: Path | None
+    path: Location | None
     step: int
     load_s: float
 
@@ -102,7 +103,7 @@ def resume_auto(engine, save_dir: str | os.PathLike, load: Callable[..., dict], 
     found = box[0]
     in_memory = None  # this rank's node copy of the memory checkpoint tried first (each rank names its own)
     if memory is not None:
-        newest = tag_step(Path(found[0])) if found else -1
+        newest = tag_step(location(found[0])) if found else -1
         fallback = (f"resuming from the disk tier ({found[0]}, step {newest})" if found
                     else "starting fresh (no disk checkpoint)")
         point = memory_resume_point(memory, newest, fallback)
@@ -121,15 +122,15 @@ def resume_auto(engine, save_dir: str | os.PathLike, load: Callable[..., dict], 
                 logger.warning("ucp: %s fails its checks (%s); %s", path, exc,
                                f"falling back to {later}" if later else "no older committed checkpoint is left")
             continue
-        on_disk = [Path(p) for p, _ in failed if p != in_memory]
+        on_disk = [location(p) for p, _ in failed if p != in_memory]
         if on_disk and _rank() == 0:
-            moved = set_aside(on_disk, Path(path))
+            moved = set_aside(on_disk, location(path))
             logger.warning("ucp: set aside %s, so that training saves those steps again", ", ".join(map(str, moved)))
         if on_disk and dist.is_available() and dist.is_initialized():
             dist.barrier()  # every rank's first save comes after the renames
         if _rank() == 0:
             logger.warning("ucp: resuming from %s (step %d) on %d ranks", path, engine.global_steps, world_size())
-        return Resumed(Path(path), engine.global_steps, time.perf_counter() - began)
+        return Resumed(location(path), engine.global_steps, time.perf_counter() - began)
     if failed:
         listed = "; ".join(f"{p}: {e}" for p, e in failed)
         raise CorruptCheckpointError(f"{save_dir}: every committed checkpoint fails its checks ({listed}); restore "
@@ -146,7 +147,9 @@ class StepBook:
                  called: float):
         self.engine = engine
         self.batch = batch
-        self.progress_dir = progress_dir if _rank() == 0 else None
+        # Progress goes to a local save folder only: in an object store it would cost a request every step.
+        local = progress_dir is not None and isinstance(location(progress_dir), Path)
+        self.progress_dir = progress_dir if _rank() == 0 and local else None
         self.resumed = resumed
         self.called = called  # time.time() when ucp.deepspeed.initialize was called
         self.before = read_progress(self.progress_dir) if self.progress_dir else None

@@ -19,6 +19,7 @@ from typing import Any
 from ucp.elastic.resume import tag_step
 from ucp.errors import ConfigError, UnsupportedStorageError
 from ucp.format.folder import INDEX_NAME, PARTIAL_SUFFIX, fsync_dir, local_path
+from ucp.format.locations import url_scheme
 
 logger = logging.getLogger("ucp.save")
 MANIFEST_NAME = "ucp_memory.json"
@@ -52,7 +53,8 @@ class MemoryEvery:
                               "of any one node)")
         folder = options.get("dir")
         if folder is None:
-            job = hashlib.sha256(os.path.abspath(save_dir).encode()).hexdigest()[:12]
+            named = save_dir if url_scheme(save_dir) else os.path.abspath(save_dir)  # s3://...: the same on every node
+            job = hashlib.sha256(named.encode()).hexdigest()[:12]
             folder = f"/dev/shm/ucp-{job}"
         try:
             if not isinstance(folder, (str, os.PathLike)):

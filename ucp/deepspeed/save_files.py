@@ -119,3 +119,54 @@ def whole_crcs(files: SaveFiles, pieces: Iterable[WrittenPiece]) -> dict[str, tu
     if by_key:
         raise SaveError(f"a rank wrote '{next(iter(by_key))}', which the save's files do not hold{_SAME_MODEL}")
     return crcs
+
+
+# -- object storage: each data file one multipart upload, each part uploaded by one rank ---------------------
+
+@dataclass(frozen=True)
+class Part:
+    """Part `number` (from 1) of data file `file`: bytes [begin, end), uploaded by the rank at `uploader` in
+    the saving group (the one that holds most of its bytes; every rank knows the headers)."""
+
+    file: str
+    number: int
+    begin: int
+    end: int
+    uploader: int
+
+
+def plan_parts(files: Sequence[SaveFile], runs: Sequence[Sequence[tuple[str, int, int]]], part_bytes: int
+               ) -> list[Part]:
+    """Cut every file into parts of `part_bytes` (the last smaller) and give each part to the rank that holds
+    most of its bytes (the first such; the first rank for a part of header bytes only). `runs[i]` are the
+    disjoint (file, begin, end) byte ranges the group's i-th rank wrote. Every rank computes the same plan."""
+    held: dict[str, list[tuple[int, int, int]]] = {}
+    for rank, mine in enumerate(runs):
+        for name, begin, end in mine:
+            held.setdefault(name, []).append((begin, end, rank))
+    parts = []
+    for f in files:
+        owned = [[0] * len(runs) for _ in range(-(-f.size // part_bytes))]
+        for begin, end, rank in held.get(f.name, []):
+            for i in range(begin // part_bytes, (end - 1) // part_bytes + 1 if end > begin else 0):
+                owned[i][rank] += min(end, (i + 1) * part_bytes) - max(begin, i * part_bytes)
+        for i, counts in enumerate(owned):
+            parts.append(Part(f.name, i + 1, i * part_bytes, min(f.size, (i + 1) * part_bytes),
+                              counts.index(max(counts))))
+    return parts
+
+
+def bytes_to_send(parts: Sequence[Part], mine: Sequence[tuple[str, int, int]], me: int, part_bytes: int
+                  ) -> list[tuple[int, str, int, int]]:
+    """(uploader, file, begin, end) of each of this rank's byte ranges (`mine`) that lies in a part another
+    rank uploads: what this rank sends that rank before the upload."""
+    by_file: dict[str, list[Part]] = {}
+    for p in parts:
+        by_file.setdefault(p.file, []).append(p)
+    out = []
+    for name, begin, end in mine:
+        for i in range(begin // part_bytes, (end - 1) // part_bytes + 1 if end > begin else 0):
+            part = by_file[name][i]
+            if part.uploader != me:
+                out.append((part.uploader, name, max(begin, part.begin), min(end, part.end)))
+    return out

@@ -219,6 +219,56 @@ def delete(path: ObjectPath) -> None:
     _call(path, "deleting it", lambda: _client().delete_object(Bucket=path.bucket, Key=path.key))
 
 
+def list_folders(folder: ObjectPath) -> list[str]:
+    """The names of the sub-prefixes directly under prefix `folder` (the "folders" a listing with "/" shows)."""
+    prefix = f"{folder.key}/" if folder.key else ""
+    pages = _client().get_paginator("list_objects_v2").paginate(Bucket=folder.bucket, Prefix=prefix, Delimiter="/")
+    names: list[str] = []
+    for page in _call(folder, "listing it", lambda: list(pages)):
+        names += [item["Prefix"][len(prefix):].rstrip("/") for item in page.get("CommonPrefixes", [])]
+    return names
+
+
+def list_tree(folder: ObjectPath) -> list[str]:
+    """The keys of every object under prefix `folder`, at any depth."""
+    prefix = f"{folder.key}/" if folder.key else ""
+    pages = _client().get_paginator("list_objects_v2").paginate(Bucket=folder.bucket, Prefix=prefix)
+    return [item["Key"] for page in _call(folder, "listing it", lambda: list(pages))
+            for item in page.get("Contents", [])]
+
+
+def copy(source: ObjectPath, target: ObjectPath) -> None:
+    """Copy an object inside the store (server side; multipart when large)."""
+    _call(source, f"copying it to {target}",
+          lambda: _client().copy({"Bucket": source.bucket, "Key": source.key}, target.bucket, target.key))
+
+
+def start_upload(path: ObjectPath) -> str:
+    """Open a multipart upload of `path`; its id (the object appears only once `complete_upload` is called)."""
+    return str(_call(path, "starting a multipart upload",
+                     lambda: _client().create_multipart_upload(Bucket=path.bucket, Key=path.key))["UploadId"])
+
+
+def upload_parts(source: Path, path: ObjectPath, upload: str, parts: Sequence[tuple[int, int, int]]
+                 ) -> list[dict[str, Any]]:
+    """Upload each (part number, begin, end) of local file `source` as that part of `upload`, in parallel;
+    the parts' {"PartNumber", "ETag"} for `complete_upload`."""
+    pool = _client_and_pool()[1]
+    return _wait([pool.submit(_upload_part, source, path, upload, number, lo, hi) for number, lo, hi in parts])
+
+
+def complete_upload(path: ObjectPath, upload: str, parts: Sequence[dict[str, Any]]) -> None:
+    ordered = sorted(parts, key=lambda p: int(p["PartNumber"]))
+    _call(path, "completing its multipart upload",
+          lambda: _client().complete_multipart_upload(Bucket=path.bucket, Key=path.key, UploadId=upload,
+                                                      MultipartUpload={"Parts": ordered}))
+
+
+def abort_upload(path: ObjectPath, upload: str) -> None:
+    _call(path, "aborting its multipart upload",
+          lambda: _client().abort_multipart_upload(Bucket=path.bucket, Key=path.key, UploadId=upload))
+
+
 def upload_file(source: Path, path: ObjectPath) -> None:
     """Upload `source` to `path`; a file of more than `part_bytes()` goes up as a multipart upload, its parts in
     parallel, completed only when every part is up and aborted on any failure (no orphaned parts)."""

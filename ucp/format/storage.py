@@ -106,3 +106,36 @@ def delete(path: ObjectPath) -> None:
     from ucp.format import object_store
 
     object_store.delete(path)
+
+
+def list_folders(folder: Location) -> list[str]:
+    """The names of the folders directly inside `folder` (the sub-prefixes of a prefix); [] when none. Local
+    symbolic links to folders are left out."""
+    if isinstance(folder, ObjectPath):
+        from ucp.format import object_store
+
+        return object_store.list_folders(folder)
+    if not folder.is_dir():
+        return []
+    return [p.name for p in folder.iterdir() if p.is_dir() and not p.is_symlink()]
+
+
+def delete_tree(folder: ObjectPath) -> None:
+    """Delete every object under prefix `folder`."""
+    from ucp.format import object_store
+
+    for key in object_store.list_tree(folder):
+        object_store.delete(ObjectPath(folder.scheme, folder.bucket, key))
+
+
+def move_tree(source: ObjectPath, target: ObjectPath, last: str) -> None:
+    """Copy every object under prefix `source` to the same names under `target` (object `last`, the one that
+    commits, after the others), then delete `source`'s objects, `last` first. An object store has no rename."""
+    from ucp.format import object_store
+
+    prefix = f"{source.key}/"
+    names = sorted((k[len(prefix):] for k in object_store.list_tree(source)), key=lambda n: n == last)
+    for name in names:
+        object_store.copy(source / name, target / name)
+    for name in reversed(names):
+        object_store.delete(source / name)

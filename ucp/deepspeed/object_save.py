@@ -1,0 +1,137 @@
+"""The object-storage side of an asynchronous save (`ucp.deepspeed.save` to `s3://bucket/prefix`).
+
+An object cannot be written at offsets by several ranks, so each data file goes up as one multipart upload
+whose parts the ranks contribute (`ucp.deepspeed.save_files.plan_parts`): the file is cut into parts of
+`UCP_S3_PART_BYTES` (8 MiB by default; S3 takes parts of at least 5 MiB but the last) and each part is uploaded
+by the rank that holds most of its bytes. Each rank first writes its pieces into a local staging copy of the
+data files (sparse; `UCP_STAGING_DIR`, else the system's temporary folder; removed after the save), sends the
+few bytes it holds in parts other ranks upload to those ranks (one all-to-all over the saver's gloo group:
+only the parts where two ranks' ranges meet), then uploads its parts from its staging copy. Rank 0 opens the
+uploads and, once every rank reported its parts, completes them, writes the index object, then `latest`;
+on any failure it aborts every upload of the save, so no parts are left behind.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ucp.deepspeed.save_files import Part, SaveFile
+from ucp.deepspeed.save_writer import partial_path
+from ucp.format.locations import ObjectPath
+
+
+def staging_dir() -> Path:
+    return Path(tempfile.mkdtemp(prefix="ucp-save-staging-", dir=os.environ.get("UCP_STAGING_DIR")))
+
+
+def remove_staging(staging: Path | None) -> None:
+    if staging is not None:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def to_peers(payloads: Sequence[Any], group: Any) -> list[Any]:
+    """Send `payloads[i]` to the group's i-th rank (a collective over `group`); what each rank sent this one,
+    in group order. Without a group (one rank), `payloads` themselves."""
+    if group is None:
+        return list(payloads)
+    sent = [pickle.dumps(p) for p in payloads]
+    sizes = torch.tensor([len(s) for s in sent], dtype=torch.int64)
+    got = torch.empty_like(sizes)
+    dist.all_to_all_single(got, sizes, group=group)
+    flat = torch.frombuffer(bytearray(b"".join(sent)), dtype=torch.uint8)
+    received = torch.empty(int(got.sum()), dtype=torch.uint8)
+    dist.all_to_all_single(received, flat, got.tolist(), sizes.tolist(), group=group)
+    raw, out, offset = received.numpy().tobytes(), [], 0
+    for size in got.tolist():
+        out.append(pickle.loads(raw[offset:offset + size]))  # records this job's ranks made, as gather_object's
+        offset += size
+    return out
+
+
+def read_ranges(staging: Path, ranges: Sequence[tuple[str, int, int]]) -> list[tuple[str, int, bytes]]:
+    """The bytes of each (file, begin, end) of this rank's staging copy."""
+    out = []
+    for name, begin, end in ranges:
+        with open(partial_path(staging, name), "rb") as f:
+            out.append((name, begin, os.pread(f.fileno(), end - begin, begin)))
+    return out
+
+
+def write_ranges(staging: Path, pieces: Sequence[tuple[str, int, bytes]]) -> None:
+    """Put the bytes other ranks sent (file, offset, data) into this rank's staging copy."""
+    for name, offset, data in pieces:
+        fd = os.open(partial_path(staging, name), os.O_WRONLY)
+        try:
+            done = 0
+            while done < len(data):
+                done += os.pwrite(fd, data[done:], offset + done)
+        finally:
+            os.close(fd)
+
+
+def open_uploads(save_dir: ObjectPath, tag_dir: ObjectPath, files: Sequence[SaveFile]) -> dict[str, str]:
+    """Abort what an earlier save killed outright left open under `save_dir`, then open one multipart upload
+    per data file of this save; {file: upload id}. On failure the ones opened are aborted."""
+    from ucp.format import object_store
+
+    object_store.abort_uploads(save_dir)
+    uploads: dict[str, str] = {}
+    try:
+        for f in files:
+            uploads[f.name] = object_store.start_upload(tag_dir / f.name)
+    except BaseException:
+        abort(tag_dir, uploads)
+        raise
+    return uploads
+
+
+def upload_mine(staging: Path, tag_dir: ObjectPath, uploads: dict[str, str], parts: Sequence[Part], me: int
+                ) -> list[tuple[str, int, str]]:
+    """Upload the parts this rank uploads from its staging copy, in parallel; (file, part number, ETag) each."""
+    from ucp.format import object_store
+
+    done = []
+    for name in sorted({p.file for p in parts if p.uploader == me}):
+        mine = [(p.number, p.begin, p.end) for p in parts if p.file == name and p.uploader == me]
+        got = object_store.upload_parts(partial_path(staging, name), tag_dir / name, uploads[name], mine)
+        done += [(name, int(g["PartNumber"]), str(g["ETag"])) for g in got]
+    return done
+
+
+def complete(tag_dir: ObjectPath, uploads: dict[str, str], etags: Sequence[tuple[str, int, str]],
+             parts: Sequence[Part]) -> None:
+    """Complete every file's upload from the parts the ranks reported; the data objects appear."""
+    from ucp.errors import SaveError
+    from ucp.format import object_store
+
+    reported: dict[str, list[dict[str, Any]]] = {}
+    for name, number, etag in etags:
+        reported.setdefault(name, []).append({"PartNumber": number, "ETag": etag})
+    for name, upload in list(uploads.items()):
+        expected = sorted(p.number for p in parts if p.file == name)
+        if sorted(int(p["PartNumber"]) for p in reported.get(name, [])) != expected:
+            raise SaveError(f"{tag_dir / name}: the ranks uploaded parts {sorted(reported.get(name, []), key=str)}"
+                            f" of {len(expected)}; every rank must save the same model")
+        object_store.complete_upload(tag_dir / name, upload, reported[name])
+        del uploads[name]  # completed: nothing left to abort
+
+
+def abort(tag_dir: ObjectPath, uploads: dict[str, str]) -> None:
+    """Abort the uploads still open (best effort: the save's own error says what went wrong, and the next save
+    aborts whatever is still open under the save folder)."""
+    from ucp.format import object_store
+
+    for name, upload in uploads.items():
+        try:
+            object_store.abort_upload(tag_dir / name, upload)
+        except Exception:  # noqa: BLE001, S110  # see the docstring
+            pass
+    uploads.clear()
