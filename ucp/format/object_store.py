@@ -111,18 +111,24 @@ def _missing(exc: Exception) -> bool:
 
 def size(path: ObjectPath) -> int | None:
     """The object's size, or None when there is no such object (a missing bucket raises)."""
+    head = _unless_missing(path, "reading its size",
+                           lambda: _client().head_object(Bucket=path.bucket, Key=path.key))
+    return None if head is None else int(head["ContentLength"])
+
+
+def _unless_missing(path: ObjectPath, doing: str, request: Callable[[], T]) -> T | None:
+    """`request()`, or None when the object it asks for does not exist (a missing bucket raises its one line)."""
     from botocore.exceptions import BotoCoreError, ClientError
 
     try:
-        head = _client().head_object(Bucket=path.bucket, Key=path.key)
+        return request()
     except ClientError as exc:
         if _missing(exc):
             _check_bucket(path)
             return None
-        raise _error(exc, path, "reading its size") from None
+        raise _error(exc, path, doing) from None
     except BotoCoreError as exc:
-        raise _error(exc, path, "reading its size") from None
-    return int(head["ContentLength"])
+        raise _error(exc, path, doing) from None
 
 
 def _check_bucket(path: ObjectPath) -> None:
@@ -132,17 +138,9 @@ def _check_bucket(path: ObjectPath) -> None:
 
 def read_object(path: ObjectPath, limit: int | None = None) -> bytes | None:
     """The whole object (refused unread when larger than `limit`), or None when there is none."""
-    from botocore.exceptions import BotoCoreError, ClientError
-
-    try:
-        got = _client().get_object(Bucket=path.bucket, Key=path.key)
-    except ClientError as exc:
-        if _missing(exc):
-            _check_bucket(path)
-            return None
-        raise _error(exc, path, "reading it") from None
-    except BotoCoreError as exc:
-        raise _error(exc, path, "reading it") from None
+    got = _unless_missing(path, "reading it", lambda: _client().get_object(Bucket=path.bucket, Key=path.key))
+    if got is None:
+        return None
     nbytes = int(got["ContentLength"])
     if limit is not None and nbytes > limit:
         got["Body"].close()
