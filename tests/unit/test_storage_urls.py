@@ -113,3 +113,19 @@ def test_cli_refuses_urls_in_one_line_and_writes_nothing(argv, tmp_path):
     assert out.returncode == 2, out.stderr
     assert len(out.stderr.strip().splitlines()) == 1 and "://bucket/" in out.stderr, out.stderr
     assert sorted(os.listdir(tmp_path)) == ["IN"]
+
+
+@pytest.mark.parametrize("kind", [str, Path])
+def test_local_reads_fill_the_buffer_whether_named_by_str_or_path(kind, tmp_path):
+    """A local file named by a plain `str` (as callers outside ucp do) is read like a `Path`: the layer once
+    skipped it, leaving the caller's buffer as it was, so a checked read failed its checksum on intact bytes."""
+    from ucp.format.fileio import ReadCounter
+    from ucp.format.storage import read_ranges
+
+    data = os.urandom(4096)
+    (tmp_path / "f").write_bytes(data)
+    out = bytearray(1000)
+    counter = ReadCounter()
+    read_ranges([(kind(tmp_path / "f"), 123, memoryview(out))], counter)
+    assert bytes(out) == data[123:1123]
+    assert (counter.bytes, counter.calls) == (1000, 1)

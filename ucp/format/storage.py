@@ -53,15 +53,16 @@ def read_small(path: Location, limit: int | None = None, follow: bool = True) ->
 def read_ranges(reads: Sequence[tuple[Location, int, memoryview]], counter: ReadCounter | None = None) -> None:
     """Fill each (file, offset, buffer) with the file's bytes from offset. Local files are read in turn (the
     page cache makes that the fast path); objects by ranged GETs, a bounded number in flight. `counter` counts
-    the bytes and one call per read."""
+    the bytes and one call per read. Anything that is not an `ObjectPath` (a `Path`, or a `str` from a caller
+    outside ucp) is a local file."""
     objects = [(p, offset, view) for p, offset, view in reads if isinstance(p, ObjectPath) and len(view)]
     if objects:
         from ucp.format import object_store
 
         object_store.read_many(objects)
     for p, offset, view in reads:
-        if isinstance(p, Path) and len(view):
-            fd = open_regular(str(p))
+        if not isinstance(p, ObjectPath) and len(view):
+            fd = open_regular(os.fspath(p))
             try:
                 read_exactly(fd, str(p), view, offset)
             finally:
