@@ -6,7 +6,9 @@ its logits on a probe batch, and the losses of the steps it trained after saving
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import pickle
 import shutil
 from pathlib import Path
 
@@ -18,6 +20,7 @@ import ucp
 from support.checkpoints import SUPPORT_DIR
 from support.launch import run_torchrun
 from support.parallel import Family, build_family
+from support.s3_proxy import BUCKET
 from support.train_hf_model import OPTIMIZER, load_dcp, probe_ids
 from ucp.cli.main import main
 from ucp.convert import convert
@@ -325,3 +328,31 @@ def test_a_full_disk_mid_export_leaves_nothing_that_looks_complete(runs, small_t
     assert_one_line_error(["export", "--input", str(runs / "llama-z2" / "ckpt"), "--output", str(out), "--to", to,
                            "--quiet"], capsys, "no space left on device", "--output", code=3)  # the system refused
     assert list(small_tmpfs.iterdir()) == []  # no output, and the staging folder is gone
+
+
+@pytest.mark.parametrize("to", ["hf", "dcp"])
+def test_an_export_to_s3_is_the_local_export_with_the_file_its_reader_opens_uploaded_last(runs, s3, tmp_path,
+                                                                                         capsys, to):
+    """`ucp export --output s3://` (moto's server, tests/integration/test_s3.py): the objects are the local
+    export's files, byte for byte, and `config.json` (transformers) or `.metadata` (DCP) goes up last, so an
+    export cut short is never read as complete; a second export to the prefix is refused and changes nothing."""
+    ckpt, prefix = runs / "llama-z2" / "ckpt", f"export-{to}"
+    local = (to_hf if to == "hf" else to_dcp)(ckpt, tmp_path / "local", progress=False).output
+    s3.proxy.reset()
+    argv = ["export", "--to", to, "--input", str(ckpt), "--output", f"s3://{BUCKET}/{prefix}", "--quiet"]
+    assert main(argv) == 0
+    names = sorted(p.name for p in local.iterdir())
+    listed = s3.client.list_objects_v2(Bucket=BUCKET, Prefix=f"{prefix}/")["Contents"]
+    assert sorted(o["Key"] for o in listed) == [f"{prefix}/{n}" for n in names]
+    for name in names:
+        stored = s3.client.get_object(Bucket=BUCKET, Key=f"{prefix}/{name}")["Body"].read()
+        if name == ".metadata":  # DCP's metadata records the folder it was written in (storage_meta): all else
+            stored, expected = (dataclasses.replace(pickle.loads(b), storage_meta=None)
+                                for b in (stored, (local / name).read_bytes()))
+            assert stored == expected
+        else:
+            assert stored == (local / name).read_bytes(), name
+    writes = [r for r in s3.proxy.seen if r.method in ("PUT", "POST")]
+    assert writes[-1].path == f"/{BUCKET}/{prefix}/{'config.json' if to == 'hf' else '.metadata'}"
+    assert_one_line_error(argv, capsys, f"s3://{BUCKET}/{prefix}", "already holds objects")
+    assert len(s3.client.list_objects_v2(Bucket=BUCKET, Prefix=f"{prefix}/")["Contents"]) == len(names)

@@ -26,6 +26,7 @@ import pytest
 from support.checkpoints import TinySpec, read_tag
 from support.processes import gone, ucp_command, wait_for
 from support.ray_nodes import RAY_ENV, free_port, stop_session
+from support.s3_proxy import BUCKET
 from ucp.cli.main import main
 from ucp.convert.driver import convert, write_atomic
 from ucp.convert.manifest import manifest_name
@@ -97,7 +98,7 @@ def params_in(reference_dir: Path, file_name: str) -> int:
     return sum(1 for e in index["params"].values() if next(iter(e["states"].values()))["file"] == file_name)
 
 
-def ray_convert(cluster: Cluster, source: Path, output: Path, **kwargs):
+def ray_convert(cluster: Cluster, source: Path | str, output: Path | str, **kwargs):
     from ucp.convert.ray_executor import RayExecutor
 
     with RayExecutor(cluster.address, WORKERS, progress=False) as executor:
@@ -153,6 +154,26 @@ def test_ray_output_is_byte_identical_to_local(spec, cluster, tiny_checkpoint, r
     other = tmp_path / "local-1"
     convert(tiny_checkpoint(spec), other, workers=1, progress=False)
     assert tree(other) != tree(reference(spec))
+
+
+def test_ray_converts_from_s3_to_s3_what_it_converts_locally(cluster, s3, tiny_checkpoint, reference,
+                                                             tmp_path):
+    """`ucp convert --executor ray --input s3://... --output s3://...` (moto's server, test_s3.py): the data
+    objects are the local backend's data files, byte for byte, and the index object went up last."""
+    spec = SPECS[0]
+    save_dir = tiny_checkpoint(spec)
+    for path in sorted(p for p in save_dir.rglob("*") if p.is_file()):
+        s3.client.upload_file(str(path), BUCKET, f"ray-in/{path.relative_to(save_dir).as_posix()}")
+    s3.proxy.reset()
+    ray_convert(cluster, f"s3://{BUCKET}/ray-in", f"s3://{BUCKET}/ray-out")
+    expected = {name: data for name, data in tree(reference(spec)).items() if name != INDEX_NAME}
+    stored = {o["Key"].removeprefix("ray-out/")
+              for o in s3.client.list_objects_v2(Bucket=BUCKET, Prefix="ray-out/")["Contents"]}
+    assert stored == {*expected, INDEX_NAME}
+    for name, data in expected.items():
+        assert s3.client.get_object(Bucket=BUCKET, Key=f"ray-out/{name}")["Body"].read() == data, name
+    writes = [r for r in s3.proxy.seen if r.method in ("PUT", "POST")]
+    assert writes[-1].path == f"/{BUCKET}/ray-out/{INDEX_NAME}"
 
 
 def test_killed_worker_is_retried_and_output_is_complete(cluster, tiny_checkpoint, reference, tmp_path):

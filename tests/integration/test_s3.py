@@ -19,52 +19,17 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import boto3  # the test extra brings boto3 and moto[server]: a missing one fails the suite, not skips it
-import moto.server as moto_server
 import pytest
 import torch
 
 import ucp
 from support.checkpoints import TinySpec, run_tiny, ucp_resume, uninterrupted_losses
-from support.s3_proxy import Fault, S3Proxy
+from support.s3_proxy import BUCKET, Fault
 from test_zero_conversion import compare_loads
 from ucp.cli.main import main as cli_main
 from ucp.convert import convert
 
 SPEC = TinySpec(stage=2)  # saved on 2 ranks, loaded on 2
-BUCKET = "ucp-test"
-PART_BYTES = 1024  # so the tiny checkpoint's data files go up as multipart uploads of several parts
-
-
-@pytest.fixture(scope="module")
-def s3():
-    """moto's S3 server and the proxy in front of it, both on 127.0.0.1; the environment points clients (this
-    process and its children: CLI runs, torchrun ranks) at the proxy."""
-    import logging
-
-    import moto.s3.models
-
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto's server logs every request otherwise
-    patch = pytest.MonkeyPatch()
-    patch.setattr(moto.s3.models, "S3_UPLOAD_PART_MIN_SIZE", PART_BYTES)  # AWS's is 5 MiB, too big for tiny files
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    proxy = S3Proxy(host, port).start()
-    env = {"AWS_ENDPOINT_URL": proxy.url, "AWS_ACCESS_KEY_ID": "test-key-id", "AWS_SECRET_ACCESS_KEY": "test-secret",
-           "AWS_DEFAULT_REGION": "us-east-1", "AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
-           "UCP_S3_PART_BYTES": str(PART_BYTES)}
-    for key, value in env.items():
-        patch.setenv(key, value)
-    patch.delenv("AWS_PROFILE", raising=False)
-    direct = boto3.client("s3", endpoint_url=f"http://{host}:{port}")  # the test's own view, past the proxy
-    direct.create_bucket(Bucket=BUCKET)
-    try:
-        yield SimpleNamespace(proxy=proxy, client=direct, endpoint=f"http://{host}:{port}")
-    finally:
-        proxy.stop()
-        server.stop()
-        patch.undo()
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +74,50 @@ def test_convert_to_s3_commits_by_object_order_and_reads_back_equal(s3, converte
     from_s3 = json.loads(capsys.readouterr().out)
     assert cli_main(["inspect", "--json", str(converted.local)]) == 0
     assert from_s3 == json.loads(capsys.readouterr().out)
+
+
+@pytest.fixture(scope="module")
+def deepspeed_on_s3(s3, tiny_checkpoint):
+    """The tiny DeepSpeed save folder uploaded as it is to s3://BUCKET/ds-run, beside an older tag folder that
+    `latest` does not name (a conversion must not download it)."""
+    save_dir = tiny_checkpoint(SPEC)
+    for path in sorted(p for p in save_dir.rglob("*") if p.is_file()):
+        s3.client.upload_file(str(path), BUCKET, f"ds-run/{path.relative_to(save_dir).as_posix()}")
+    s3.client.put_object(Bucket=BUCKET, Key="ds-run/global_step0/mp_rank_00_model_states.pt", Body=b"older")
+    return f"s3://{BUCKET}/ds-run"
+
+
+def test_convert_from_s3_reads_one_tag_and_writes_what_converting_the_local_folder_writes(
+        s3, converted, deepspeed_on_s3, capsys):
+    s3.proxy.reset()
+    url = f"s3://{BUCKET}/from-ds-s3"
+    assert cli_main(["convert", "--input", deepspeed_on_s3, "--output", url, "--workers", "2", "--quiet"]) == 0
+    assert [r.path for r in s3.proxy.seen if "/global_step0/" in r.path] == []
+    assert any(r.method == "GET" and "_optim_states.pt" in r.path for r in s3.proxy.seen)  # control: read from s3
+    data = sorted(n for n in os.listdir(converted.local) if n.startswith("data-"))
+    assert data and keys(s3, "from-ds-s3/") == sorted([f"from-ds-s3/{n}" for n in data]
+                                                      + ["from-ds-s3/ucp_index.json"])
+    for name in data:
+        stored = s3.client.get_object(Bucket=BUCKET, Key=f"from-ds-s3/{name}")["Body"].read()
+        assert stored == (converted.local / name).read_bytes(), name
+    source = ucp.open_checkpoint(url).index.run.source
+    assert source["path"].startswith(f"{deepspeed_on_s3}/"), source  # where it came from, not the staging folder
+    capsys.readouterr()
+    assert cli_main(["convert", "--input", deepspeed_on_s3, "--output", url, "--quiet"]) == 0
+    assert "already holds this conversion" in capsys.readouterr().out  # objects' mtimes make the same fingerprint
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--input", f"s3://{BUCKET}/no-such-run"], ["no objects under this prefix"]),
+    (["--input", f"s3://{BUCKET}/ds-run", "--tag", "global_step7"], ["global_step7", "does not exist"]),
+], ids=["empty-prefix", "missing-tag"])
+def test_convert_from_s3_errors_name_the_url_not_the_staging_folder(s3, deepspeed_on_s3, argv, words, tmp_path,
+                                                                      capsys, monkeypatch):
+    monkeypatch.setenv("UCP_STAGING_DIR", str(tmp_path))
+    assert cli_main(["convert", *argv, "--output", str(tmp_path / "out"), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and argv[1] in err and all(w in err for w in words), err
+    assert str(tmp_path) not in err and os.listdir(tmp_path) == []  # no staging folder named, none left
 
 
 def test_export_from_s3_writes_what_the_local_export_writes(s3, converted, tmp_path):

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
+BUCKET = "ucp-test"  # the bucket the `s3` fixture (tests/integration/conftest.py) creates
+PART_BYTES = 1024  # so the tiny checkpoints' data files go up as multipart uploads of several parts
 _RANK = re.compile(r"ucp-rank/(\d+)")
 _RANGE = re.compile(r"bytes=(\d+)-")
 _HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection", "te", "upgrade"}

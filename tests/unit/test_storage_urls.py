@@ -1,6 +1,6 @@
 """An object-storage URL is never taken for a local path (issue #22). `s3://bucket/prefix` is an `ObjectPath`
-where ucp reads and writes object storage (`ucp convert --output`, inspect, verify, `ucp export --input`,
-`open_checkpoint`, `ucp.deepspeed.load`; tests/integration/test_s3.py runs them against a real S3 server); every
+where ucp reads and writes object storage (`ucp convert`, inspect, verify, `ucp export`, `open_checkpoint`,
+`ucp.deepspeed.load`, ...; tests/integration/test_s3.py runs them against a real S3 server); every
 other entry point refuses it in one line that says where URLs work, and any other protocol is refused everywhere,
 writing nothing, where `ucp convert --output s3://bucket/run1` used to write a local folder `s3:` and exit 0."""
 from __future__ import annotations
@@ -33,10 +33,10 @@ def test_a_url_is_refused_where_local_folders_only_go_naming_itself(url):
 
 
 def test_local_only_entry_points_say_where_s3_works():
-    with pytest.raises(UnsupportedStorageError, match="ucp export --output takes local .* s3:// works with ucp convert "
-                                                      "--output, ucp inspect, ucp verify, ucp export --input, "
-                                                      "ucp.open_checkpoint"):
-        local_path("s3://bucket/run1", "ucp export --output")
+    with pytest.raises(UnsupportedStorageError, match="ucp convert --format deepspeed --output takes local .* s3:// "
+                                                      "works with ucp convert --input and --output, ucp inspect, ucp "
+                                                      "verify, ucp export --input and --output, ucp.open_checkpoint"):
+        local_path("s3://bucket/run1", "ucp convert --format deepspeed --output")
 
 
 @pytest.mark.parametrize("url, bucket, key", [("s3://bucket/run1", "bucket", "run1"),
@@ -71,13 +71,10 @@ def test_local_paths_pass_unchanged(path):
 
 
 @pytest.mark.parametrize("call", [
-    lambda tmp: convert("s3://bucket/run1", tmp / "out", progress=False),
     lambda tmp: convert(tmp / "in", "s3://bucket/run1", fmt="deepspeed", progress=False),
     lambda tmp: convert(tmp / "in", "s3://bucket/run1", resume=True, progress=False),
-    lambda tmp: to_hf(tmp / "in", "s3://bucket/hf", progress=False),
-    lambda tmp: to_dcp(tmp / "in", "s3://bucket/dcp", progress=False),
-], ids=["convert-input", "convert-output-deepspeed-format", "convert-output-resume", "to_hf", "to_dcp"])
-def test_entry_points_without_object_storage_refuse_s3_before_touching_disk(call, tmp_path, monkeypatch):
+], ids=["convert-output-deepspeed-format", "convert-output-resume"])
+def test_options_without_object_storage_refuse_s3_before_touching_disk(call, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(UnsupportedStorageError, match="s3://bucket/"):
         call(tmp_path)
@@ -87,11 +84,15 @@ def test_entry_points_without_object_storage_refuse_s3_before_touching_disk(call
 @pytest.mark.parametrize("url", OTHER_PROTOCOLS)
 @pytest.mark.parametrize("call", [
     lambda tmp, url: convert(tmp / "in", url, progress=False),
+    lambda tmp, url: convert(url, tmp / "out", progress=False),
+    lambda tmp, url: to_hf(tmp / "in", url, progress=False),
+    lambda tmp, url: to_dcp(tmp / "in", url, progress=False),
     lambda tmp, url: ucp.open_checkpoint(url),
     lambda tmp, url: ucp.deepspeed.load(object(), url),
     lambda tmp, url: SaveEvery.from_config({"dir": url, "every": 1}),
     lambda tmp, url: ucp.deepspeed.save(object(), url),
-], ids=["convert-output", "open_checkpoint", "deepspeed.load", "save-config", "deepspeed.save"])
+], ids=["convert-output", "convert-input", "to_hf", "to_dcp", "open_checkpoint", "deepspeed.load", "save-config",
+        "deepspeed.save"])
 def test_entry_points_with_object_storage_refuse_other_protocols(call, url, tmp_path, monkeypatch):
     """s3:// is taken (tests/integration/test_s3.py); any other scheme is refused, nothing written."""
     monkeypatch.chdir(tmp_path)
@@ -101,11 +102,11 @@ def test_entry_points_with_object_storage_refuse_other_protocols(call, url, tmp_
 
 
 @pytest.mark.parametrize("argv", [
-    ["convert", "--input", "s3://bucket/run1", "--output", "OUT"],
+    ["convert", "--input", "gs://bucket/run1", "--output", "OUT"],
     ["convert", "--input", "IN", "--output", "gs://bucket/run1"],
     ["verify", "gs://bucket/run1"],
     ["inspect", "file://bucket/run1"],
-    ["export", "--to", "hf", "--input", "IN", "--output", "s3://bucket/hf"],
+    ["export", "--to", "hf", "--input", "IN", "--output", "hf://bucket/hf"],
 ])
 def test_cli_refuses_urls_in_one_line_and_writes_nothing(argv, tmp_path):
     (tmp_path / "IN").mkdir()

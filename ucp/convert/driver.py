@@ -58,7 +58,7 @@ from ucp.format.folder import (
     tensor_key,
 )
 from ucp.format.index import FORMAT_NAME, ExtraFile, stored_shape
-from ucp.format.locations import ObjectPath, location
+from ucp.format.locations import Location, ObjectPath, location
 from ucp.format.safetensors_stream import StoredTensor, TensorSlot
 from ucp.format.splits import to_split_major
 
@@ -91,7 +91,7 @@ def convert(input_dir: str | os.PathLike[str], output_dir: str | os.PathLike[str
     """
     from ucp.converters.dispatch import plan_deepspeed
 
-    local_path(input_dir, "ucp convert --input")  # a URL is refused before anything is read or written
+    source = location(input_dir)  # a URL other than s3:// is refused before anything is read or written
     output = location(output_dir)
     if isinstance(output, ObjectPath) and (fmt != "ucp" or resume):
         raise UnsupportedStorageError(f"{output}: --output s3:// takes --format ucp without --resume (an interrupted "
@@ -104,14 +104,30 @@ def convert(input_dir: str | os.PathLike[str], output_dir: str | os.PathLike[str
                        "directory and convert again")
     if splits is not None and fmt != "ucp":
         raise UcpError("--splits works with --format ucp only")
-    plan = plan_deepspeed(input_dir, tag, param_names, patterns)
+    if isinstance(source, ObjectPath):
+        from ucp.convert.object_input import staged_source
+
+        with staged_source(source, tag) as staged:
+            plan = plan_deepspeed(staged, tag, param_names, patterns)
+            if fmt == "ucp":  # the index says where the checkpoint came from (the deepspeed format reads it there)
+                plan.source["path"] = plan.source["path"].replace(str(staged.resolve()), str(source), 1)
+            return _write(plan, output, executor or LocalExecutor(workers, progress=progress), fmt=fmt,
+                          strict=strict, resume=resume, splits=splits, chunk_bytes=chunk_bytes)
+    plan = plan_deepspeed(source, tag, param_names, patterns)
+    return _write(plan, output, executor or LocalExecutor(workers, progress=progress), fmt=fmt, strict=strict,
+                  resume=resume, splits=splits, chunk_bytes=chunk_bytes)
+
+
+def _write(plan: ConversionPlan, output: Location, executor: Executor, *, fmt: str, strict: bool, resume: bool,
+           splits: SplitPolicy | None, chunk_bytes: int) -> ConvertResult:
+    """Write the checkpoint `plan` reads into `output`, in format `fmt`."""
     if splits is not None:
         plan = apply_split_policy(plan, splits)
-    executor = executor or LocalExecutor(workers, progress=progress)
     if fmt == "deepspeed":
         from ucp.convert.deepspeed_format import write_deepspeed_universal
 
-        return write_deepspeed_universal(plan, Path(output_dir), executor, strict=strict)
+        return write_deepspeed_universal(plan, local_path(output, "ucp convert --format deepspeed --output"),
+                                         executor, strict=strict)
     if isinstance(output, ObjectPath):
         from ucp.convert.object_output import convert_to_object_store
 

@@ -44,8 +44,10 @@ from ucp.export.hf import DTYPES
 from ucp.export.model_config import find_config, model_keys
 from ucp.export.optimizer import default_target, export_groups
 from ucp.export.staging import staged_output
-from ucp.format.folder import local_path
+from ucp.format.locations import Location, location
 from ucp.format.safetensors_stream import TORCH_DTYPES
+
+METADATA_NAME = ".metadata"  # what DCP's FileSystemReader opens first; an s3:// export uploads it last
 
 
 @dataclass(frozen=True)
@@ -57,7 +59,7 @@ class Source:
 
 @dataclass(frozen=True)
 class DcpExport:
-    output: Path
+    output: Location
     model_tensors: int
     optimizer_params: int
     bytes: int
@@ -153,7 +155,7 @@ def to_dcp(input: str | os.PathLike[str], output: str | os.PathLike[str], *, dty
     "torch.optim.AdamW" (the default for an Adam-family optimizer), "torch.optim.Adam", or "saved" (the
     checkpoint's own keys, the default otherwise).
     """
-    local_path(output, "ucp export --output")
+    place = location(output)  # a URL other than s3:// is refused before anything is read
     if dtype not in DTYPES:
         raise ExportError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
     ckpt = open_checkpoint(input, tag)
@@ -190,7 +192,7 @@ def to_dcp(input: str | os.PathLike[str], output: str | os.PathLike[str], *, dty
         }
     sizes = [t.numel() * t.element_size() for t in _placeholders(state_dict)]
     total, largest = sum(sizes), max(sizes, default=1)
-    with staged_output(output) as staging, progress_bar(total, "export", progress) as bar, \
+    with staged_output(place, METADATA_NAME) as staging, progress_bar(total, "export", progress) as bar, \
             warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # no_dist is the intent
         writer = _BoundedFileWriter(staging, largest, max(1, workers))
@@ -200,7 +202,7 @@ def to_dcp(input: str | os.PathLike[str], output: str | os.PathLike[str], *, dty
             failure = next(iter(exc.failures.values()))[0]
             raise (failure if isinstance(failure, (UcpError, OSError)) or not writer.recording.failures
                    else writer.recording.failures[0]) from None
-    return DcpExport(Path(output), len(model), len(trainable) if saved_optimizer is not None else 0, total)
+    return DcpExport(place, len(model), len(trainable) if saved_optimizer is not None else 0, total)
 
 
 def _placeholders(tree: object) -> list[torch.Tensor]:

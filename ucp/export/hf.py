@@ -27,7 +27,7 @@ from ucp.convert.plan import BUFFER, BUFFER_STATE, WEIGHT_STATE
 from ucp.errors import ExportError
 from ucp.export.model_config import CONFIG_NAME, ModelConfig, check_tensors, model_keys, require_config
 from ucp.export.staging import parse_size, staged_output
-from ucp.format.folder import local_path
+from ucp.format.locations import Location, location
 from ucp.format.safetensors_stream import TORCH_DTYPES, StreamingWriter, TensorSlot
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -45,7 +45,7 @@ class ExportTensor:
 
 @dataclass(frozen=True)
 class HfExport:
-    output: Path
+    output: Location
     files: list[str]
     tensors: int
     bytes: int
@@ -88,7 +88,7 @@ def to_hf(input: str | os.PathLike[str], output: str | os.PathLike[str], *, dtyp
           max_shard_size: int | str = "5GB", config: str | os.PathLike[str] | None = None, workers: int = 1,
           tag: str | None = None, progress: bool = True) -> HfExport:
     """Write `output` as a transformers-ready folder from the ucp or DeepSpeed checkpoint `input`."""
-    local_path(output, "ucp export --output")
+    place = location(output)  # a URL other than s3:// is refused before anything is read
     if dtype not in DTYPES:
         raise ExportError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
     ckpt = open_checkpoint(input, tag)
@@ -100,7 +100,7 @@ def to_hf(input: str | os.PathLike[str], output: str | os.PathLike[str], *, dtyp
     shards = assign_shards(tensors, parse_size(max_shard_size))
     files = [shard_name(i, len(shards)) for i in range(len(shards))]
     total = sum(t.slot.nbytes for t in tensors)
-    with staged_output(output) as staging:
+    with staged_output(place, CONFIG_NAME) as staging:
         _write_config(staging, model_config, dtype)
         with progress_bar(total, "export", progress) as bar, closing(read_ahead(ckpt, tensors, workers)) as loaded:
             for name, shard in zip(files, shards):
@@ -108,7 +108,7 @@ def to_hf(input: str | os.PathLike[str], output: str | os.PathLike[str], *, dtyp
         if len(shards) > 1:
             _write_json(staging / INDEX_FILE, {"metadata": {"total_size": total},
                                                "weight_map": {t.name: f for f, s in zip(files, shards) for t in s}})
-    return HfExport(Path(output), files, len(tensors), total, sorted(dropped))
+    return HfExport(place, files, len(tensors), total, sorted(dropped))
 
 
 def read_ahead(ckpt: Checkpoint, tensors: list[ExportTensor], workers: int) -> Generator[torch.Tensor, None, None]:

@@ -13,6 +13,7 @@ import errno
 import os
 import re
 import shutil
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,6 +21,8 @@ from pathlib import Path
 from ucp.errors import ExportError, OutputExistsError
 from ucp.format.fileio import writing_alone
 from ucp.format.folder import fsync_dir
+from ucp.format.locations import Location, ObjectPath
+from ucp.format.storage import abort_uploads, list_folders, list_names, upload_file
 
 _FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -43,9 +46,14 @@ def check_output(output: Path) -> None:
 
 
 @contextmanager
-def staged_output(output: str | os.PathLike) -> Iterator[Path]:
-    """A fresh hidden folder beside `output` to write into; renamed to `output` when the body returns."""
-    output = Path(output)
+def staged_output(output: Location, last: str) -> Iterator[Path]:
+    """A fresh hidden folder beside `output` to write into; renamed to `output` when the body returns. For an
+    s3:// `output`, a local staging folder uploaded when the body returns, file `last` (the one a reader opens
+    first) after every other, so an export cut short is not taken for a complete one."""
+    if isinstance(output, ObjectPath):
+        with _staged_upload(output, last) as staging:
+            yield staging
+        return
     check_output(output)
     created = not output.exists()
     with writing_alone(output):  # creates the output as an empty folder, the commit replaces it
@@ -57,6 +65,19 @@ def staged_output(output: str | os.PathLike) -> Iterator[Path]:
                 with contextlib.suppress(OSError):
                     output.rmdir()  # the empty folder the lock made (a commit never fails after its rename)
             raise
+
+
+@contextmanager
+def _staged_upload(output: ObjectPath, last: str) -> Iterator[Path]:
+    if list_names(output) or list_folders(output):
+        raise OutputExistsError(f"{output}: already holds objects; choose a new --output or remove them first (an "
+                                f"export cut short leaves its files without {last})")
+    abort_uploads(output)  # the open uploads of an export killed outright
+    with tempfile.TemporaryDirectory(prefix="ucp-export-", dir=os.environ.get("UCP_STAGING_DIR")) as staging:
+        yield Path(staging)
+        names = sorted(p.name for p in Path(staging).iterdir() if p.name != last)
+        for name in [*names, last]:
+            upload_file(Path(staging) / name, output / name)
 
 
 def _staged(output: Path) -> Iterator[Path]:

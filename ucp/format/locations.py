@@ -14,7 +14,8 @@ from ucp.errors import UnsupportedStorageError
 OBJECT_SCHEMES = ("s3",)
 _URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")  # scheme://..., as s3://bucket/prefix or gs://...
 # Where a URL is accepted (issue #22, first slice); the other entry points name this list when they refuse one.
-URL_ENTRY_POINTS = ("ucp convert --output, ucp inspect, ucp verify, ucp export --input, ucp.open_checkpoint, "
+URL_ENTRY_POINTS = ("ucp convert --input and --output, ucp inspect, ucp verify, ucp export --input and --output, "
+                    "ucp.open_checkpoint, "
                     "ucp.deepspeed.load and ucp.deepspeed.save (also as \"ucp\": {\"load\": ...} and "
                     "{\"save\": {\"dir\": ...}}, \"auto\" and \"keep\" included)")
 

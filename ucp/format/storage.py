@@ -72,6 +72,13 @@ def read_ranges(reads: Sequence[tuple[Location, int, memoryview]], counter: Read
             counter.calls += 1
 
 
+def download(path: ObjectPath, target: Path) -> None:
+    """Copy object `path` to local file `target` (ranged GETs in parallel; the object's modification time)."""
+    from ucp.format import object_store
+
+    object_store.download(path, target)
+
+
 def list_names(folder: Location) -> list[str]:
     """The names of the files directly inside `folder` (objects directly under the prefix); [] when none."""
     if isinstance(folder, ObjectPath):
