@@ -14,13 +14,17 @@ Cases to 4 ranks on one machine:
     E  mixed                         4 x 1: a worker killed (4 ranks restart), an agent killed, one joins
     M  C with the host-memory tier   2 x 2: memory every step, one peer copy (each agent its own folder in
                                      /dev/shm); the survivors resume from memory, newer than the disk tier
+    S  C saving to s3://             2 x 2: the save folder is s3://bench/S on moto's S3 server, started here
+                                     on 127.0.0.1 (parts of 64 MiB: moto reads a whole object for each
+                                     ranged GET, so fewer, larger requests; see benchmarks/README.md, Tiers)
 
 Reported per trace: total wall to finish, against the same run without failures; per event the time from the
 fault (the kill; for a join, the new agent's start) to the first step after it, split into detection and
 relaunch (to `ucp.deepspeed.initialize`), engine start-up, load and the first step, and the steps redone.
 
 `--memory` adds trace M and, for the overhead per memory save, the run without failures with memory saves every
-step (disk saves never) against the one without saves.
+step (disk saves never) against the one without saves. Traces C, M and S are the same failure recovered from
+local disk, from host memory and from s3://: the recovery times of the three tiers side by side.
 
 Stock DeepSpeed's only path to a new world size, run by hand on the same model: `engine.save_checkpoint` ->
 `ds_to_universal.py` -> a new job with `{"checkpoint": {"load_universal": true}}`; its convert + load time is
@@ -99,10 +103,12 @@ def kill_tree(pid: int) -> None:
 class Agents:
     """torchrun elastic agents on this machine against one rendezvous store hosted here (so any may go)."""
 
-    def __init__(self, work: Path, args: list[str], per_node: int, node_env: str | None = None):
+    def __init__(self, work: Path, args: list[str], per_node: int, node_env: str | None = None,
+                 extra_env: dict | None = None):
         from torch.distributed import TCPStore
 
         self.work, self.args, self.per_node, self.node_env = work, args, per_node, node_env
+        self.extra_env = extra_env or {}
         self.port = free_port()
         self.store = TCPStore("127.0.0.1", self.port, is_master=True, multi_tenant=True, wait_for_workers=False)
         self.procs: list[subprocess.Popen] = []
@@ -115,8 +121,8 @@ class Agents:
                "--max-restarts=10", "--monitor-interval=0.5", str(WORKER), *self.args]
         with open(self.work / f"agent{i}.log", "w") as log:
             extra = {self.node_env: str(i)} if self.node_env else {}  # the agent's "node", for its memory folder
-            self.procs.append(subprocess.Popen(cmd, env={**env(), **extra}, stdout=log, stderr=subprocess.STDOUT,
-                                               start_new_session=True))
+            self.procs.append(subprocess.Popen(cmd, env={**env(), **self.extra_env, **extra}, stdout=log,
+                                               stderr=subprocess.STDOUT, start_new_session=True))
         return i
 
     def lose_node(self, i: int) -> float:
@@ -150,9 +156,29 @@ TRACES = {
     "D": (1, 4, [(6, "node", 3), (10, "join", None)]),
     "E": (1, 4, [(5, "worker", 1), (7, "node", 3), (10, "join", None)]),
     "M": (2, 2, [(6, "node", 1)]),
+    "S": (2, 2, [(6, "node", 1)]),
 }
 MEMORY_TRACES = {"M"}
+S3_TRACES = {"S"}
 NODE_ENV = "UCP_BENCH_NODE"
+S3_PART_BYTES = 64 << 20
+
+
+def s3_server() -> tuple[object, dict]:
+    """moto's S3 server on 127.0.0.1 with bucket `bench`, and the environment that points clients at it."""
+    import boto3
+    import moto.server
+
+    server = moto.server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    client_env = {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "bench",
+                  "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
+                  "AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+                  "UCP_S3_PART_BYTES": str(S3_PART_BYTES)}
+    boto3.client("s3", endpoint_url=client_env["AWS_ENDPOINT_URL"], aws_access_key_id="bench",
+                 aws_secret_access_key="bench", region_name="us-east-1").create_bucket(Bucket="bench")
+    return server, client_env
 
 
 def run_trace(name: str, steps: int, every: int, work: Path) -> dict:
@@ -161,13 +187,15 @@ def run_trace(name: str, steps: int, every: int, work: Path) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     recs = out / "records.jsonl"
-    args = ["--mode", "ucp", "--save-dir", str(out / "ckpt"), "--steps", str(steps), "--every", str(every),
+    server, client_env = s3_server() if name in S3_TRACES else (None, {})
+    save_dir = f"s3://bench/{name}" if server is not None else str(out / "ckpt")
+    args = ["--mode", "ucp", "--save-dir", save_dir, "--steps", str(steps), "--every", str(every),
             "--records", str(recs)]
     memory = None
     if name in MEMORY_TRACES:
         memory = Path(tempfile.mkdtemp(prefix="ucp-bench-", dir="/dev/shm"))
         args += ["--memory-every", "1", "--memory-dir", f"{memory}/node${NODE_ENV}"]
-    agents = Agents(out, args, per_node, NODE_ENV if memory else None)
+    agents = Agents(out, args, per_node, NODE_ENV if memory else None, client_env)
     began = time.time()
     faults = []
     try:
@@ -191,6 +219,8 @@ def run_trace(name: str, steps: int, every: int, work: Path) -> dict:
         agents.stop()
         if memory is not None:
             shutil.rmtree(memory, ignore_errors=True)
+        if server is not None:
+            server.stop()
     wall = time.time() - began
     restarts = [r for r in records(recs) if "restart" in r]
     first_step_at = {}
@@ -208,9 +238,15 @@ def run_trace(name: str, steps: int, every: int, work: Path) -> dict:
                            "startup_s": report["startup_s"], "load_s": report["load_s"],
                            "first_step_s": report["first_step_s"], "steps_redone": report["steps_redone"],
                            "checkpoint_step": report["checkpoint_step"],
-                           "tier": "memory" if memory is not None and str(report["checkpoint"]).startswith(str(memory))
-                           else "disk"})
+                           "tier": tier(str(report["checkpoint"]), memory)})
     return {"trace": name, "wall_s": wall, "events": events_out}
+
+
+def tier(checkpoint: str, memory: Path | None) -> str:
+    """Which tier the restart loaded `checkpoint` from."""
+    if checkpoint.startswith("s3://"):
+        return "s3"
+    return "memory" if memory is not None and checkpoint.startswith(str(memory)) else "disk"
 
 
 def run_plain(every: int, steps: int, work: Path, tag: str, memory_every: int | None = None) -> dict:

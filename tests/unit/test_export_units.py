@@ -40,11 +40,11 @@ def test_shard_names_follow_transformers():
 def test_a_staged_output_appears_only_when_complete(tmp_path):
     out = tmp_path / "out"
     with pytest.raises(RuntimeError):
-        with staged_output(out) as staging:
+        with staged_output(out, "config.json") as staging:
             (staging / "model.safetensors").write_bytes(b"half")
             raise RuntimeError("killed")
     assert list(tmp_path.iterdir()) == []
-    with staged_output(out) as staging:
+    with staged_output(out, "config.json") as staging:
         assert list(out.iterdir()) == []  # only the empty folder the writer holds locked
         (staging / "config.json").write_text("{}")
     assert [p.name for p in tmp_path.iterdir()] == ["out"] and (out / "config.json").read_text() == "{}"
@@ -52,13 +52,13 @@ def test_a_staged_output_appears_only_when_complete(tmp_path):
 
 def test_a_staged_output_may_replace_an_empty_folder_but_nothing_else(tmp_path):
     (tmp_path / "empty").mkdir()
-    with staged_output(tmp_path / "empty") as staging:
+    with staged_output(tmp_path / "empty", "config.json") as staging:
         (staging / "a").write_text("x")
     assert (tmp_path / "empty" / "a").read_text() == "x"
     (tmp_path / "file").write_text("mine")
     for taken in ("empty", "file"):
         with pytest.raises(OutputExistsError, match=f"{tmp_path / taken}: already exists"):
-            with staged_output(tmp_path / taken):
+            with staged_output(tmp_path / taken, "config.json"):
                 pass
     assert (tmp_path / "file").read_text() == "mine"
 

@@ -100,24 +100,3 @@ def read_copies(folder: Path) -> dict[str, dict[str, Any]]:
         except (OSError, ValueError):
             logger.warning("ucp: %s: no readable %s; not used", tag, MANIFEST_NAME)
     return out
-
-
-def write_ranges(tag_dir: Path, ranges: list[tuple[str, int, bytes | memoryview]]) -> None:
-    """pwrite each (data file, offset, bytes) into the node's copy, then fsync."""
-    fds: dict[str, int] = {}
-    try:
-        for file, offset, data in ranges:
-            if file not in fds:
-                fds[file] = os.open(tag_dir / file, os.O_WRONLY | os.O_CREAT, 0o644)
-            _pwrite(fds[file], memoryview(data), offset)
-        for fd in fds.values():
-            os.fsync(fd)
-    finally:
-        for fd in fds.values():
-            os.close(fd)
-
-
-def _pwrite(fd: int, data: memoryview, offset: int) -> None:
-    done = 0
-    while done < len(data):
-        done += os.pwrite(fd, data[done:], offset + done)

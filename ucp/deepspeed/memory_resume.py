@@ -23,9 +23,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ucp.deepspeed.memory_files import MemoryEvery, node_key, read_copies, write_manifest, write_ranges
+from ucp.deepspeed.memory_files import MemoryEvery, node_key, read_copies, write_manifest
 from ucp.elastic.memory_plan import BASE, Fill, NodeCopy, choose, fills, nodes_of
+from ucp.format.fileio import tensor_bytes
 from ucp.format.folder import INDEX_NAME, PARTIAL_SUFFIX, commit_latest, fsync_dir
+from ucp.format.storage import read_ranges, write_ranges
 
 logger = logging.getLogger("ucp.elastic")
 _CHUNK = 64 << 20  # bytes sent at a time: what a transfer holds in memory on either side
@@ -109,10 +111,10 @@ def _send(fill: Fill, holder: dict[str, Any], tag_dir: Path, dst: int, group: An
         dist.send(torch.tensor([len(index)], dtype=torch.int64), dst, group=group)
         dist.send(torch.frombuffer(bytearray(index), dtype=torch.uint8), dst, group=group)
     for file, begin, end in _ranges(fill, holder):
-        with open(tag_dir / file, "rb") as f:
-            for lo in range(begin, end, _CHUNK):
-                data = os.pread(f.fileno(), min(_CHUNK, end - lo), lo)
-                dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst, group=group)
+        for lo in range(begin, end, _CHUNK):
+            data = torch.empty(min(_CHUNK, end - lo), dtype=torch.uint8)
+            read_ranges([(tag_dir / file, lo, tensor_bytes(data))])
+            dist.send(data, dst, group=group)
 
 
 def _receive(fill: Fill, holder: dict[str, Any], tag_dir: Path, src: int, group: Any) -> None:
@@ -127,16 +129,16 @@ def _receive(fill: Fill, holder: dict[str, Any], tag_dir: Path, src: int, group:
         for name, nbytes, _ in holder["files"]:
             with open(tag_dir / name, "wb") as f:
                 f.truncate(nbytes)
-    parts: list[tuple[str, int, bytes | memoryview]] = []
+    parts: list[tuple[Path, int, bytes | memoryview]] = []
     for file, begin, end in _ranges(fill, holder):
         for lo in range(begin, end, _CHUNK):
             data = torch.empty(min(_CHUNK, end - lo), dtype=torch.uint8)
             dist.recv(data, src, group=group)
-            parts.append((file, lo, data.numpy().tobytes()))
-            if len(parts) * _CHUNK >= 4 * _CHUNK:  # bound what waits to be written
-                write_ranges(tag_dir, parts)
+            parts.append((tag_dir / file, lo, tensor_bytes(data)))
+            if len(parts) >= 4:  # bound what waits to be written
+                write_ranges(parts, sync=True)
                 parts = []
-    write_ranges(tag_dir, parts)
+    write_ranges(parts, sync=True)
 
 
 def _commit_fill(tag_dir: Path, own: dict[str, Any] | None, received: list[Fill],

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ucp.deepspeed.async_save import Prepared, RankReport, Saver, index_of
-from ucp.deepspeed.memory_files import MemoryEvery, node_key, write_manifest, write_ranges
+from ucp.deepspeed.memory_files import MemoryEvery, node_key, write_manifest
 from ucp.deepspeed.save_writer import BackgroundSave, partial_path, write_pieces
 from ucp.elastic.memory_plan import held_by, nodes_of, peer_pairs
 from ucp.elastic.resume import prune, tag_step
@@ -36,6 +36,7 @@ from ucp.errors import SaveError
 from ucp.format.fileio import tensor_bytes
 from ucp.format.folder import INDEX_NAME, commit_index, commit_latest, fsync_dir
 from ucp.format.index import Index
+from ucp.format.storage import write_ranges
 
 logger = logging.getLogger("ucp.save")
 # A rank's snapshot as runs of bytes: (data file, begin, end, offset in the snapshot buffer).
@@ -171,11 +172,11 @@ class MemoryTier:
 def _write_runs(tag_dir: Path, runs: Runs, data: memoryview) -> None:
     """A peer's snapshot (its runs, back to back in `data`) into this node's partial data files."""
     cursor = 0
-    parts: list[tuple[str, int, bytes | memoryview]] = []
+    parts: list[tuple[Path, int, bytes | memoryview]] = []
     for file, begin, end, _ in runs:
-        parts.append((partial_path(Path("."), file).name, begin, data[cursor:cursor + end - begin]))
+        parts.append((partial_path(tag_dir, file), begin, data[cursor:cursor + end - begin]))
         cursor += end - begin
-    write_ranges(tag_dir, parts)
+    write_ranges(parts, sync=True)
 
 
 def _gather(value: RankReport, dst: int, group: Any) -> list[RankReport]:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from ucp.deepspeed.save_files import Part, SaveFile
 from ucp.deepspeed.save_writer import partial_path
+from ucp.format import storage
 from ucp.format.locations import ObjectPath
 
 
@@ -58,23 +59,15 @@ def to_peers(payloads: Sequence[Any], group: Any) -> list[Any]:
 
 def read_ranges(staging: Path, ranges: Sequence[tuple[str, int, int]]) -> list[tuple[str, int, bytes]]:
     """The bytes of each (file, begin, end) of this rank's staging copy."""
-    out = []
-    for name, begin, end in ranges:
-        with open(partial_path(staging, name), "rb") as f:
-            out.append((name, begin, os.pread(f.fileno(), end - begin, begin)))
-    return out
+    buffers = [bytearray(end - begin) for _, begin, end in ranges]
+    storage.read_ranges([(partial_path(staging, name), begin, memoryview(buffer))
+                         for (name, begin, _), buffer in zip(ranges, buffers)])
+    return [(name, begin, bytes(buffer)) for (name, begin, _), buffer in zip(ranges, buffers)]
 
 
 def write_ranges(staging: Path, pieces: Sequence[tuple[str, int, bytes]]) -> None:
     """Put the bytes other ranks sent (file, offset, data) into this rank's staging copy."""
-    for name, offset, data in pieces:
-        fd = os.open(partial_path(staging, name), os.O_WRONLY)
-        try:
-            done = 0
-            while done < len(data):
-                done += os.pwrite(fd, data[done:], offset + done)
-        finally:
-            os.close(fd)
+    storage.write_ranges([(partial_path(staging, name), offset, data) for name, offset, data in pieces])
 
 
 def open_uploads(save_dir: ObjectPath, tag_dir: ObjectPath, files: Sequence[SaveFile]) -> dict[str, str]:

@@ -25,7 +25,7 @@ import torch
 from ucp.deepspeed.save_files import SaveFile, WrittenPiece
 from ucp.errors import SaveError
 from ucp.format.crc import CHUNK_BYTES, chunk_bounds, crc32
-from ucp.format.fileio import tensor_bytes
+from ucp.format.fileio import tensor_bytes, write_exactly
 from ucp.format.folder import PARTIAL_SUFFIX
 from ucp.format.safetensors_stream import TORCH_DTYPES
 
@@ -112,7 +112,7 @@ def write_pieces(directory: Path, files: Sequence[SaveFile], buffer: SnapshotBuf
         if headers:
             for f in files:
                 os.ftruncate(fds[f.name], f.size)
-                _pwrite_all(fds[f.name], memoryview(f.header), 0)
+                write_exactly(fds[f.name], memoryview(f.header), 0, _CHUNK)
         segments: list[list[list[int]]] = [[] for _ in buffer.pieces]
         view = tensor_bytes(buffer.data)
         for run in buffer.runs:
@@ -124,7 +124,7 @@ def write_pieces(directory: Path, files: Sequence[SaveFile], buffer: SnapshotBuf
                     b = min(hi, buffer.offsets[i] + buffer.pieces[i].end - buffer.pieces[i].begin)
                     if a < b:
                         _checksum(segments[i], view[a:b], buffer.pieces[i].begin + a - buffer.offsets[i])
-                _pwrite_all(fds[run.file], view[lo:hi], run.begin + lo - run.offset)
+                write_exactly(fds[run.file], view[lo:hi], run.begin + lo - run.offset, _CHUNK)
         for fd in fds.values():
             os.fsync(fd)
     finally:
@@ -147,12 +147,6 @@ def _checksum(segments: list[list[int]], data: memoryview, begin: int) -> None:
 
 
 _CHUNK = 4 << 20  # bytes checksummed then written at a time: still in cache when the kernel copies them
-
-
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    done = 0
-    while done < len(data):
-        done += os.pwrite(fd, data[done:done + _CHUNK], offset + done)
 
 
 class BackgroundSave:

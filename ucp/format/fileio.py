@@ -135,6 +135,14 @@ def read_exactly(fd: int, path: str, view: memoryview, offset: int) -> None:
         done += got
 
 
+def write_exactly(fd: int, data: memoryview, offset: int, chunk: int | None = None) -> None:
+    """Write all of `data` into open file `fd` at `offset` (`os.pwrite` may write less than asked), at most
+    `chunk` bytes a call when given."""
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done:done + chunk] if chunk else data[done:], offset + done)
+
+
 def pread_into(path: str, out: ArrayT, offset: int, counter: ReadCounter | None = None) -> ArrayT:
     """Fill contiguous `out` with the bytes of `path` starting at `offset`; returns `out`."""
     view = tensor_bytes(out)

@@ -4,7 +4,8 @@ This is the one storage layer of the format (docs/ARCHITECTURE.md): readers and 
 `Location` (a `Path`, or an `ObjectPath` for `s3://bucket/prefix/...`) and call the functions here, which
 take the local fast path (`fileio`: positional reads into the caller's buffer, no new import) or the object
 store (`object_store`, which alone imports boto3, on first use). The interface is small: ranged reads into a
-caller's buffer, the size of a file, whole small files, list, delete, and writes that commit by order
+caller's buffer, the size of a file, whole small files, list, delete, writes at offsets into local files
+(`write_ranges`: the host-memory tier's copies in /dev/shm, staging copies), and writes that commit by order
 (`put_bytes` for the index and `latest`, written last; `upload_file` for data, multipart when large).
 """
 from __future__ import annotations
@@ -13,7 +14,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from ucp.format.fileio import ReadCounter, open_regular, read_exactly, read_regular
+from ucp.format.fileio import ReadCounter, open_regular, read_exactly, read_regular, write_exactly
 from ucp.format.locations import Location, ObjectPath
 
 
@@ -70,6 +71,24 @@ def read_ranges(reads: Sequence[tuple[Location, int, memoryview]], counter: Read
         if counter is not None and len(view):
             counter.bytes += len(view)
             counter.calls += 1
+
+
+def write_ranges(writes: Sequence[tuple[Path, int, bytes | memoryview]], sync: bool = False) -> None:
+    """Write each (local file, offset, bytes) in place, creating a missing file (sparse: a node's memory copy, a
+    staging copy of data files being uploaded); then fsync each file when `sync`. Object storage takes no
+    writes at offsets: it is written by whole objects and multipart uploads (`upload_file`, `put_bytes`)."""
+    fds: dict[Path, int] = {}
+    try:
+        for path, offset, data in writes:
+            if path not in fds:
+                fds[path] = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+            write_exactly(fds[path], memoryview(data).cast("B"), offset)
+        if sync:
+            for fd in fds.values():
+                os.fsync(fd)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
 
 
 def download(path: ObjectPath, target: Path) -> None:
