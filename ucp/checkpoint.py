@@ -16,10 +16,10 @@ import torch
 from ucp.convert.plan import ParamPlan
 from ucp.convert.source_check import EntryChecks
 from ucp.converters.trainer_folders import LINK_REASON
-from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError, UcpError
+from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError, UcpError, UnsupportedStorageError
 from ucp.format.crc import crc32
 from ucp.format.fileio import ReadCounter, read_regular
-from ucp.format.folder import DATA_PREFIX, INDEX_NAME, latest_checkpoint, read_index
+from ucp.format.folder import DATA_PREFIX, INDEX_NAME, LATEST_NAME, latest_checkpoint, read_index, read_latest
 from ucp.format.index import ExtraFile, Index, NotSaved, ParamEntry, StoredState, header_problems
 from ucp.format.locations import Location, ObjectPath, location
 from ucp.format.safetensors_stream import read_stored
@@ -27,6 +27,7 @@ from ucp.format.splits import from_split_major
 from ucp.format.storage import is_file, list_names, read_small
 
 STEP_STATE = "step"
+DEEPSPEED_RANK_FILES = ("model_states.pt", "optim_states.pt")  # mp_rank_00_model_states.pt, zero_pp_rank_*_optim_...
 
 
 @dataclass(frozen=True)
@@ -344,9 +345,10 @@ def open_checkpoint(path: str | os.PathLike[str] | ObjectPath, tag: str | None =
     if isinstance(place, ObjectPath):
         if any(n.startswith(DATA_PREFIX) for n in list_names(place)):
             return AtomicCheckpoint(place)  # raises IncompleteCheckpointError with the fix
-        raise CheckpointNotFoundError(f"{place}: holds no ucp checkpoint (no {INDEX_NAME}, no latest); write one "
-                                      "there with ucp convert --output, or convert a DeepSpeed checkpoint from a "
-                                      "local folder")
+        refuse_deepspeed_objects(place)
+        raise CheckpointNotFoundError(f"{place}: holds no ucp checkpoint (no {INDEX_NAME}, no latest naming one); "
+                                      "write one there with ucp convert --output, or convert a DeepSpeed checkpoint "
+                                      "from a local folder")
     if not place.is_dir():
         raise CheckpointNotFoundError(f"{place}: no such directory")
     if any(n.startswith(DATA_PREFIX) for n in os.listdir(place)):
@@ -354,7 +356,24 @@ def open_checkpoint(path: str | os.PathLike[str] | ObjectPath, tag: str | None =
     return PlannedCheckpoint(place, tag)
 
 
-def saved_world_size(path: str | os.PathLike[str]) -> int:
+def refuse_deepspeed_objects(place: ObjectPath, local_copy: str = "LOCAL_COPY", verb: str = "load") -> None:
+    """Raise `UnsupportedStorageError`, in one line naming the fix, when prefix `place` holds a DeepSpeed checkpoint
+    rather than a ucp one: DeepSpeed's rank files, directly (a tag folder) or in the folder its `latest` names (a
+    save folder, a Trainer's checkpoint-N, Accelerate's save_state folder). ucp reads DeepSpeed's torch files from
+    local folders only; `local_copy` names the local copy to convert, and `verb` what the user does with the result."""
+    names = list_names(place)
+    if LATEST_NAME in names:
+        tag = read_latest(place)
+        names += [f"{tag}/{n}" for n in list_names(place / tag)] if tag else []
+    rank_file = next((n for n in names if n.endswith(DEEPSPEED_RANK_FILES)), None)
+    if rank_file is not None:
+        raise UnsupportedStorageError(
+            f"{place}: holds a DeepSpeed checkpoint ({rank_file}), not a ucp one (no {INDEX_NAME}), and ucp reads "
+            f"DeepSpeed checkpoints from local folders only: convert a local copy, ucp convert --input {local_copy} "
+            f"--output {place.scheme}://{place.bucket}/NEW_PREFIX, and {verb} that prefix, or {verb} the local copy")
+
+
+def saved_world_size(path: str | os.PathLike[str] | ObjectPath) -> int:
     """How many processes trained the checkpoint at `path` (data x tensor x pipeline parallel)."""
     source = open_checkpoint(path).source
     return int(source.get("dp", 1)) * int(source.get("tp", 1)) * int(source.get("pp", 1))

@@ -10,6 +10,13 @@ means the last `checkpoint-N` in `output_dir`, as in transformers, and an output
 `checkpoint-N` that a save did not finish is refused, naming the last complete one. Works for
 `Trainer` and its subclasses (TRL's `SFTTrainer`, PEFT models, ...).
 
+`path` may be an `s3://bucket/prefix` URL of a ucp conversion (`ucp convert --input checkpoint-N --output
+s3://...`), of a save folder whose `latest` names one, or of a prefix holding `checkpoint-N` conversions (the
+last complete one). The engine is read from there by ranged GETs, each rank only its bytes; the small files
+the conversion carried (`trainer_state.json`, `config.json`, ...), which the Trainer reads with `os.path`, are
+fetched, checked against the index, into a local temporary folder for the call. A DeepSpeed `checkpoint-N`
+uploaded as it is cannot be read from object storage and is refused, naming the conversion to run.
+
 The Trainer itself runs: its own state comes from `trainer_state.json` (global step, epoch, data
 skipping, callbacks). For this call only, three of its resume steps are done by ucp instead:
 
@@ -36,17 +43,23 @@ import contextvars
 import functools
 import logging
 import os
+import tempfile
 import types
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeVar
 
-from ucp.checkpoint import saved_world_size
-from ucp.converters.trainer_folders import checkpoint_folders
+from ucp.checkpoint import AtomicCheckpoint, refuse_deepspeed_objects, saved_world_size
+from ucp.converters.trainer_folders import CHECKPOINT_RE, checkpoint_folders
 from ucp.deepspeed.config import load_options, ucp_options
 from ucp.errors import CheckpointNotFoundError, ConfigError
+from ucp.format.folder import INDEX_NAME, LATEST_NAME, latest_checkpoint
+from ucp.format.locations import Location, ObjectPath, location
+from ucp.format.storage import is_file, list_folders, list_names
 
 TRAINER_STATE = "trainer_state.json"
 SCHEDULER_FILE = "scheduler.pt"
+Folder = TypeVar("Folder", Path, ObjectPath)  # a checkpoint-N folder, local or in an object store
 logger = logging.getLogger("ucp.transformers")
 
 
@@ -72,8 +85,8 @@ def _train(trainer, resume_from_checkpoint, **kwargs):
         raise ConfigError("ucp.transformers.train resumes DeepSpeed runs, and this Trainer has no DeepSpeed config; "
                           "pass TrainingArguments(deepspeed=...) as in the run that saved the checkpoint")
     folder = trainer_folder(resume_from_checkpoint, trainer.args.output_dir)
-    with _resuming_through_ucp(trainer, folder, options):
-        return trainer.train(resume_from_checkpoint=str(folder), **kwargs)
+    with _trainer_files(folder) as local, _resuming_through_ucp(trainer, folder, options):
+        return trainer.train(resume_from_checkpoint=str(local), **kwargs)
 
 
 def _checked_train(stock_train):
@@ -118,51 +131,110 @@ def _deepspeed_config(trainer) -> dict | None:
     return getattr(plugin, "deepspeed_config", None)
 
 
-def trainer_folder(path: str | os.PathLike[str] | Literal[True], output_dir: str | os.PathLike[str]) -> Path:
+def trainer_folder(path: str | os.PathLike[str] | ObjectPath | Literal[True],
+                   output_dir: str | os.PathLike[str]) -> Location:
     """The folder to resume from: `path`; the last `checkpoint-N` of `output_dir` for True, or of `path` when it
     is an output directory; or the committed checkpoint a ucp save directory's `latest` names. It must hold
-    `trainer_state.json`."""
-    from ucp.format.folder import latest_checkpoint, local_path
-
+    `trainer_state.json`. For an `s3://` URL, the prefix of a ucp checkpoint found the same way."""
     if path is True:
         if not Path(output_dir).is_dir() or not checkpoint_folders(output_dir):
             raise CheckpointNotFoundError(f"{output_dir}: no checkpoint-N folder to resume from; pass "
                                           "resume_from_checkpoint=PATH")
         path = last_complete(output_dir)
-    folder = Path(path)
+    place = location(path)  # a URL other than s3:// is refused in one line
+    if isinstance(place, ObjectPath):
+        return _object_folder(place)
+    folder = place
     if not folder.is_dir():
         raise CheckpointNotFoundError(f"{folder}: no such directory; pass a checkpoint-N folder the Trainer wrote, "
                                       "or its ucp conversion")
     if not (folder / TRAINER_STATE).is_file() and checkpoint_folders(folder):
         folder = last_complete(folder)  # an output_dir, as `ucp convert --input OUTPUT_DIR` takes it
-    folder = local_path(latest_checkpoint(folder) or folder, "the Trainer's resume")
+    found = latest_checkpoint(folder)
+    folder = found if isinstance(found, Path) else folder
     if not (folder / TRAINER_STATE).is_file():
-        raise CheckpointNotFoundError(
-            f"{folder}: no {TRAINER_STATE}, which holds the Trainer's step, epoch and data position; pass the "
-            "checkpoint-N folder the Trainer wrote, or a ucp conversion of it (ucp convert --input checkpoint-N)")
+        raise _no_trainer_state(folder)
     return folder
+
+
+def _no_trainer_state(folder: Location) -> CheckpointNotFoundError:
+    return CheckpointNotFoundError(
+        f"{folder}: no {TRAINER_STATE}, which holds the Trainer's step, epoch and data position; pass the "
+        "checkpoint-N folder the Trainer wrote, or a ucp conversion of it (ucp convert --input checkpoint-N)")
+
+
+def _object_folder(place: ObjectPath) -> ObjectPath:
+    """`trainer_folder` for an `s3://` prefix, which must hold a ucp checkpoint (DeepSpeed's own files are read
+    from local folders only): the prefix itself, its last complete `checkpoint-N`, or what its `latest` names."""
+    names = list_names(place)
+    if TRAINER_STATE not in names:  # an output_dir's copy, as locally
+        folders = _object_checkpoint_folders(place)
+        if folders:
+            refuse_deepspeed_objects(folders[-1], "<local checkpoint-N>", "resume from")
+            place = _last_complete(place, folders, _object_incomplete, "conversion or upload")
+    if not is_file(place / INDEX_NAME):
+        found = latest_checkpoint(place)  # a ucp save folder
+        if not isinstance(found, ObjectPath):
+            refuse_deepspeed_objects(place, "<local checkpoint-N>", "resume from")
+            raise CheckpointNotFoundError(f"{place}: holds no ucp checkpoint (no {INDEX_NAME}); convert the "
+                                          f"Trainer's checkpoint-N there: ucp convert --input checkpoint-N --output "
+                                          f"{place}")
+        place = found
+    if TRAINER_STATE not in AtomicCheckpoint(place).extra_files:
+        raise _no_trainer_state(place)
+    return place
+
+
+def _object_checkpoint_folders(prefix: ObjectPath) -> list[ObjectPath]:
+    """The `checkpoint-N` sub-prefixes of `prefix`, by increasing N (`checkpoint_folders` of a local folder)."""
+    found = [(int(m.group(1)), prefix / n) for n in list_folders(prefix) if (m := CHECKPOINT_RE.search(n))]
+    return [folder for _, folder in sorted(found)]
+
+
+def _object_incomplete(folder: ObjectPath) -> str | None:
+    """What a `checkpoint-N` prefix lacks to be resumed from (its committed index), or None."""
+    return None if is_file(folder / INDEX_NAME) else f"it has no {INDEX_NAME}"
+
+
+@contextlib.contextmanager
+def _trainer_files(folder: Location) -> Iterator[Path]:
+    """The local folder the Trainer reads its own files from (`trainer_state.json`, ...): `folder` itself, or for
+    an object-store checkpoint a temporary one holding the extra files its conversion carried, each checked
+    against the index's size and CRC-32, removed afterwards."""
+    if isinstance(folder, Path):
+        yield folder
+        return
+    ckpt = AtomicCheckpoint(folder)
+    with tempfile.TemporaryDirectory(prefix="ucp-trainer-files-") as local:
+        for name in ckpt.extra_files:
+            (Path(local) / name).write_bytes(ckpt.extra_file(name))
+        yield Path(local)
 
 
 def last_complete(output_dir: str | os.PathLike) -> Path:
     """The last `checkpoint-N` of `output_dir` (transformers' `get_last_checkpoint`), which must be complete;
     an incomplete one (a save that did not finish) is refused, naming the last complete one."""
-    folders = checkpoint_folders(output_dir)
+    return _last_complete(Path(output_dir), checkpoint_folders(output_dir), _incomplete, "save")
+
+
+def _last_complete(root: Location, folders: list[Folder], incomplete: Callable[[Folder], str | None],
+                   writer: str) -> Folder:
+    """The last of `folders` (of `root`), which must be complete (`incomplete` says what it lacks), else refused
+    in one line naming the last complete one; `writer` is what wrote them."""
     last = folders[-1]
-    missing = _incomplete(last)
+    missing = incomplete(last)
     if missing is None:
         if len(folders) > 1:
-            logger.info("%s: using %s, the last of %s", output_dir, last.name, ", ".join(f.name for f in folders))
+            logger.info("%s: using %s, the last of %s", root, last.name, ", ".join(f.name for f in folders))
         return last
-    earlier = next((f for f in reversed(folders[:-1]) if _incomplete(f) is None), None)
+    earlier = next((f for f in reversed(folders[:-1]) if incomplete(f) is None), None)
     fix = (f"the last complete one is {earlier.name}: pass resume_from_checkpoint='{earlier}'" if earlier is not None
            else "no earlier checkpoint-N is complete either")
-    raise CheckpointNotFoundError(f"{last}: {missing}, so the save that wrote it did not finish; {fix}")
+    raise CheckpointNotFoundError(f"{last}: {missing}, so the {writer} that wrote it did not finish; {fix}")
 
 
 def _incomplete(folder: Path) -> str | None:
     """What a `checkpoint-N` folder lacks to be resumed from, or None when it has it all."""
-    from ucp.format.folder import INDEX_NAME, LATEST_NAME
-
     if not (folder / TRAINER_STATE).is_file():
         return f"it has no {TRAINER_STATE}"
     if (folder / INDEX_NAME).is_file():
@@ -188,7 +260,7 @@ def _trainer_options(trainer) -> dict:
 
 
 @contextlib.contextmanager
-def _resuming_through_ucp(trainer, folder: Path, options: dict):
+def _resuming_through_ucp(trainer, folder: Location, options: dict):
     """Within the block, `trainer` restores its engine, scheduler and RNG through ucp (see the module doc)."""
     import transformers.trainer as trainer_module
 
@@ -210,7 +282,7 @@ def _resuming_through_ucp(trainer, folder: Path, options: dict):
             return  # the engine's scheduler, restored with the engine
         if not (Path(checkpoint) / SCHEDULER_FILE).is_file():
             raise CheckpointNotFoundError(
-                f"{checkpoint}: the Trainer's own LR scheduler is saved only in checkpoint-N/{SCHEDULER_FILE}, "
+                f"{folder}: the Trainer's own LR scheduler is saved only in checkpoint-N/{SCHEDULER_FILE}, "
                 "which a ucp checkpoint does not carry; resume from the checkpoint-N folder, or give the DeepSpeed "
                 'config an "optimizer" so that the engine owns the scheduler')
         stock_scheduler_load(checkpoint)

@@ -4,7 +4,9 @@ verify, inspect, `open_checkpoint` and a 2-rank hook load from `s3://`, each equ
 converted locally; the bytes each rank reads counted at the HTTP level; throttling and 500s retried; an upload
 that fails midway leaves no index and no parts; wrong credentials and a missing bucket give one line. Training
 saves asynchronously to s3:// with "keep" and resumes from there with "load": "auto"; a save whose uploads fail
-commits nothing and leaves no parts.
+commits nothing and leaves no parts. The Hugging Face Trainer and Accelerate resume from a ucp conversion on s3://
+exactly as from the same conversion in a local folder; a DeepSpeed checkpoint uploaded as it is gets one line
+naming the conversion to run.
 """
 from __future__ import annotations
 
@@ -24,10 +26,13 @@ import torch
 
 import ucp
 from support.checkpoints import TinySpec, run_tiny, ucp_resume, uninterrupted_losses
+from support.hf_runs import SAVE_STEP, SOURCE_WORLD, accelerate_resume, accelerate_source, losses, trainer_resume
 from support.s3_proxy import BUCKET, Fault
 from test_zero_conversion import compare_loads
 from ucp.cli.main import main as cli_main
 from ucp.convert import convert
+from ucp.errors import CheckpointNotFoundError, UnsupportedStorageError
+from ucp.format.locations import ObjectPath, location
 
 SPEC = TinySpec(stage=2)  # saved on 2 ranks, loaded on 2
 
@@ -364,3 +369,134 @@ def test_auto_and_keep_over_an_object_store_prefix(s3, converted):
     commit_latest(url, "global_step3")
     assert prune(url, 1) == [url / "global_step1"]  # control: no longer named by `latest`, it goes
     assert tags_in(s3, "saves/") == {"global_step2.damaged", "global_step3", "latest"}
+
+
+# -- the Hugging Face Trainer and Accelerate from s3:// -----------------------------------------------------------
+
+TRAINER_CHECKPOINT = f"checkpoint-{SAVE_STEP}"
+TRAINER_LAYOUT = (2, 3)  # processes and ZeRO stage of test_trainer.py's resume from the local conversion (shared)
+
+
+def upload_tree(s3, folder: Path, prefix: str) -> None:
+    """Every file under `folder` to `prefix/<its path>`, as a user copies a folder to a bucket (aws s3 cp
+    --recursive)."""
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        s3.client.upload_file(str(path), BUCKET, f"{prefix}/{path.relative_to(folder)}")
+
+
+def copy_prefix(s3, source: str, target: str, skip=lambda name: False) -> None:
+    for key in keys(s3, f"{source}/"):
+        if not skip(key[len(source) + 1:]):
+            s3.client.copy_object(Bucket=BUCKET, Key=f"{target}/{key[len(source) + 1:]}",
+                                  CopySource={"Bucket": BUCKET, "Key": key})
+
+
+@pytest.fixture(scope="module")
+def trainer_on_s3(s3, trainer_run) -> str:
+    """`ucp convert --input checkpoint-3 --output s3://BUCKET/hf-out/checkpoint-3` of the Trainer's checkpoint."""
+    url = f"s3://{BUCKET}/hf-out/{TRAINER_CHECKPOINT}"
+    assert cli_main(["convert", "--input", str(trainer_run("llama") / "out" / TRAINER_CHECKPOINT), "--output", url,
+                     "--workers", "2", "--quiet"]) == 0
+    return url
+
+
+def test_the_trainer_resumes_from_s3_as_from_the_local_conversion(s3, trainer_on_s3, trainer_resumed_from_conversion,
+                                                                  ckpt_root, tmp_path, monkeypatch):
+    """ucp.transformers.train(trainer, resume_from_checkpoint="s3://...") on 2 processes at ZeRO-3 (saved at
+    ZeRO-2): the losses, step and epoch are those of the resume from the same conversion in a local folder, to the
+    bit (the same bytes loaded into the same layout; test_trainer.py checks those against the uninterrupted run).
+    The engine is read by ranged GETs of each rank, never a whole data object; the Trainer's small files come from
+    a temporary folder that is removed afterwards."""
+    assert {"trainer_state.json", "config.json"} <= set(ucp.open_checkpoint(trainer_on_s3).extra_files)
+    children_tmp = tmp_path / "tmp"
+    children_tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(children_tmp))
+    s3.proxy.reset()
+    run = trainer_resume("llama", trainer_on_s3, *TRAINER_LAYOUT, ckpt_root)
+    resumed = losses(run / "losses.json")
+    assert resumed["first_step"] == SAVE_STEP + 1
+    assert resumed == losses(trainer_resumed_from_conversion("llama", *TRAINER_LAYOUT) / "losses.json")
+    data = [r for r in s3.proxy.seen if r.method == "GET" and "/data-" in r.path]
+    assert {r.rank for r in data} == {0, 1} and all(r.range_begin is not None for r in data)
+    assert not list(children_tmp.glob("ucp-trainer-files-*"))
+
+
+def test_trainer_folders_on_s3_are_found_as_locally(s3, trainer_on_s3, trainer_run):
+    """What `resume_from_checkpoint="s3://..."` resolves to (ucp.transformers.trainer_folder): a conversion, an
+    output_dir's copy (its last checkpoint-N; an unfinished last one refused, naming the last complete one), a
+    save folder's `latest`; and saved_world_size read from there."""
+    from ucp.checkpoint import saved_world_size
+    from ucp.transformers import trainer_folder
+
+    converted = location(trainer_on_s3)
+    assert trainer_folder(trainer_on_s3, "/elsewhere") == converted
+    assert trainer_folder(f"s3://{BUCKET}/hf-out", "/elsewhere") == converted
+    assert saved_world_size(converted) == SOURCE_WORLD
+    copy_prefix(s3, f"hf-out/{TRAINER_CHECKPOINT}", "hf-save/global_step3")
+    s3.client.put_object(Bucket=BUCKET, Key="hf-save/latest", Body=b"global_step3")
+    assert trainer_folder(f"s3://{BUCKET}/hf-save", "/elsewhere") == location(f"s3://{BUCKET}/hf-save/global_step3")
+
+    copy_prefix(s3, f"hf-out/{TRAINER_CHECKPOINT}", "hf-out2/checkpoint-3")
+    copy_prefix(s3, f"hf-out/{TRAINER_CHECKPOINT}", "hf-out2/checkpoint-10", skip=lambda n: n == "ucp_index.json")
+    with pytest.raises(CheckpointNotFoundError) as refused:
+        trainer_folder(f"s3://{BUCKET}/hf-out2", "/elsewhere")
+    assert str(refused.value) == (
+        f"s3://{BUCKET}/hf-out2/checkpoint-10: it has no ucp_index.json, so the conversion or upload that wrote it did "
+        f"not finish; the last complete one is checkpoint-3: pass resume_from_checkpoint='s3://{BUCKET}/hf-out2/"
+        "checkpoint-3'")  # and checkpoint-10 sorts after checkpoint-3, by N (control: not by name)
+
+
+def test_deepspeed_checkpoints_uploaded_to_s3_are_refused_in_one_line_naming_the_conversion(s3, trainer_run,
+                                                                                            trainer_on_s3, ckpt_root):
+    """A Trainer's checkpoint-N and Accelerate's save_state folder copied to the bucket as they are (DeepSpeed's
+    torch files, which ucp reads from local folders only): the Trainer (`trainer_folder` is the first thing
+    ucp.transformers.train does with its argument), Accelerate and open_checkpoint refuse them in one line that
+    names the conversion to run, before any engine is touched."""
+    from ucp.accelerate import engine_source
+    from ucp.transformers import trainer_folder
+
+    upload_tree(s3, trainer_run("llama") / "out" / TRAINER_CHECKPOINT, f"raw-hf/{TRAINER_CHECKPOINT}")
+    upload_tree(s3, accelerate_source(ckpt_root) / "state", "raw-accelerate")
+    raw = f"s3://{BUCKET}/raw-hf/{TRAINER_CHECKPOINT}"
+    fix = f"ucp convert --input <local checkpoint-N> --output s3://{BUCKET}/NEW_PREFIX, and resume from that prefix"
+    calls = [(lambda: trainer_folder(raw, "/elsewhere"), raw, fix),
+             (lambda: trainer_folder(f"s3://{BUCKET}/raw-hf", "/elsewhere"), raw, fix),  # as an output_dir's copy
+             (lambda: ucp.open_checkpoint(raw), raw, f"ucp convert --input LOCAL_COPY --output s3://{BUCKET}/"),
+             (lambda: engine_source(f"s3://{BUCKET}/raw-accelerate", None), f"s3://{BUCKET}/raw-accelerate",
+              "ucp convert --input <local save_state folder>")]
+    for call, named, needle in calls:
+        with pytest.raises(UnsupportedStorageError) as refused:
+            call()
+        message = str(refused.value)
+        assert "\n" not in message and message.startswith(f"{named}: holds a DeepSpeed checkpoint (") and \
+            "ucp reads DeepSpeed checkpoints from local folders only" in message and needle in message, message
+    assert engine_source(trainer_on_s3, None) == location(trainer_on_s3)  # control: a ucp checkpoint is taken
+    with pytest.raises(UnsupportedStorageError, match="takes local .* folders only so far; s3:// works with .*"
+                                                      r"ucp.accelerate.load_state \(the ucp checkpoint"):
+        engine_source(f"s3://{BUCKET}/raw-accelerate", trainer_on_s3)  # Accelerate's own files: local only
+    with pytest.raises(UnsupportedStorageError, match="gs://bucket/run1: ucp reads local folders and s3:// URLs"):
+        trainer_folder("gs://bucket/run1", "/elsewhere")  # not taken for a local folder named gs:
+
+
+
+def test_accelerate_loads_the_engine_from_s3_as_from_the_local_conversion(s3, accelerate_from_conversion, ckpt_root):
+    """ucp.accelerate.load_state(accelerator, STATE_DIR, checkpoint="s3://...") on 1 process at ZeRO-3 (saved on 2
+    at ZeRO-2): the same losses and samples, to the bit, as with the same conversion in a local folder (which
+    test_trainer.py checks against the uninterrupted run); the engine is read by ranged GETs. The conversion given
+    alone as an s3:// input_dir is taken for the engine's checkpoint (this run needs scheduler.bin beside it, and
+    is refused for that in test_trainer.py's local case)."""
+    from ucp.accelerate import engine_source
+
+    url = f"s3://{BUCKET}/accelerate"
+    s3.proxy.reset()
+    assert cli_main(["convert", "--input", str(accelerate_source(ckpt_root) / "state"), "--output", url,
+                     "--workers", "2", "--quiet"]) == 0
+    assert engine_source(url, None) == location(url) and isinstance(location(url), ObjectPath)
+    s3.proxy.reset()
+    run = accelerate_resume(accelerate_source(ckpt_root) / "state", 1, 3, ckpt_root, url)
+    resumed = losses(run / "losses.json")
+    assert resumed["first_step"] == SAVE_STEP + 1
+    assert resumed == losses(accelerate_from_conversion / "losses.json")
+    assert "RNG states were saved by 2 processes and cannot be mapped to 1" in (run / "train.log").read_text()
+    data = [r for r in s3.proxy.seen if r.method == "GET" and "/data-" in r.path]
+    assert data and all(r.range_begin is not None for r in data)

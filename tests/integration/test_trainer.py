@@ -22,9 +22,7 @@ from support.hf_runs import (
     accelerate_source,
     losses,
     trainer_resume,
-    trainer_source,
 )
-from ucp.convert import convert
 
 # fp32 throughout: another world size or ZeRO stage reduces gradients in another order, ~1e-7 apart.
 REL = 1e-6
@@ -39,44 +37,24 @@ CASES = [  # model, what resume_from_checkpoint names, processes, ZeRO stage at 
 ]
 
 
-@pytest.fixture(scope="session")
-def trainer_run(ckpt_root):
-    return lambda model: trainer_source(model, ckpt_root)
-
-
-@pytest.fixture(scope="session")
-def converted_trainer_checkpoint(trainer_run, tmp_path_factory):
-    memo = {}
-
-    def make(model: str):
-        if model not in memo:
-            memo[model] = tmp_path_factory.mktemp("hf-ucp") / model
-            convert(trainer_run(model) / "out" / CHECKPOINT, memo[model], workers=2, progress=False)
-        return memo[model]
-
-    return make
-
-
 def uninterrupted(source) -> list[float]:
     return losses(source / "losses.json")["losses"][SAVE_STEP:]
 
 
 @pytest.mark.parametrize("model,kind,world,stage", CASES)
 def test_trainer_resume_continues_the_uninterrupted_run(model, kind, world, stage, trainer_run,
-                                                        converted_trainer_checkpoint, ckpt_root, tmp_path):
+                                                        trainer_resumed_from_conversion, ckpt_root, tmp_path):
     source = trainer_run(model)
-    output_dir = None
-    if kind == "last":
+    if kind == "ucp":
+        run = trainer_resumed_from_conversion(model, world, stage)  # shared with test_s3.py's resume from s3://
+    elif kind == "last":
         output_dir = tmp_path / "out"
         output_dir.mkdir()
         (output_dir / CHECKPOINT).symlink_to(source / "out" / CHECKPOINT)
         (output_dir / "checkpoint-1-unfinished").mkdir()  # not a checkpoint-N name: ignored, as by transformers
-        resume = "last"
-    elif kind == "raw":
-        resume = source / "out" / CHECKPOINT
+        run = trainer_resume(model, "last", world, stage, ckpt_root, output_dir=output_dir)
     else:
-        resume = converted_trainer_checkpoint(model)
-    run = trainer_resume(model, resume, world, stage, ckpt_root, output_dir=output_dir)
+        run = trainer_resume(model, source / "out" / CHECKPOINT, world, stage, ckpt_root)
     resumed = losses(run / "losses.json")
     assert resumed["first_step"] == SAVE_STEP + 1 and resumed["global_step"] == TOTAL_STEPS
     assert resumed["losses"] == pytest.approx(uninterrupted(source), rel=REL)
@@ -120,16 +98,14 @@ def accelerate_on_one_process(ckpt_root, tmp_path_factory) -> tuple[Path, Path]:
 
 
 @pytest.mark.parametrize("engine_from", ["raw", "ucp"])
-def test_accelerate_load_state_at_one_process(engine_from, accelerate_on_one_process, ckpt_root, tmp_path):
+def test_accelerate_load_state_at_one_process(engine_from, request, ckpt_root):
     """Saved on 2 processes, resumed on 1: the steps after the checkpoint train on the uninterrupted run's samples,
     in its order (a plain shuffled DataLoader, whose order Accelerate keeps in no file), to its losses."""
     source = accelerate_source(ckpt_root)
     if engine_from == "raw":
-        run, _ = accelerate_on_one_process
+        run, _ = request.getfixturevalue("accelerate_on_one_process")
     else:
-        checkpoint = tmp_path / "ucp"
-        convert(source / "state", checkpoint, workers=2, progress=False)
-        run = accelerate_resume(source / "state", 1, 3, ckpt_root, checkpoint)
+        run = request.getfixturevalue("accelerate_from_conversion")  # shared with test_s3.py's resume from s3://
     resumed, expected = losses(run / "losses.json"), losses(source / "losses.json")
     assert resumed["first_step"] == SAVE_STEP + 1
     assert resumed["samples"] == expected["samples"][SAVE_STEP:]

@@ -1,6 +1,7 @@
 """An object-storage URL is never taken for a local path (issue #22). `s3://bucket/prefix` is an `ObjectPath`
 where ucp reads and writes object storage (`ucp convert`, inspect, verify, `ucp export`, `open_checkpoint`,
-`ucp.deepspeed.load`, ...; tests/integration/test_s3.py runs them against a real S3 server); every
+`ucp.deepspeed.load` and `save`, `ucp.transformers.train`, `ucp.accelerate.load_state`; tests/integration/test_s3.py
+runs them against a real S3 server, and checks their refusals of other URLs); every
 other entry point refuses it in one line that says where URLs work, and any other protocol is refused everywhere,
 writing nothing, where `ucp convert --output s3://bucket/run1` used to write a local folder `s3:` and exit 0."""
 from __future__ import annotations
@@ -45,6 +46,7 @@ def test_s3_urls_are_object_paths(url, bucket, key):
     place = location(url)
     assert place == ObjectPath("s3", bucket, key)
     assert str(place / "ucp_index.json") == f"s3://{bucket}/{key + '/' if key else ''}ucp_index.json"
+    assert place.name == key.rsplit("/", 1)[-1] and (place / "checkpoint-3").name == "checkpoint-3"  # as Path.name
     assert not hasattr(place, "__fspath__")  # never opened as a local file by mistake
 
 

@@ -10,6 +10,12 @@ Accelerate's own files are read where they still apply: a scheduler it keeps out
 (`scheduler.bin`), samplers, custom objects. RNG states saved by another number of processes cannot
 be mapped to these ranks: they are left as this run has them, and a warning says so once.
 
+`checkpoint` (and `path` itself, when it is a ucp checkpoint the run needs nothing beside) may be an
+`s3://bucket/prefix` URL of a ucp checkpoint: the engine is read from there by ranged GETs, each rank only its
+bytes. Accelerate's own files are read from a local folder (an `s3://` `path` alone gives it an empty
+temporary one); a DeepSpeed checkpoint (Accelerate's `save_state` folder) uploaded as it is cannot be read
+from object storage and is refused, naming the conversion to run.
+
 The prepared DataLoaders keep the sample order of the run that saved (`ucp.accelerate.data_order`:
 where Accelerate's order comes from, and which samplers ucp gives it back to); a sampler whose order
 cannot be carried to this number of processes is refused, naming the fix, before anything is loaded.
@@ -22,11 +28,14 @@ import contextlib
 import logging
 import os
 import random
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from ucp.accelerate import data_order
 from ucp.deepspeed.config import load_options, ucp_options
-from ucp.errors import ConfigError
+from ucp.errors import CheckpointNotFoundError, ConfigError
+from ucp.format.locations import Location, ObjectPath, local_only, location
 
 logger = logging.getLogger("ucp.accelerate")
 
@@ -50,12 +59,11 @@ def load_state(accelerator, input_dir: str | os.PathLike, checkpoint: str | os.P
         raise ConfigError("ucp.accelerate.load_state resumes DeepSpeed runs; this Accelerator has no DeepSpeed "
                           "plugin, so use accelerator.load_state")
     options = load_options(ucp_options(accelerator.state.deepspeed_plugin.deepspeed_config))
-    alone = checkpoint is None and _is_ucp_checkpoint(Path(input_dir))
+    source = engine_source(input_dir, checkpoint)
+    alone = checkpoint is None and source is not None
     if alone:
-        _check_nothing_else_is_needed(accelerator, Path(input_dir))
-        checkpoint = input_dir
+        _check_nothing_else_is_needed(accelerator, location(input_dir))
     engines = accelerator._models
-    source = Path(checkpoint) if checkpoint is not None else None
 
     def ucp_load_checkpoint(engine):
         def load_checkpoint(load_dir, tag=None, **_):
@@ -64,14 +72,14 @@ def load_state(accelerator, input_dir: str | os.PathLike, checkpoint: str | os.P
             return str(path), client_state
         return load_checkpoint
 
-    saved = saved_world_size(Path(checkpoint) if checkpoint is not None else Path(input_dir))
+    saved = saved_world_size(source or Path(input_dir))
     data_order.keep_order(accelerator._dataloaders, saved, accelerator.num_processes)
     for engine in engines:
         engine.load_checkpoint = ucp_load_checkpoint(engine)  # an instance attribute: this call only
     keep_rng = saved != accelerator.num_processes
     try:
-        with _rng_kept() if keep_rng else contextlib.nullcontext():
-            accelerator.load_state(os.fspath(input_dir), **load_model_func_kwargs)
+        with _rng_kept() if keep_rng else contextlib.nullcontext(), _accelerate_folder(input_dir) as folder:
+            accelerator.load_state(folder, **load_model_func_kwargs)
     finally:
         for engine in engines:
             del engine.load_checkpoint
@@ -83,13 +91,49 @@ def load_state(accelerator, input_dir: str | os.PathLike, checkpoint: str | os.P
                        "engine's files); this run keeps its own", input_dir)
 
 
-def _is_ucp_checkpoint(path: Path) -> bool:
+def engine_source(input_dir: str | os.PathLike | ObjectPath,
+                  checkpoint: str | os.PathLike | ObjectPath | None) -> Location | None:
+    """Where the engine's state is read from: `checkpoint`, or `input_dir` when it is a ucp checkpoint given
+    alone, else None (the DeepSpeed checkpoint inside `input_dir`). An `s3://` `input_dir` without `checkpoint`
+    must be such a ucp checkpoint: Accelerate's own files and DeepSpeed's are read from local folders only."""
+    if checkpoint is not None:
+        local_only(input_dir, "ucp.accelerate.load_state's input_dir (save_state's folder) beside checkpoint=")
+        return location(checkpoint)
+    place = location(input_dir)
+    if _is_ucp_checkpoint(place):
+        return place
+    if isinstance(place, ObjectPath):
+        from ucp.checkpoint import refuse_deepspeed_objects
+        from ucp.format.folder import INDEX_NAME
+
+        refuse_deepspeed_objects(place, "<local save_state folder>", "pass")
+        raise CheckpointNotFoundError(
+            f"{place}: holds no ucp checkpoint (no {INDEX_NAME}); Accelerate's save_state folder is read from a "
+            "local folder: ucp.accelerate.load_state(accelerator, STATE_DIR, checkpoint='s3://...') with the "
+            "ucp conversion of its DeepSpeed checkpoint (ucp convert --input STATE_DIR --output s3://...)")
+    return None
+
+
+def _is_ucp_checkpoint(path: Location) -> bool:
     from ucp.format.folder import INDEX_NAME, latest_checkpoint
+    from ucp.format.storage import is_file
 
-    return (path / INDEX_NAME).is_file() or latest_checkpoint(path) is not None
+    return is_file(path / INDEX_NAME) or latest_checkpoint(path) is not None
 
 
-def _check_nothing_else_is_needed(accelerator, path: Path) -> None:
+@contextlib.contextmanager
+def _accelerate_folder(input_dir: str | os.PathLike | ObjectPath) -> Iterator[str]:
+    """The local folder `accelerator.load_state` reads Accelerate's own files from: `input_dir`, or an empty
+    temporary one for an `s3://` ucp checkpoint given alone (which holds none of them)."""
+    place = location(input_dir)
+    if isinstance(place, Path):
+        yield str(place)
+        return
+    with tempfile.TemporaryDirectory(prefix="ucp-accelerate-") as empty:
+        yield empty
+
+
+def _check_nothing_else_is_needed(accelerator, path: Location) -> None:
     """Refuse a ucp checkpoint given alone when the run has state that `accelerator.save_state` keeps outside
     the engine, which only its own folder holds."""
     from accelerate.utils import DeepSpeedSchedulerWrapper

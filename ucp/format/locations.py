@@ -13,11 +13,13 @@ from ucp.errors import UnsupportedStorageError
 
 OBJECT_SCHEMES = ("s3",)
 _URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")  # scheme://..., as s3://bucket/prefix or gs://...
-# Where a URL is accepted (issue #22, first slice); the other entry points name this list when they refuse one.
+# Where a URL is accepted (issue #22); the other entry points name this list when they refuse one.
 URL_ENTRY_POINTS = ("ucp convert --input and --output, ucp inspect, ucp verify, ucp export --input and --output, "
                     "ucp.open_checkpoint, "
                     "ucp.deepspeed.load and ucp.deepspeed.save (also as \"ucp\": {\"load\": ...} and "
-                    "{\"save\": {\"dir\": ...}}, \"auto\" and \"keep\" included)")
+                    "{\"save\": {\"dir\": ...}}, \"auto\" and \"keep\" included), "
+                    "ucp.transformers.train(resume_from_checkpoint=...) and ucp.accelerate.load_state (the ucp "
+                    "checkpoint, not Accelerate's own folder)")
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,11 @@ class ObjectPath:
     scheme: str
     bucket: str
     key: str  # no leading or trailing "/"; "" for the bucket's root
+
+    @property
+    def name(self) -> str:
+        """The last part of the key, as `Path.name` ("" for the bucket's root)."""
+        return self.key.rsplit("/", 1)[-1]
 
     def __truediv__(self, name: str) -> ObjectPath:
         return ObjectPath(self.scheme, self.bucket, f"{self.key}/{name}" if self.key else str(name))
