@@ -166,9 +166,12 @@ S3_PART_BYTES = 64 << 20
 
 def s3_server() -> tuple[object, dict]:
     """moto's S3 server on 127.0.0.1 with bucket `bench`, and the environment that points clients at it."""
+    import logging
+
     import boto3
     import moto.server
 
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto's server logs every request otherwise
     server = moto.server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
