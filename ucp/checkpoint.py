@@ -356,11 +356,12 @@ def open_checkpoint(path: str | os.PathLike[str] | ObjectPath, tag: str | None =
     return PlannedCheckpoint(place, tag)
 
 
-def refuse_deepspeed_objects(place: ObjectPath, local_copy: str = "LOCAL_COPY", verb: str = "load") -> None:
+def refuse_deepspeed_objects(place: ObjectPath, verb: str = "load") -> None:
     """Raise `UnsupportedStorageError`, in one line naming the fix, when prefix `place` holds a DeepSpeed checkpoint
     rather than a ucp one: DeepSpeed's rank files, directly (a tag folder) or in the folder its `latest` names (a
-    save folder, a Trainer's checkpoint-N, Accelerate's save_state folder). ucp reads DeepSpeed's torch files from
-    local folders only; `local_copy` names the local copy to convert, and `verb` what the user does with the result."""
+    save folder, a Trainer's checkpoint-N, Accelerate's save_state folder). ucp loads DeepSpeed's torch files
+    from local folders only, and converts them from object storage; `verb` is what the user does with the
+    conversion."""
     names = list_names(place)
     if LATEST_NAME in names:
         tag = read_latest(place)
@@ -368,9 +369,9 @@ def refuse_deepspeed_objects(place: ObjectPath, local_copy: str = "LOCAL_COPY", 
     rank_file = next((n for n in names if n.endswith(DEEPSPEED_RANK_FILES)), None)
     if rank_file is not None:
         raise UnsupportedStorageError(
-            f"{place}: holds a DeepSpeed checkpoint ({rank_file}), not a ucp one (no {INDEX_NAME}), and ucp reads "
-            f"DeepSpeed checkpoints from local folders only: convert a local copy, ucp convert --input {local_copy} "
-            f"--output {place.scheme}://{place.bucket}/NEW_PREFIX, and {verb} that prefix, or {verb} the local copy")
+            f"{place}: holds a DeepSpeed checkpoint ({rank_file}), not a ucp one (no {INDEX_NAME}); ucp loads "
+            f"DeepSpeed checkpoints from local folders only, and converts them from anywhere: ucp convert --input "
+            f"{place} --output {place.scheme}://{place.bucket}/NEW_PREFIX, then {verb} that prefix")
 
 
 def saved_world_size(path: str | os.PathLike[str] | ObjectPath) -> int:

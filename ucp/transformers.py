@@ -170,12 +170,12 @@ def _object_folder(place: ObjectPath) -> ObjectPath:
     if TRAINER_STATE not in names:  # an output_dir's copy, as locally
         folders = _object_checkpoint_folders(place)
         if folders:
-            refuse_deepspeed_objects(folders[-1], "<local checkpoint-N>", "resume from")
+            refuse_deepspeed_objects(folders[-1], "resume from")
             place = _last_complete(place, folders, _object_incomplete, "conversion or upload")
     if not is_file(place / INDEX_NAME):
         found = latest_checkpoint(place)  # a ucp save folder
         if not isinstance(found, ObjectPath):
-            refuse_deepspeed_objects(place, "<local checkpoint-N>", "resume from")
+            refuse_deepspeed_objects(place, "resume from")
             raise CheckpointNotFoundError(f"{place}: holds no ucp checkpoint (no {INDEX_NAME}); convert the "
                                           f"Trainer's checkpoint-N there: ucp convert --input checkpoint-N --output "
                                           f"{place}")

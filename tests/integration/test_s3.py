@@ -449,7 +449,7 @@ def test_trainer_folders_on_s3_are_found_as_locally(s3, trainer_on_s3, trainer_r
 def test_deepspeed_checkpoints_uploaded_to_s3_are_refused_in_one_line_naming_the_conversion(s3, trainer_run,
                                                                                             trainer_on_s3, ckpt_root):
     """A Trainer's checkpoint-N and Accelerate's save_state folder copied to the bucket as they are (DeepSpeed's
-    torch files, which ucp reads from local folders only): the Trainer (`trainer_folder` is the first thing
+    torch files, which ucp loads from local folders only): the Trainer (`trainer_folder` is the first thing
     ucp.transformers.train does with its argument), Accelerate and open_checkpoint refuse them in one line that
     names the conversion to run, before any engine is touched."""
     from ucp.accelerate import engine_source
@@ -458,19 +458,22 @@ def test_deepspeed_checkpoints_uploaded_to_s3_are_refused_in_one_line_naming_the
     upload_tree(s3, trainer_run("llama") / "out" / TRAINER_CHECKPOINT, f"raw-hf/{TRAINER_CHECKPOINT}")
     upload_tree(s3, accelerate_source(ckpt_root) / "state", "raw-accelerate")
     raw = f"s3://{BUCKET}/raw-hf/{TRAINER_CHECKPOINT}"
-    fix = f"ucp convert --input <local checkpoint-N> --output s3://{BUCKET}/NEW_PREFIX, and resume from that prefix"
+    fix = f"ucp convert --input {raw} --output s3://{BUCKET}/NEW_PREFIX, then resume from that prefix"
+    accelerate = f"s3://{BUCKET}/raw-accelerate"
     calls = [(lambda: trainer_folder(raw, "/elsewhere"), raw, fix),
              (lambda: trainer_folder(f"s3://{BUCKET}/raw-hf", "/elsewhere"), raw, fix),  # as an output_dir's copy
-             (lambda: ucp.open_checkpoint(raw), raw, f"ucp convert --input LOCAL_COPY --output s3://{BUCKET}/"),
-             (lambda: engine_source(f"s3://{BUCKET}/raw-accelerate", None), f"s3://{BUCKET}/raw-accelerate",
-              "ucp convert --input <local save_state folder>")]
+             (lambda: ucp.open_checkpoint(raw), raw, f"ucp convert --input {raw} --output s3://{BUCKET}/"),
+             (lambda: engine_source(accelerate, None), accelerate, f"ucp convert --input {accelerate} --output")]
     for call, named, needle in calls:
         with pytest.raises(UnsupportedStorageError) as refused:
             call()
         message = str(refused.value)
         assert "\n" not in message and message.startswith(f"{named}: holds a DeepSpeed checkpoint (") and \
-            "ucp reads DeepSpeed checkpoints from local folders only" in message and needle in message, message
+            "ucp loads DeepSpeed checkpoints from local folders only" in message and needle in message, message
     assert engine_source(trainer_on_s3, None) == location(trainer_on_s3)  # control: a ucp checkpoint is taken
+    converted = f"s3://{BUCKET}/raw-hf-converted"  # the fix the message names works as written
+    assert cli_main(["convert", "--input", raw, "--output", converted, "--workers", "2", "--quiet"]) == 0
+    assert trainer_folder(converted, "/elsewhere") == location(converted)
     with pytest.raises(UnsupportedStorageError, match="takes local .* folders only so far; s3:// works with .*"
                                                       r"ucp.accelerate.load_state \(the ucp checkpoint"):
         engine_source(f"s3://{BUCKET}/raw-accelerate", trainer_on_s3)  # Accelerate's own files: local only

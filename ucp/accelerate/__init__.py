@@ -106,7 +106,7 @@ def engine_source(input_dir: str | os.PathLike | ObjectPath,
         from ucp.checkpoint import refuse_deepspeed_objects
         from ucp.format.folder import INDEX_NAME
 
-        refuse_deepspeed_objects(place, "<local save_state folder>", "pass")
+        refuse_deepspeed_objects(place, "pass as checkpoint=")
         raise CheckpointNotFoundError(
             f"{place}: holds no ucp checkpoint (no {INDEX_NAME}); Accelerate's save_state folder is read from a "
             "local folder: ucp.accelerate.load_state(accelerator, STATE_DIR, checkpoint='s3://...') with the "
