@@ -290,7 +290,7 @@ def test_async_saves_to_s3_keep_the_newest_two_and_auto_resume_continues_the_run
     first = s3_save_run(url, 3, ckpt_root, tmp_path, "first")
     straight = uninterrupted_losses(SAVE_SPEC, 5, ckpt_root)  # the run the test above compares with (cached)
     assert first.losses == straight[:3]  # saving does not disturb training, to the bit
-    assert tags_in(s3, prefix) == {"global_step2", "global_step3", "latest"}
+    assert tags_in(s3, prefix) == {"global_step2", "global_step3", "latest", "ucp_progress.json"}
     writes = [r for r in s3.proxy.seen if r.method in ("PUT", "POST", "DELETE") and r.status < 300]
     for step in range(1, 4):
         tag = f"/{BUCKET}/train/global_step{step}/"
@@ -312,8 +312,9 @@ def test_async_saves_to_s3_keep_the_newest_two_and_auto_resume_continues_the_run
     resumed = s3_save_run(url, 2, ckpt_root, tmp_path, "resumed")
     log = (tmp_path / "resumed" / "train.log").read_text()
     assert f"resuming from {url}/global_step3 (step 3)" in log
+    assert f"ucp: restart 2 -> 2 ranks: loaded {url}/global_step3 (step 3), 0 steps redone" in log  # the record
     assert resumed.losses == pytest.approx(straight[3:5], rel=1e-6)
-    assert tags_in(s3, prefix) == {"global_step4", "global_step5", "latest"}
+    assert tags_in(s3, prefix) == {"global_step4", "global_step5", "latest", "ucp_progress.json"}
     assert s3.client.get_object(Bucket=BUCKET, Key="train/latest")["Body"].read() == b"global_step5"
     assert open_uploads(s3) == []
     assert cli_main(["verify", f"{url}/global_step4"]) == 0 and cli_main(["verify", url]) == 0
@@ -333,7 +334,7 @@ def test_a_save_whose_uploads_fail_commits_nothing_and_training_is_told(s3, ckpt
     assert s3.proxy.injected > 0
     uploaded = [r for r in s3.proxy.seen if "partNumber" in r.query and r.status == 200 and "global_step2" in r.path]
     assert uploaded, "no part went up before the fault: the abort would have nothing to remove"  # control
-    assert tags_in(s3, prefix) == {"global_step1", "latest"}
+    assert tags_in(s3, prefix) == {"global_step1", "latest", "ucp_progress.json"}
     assert s3.client.get_object(Bucket=BUCKET, Key="failing/latest")["Body"].read() == b"global_step1"
     assert open_uploads(s3) == []
     assert cli_main(["verify", url]) == 0

@@ -20,13 +20,12 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch.distributed as dist
 
 from ucp.deepspeed.memory_files import MemoryEvery
 from ucp.deepspeed.memory_resume import memory_resume_point
-from ucp.elastic.restart import Progress, RestartReport, read_progress, record_progress
+from ucp.elastic.restart import Progress, ProgressRecorder, RestartReport, read_progress
 from ucp.elastic.resume import candidates, set_aside, tag_step
 from ucp.elastic.shares import BATCH_KEYS, ElasticBatch
 from ucp.errors import ConfigError, CorruptCheckpointError, UnsupportedLayoutError
@@ -147,12 +146,11 @@ class StepBook:
                  called: float):
         self.engine = engine
         self.batch = batch
-        # Progress goes to a local save folder only: in an object store it would cost a request every step.
-        local = progress_dir is not None and isinstance(location(progress_dir), Path)
-        self.progress_dir = progress_dir if _rank() == 0 and local else None
+        place = location(progress_dir) if progress_dir is not None and _rank() == 0 else None
+        self.progress = ProgressRecorder(place) if place is not None else None
         self.resumed = resumed
         self.called = called  # time.time() when ucp.deepspeed.initialize was called
-        self.before = read_progress(self.progress_dir) if self.progress_dir else None
+        self.before = read_progress(place) if place is not None else None
         self.loaded_at = time.time()
 
     def install(self) -> None:
@@ -171,10 +169,10 @@ class StepBook:
         engine = self.engine
         if self.batch is not None:
             engine.global_samples += self.batch.global_batch - engine.train_batch_size()
-        if self.progress_dir is None:
+        if self.progress is None:
             return
         now = time.time()
-        record_progress(self.progress_dir, Progress(engine.global_steps, now, world_size()))
+        self.progress.record(Progress(engine.global_steps, now, world_size()))
         if self.before is not None:
             report = self._report(self.before, now)
             engine.ucp_restart = report
