@@ -321,8 +321,8 @@ def markdown(results: dict) -> str:
         for i, e in enumerate(t["events"]):
             vs_stock = (f"{e['load_s'] / (stock['convert_s'] + stock['load_s'][str(e['new_world'])]):.3f}" if stock
                         else "–")
-            head = (f"{t['trace']} | {t['wall_s']:.0f} s | {t['wall_s'] / plain['every']['wall_s']:.2f}×" if i == 0
-                    else " | | ")
+            vs_plain = f"{t['wall_s'] / plain['every']['wall_s']:.2f}×" if plain else "–"
+            head = f"{t['trace']} | {t['wall_s']:.0f} s | {vs_plain}" if i == 0 else " | | "
             lines.append(f"| {head} | {e['event']} | {e['old_world']} → {e['new_world']} | "
                          f"{e['fault_to_first_step_s']:.1f} s | {e['detection_s']:.1f} s | {e['startup_s']:.1f} s | "
                          f"{e['load_s']:.2f} s ({e.get('tier', 'disk')}, step {e['checkpoint_step']}) | "
@@ -331,6 +331,8 @@ def markdown(results: dict) -> str:
     if stock:
         lines += ["", f"Stock path: ds_to_universal {stock['convert_s']:.1f} s; load_universal "
                   + ", ".join(f"{w} ranks {s:.1f} s" for w, s in stock["load_s"].items()) + "."]
+    if not plain:
+        return "\n".join(lines)
     lines += ["", f"No failure, 4 ranks: every {results['every']}: {plain['every']['wall_s']:.0f} s "
               f"({plain['every']['step_s']:.2f} s/step); every 1: {plain['every1']['step_s']:.2f} s/step; no saves: "
               f"{plain['none']['step_s']:.2f} s/step; saving every step slows training by "
@@ -350,6 +352,8 @@ def main() -> None:
     parser.add_argument("--memory", action="store_true",
                         help="also trace M (host-memory tier) and the cost of a memory save every step")
     parser.add_argument("--no-stock", action="store_true", help="skip the stock path (its column shows –)")
+    parser.add_argument("--no-plain", action="store_true",
+                        help="skip the runs without failures (the traces' 'vs no failure' column shows –)")
     parser.add_argument("--work", help="working folder (default: a temporary one, removed)")
     parser.add_argument("--json-out")
     parser.add_argument("--markdown-out")
@@ -361,17 +365,22 @@ def main() -> None:
     if not args.no_stock:
         print("stock path (save, ds_to_universal, load_universal) ...", flush=True)
         results["stock"] = stock_path(args.every, work)
-    print("no failures: every K, every 1, no saves ...", flush=True)
-    results["plain"] = {"every": run_plain(args.every, args.steps, work, "plain-every"),
-                        "every1": run_plain(1, args.steps, work, "plain-every1"),
-                        "none": run_plain(NO_SAVES, args.steps, work, "plain-none")}
+    results["plain"] = {}
+    if not args.no_plain:
+        print("no failures: every K, every 1, no saves ...", flush=True)
+        results["plain"] = {"every": run_plain(args.every, args.steps, work, "plain-every"),
+                            "every1": run_plain(1, args.steps, work, "plain-every1"),
+                            "none": run_plain(NO_SAVES, args.steps, work, "plain-none")}
     if args.memory:
-        results["plain"]["memory1"] = run_plain(NO_SAVES, args.steps, work, "plain-memory1", memory_every=1)
+        if not args.no_plain:
+            results["plain"]["memory1"] = run_plain(NO_SAVES, args.steps, work, "plain-memory1", memory_every=1)
         args.traces = [*args.traces, *sorted(MEMORY_TRACES - set(args.traces))]
     results["traces"] = []
     for name in args.traces:
         print(f"trace {name} ...", flush=True)
         results["traces"].append(run_trace(name, args.steps, args.every, work))
+        if args.json_out:  # a trace takes minutes: keep what is measured should a later one fail
+            Path(args.json_out).write_text(json.dumps(results, indent=1))
     results["load_15min"] = os.getloadavg()[2]  # other work on the machine skews the walls; say how much there was
     text = markdown(results)
     print(text)
