@@ -1,12 +1,13 @@
-"""Checkpoints in S3-compatible object storage (issue #22, first slice), against moto's real S3 server on
-127.0.0.1 behind a counting, fault-injecting proxy (support/s3_proxy.py): `ucp convert --output s3://`, then
-verify, inspect, `open_checkpoint` and a 2-rank hook load from `s3://`, each equal to the same checkpoint
-converted locally; the bytes each rank reads counted at the HTTP level; throttling and 500s retried; an upload
-that fails midway leaves no index and no parts; wrong credentials and a missing bucket give one line. Training
-saves asynchronously to s3:// with "keep" and resumes from there with "load": "auto"; a save whose uploads fail
-commits nothing and leaves no parts. The Hugging Face Trainer and Accelerate resume from a ucp conversion on s3://
-exactly as from the same conversion in a local folder; a DeepSpeed checkpoint uploaded as it is gets one line
-naming the conversion to run.
+"""Checkpoints in S3-compatible object storage (issue #22), against moto's real S3 server on 127.0.0.1 behind a
+counting, fault-injecting proxy (support/s3_proxy.py): `ucp convert --output s3://`, then verify, inspect,
+`open_checkpoint` and a 2-rank hook load from `s3://`, each equal to the same checkpoint converted locally; the
+bytes each rank reads counted at the HTTP level; throttling and 500s retried; an upload that fails midway leaves
+no index and no parts; wrong credentials and a missing bucket give one line. Training saves asynchronously to
+s3:// with "keep" and resumes from there with "load": "auto"; a save whose uploads fail commits nothing and leaves
+no parts. `ucp convert --input s3://` downloads only the tag it converts and writes what converting the local
+folder writes. The Hugging Face Trainer and Accelerate resume from a ucp conversion on s3:// exactly as from the
+same conversion in a local folder; a DeepSpeed checkpoint uploaded as it is gets one line naming the conversion
+to run. (Exports to s3:// are in test_export.py, Ray conversions in test_ray.py.)
 """
 from __future__ import annotations
 
