@@ -112,7 +112,7 @@ def write_pieces(directory: Path, files: Sequence[SaveFile], buffer: SnapshotBuf
         if headers:
             for f in files:
                 os.ftruncate(fds[f.name], f.size)
-                write_exactly(fds[f.name], memoryview(f.header), 0, _CHUNK)
+                _pwrite_all(fds[f.name], memoryview(f.header), 0)
         segments: list[list[list[int]]] = [[] for _ in buffer.pieces]
         view = tensor_bytes(buffer.data)
         for run in buffer.runs:
@@ -124,7 +124,7 @@ def write_pieces(directory: Path, files: Sequence[SaveFile], buffer: SnapshotBuf
                     b = min(hi, buffer.offsets[i] + buffer.pieces[i].end - buffer.pieces[i].begin)
                     if a < b:
                         _checksum(segments[i], view[a:b], buffer.pieces[i].begin + a - buffer.offsets[i])
-                write_exactly(fds[run.file], view[lo:hi], run.begin + lo - run.offset, _CHUNK)
+                _pwrite_all(fds[run.file], view[lo:hi], run.begin + lo - run.offset)
         for fd in fds.values():
             os.fsync(fd)
     finally:
@@ -147,6 +147,12 @@ def _checksum(segments: list[list[int]], data: memoryview, begin: int) -> None:
 
 
 _CHUNK = 4 << 20  # bytes checksummed then written at a time: still in cache when the kernel copies them
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    """Every write of a save's data files goes through here (tests/support/save_faults.py wraps it to fail or
+    hold a writer mid-save)."""
+    write_exactly(fd, data, offset, _CHUNK)
 
 
 class BackgroundSave:
