@@ -76,7 +76,7 @@ class ElasticJob:
 
     def lose_worker(self, index: int) -> None:
         """One worker process dies (SIGKILL); its agent lives on."""
-        workers = wait_for(lambda: [p for p in self.workers(index) if "train" in " ".join(p.cmdline())], 120,
+        workers = wait_for(lambda: [p for p in self.workers(index) if "train" in _cmdline(p)], 120,
                            f"agent {index}'s worker")
         workers[0].kill()
 
@@ -121,6 +121,14 @@ class ElasticJob:
         """Every agent's log (the last `tail` characters of each; all with None)."""
         texts = [(self.workdir / f"agent{i}.log").read_text(errors="replace") for i in range(len(self.agents))]
         return "\n".join(f"--- agent {i} ---\n" + (t if tail is None else t[-tail:]) for i, t in enumerate(texts))
+
+
+def _cmdline(process: psutil.Process) -> str:
+    """The process's command line, "" once it has exited (a child listed a moment ago may be gone by now)."""
+    try:
+        return " ".join(process.cmdline())
+    except psutil.NoSuchProcess:  # ZombieProcess included
+        return ""
 
 
 def read_losses(path: Path) -> list[dict]:
