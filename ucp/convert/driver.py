@@ -38,6 +38,7 @@ from ucp.convert.manifest import (
     reusable_bin,
     write_manifest,
 )
+from ucp.convert.object_input import staged_source
 from ucp.convert.plan import ConversionPlan, ParamPlan, StateSource
 from ucp.convert.result import ConvertResult
 from ucp.convert.source_check import check_sources
@@ -104,18 +105,14 @@ def convert(input_dir: str | os.PathLike[str], output_dir: str | os.PathLike[str
                        "directory and convert again")
     if splits is not None and fmt != "ucp":
         raise UcpError("--splits works with --format ucp only")
-    if isinstance(source, ObjectPath):
-        from ucp.convert.object_input import staged_source
-
-        with staged_source(source, tag) as staged:
-            plan = plan_deepspeed(staged, tag, param_names, patterns)
-            if fmt == "ucp":  # the index says where the checkpoint came from (the deepspeed format reads it there)
-                plan.source["path"] = plan.source["path"].replace(str(staged.resolve()), str(source), 1)
-            return _write(plan, output, executor or LocalExecutor(workers, progress=progress), fmt=fmt,
-                          strict=strict, resume=resume, splits=splits, chunk_bytes=chunk_bytes)
-    plan = plan_deepspeed(source, tag, param_names, patterns)
-    return _write(plan, output, executor or LocalExecutor(workers, progress=progress), fmt=fmt, strict=strict,
-                  resume=resume, splits=splits, chunk_bytes=chunk_bytes)
+    executor = executor or LocalExecutor(workers, progress=progress)
+    staging = staged_source(source, tag) if isinstance(source, ObjectPath) else contextlib.nullcontext(source)
+    with staging as local:
+        plan = plan_deepspeed(local, tag, param_names, patterns)
+        if local != source and fmt == "ucp":  # the index names the URL (the deepspeed format reads the copy)
+            plan.source["path"] = plan.source["path"].replace(str(local.resolve()), str(source), 1)
+        return _write(plan, output, executor, fmt=fmt, strict=strict, resume=resume, splits=splits,
+                      chunk_bytes=chunk_bytes)
 
 
 def _write(plan: ConversionPlan, output: Location, executor: Executor, *, fmt: str, strict: bool, resume: bool,

@@ -30,7 +30,7 @@ def staged_source(source: ObjectPath, tag: str | None) -> Iterator[Path]:
     """A local copy of the DeepSpeed checkpoint at `source` that `tag` (or `latest`, ...) picks, for the body
     to convert; an error the body raises names `source`, not the staging folder."""
     with tempfile.TemporaryDirectory(prefix="ucp-input-", dir=os.environ.get("UCP_STAGING_DIR")) as staging:
-        root = Path(staging) / (source.key.rsplit("/", 1)[-1] or source.bucket)
+        root = Path(staging) / (source.name or source.bucket)
         root.mkdir()
         try:
             _stage(source, root, tag)
