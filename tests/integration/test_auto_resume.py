@@ -3,6 +3,7 @@ checkpoint, every checkpoint damaged, and a job killed mid-save (issue #20)."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -25,8 +26,15 @@ def train(tmp_path: Path, steps: int, keep: int = 2, nproc: int = 2) -> str:
     return log.read_text()
 
 
+def by_step(name: str) -> tuple[int, str]:
+    """Order tag folders by step number, so global_step10 follows global_step9 (a plain sort puts it first)."""
+    step = re.match(r"global_step(\d+)", name)
+    assert step, name
+    return int(step.group(1)), name
+
+
 def committed(save_dir: Path) -> list[str]:
-    return sorted(p.name for p in save_dir.iterdir() if (p / "ucp_index.json").is_file())
+    return sorted((p.name for p in save_dir.iterdir() if (p / "ucp_index.json").is_file()), key=by_step)
 
 
 def damage(tag: Path) -> None:
@@ -105,6 +113,7 @@ def test_a_job_killed_mid_save_resumes_and_keeps_only_committed_checkpoints(tmp_
     log = train(tmp_path, newest + 3)
     assert f"resuming from {save_dir}/global_step{newest} (step {newest})" in log
     assert committed(save_dir) == [f"global_step{newest + 2}", f"global_step{newest + 3}"]
-    assert sorted(p.name for p in save_dir.iterdir() if p.name.startswith("global_step")) == committed(save_dir)
+    assert sorted((p.name for p in save_dir.iterdir() if p.name.startswith("global_step")), key=by_step) == \
+        committed(save_dir)
     assert (save_dir / "latest").read_text() == f"global_step{newest + 3}"
     assert not ucp.open_checkpoint(save_dir).verify()
