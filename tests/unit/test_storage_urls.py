@@ -60,7 +60,8 @@ def test_s3_urls_are_object_paths(url, bucket, key):
     assert not hasattr(place, "__fspath__")  # never opened as a local file by mistake
 
 
-@pytest.mark.parametrize("url", OTHER_PROTOCOLS + ["s3:///no-bucket", "file://otherhost/run1", "memory://"])
+@pytest.mark.parametrize("url", OTHER_PROTOCOLS + ["s3:///no-bucket", "file://otherhost/run1", "memory://",
+                                 "simplecache::memory://bucket/run1", "zip://a.txt::memory://bucket/a.zip"])
 def test_other_protocols_are_refused_in_one_line(url):
     with pytest.raises(UnsupportedStorageError, match=url.replace("+", r"\+")) as info:
         location(url)
@@ -79,7 +80,8 @@ def test_file_urls_are_local_paths():
     assert location("file://localhost/tmp/run1") == Path("/tmp/run1")
 
 
-@pytest.mark.parametrize("path", ["ckpt/run1", "/abs/s3:/x", "s3:bucket", "./s3://x", "weird name://not a url"])
+@pytest.mark.parametrize("path", ["ckpt/run1", "/abs/s3:/x", "s3:bucket", "./s3://x", "weird name://not a url",
+                                  "a::b/c", "./simplecache::s3://x"])
 def test_local_paths_pass_unchanged(path):
     """Only `scheme://` at the very start is a URL; a folder named `s3:` or a path that holds `://` later is
     a path (control)."""

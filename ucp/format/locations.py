@@ -13,6 +13,7 @@ from ucp.format.object_path import ObjectPath as ObjectPath  # re-exported: wher
 
 OBJECT_SCHEMES = ("s3",)
 _URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")  # scheme://..., as s3://bucket/prefix or gs://...
+_CHAINED = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*::")  # fsspec's chained URLs: simplecache::gs://bucket/run
 # Where a URL is accepted (issue #22); the other entry points name this list when they refuse one.
 URL_ENTRY_POINTS = ("s3:// and the protocols of any fsspec filesystem installed (gs://, az://, hdfs://, ...) with "
                     "ucp convert --input and --output, ucp inspect, ucp verify, ucp export --input and --output, "
@@ -41,6 +42,9 @@ def location(path: str | os.PathLike[str] | ObjectPath) -> Location:
         return path
     text = os.fspath(path)
     scheme = url_scheme(text)
+    if "::" in text and "://" in text and (scheme is not None or _CHAINED.match(text)):
+        raise UnsupportedStorageError(f"{text}: chained fsspec URLs (a::b://...) are not taken; pass the URL of "
+                                      "the storage itself (gs://bucket/run1) or a local copy")
     if scheme is None:
         return Path(text)
     scheme = scheme.lower()
