@@ -160,6 +160,23 @@ def test_file_urls_are_local_paths(local):
         location("file://otherhost/x")
 
 
+def test_writes_make_the_folders_a_file_system_needs_but_never_a_bucket(tmp_path, monkeypatch):
+    """fsspec's local filesystem (under `local://`) wants a file's folder to exist, as HDFS does: a write makes it.
+    Its URL's netloc plays a bucket's part: a missing one is refused, not created (gcsfs would create a bucket)."""
+    from ucp.errors import StorageAccessError
+    from ucp.format.storage import put_bytes, read_small
+
+    target = location(f"local://{tmp_path}/new/sub/ucp_index.json")
+    put_bytes(target, b"{}")
+    assert (tmp_path / "new" / "sub" / "ucp_index.json").read_bytes() == b"{}" == read_small(target)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(StorageAccessError, match="'nobucket' does not exist") as info:
+        put_bytes(location("local://nobucket/run1/latest"), b"x")
+    assert "\n" not in str(info.value) and not (tmp_path / "nobucket").exists()
+    put_bytes(location("local://new/run1/latest"), b"x")  # control: an existing one takes the folders it needs
+    assert (tmp_path / "new" / "run1" / "latest").read_bytes() == b"x"
+
+
 @pytest.mark.skipif(importlib.util.find_spec("gcsfs") is not None, reason="gcsfs is installed here")
 def test_a_protocol_whose_package_is_missing_is_refused_naming_it(capsys):
     with pytest.raises(UnsupportedStorageError, match="gs://bucket/run1: .*install gcsfs") as info:

@@ -215,13 +215,18 @@ def list_tree(folder: ObjectPath) -> list[str]:
 
 def _writing(path: ObjectPath, doing: str, write: Callable[[Any, str], None]) -> None:
     """`write(fs, p)`; when the filesystem wants the parent folder to exist first (HDFS, local), it is made and
-    the write is tried once more."""
+    the write is tried once more. A missing bucket is refused, not made (an object store's `makedirs` would
+    create a bucket named by a typo)."""
     fs, p = _fs(path)
+    root = _fs(ObjectPath(path.scheme, path.bucket, ""))[1]  # the bucket; "" for a host's file system (HDFS)
 
     def request() -> None:
         try:
             write(fs, p)
         except FileNotFoundError:
+            if root.strip("/") and not fs.exists(root):
+                raise StorageAccessError(f"{path}: '{path.bucket}' does not exist; create it, or correct the "
+                                         "URL") from None
             fs.makedirs(fs._parent(p), exist_ok=True)
             write(fs, p)
 
