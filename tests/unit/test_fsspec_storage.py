@@ -1,14 +1,17 @@
 """Checkpoints on any fsspec filesystem a user has installed (issue #22), against fsspec's real in-process
 `memory://` filesystem: a ucp checkpoint uploaded there (`ucp.convert.object_output.upload`, the upload `ucp convert
 --output` does, index last) opens, verifies, inspects and exports as the same checkpoint in a local folder does,
-tensor for tensor; reads are ranged (a filesystem registered under its own protocol counts the bytes it serves); a
-flipped byte is caught by verify; `file:///abs` is the local path; a protocol whose package is missing, an
-unknown one and an asynchronous save to memory:// are refused in one line. (`ucp convert --input/--output
-memory://` from a DeepSpeed checkpoint: tests/integration/test_fsspec.py.)
+tensor for tensor; reads are ranged (a filesystem registered under its own protocol counts the bytes it serves)
+and run concurrently, no more than `max_in_flight()` at once; a flipped byte is caught by verify; a write makes
+the folders a file system needs but never a bucket; `file:///abs` is the local path; a protocol whose package is
+missing, an unknown one and an asynchronous save to memory:// are refused in one line. (`ucp convert
+--input/--output memory://` from a DeepSpeed checkpoint: tests/integration/test_fsspec.py.)
 """
 from __future__ import annotations
 
 import importlib.util
+import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -35,16 +38,27 @@ OPTIMIZER = {"type": "AdamW", "states": ["exp_avg"], "param_groups": [{"hyperpar
 
 class CountingMemoryFileSystem(MemoryFileSystem):
     """fsspec's memory filesystem under protocol "ucpcount", with a store of its own, counting every byte it
-    serves however it is asked (ranged `cat_file`, or a file opened for reading)."""
+    serves however it is asked (ranged `cat_file`, or a file opened for reading), and the most ranged reads it
+    has had in flight at once (each takes `delay` seconds)."""
 
     protocol = "ucpcount"
     store: dict = {}
     pseudo_dirs = [""]
     served = 0
+    delay = 0.0
+    in_flight = most_in_flight = 0
+    lock = threading.Lock()
 
     def cat_file(self, path, start=None, end=None, **kwargs):
+        cls = CountingMemoryFileSystem
+        with cls.lock:
+            cls.in_flight += 1
+            cls.most_in_flight = max(cls.most_in_flight, cls.in_flight)
+        time.sleep(cls.delay)
         data = super().cat_file(path, start=start, end=end, **kwargs)
-        CountingMemoryFileSystem.served += len(data)
+        with cls.lock:
+            cls.in_flight -= 1
+            cls.served += len(data)
         return data
 
     def _open(self, path, mode="rb", **kwargs):
@@ -129,6 +143,21 @@ def leaves(tree: object, at: str = "") -> dict[str, object]:
     if isinstance(tree, (list, tuple)):
         return {k: v for i, value in enumerate(tree) for k, v in leaves(value, f"{at}/{i}").items()}
     return {at: tree}
+
+
+def test_ranged_reads_run_concurrently_and_bounded(local, monkeypatch):
+    from ucp.format.object_store import max_in_flight
+
+    url = uploaded(local, "ucpcount")
+    try:
+        monkeypatch.setenv("UCP_S3_PART_BYTES", "512")  # a.weight's 8 KiB: 16 parts or more
+        monkeypatch.setattr(CountingMemoryFileSystem, "delay", 0.05)
+        CountingMemoryFileSystem.most_in_flight = 0
+        remote = ucp.open_checkpoint(url)
+        assert torch.equal(remote.tensor("a.weight"), ucp.open_checkpoint(local).tensor("a.weight"))
+        assert 1 < CountingMemoryFileSystem.most_in_flight <= max_in_flight()
+    finally:
+        fsspec.filesystem("ucpcount").rm(url.rsplit("/", 1)[0], recursive=True)
 
 
 def test_an_export_to_memory_loads_as_a_local_export(local, tmp_path):
