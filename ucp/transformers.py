@@ -141,7 +141,7 @@ def trainer_folder(path: str | os.PathLike[str] | ObjectPath | Literal[True],
             raise CheckpointNotFoundError(f"{output_dir}: no checkpoint-N folder to resume from; pass "
                                           "resume_from_checkpoint=PATH")
         path = last_complete(output_dir)
-    place = location(path)  # a URL other than s3:// is refused in one line
+    place = location(path)  # a URL no installed filesystem serves is refused in one line
     if isinstance(place, ObjectPath):
         return _object_folder(place)
     folder = place

@@ -28,6 +28,15 @@ def test_local_checkpoints_import_no_object_store_client():
     assert imported("ucp.format.object_store; ucp.format.object_store._client()", ("boto3",)) == ["boto3"]  # control
 
 
+def test_local_and_s3_locations_import_no_fsspec():
+    """fsspec is imported by ucp.format.fsspec_store alone, when a URL of another protocol is first seen."""
+    assert imported("ucp.format.locations; ucp.format.locations.location('ckpt/run1'); "
+                    "ucp.format.locations.location('file:///ckpt/run1'); "
+                    "ucp.format.locations.location('s3://bucket/run1')", ("fsspec",)) == []
+    assert imported("ucp.format.locations; ucp.format.locations.location('memory://bucket/run1')",
+                    ("fsspec",)) == ["fsspec"]  # control
+
+
 def test_cli_help_does_not_import_torch():
     code = ("import sys; from ucp.cli.main import build_parser; build_parser().format_help();"
             "print('torch' in sys.modules)")

@@ -1,9 +1,10 @@
-"""An object-storage URL is never taken for a local path (issue #22). `s3://bucket/prefix` is an `ObjectPath`
-where ucp reads and writes object storage (`ucp convert`, inspect, verify, `ucp export`, `open_checkpoint`,
-`ucp.deepspeed.load` and `save`, `ucp.transformers.train`, `ucp.accelerate.load_state`; tests/integration/test_s3.py
-runs them against a real S3 server, and checks their refusals of other URLs); every
-other entry point refuses it in one line that says where URLs work, and any other protocol is refused everywhere,
-writing nothing, where `ucp convert --output s3://bucket/run1` used to write a local folder `s3:` and exit 0."""
+"""An object-storage URL is never taken for a local path (issue #22). `s3://bucket/prefix` (and the URL of any
+other fsspec filesystem installed: test_fsspec_storage.py) is an `ObjectPath` where ucp reads and writes object
+storage (`ucp convert`, inspect, verify, `ucp export`, `open_checkpoint`, `ucp.deepspeed.load` and `save`,
+`ucp.transformers.train`, `ucp.accelerate.load_state`; tests/integration/test_s3.py runs them against a real S3
+server, and checks their refusals of other URLs); every other entry point refuses it in one line that says where
+URLs work, and a protocol fsspec does not know, or whose package is not installed, is refused everywhere, writing
+nothing, where `ucp convert --output s3://bucket/run1` used to write a local folder `s3:` and exit 0."""
 from __future__ import annotations
 
 import os
@@ -22,8 +23,9 @@ from ucp.export import to_dcp, to_hf
 from ucp.format.folder import local_path
 from ucp.format.locations import ObjectPath, location
 
-URLS = ["s3://bucket/run1", "gs://bucket/run1", "file:///tmp/run1", "hf+s3://x/y"]
-OTHER_PROTOCOLS = URLS[1:]
+# gs:// needs gcsfs, not installed here; hf+s3:// is no protocol fsspec knows
+URLS = ["s3://bucket/run1", "gs://bucket/run1", "hf+s3://x/y", "memory://bucket/run1"]
+OTHER_PROTOCOLS = URLS[1:3]
 UCP = [sys.executable, "-m", "ucp.cli.main"]
 
 
@@ -33,9 +35,17 @@ def test_a_url_is_refused_where_local_folders_only_go_naming_itself(url):
         local_path(url)
 
 
+def test_gcsfs_is_not_installed_here():
+    """The refusals below take gs:// for a protocol whose package is missing."""
+    import importlib.util
+
+    assert importlib.util.find_spec("gcsfs") is None
+
+
 def test_local_only_entry_points_say_where_s3_works():
-    with pytest.raises(UnsupportedStorageError, match="ucp convert --format deepspeed --output takes local .* s3:// "
-                                                      "works with ucp convert --input and --output, ucp inspect, ucp "
+    with pytest.raises(UnsupportedStorageError, match="ucp convert --format deepspeed --output takes local .* URLs: "
+                                                      "s3:// and the protocols of any fsspec filesystem installed .* "
+                                                      "with ucp convert --input and --output, ucp inspect, ucp "
                                                       "verify, ucp export --input and --output, ucp.open_checkpoint"):
         local_path("s3://bucket/run1", "ucp convert --format deepspeed --output")
 
@@ -50,7 +60,8 @@ def test_s3_urls_are_object_paths(url, bucket, key):
     assert not hasattr(place, "__fspath__")  # never opened as a local file by mistake
 
 
-@pytest.mark.parametrize("url", OTHER_PROTOCOLS + ["s3:///no-bucket"])
+@pytest.mark.parametrize("url", OTHER_PROTOCOLS + ["s3:///no-bucket", "file://otherhost/run1", "memory://",
+                                 "simplecache::memory://bucket/run1", "zip://a.txt::memory://bucket/a.zip"])
 def test_other_protocols_are_refused_in_one_line(url):
     with pytest.raises(UnsupportedStorageError, match=url.replace("+", r"\+")) as info:
         location(url)
@@ -64,7 +75,13 @@ def test_s3_without_boto3_is_refused_in_one_line():
     assert out.returncode != 0 and "UnsupportedStorageError: s3://bucket/run1: object storage needs boto3" in out.stderr
 
 
-@pytest.mark.parametrize("path", ["ckpt/run1", "/abs/s3:/x", "s3:bucket", "./s3://x", "weird name://not a url"])
+def test_file_urls_are_local_paths():
+    assert location("file:///tmp/run1") == local_path("file:///tmp/run1") == Path("/tmp/run1")
+    assert location("file://localhost/tmp/run1") == Path("/tmp/run1")
+
+
+@pytest.mark.parametrize("path", ["ckpt/run1", "/abs/s3:/x", "s3:bucket", "./s3://x", "weird name://not a url",
+                                  "a::b/c", "./simplecache::s3://x"])
 def test_local_paths_pass_unchanged(path):
     """Only `scheme://` at the very start is a URL; a folder named `s3:` or a path that holds `://` later is
     a path (control)."""
@@ -96,7 +113,8 @@ def test_options_without_object_storage_refuse_s3_before_touching_disk(call, tmp
 ], ids=["convert-output", "convert-input", "to_hf", "to_dcp", "open_checkpoint", "deepspeed.load", "save-config",
         "deepspeed.save"])
 def test_entry_points_with_object_storage_refuse_other_protocols(call, url, tmp_path, monkeypatch):
-    """s3:// is taken (tests/integration/test_s3.py); any other scheme is refused, nothing written."""
+    """s3:// is taken (tests/integration/test_s3.py), and memory:// (test_fsspec_storage.py); a protocol whose
+    package is missing, or one fsspec does not know, is refused, nothing written."""
     monkeypatch.chdir(tmp_path)
     with pytest.raises(UnsupportedStorageError, match="s3://"):
         call(tmp_path, url)
@@ -108,7 +126,7 @@ def test_entry_points_with_object_storage_refuse_other_protocols(call, url, tmp_
     ["convert", "--input", "IN", "--output", "gs://bucket/run1"],
     ["verify", "gs://bucket/run1"],
     ["inspect", "file://bucket/run1"],
-    ["export", "--to", "hf", "--input", "IN", "--output", "hf://bucket/hf"],
+    ["export", "--to", "hf", "--input", "IN", "--output", "nosuchprotocol://bucket/hf"],
 ])
 def test_cli_refuses_urls_in_one_line_and_writes_nothing(argv, tmp_path):
     (tmp_path / "IN").mkdir()

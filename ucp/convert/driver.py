@@ -92,7 +92,7 @@ def convert(input_dir: str | os.PathLike[str], output_dir: str | os.PathLike[str
     """
     from ucp.converters.dispatch import plan_deepspeed
 
-    source = location(input_dir)  # a URL other than s3:// is refused before anything is read or written
+    source = location(input_dir)  # a URL no installed filesystem serves is refused before anything is read or written
     output = location(output_dir)
     if isinstance(output, ObjectPath) and (fmt != "ucp" or resume):
         raise UnsupportedStorageError(f"{output}: --output s3:// takes --format ucp without --resume (an interrupted "

@@ -43,7 +43,7 @@ def _stage(source: ObjectPath, root: Path, tag: str | None) -> None:
     """Copy the objects directly under `source` into `root`, then the folder the conversion takes from it."""
     names, folders = list_names(source), list_folders(source)
     if not names and not folders:
-        raise CheckpointNotFoundError(f"{source}: no objects under this prefix; pass the s3:// prefix that the "
+        raise CheckpointNotFoundError(f"{source}: no objects under this prefix; pass the prefix that the "
                                       "folder given to engine.save_checkpoint (or a Trainer's output_dir) was "
                                       "uploaded to")
     for name in names:

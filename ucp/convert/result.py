@@ -8,7 +8,7 @@ from ucp.format.locations import Location
 
 @dataclass(frozen=True)
 class ConvertResult:
-    output: Location  # a local folder, or an s3:// prefix
+    output: Location  # a local folder, or a prefix of s3:// or another fsspec protocol
     params: int
     files: tuple[str, ...]
     bytes_written: int

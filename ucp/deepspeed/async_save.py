@@ -50,7 +50,14 @@ from ucp.deepspeed.save_files import SaveFiles, WrittenPiece, arrange_files, byt
 from ucp.deepspeed.save_writer import BackgroundSave, SavePiece, SnapshotBuffer, partial_path, write_pieces
 from ucp.deepspeed.targets import Target, TargetTensor, Zero3Target, module_aliases, target_for
 from ucp.elastic.resume import prune
-from ucp.errors import ConfigError, OutputExistsError, SaveError, UcpError, UnsupportedLayoutError
+from ucp.errors import (
+    ConfigError,
+    OutputExistsError,
+    SaveError,
+    UcpError,
+    UnsupportedLayoutError,
+    UnsupportedStorageError,
+)
 from ucp.format import loss_scale
 from ucp.format.crc import CHUNK_BYTES
 from ucp.format.folder import INDEX_NAME, commit_index, commit_latest, fsync_dir, tensor_key
@@ -142,7 +149,7 @@ class Saver:
         began = time.perf_counter()
         tag = tag or f"global_step{self.engine.global_steps}"
         self.job.wait_turn(tag)  # the buffer is reused: let the previous save finish (raises its failure)
-        place = location(save_dir)
+        place = save_location(save_dir)
         folder = place.resolve() if isinstance(place, Path) else place
         tag_dir = folder / tag
         if is_file(tag_dir / INDEX_NAME):
@@ -509,6 +516,18 @@ def saver_for(engine: DeepSpeedEngine) -> Saver:
     return saver
 
 
+def save_location(path: str | os.PathLike[str]) -> Location:
+    """Where an asynchronous save goes: a local folder or an s3:// prefix. Its ranks upload the parts of one file
+    together as one S3 multipart upload (`ucp.deepspeed.object_save`), which other fsspec protocols do not
+    offer, so their URLs are refused in one line (they work for loading, converting and exporting)."""
+    place = location(path)
+    if isinstance(place, ObjectPath) and place.scheme != "s3":
+        raise UnsupportedStorageError(f"{place}: asynchronous saves go to local folders or s3://, not "
+                                      f"{place.scheme}://; save to a local folder and copy it there, its "
+                                      "ucp_index.json last")
+    return place
+
+
 def save(engine: DeepSpeedEngine, path: str | os.PathLike[str], tag: str | None = None, async_: bool = True, *,
          client_state: dict[str, Any] | None = None) -> SaveStats:
     """Save `engine` into `<path>/<tag>` (default tag `global_step<N>`), then point `<path>/latest` at it.
@@ -517,7 +536,7 @@ def save(engine: DeepSpeedEngine, path: str | os.PathLike[str], tag: str | None 
     the checkpoint is committed). A save still writing when the next one starts is waited for,
     with a warning in the log. A failed save raises `SaveError` from the next `save` or `wait`.
     """
-    location(path)  # a URL other than s3:// is refused before the engine is touched
+    save_location(path)  # a URL other than s3:// is refused before the engine is touched
     return saver_for(engine).save(path, tag, client_state, async_)
 
 
@@ -558,7 +577,7 @@ class SaveEvery:
         if unknown:
             raise ConfigError(f'"ucp": {{"save": ...}}: unknown key {sorted(unknown)[0]!r}; known: "dir", "every", '
                               '"keep", "memory"')
-        location(options["dir"])  # a URL other than s3:// is refused in one line
+        save_location(options["dir"])  # a URL other than s3:// is refused in one line, before training
         memory = MemoryEvery.from_config(options["memory"], os.fspath(options["dir"])) if "memory" in options else None
         return cls(os.fspath(options["dir"]), options["every"], options.get("keep"), memory)
 

@@ -227,7 +227,7 @@ def load(engine: DeepSpeedEngine, path: str | os.PathLike[str], *, bypass: bool 
     layout gives this rank; `param_table` (default: the module's `ucp_param_table`) describes the
     full model. `check_keep_bytes` bounds what the check before the load keeps for the install (module docstring).
     """
-    place = location(path)  # a URL other than s3:// is refused before the engine is touched
+    place = location(path)  # a URL no installed filesystem serves is refused before the engine is touched
     with reading(_tag_folder(place)):
         return _load(engine, place, bypass, load_optimizer_states, load_lr_scheduler_states, strict, check_first,
                      layout, param_table, check_keep_bytes)

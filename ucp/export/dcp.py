@@ -155,7 +155,7 @@ def to_dcp(input: str | os.PathLike[str], output: str | os.PathLike[str], *, dty
     "torch.optim.AdamW" (the default for an Adam-family optimizer), "torch.optim.Adam", or "saved" (the
     checkpoint's own keys, the default otherwise).
     """
-    place = location(output)  # a URL other than s3:// is refused before anything is read
+    place = location(output)  # a URL no installed filesystem serves is refused before anything is read
     if dtype not in DTYPES:
         raise ExportError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
     ckpt = open_checkpoint(input, tag)

@@ -88,7 +88,7 @@ def to_hf(input: str | os.PathLike[str], output: str | os.PathLike[str], *, dtyp
           max_shard_size: int | str = "5GB", config: str | os.PathLike[str] | None = None, workers: int = 1,
           tag: str | None = None, progress: bool = True) -> HfExport:
     """Write `output` as a transformers-ready folder from the ucp or DeepSpeed checkpoint `input`."""
-    place = location(output)  # a URL other than s3:// is refused before anything is read
+    place = location(output)  # a URL no installed filesystem serves is refused before anything is read
     if dtype not in DTYPES:
         raise ExportError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
     ckpt = open_checkpoint(input, tag)

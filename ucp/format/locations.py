@@ -1,47 +1,27 @@
-"""Locations of a checkpoint's files: a local `Path`, or an `ObjectPath` for `s3://bucket/prefix/...`; a URL is
-never taken for a local path."""
+"""Locations of a checkpoint's files: a local `Path`, or an `ObjectPath` for `s3://bucket/prefix/...` or any
+other protocol an installed fsspec filesystem serves; a URL is never taken for a local path."""
 from __future__ import annotations
 
 import importlib.util
 import os
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Union
 
 from ucp.errors import UnsupportedStorageError
+from ucp.format.object_path import ObjectPath as ObjectPath  # re-exported: where every caller takes it from
 
 OBJECT_SCHEMES = ("s3",)
 _URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")  # scheme://..., as s3://bucket/prefix or gs://...
+_CHAINED = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*::")  # fsspec's chained URLs: simplecache::gs://bucket/run
 # Where a URL is accepted (issue #22); the other entry points name this list when they refuse one.
-URL_ENTRY_POINTS = ("ucp convert --input and --output, ucp inspect, ucp verify, ucp export --input and --output, "
+URL_ENTRY_POINTS = ("s3:// and the protocols of any fsspec filesystem installed (gs://, az://, hdfs://, ...) with "
+                    "ucp convert --input and --output, ucp inspect, ucp verify, ucp export --input and --output, "
                     "ucp.open_checkpoint, "
                     "ucp.deepspeed.load and ucp.deepspeed.save (also as \"ucp\": {\"load\": ...} and "
-                    "{\"save\": {\"dir\": ...}}, \"auto\" and \"keep\" included), "
+                    "{\"save\": {\"dir\": ...}}, \"auto\" and \"keep\" included; saves to s3:// only), "
                     "ucp.transformers.train(resume_from_checkpoint=...) and ucp.accelerate.load_state (the ucp "
                     "checkpoint, not Accelerate's own folder)")
-
-
-@dataclass(frozen=True)
-class ObjectPath:
-    """A file or prefix in an object store, `s3://bucket/key`: what a `Path` is to a local folder.
-
-    It has no `__fspath__`, so no local file call can take it for a path by mistake."""
-
-    scheme: str
-    bucket: str
-    key: str  # no leading or trailing "/"; "" for the bucket's root
-
-    @property
-    def name(self) -> str:
-        """The last part of the key, as `Path.name` ("" for the bucket's root)."""
-        return self.key.rsplit("/", 1)[-1]
-
-    def __truediv__(self, name: str) -> ObjectPath:
-        return ObjectPath(self.scheme, self.bucket, f"{self.key}/{name}" if self.key else str(name))
-
-    def __str__(self) -> str:
-        return f"{self.scheme}://{self.bucket}/{self.key}" if self.key else f"{self.scheme}://{self.bucket}"
 
 
 Location = Union[Path, ObjectPath]
@@ -54,25 +34,43 @@ def url_scheme(text: str) -> str | None:
 
 
 def location(path: str | os.PathLike[str] | ObjectPath) -> Location:
-    """`path` as a local `Path` or, for `s3://bucket/prefix`, an `ObjectPath`; any other URL is refused in one
-    line (taken for a path, `gs://bucket/run` would read or write a local folder named `gs:`)."""
+    """`path` as a local `Path` or, for `s3://bucket/prefix` and any other protocol an installed fsspec filesystem
+    serves (`gs://bucket/prefix` with gcsfs, `hdfs://namenode/path`, `memory://...`), an `ObjectPath`;
+    `file:///abs/path` is the local path `/abs/path`. Any other URL is refused in one line (taken for a path,
+    `gs://bucket/run` would read or write a local folder named `gs:`)."""
     if isinstance(path, ObjectPath):
         return path
     text = os.fspath(path)
     scheme = url_scheme(text)
+    if "::" in text and "://" in text and (scheme is not None or _CHAINED.match(text)):
+        raise UnsupportedStorageError(f"{text}: chained fsspec URLs (a::b://...) are not taken; pass the URL of "
+                                      "the storage itself (gs://bucket/run1) or a local copy")
     if scheme is None:
         return Path(text)
-    if scheme.lower() not in OBJECT_SCHEMES:
-        raise UnsupportedStorageError(f"{text}: ucp reads local folders and s3:// URLs, not {scheme}:// ones; copy "
-                                      "the checkpoint to a local folder or an S3-compatible bucket, or mount the "
-                                      "storage and pass the mount's path")
-    bucket, _, key = text[len(scheme) + 3:].partition("/")
-    if not bucket:
-        raise UnsupportedStorageError(f"{text}: names no bucket; write s3://BUCKET/PREFIX")
-    if not _installed("boto3"):
-        raise UnsupportedStorageError(f"{text}: object storage needs boto3, which is not installed; pip install "
-                                      "boto3, or copy the checkpoint to a local folder")
-    return ObjectPath(scheme.lower(), bucket, key.strip("/"))
+    scheme = scheme.lower()
+    netloc, _, key = text[len(scheme) + 3:].partition("/")
+    if scheme == "file":
+        if netloc not in ("", "localhost") or not key:
+            raise UnsupportedStorageError(f"{text}: a file:// URL names a local path as file:///ABSOLUTE/PATH; "
+                                          "or pass the path itself")
+        return Path("/" + key)
+    if scheme in OBJECT_SCHEMES:
+        if not netloc:
+            raise UnsupportedStorageError(f"{text}: names no bucket; write s3://BUCKET/PREFIX")
+        if not _installed("boto3"):
+            raise UnsupportedStorageError(f"{text}: object storage needs boto3, which is not installed; pip install "
+                                          "boto3, or copy the checkpoint to a local folder")
+        return ObjectPath(scheme, netloc, key.strip("/"))
+    from ucp.format.fsspec_store import protocol_problem
+
+    problem = protocol_problem(scheme)
+    if problem is not None:
+        raise UnsupportedStorageError(f"{text}: {problem}; ucp reads local folders, s3:// URLs and the URLs of any "
+                                      "fsspec filesystem installed: install it, copy the checkpoint to a local "
+                                      "folder or a bucket, or mount the storage and pass the mount's path")
+    if not netloc and not key.strip("/"):
+        raise UnsupportedStorageError(f"{text}: names no bucket nor path; write {scheme}://BUCKET/PREFIX")
+    return ObjectPath(scheme, netloc, key.strip("/"))
 
 
 def _installed(module: str) -> bool:
@@ -88,7 +86,7 @@ def local_only(path: str | os.PathLike[str] | ObjectPath, entry_point: str) -> P
     line that says where URLs work."""
     place = location(path)
     if isinstance(place, ObjectPath):
-        raise UnsupportedStorageError(f"{place}: {entry_point} takes local (or mounted) folders only so far; s3:// "
-                                      f"works with {URL_ENTRY_POINTS}; copy the checkpoint to a local folder or "
+        raise UnsupportedStorageError(f"{place}: {entry_point} takes local (or mounted) folders only so far; URLs: "
+                                      f"{URL_ENTRY_POINTS}; copy the checkpoint to a local folder or "
                                       "mount the bucket (e.g. mountpoint-s3) and pass the mount's path")
     return place

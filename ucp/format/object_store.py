@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageAccessError, UcpError
-from ucp.format.locations import ObjectPath
+from ucp.format.object_path import ObjectPath
 
 PART_BYTES = 8 << 20  # ranged GETs and multipart parts are cut this large, unless $UCP_S3_PART_BYTES says
 MAX_ATTEMPTS = 10  # per request, throttling and 5xx included (botocore's standard mode backs off exponentially)
@@ -207,10 +207,10 @@ def read_many(reads: Sequence[tuple[ObjectPath, int, memoryview]]) -> None:
     pool = _client_and_pool()[1]
     jobs = [pool.submit(_get_range, path, view[lo:hi], offset + lo)
             for path, offset, view in reads for lo, hi in _parts(len(view))]
-    _wait(jobs)
+    wait_all(jobs)
 
 
-def _wait(jobs: list[Future[Any]]) -> list[Any]:
+def wait_all(jobs: list[Future[Any]]) -> list[Any]:
     """The results of `jobs`, in order; the first failure is raised once all have ended (none left running)."""
     failure = None
     results = []
@@ -253,10 +253,10 @@ def list_folders(folder: ObjectPath) -> list[str]:
 
 
 def list_tree(folder: ObjectPath) -> list[str]:
-    """The keys of every object under prefix `folder`, at any depth."""
+    """The names, relative to prefix `folder` ("a/b"), of every object under it at any depth."""
     prefix = f"{folder.key}/" if folder.key else ""
     pages = _client().get_paginator("list_objects_v2").paginate(Bucket=folder.bucket, Prefix=prefix)
-    return [item["Key"] for page in _call(folder, "listing it", lambda: list(pages))
+    return [item["Key"][len(prefix):] for page in _call(folder, "listing it", lambda: list(pages))
             for item in page.get("Contents", [])]
 
 
@@ -277,7 +277,7 @@ def upload_parts(source: Path, path: ObjectPath, upload: str, parts: Sequence[tu
     """Upload each (part number, begin, end) of local file `source` as that part of `upload`, in parallel;
     the parts' {"PartNumber", "ETag"} for `complete_upload`."""
     pool = _client_and_pool()[1]
-    return _wait([pool.submit(_upload_part, source, path, upload, number, lo, hi) for number, lo, hi in parts])
+    return wait_all([pool.submit(_upload_part, source, path, upload, number, lo, hi) for number, lo, hi in parts])
 
 
 def complete_upload(path: ObjectPath, upload: str, parts: Sequence[dict[str, Any]]) -> None:
@@ -305,7 +305,7 @@ def upload_file(source: Path, path: ObjectPath) -> None:
     try:
         jobs = [pool.submit(_upload_part, source, path, upload, number, lo, hi)
                 for number, (lo, hi) in enumerate(_parts(nbytes), start=1)]
-        parts = _wait(jobs)
+        parts = wait_all(jobs)
         _call(path, "completing its multipart upload",
               lambda: client.complete_multipart_upload(Bucket=path.bucket, Key=path.key, UploadId=upload,
                                                        MultipartUpload={"Parts": parts}))

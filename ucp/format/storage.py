@@ -1,9 +1,11 @@
-"""Where a checkpoint's files live: a local folder, or a prefix of an S3-compatible object store.
+"""Where a checkpoint's files live: a local folder, a prefix of an S3-compatible object store, or a prefix of any
+other filesystem fsspec has installed (gs://, az://, hdfs://, memory://, ...).
 
 This is the one storage layer of the format (docs/ARCHITECTURE.md): readers and writers name a file by a
-`Location` (a `Path`, or an `ObjectPath` for `s3://bucket/prefix/...`) and call the functions here, which
-take the local fast path (`fileio`: positional reads into the caller's buffer, no new import) or the object
-store (`object_store`, which alone imports boto3, on first use). The interface is small: ranged reads into a
+`Location` (a `Path`, or an `ObjectPath` for `scheme://bucket/prefix/...`) and call the functions here, which
+take the local fast path (`fileio`: positional reads into the caller's buffer, no new import) or a store chosen by
+the URL's scheme (`_store`): `object_store` for s3:// (which alone imports boto3, on first use), `fsspec_store` for
+every other protocol (which alone imports fsspec). The interface is small: ranged reads into a
 caller's buffer, the size of a file, whole small files, list, delete, writes at offsets into local files
 (`write_ranges`: the host-memory tier's copies in /dev/shm, staging copies), and writes that commit by order
 (`put_bytes` for the index and `latest`, written last; `upload_file` for data, multipart when large).
@@ -13,26 +15,52 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Protocol
 
 from ucp.format.fileio import ReadCounter, open_regular, read_exactly, read_regular, write_exactly
 from ucp.format.locations import Location, ObjectPath
 
 
+class Store(Protocol):
+    """What a backend module gives for `ObjectPath`s (`object_store`, `fsspec_store`); errors are one line."""
+
+    def size(self, path: ObjectPath) -> int | None: ...
+    def read_object(self, path: ObjectPath, limit: int | None = None) -> bytes | None: ...
+    def read_many(self, reads: Sequence[tuple[ObjectPath, int, memoryview]]) -> None: ...
+    def download(self, path: ObjectPath, target: Path) -> None: ...
+    def list_names(self, folder: ObjectPath) -> list[str]: ...
+    def list_folders(self, folder: ObjectPath) -> list[str]: ...
+    def list_tree(self, folder: ObjectPath) -> list[str]: ...
+    def put_bytes(self, path: ObjectPath, data: bytes) -> None: ...
+    def upload_file(self, source: Path, path: ObjectPath) -> None: ...
+    def abort_uploads(self, prefix: ObjectPath) -> int: ...
+    def delete(self, path: ObjectPath) -> None: ...
+    def copy(self, source: ObjectPath, target: ObjectPath) -> None: ...
+
+
+def _store(path: ObjectPath) -> Store:
+    """The backend of `path`'s scheme: boto3 for s3:// (chosen by measurement, benchmarks/README.md "Tiers"),
+    fsspec for any other protocol `locations.location` accepted. Both are imported on first use."""
+    if path.scheme == "s3":
+        from ucp.format import object_store
+
+        return object_store
+    from ucp.format import fsspec_store
+
+    return fsspec_store
+
+
 def is_file(path: Location) -> bool:
     """Whether a file (an object) is at `path`."""
     if isinstance(path, ObjectPath):
-        from ucp.format import object_store
-
-        return object_store.size(path) is not None
+        return _store(path).size(path) is not None
     return path.is_file()
 
 
 def size(path: Location) -> int | None:
     """The size of file `path` in bytes, or None when there is none."""
     if isinstance(path, ObjectPath):
-        from ucp.format import object_store
-
-        return object_store.size(path)
+        return _store(path).size(path)
     try:
         return path.stat().st_size
     except FileNotFoundError:
@@ -43,9 +71,7 @@ def read_small(path: Location, limit: int | None = None, follow: bool = True) ->
     """The whole content of file `path` (at most `limit` bytes, else refused unread), or None when there is none.
     Locally it must be a regular file (and, unless `follow`, not a symbolic link: `fileio.read_regular`)."""
     if isinstance(path, ObjectPath):
-        from ucp.format import object_store
-
-        return object_store.read_object(path, limit)
+        return _store(path).read_object(path, limit)
     if not os.path.lexists(path):
         return None
     return read_regular(str(path), follow=follow, limit=limit)
@@ -57,10 +83,9 @@ def read_ranges(reads: Sequence[tuple[Location, int, memoryview]], counter: Read
     the bytes and one call per read. Anything that is not an `ObjectPath` (a `Path`, or a `str` from a caller
     outside ucp) is a local file."""
     objects = [(p, offset, view) for p, offset, view in reads if isinstance(p, ObjectPath) and len(view)]
-    if objects:
-        from ucp.format import object_store
-
-        object_store.read_many(objects)
+    for scheme in sorted({p.scheme for p, _, _ in objects}):
+        mine = [read for read in objects if read[0].scheme == scheme]
+        _store(mine[0][0]).read_many(mine)
     for p, offset, view in reads:
         if not isinstance(p, ObjectPath) and len(view):
             fd = open_regular(os.fspath(p))
@@ -93,55 +118,41 @@ def write_ranges(writes: Sequence[tuple[Path, int, bytes | memoryview]], sync: b
 
 def download(path: ObjectPath, target: Path) -> None:
     """Copy object `path` to local file `target` (ranged GETs in parallel; the object's modification time)."""
-    from ucp.format import object_store
-
-    object_store.download(path, target)
+    _store(path).download(path, target)
 
 
 def list_names(folder: Location) -> list[str]:
     """The names of the files directly inside `folder` (objects directly under the prefix); [] when none."""
     if isinstance(folder, ObjectPath):
-        from ucp.format import object_store
-
-        return object_store.list_names(folder)
+        return _store(folder).list_names(folder)
     return os.listdir(folder) if folder.is_dir() else []
 
 
 def put_bytes(path: ObjectPath, data: bytes) -> None:
     """Write the object `path` in one request: visible whole or not at all, so the index and `latest` commit by
     being written after every object they name (docs/FORMAT.md, "Object storage")."""
-    from ucp.format import object_store
-
-    object_store.put_bytes(path, data)
+    _store(path).put_bytes(path, data)
 
 
 def upload_file(source: Path, path: ObjectPath) -> None:
     """Upload local file `source` to `path`: multipart with parts in parallel when large, aborted on failure."""
-    from ucp.format import object_store
-
-    object_store.upload_file(source, path)
+    _store(path).upload_file(source, path)
 
 
 def abort_uploads(prefix: ObjectPath) -> int:
     """Abort the multipart uploads open under `prefix`, which a writer killed outright leaves; how many."""
-    from ucp.format import object_store
-
-    return object_store.abort_uploads(prefix)
+    return _store(prefix).abort_uploads(prefix)
 
 
 def delete(path: ObjectPath) -> None:
-    from ucp.format import object_store
-
-    object_store.delete(path)
+    _store(path).delete(path)
 
 
 def list_folders(folder: Location) -> list[str]:
     """The names of the folders directly inside `folder` (the sub-prefixes of a prefix); [] when none. Local
     symbolic links to folders are left out."""
     if isinstance(folder, ObjectPath):
-        from ucp.format import object_store
-
-        return object_store.list_folders(folder)
+        return _store(folder).list_folders(folder)
     if not folder.is_dir():
         return []
     return [p.name for p in folder.iterdir() if p.is_dir() and not p.is_symlink()]
@@ -149,20 +160,15 @@ def list_folders(folder: Location) -> list[str]:
 
 def delete_tree(folder: ObjectPath) -> None:
     """Delete every object under prefix `folder`."""
-    from ucp.format import object_store
-
-    for key in object_store.list_tree(folder):
-        object_store.delete(ObjectPath(folder.scheme, folder.bucket, key))
+    for name in _store(folder).list_tree(folder):
+        _store(folder).delete(folder / name)
 
 
 def move_tree(source: ObjectPath, target: ObjectPath, last: str) -> None:
     """Copy every object under prefix `source` to the same names under `target` (object `last`, the one that
     commits, after the others), then delete `source`'s objects, `last` first. An object store has no rename."""
-    from ucp.format import object_store
-
-    prefix = f"{source.key}/"
-    names = sorted((k[len(prefix):] for k in object_store.list_tree(source)), key=lambda n: n == last)
+    names = sorted(_store(source).list_tree(source), key=lambda n: n == last)
     for name in names:
-        object_store.copy(source / name, target / name)
+        _store(source).copy(source / name, target / name)
     for name in reversed(names):
-        object_store.delete(source / name)
+        _store(source).delete(source / name)

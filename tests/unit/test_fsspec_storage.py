@@ -1,0 +1,235 @@
+"""Checkpoints on any fsspec filesystem a user has installed (issue #22), against fsspec's real in-process
+`memory://` filesystem: a ucp checkpoint uploaded there (`ucp.convert.object_output.upload`, the upload `ucp convert
+--output` does, index last) opens, verifies, inspects and exports as the same checkpoint in a local folder does,
+tensor for tensor; reads are ranged (a filesystem registered under its own protocol counts the bytes it serves)
+and run concurrently, no more than `max_in_flight()` at once; a flipped byte is caught by verify; a write makes
+the folders a file system needs but never a bucket; `file:///abs` is the local path; a protocol whose package is
+missing, an unknown one and an asynchronous save to memory:// are refused in one line. (`ucp convert
+--input/--output memory://` from a DeepSpeed checkpoint: tests/integration/test_fsspec.py.)
+"""
+from __future__ import annotations
+
+import importlib.util
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import fsspec
+import numpy as np
+import pytest
+import torch
+from fsspec.implementations.memory import MemoryFileSystem
+
+import ucp
+import ucp.deepspeed
+from ucp.cli.main import main
+from ucp.convert.object_output import upload
+from ucp.convert.tensors import write_tensors
+from ucp.deepspeed.async_save import SaveEvery
+from ucp.errors import UnsupportedStorageError
+from ucp.export import to_dcp
+from ucp.format.folder import read_index
+from ucp.format.locations import ObjectPath, location
+
+OPTIMIZER = {"type": "AdamW", "states": ["exp_avg"], "param_groups": [{"hyperparams": {"lr": 0.1},
+                                                                      "params": ["a.weight", "b.weight"]}]}
+
+
+class CountingMemoryFileSystem(MemoryFileSystem):
+    """fsspec's memory filesystem under protocol "ucpcount", with a store of its own, counting every byte it
+    serves however it is asked (ranged `cat_file`, or a file opened for reading), and the most ranged reads it
+    has had in flight at once (each takes `delay` seconds)."""
+
+    protocol = "ucpcount"
+    store: dict = {}
+    pseudo_dirs = [""]
+    served = 0
+    delay = 0.0
+    in_flight = most_in_flight = 0
+    lock = threading.Lock()
+
+    def cat_file(self, path, start=None, end=None, **kwargs):
+        cls = CountingMemoryFileSystem
+        with cls.lock:
+            cls.in_flight += 1
+            cls.most_in_flight = max(cls.most_in_flight, cls.in_flight)
+        time.sleep(cls.delay)
+        data = super().cat_file(path, start=start, end=end, **kwargs)
+        with cls.lock:
+            cls.in_flight -= 1
+            cls.served += len(data)
+        return data
+
+    def _open(self, path, mode="rb", **kwargs):
+        f = super()._open(path, mode, **kwargs)
+        if "r" in mode:
+            CountingMemoryFileSystem.served += self.size(path)
+        return f
+
+
+fsspec.register_implementation("ucpcount", CountingMemoryFileSystem, clobber=True)
+
+
+@pytest.fixture(scope="module")
+def local(tmp_path_factory) -> Path:
+    """A small ucp checkpoint in a local folder, its chunks small so that one tensor is several ranges."""
+    g = torch.Generator().manual_seed(0)
+    tensors = {"a.weight": {"fp32": torch.randn(64, 32, generator=g), "exp_avg": torch.randn(64, 32, generator=g)},
+               "b.weight": {"fp32": torch.randn(16, 8, generator=g).to(torch.bfloat16),
+                            "exp_avg": np.arange(128, dtype=np.float32).reshape(16, 8)}}
+    return write_tensors(tmp_path_factory.mktemp("fsspec") / "run1", tensors, optimizer=OPTIMIZER, step=3.0,
+                         chunk_bytes=1024)
+
+
+def uploaded(local: Path, protocol: str = "memory") -> str:
+    """`local` uploaded to a new bucket of `protocol`, as `ucp convert --output` uploads it; its URL."""
+    url = f"{protocol}://{uuid.uuid4().hex}/run1"
+    upload(local, location(url), read_index(local))
+    return url
+
+
+@pytest.fixture
+def url(local):
+    url = uploaded(local)
+    yield url
+    fsspec.filesystem("memory").rm(url.rsplit("/", 1)[0], recursive=True)
+
+
+def test_a_checkpoint_on_memory_opens_verifies_and_inspects_as_the_local_one(url, local, capsys):
+    assert isinstance(location(url), ObjectPath)
+    remote, here = ucp.open_checkpoint(url), ucp.open_checkpoint(local)
+    assert remote.names == here.names and len(remote.names) == 2
+    for name in here.names:
+        for state in ("fp32", "exp_avg"):
+            assert torch.equal(remote.tensor(name, state), here.tensor(name, state)), (name, state)
+    assert remote.verify() == []
+    assert main(["verify", url]) == 0
+    capsys.readouterr()
+    assert main(["inspect", url]) == 0
+    assert "a.weight" in capsys.readouterr().out
+
+
+def test_verify_catches_a_flipped_byte_in_an_object(url, local):
+    name = next(n for n in read_index(local).files)
+    path = location(url) / name
+    fs = fsspec.filesystem("memory")
+    data = bytearray(fs.cat_file(f"{path}"))
+    assert main(["verify", url]) == 0  # control: intact
+    data[-10] ^= 0xFF
+    fs.pipe_file(str(path), bytes(data))
+    assert main(["verify", url]) == 1
+
+
+def test_reads_are_ranged_the_bytes_of_the_tensor_asked_for(local):
+    url = uploaded(local, "ucpcount")
+    try:
+        remote, here = ucp.open_checkpoint(url), ucp.open_checkpoint(local)
+        total = sum(p.stat().st_size for p in local.iterdir() if p.name in read_index(local).files)
+        CountingMemoryFileSystem.served = 0
+        assert torch.equal(remote.tensor("b.weight"), here.tensor("b.weight"))
+        assert remote.counter.bytes == here.counter.bytes > 0
+        # headers checked once, then the tensor's chunks: far from the whole files (a read of whole objects)
+        assert CountingMemoryFileSystem.served <= remote.counter.bytes + 4096 < total, (
+            CountingMemoryFileSystem.served, remote.counter.bytes, total)
+    finally:
+        fsspec.filesystem("ucpcount").rm(url.rsplit("/", 1)[0], recursive=True)
+
+
+def leaves(tree: object, at: str = "") -> dict[str, object]:
+    """The leaves of nested dicts and lists, by path."""
+    if isinstance(tree, dict):
+        return {k: v for key, value in tree.items() for k, v in leaves(value, f"{at}/{key}").items()}
+    if isinstance(tree, (list, tuple)):
+        return {k: v for i, value in enumerate(tree) for k, v in leaves(value, f"{at}/{i}").items()}
+    return {at: tree}
+
+
+def test_ranged_reads_run_concurrently_and_bounded(local, monkeypatch):
+    from ucp.format.object_store import max_in_flight
+
+    url = uploaded(local, "ucpcount")
+    try:
+        monkeypatch.setenv("UCP_S3_PART_BYTES", "512")  # a.weight's 8 KiB: 16 parts or more
+        monkeypatch.setattr(CountingMemoryFileSystem, "delay", 0.05)
+        CountingMemoryFileSystem.most_in_flight = 0
+        remote = ucp.open_checkpoint(url)
+        assert torch.equal(remote.tensor("a.weight"), ucp.open_checkpoint(local).tensor("a.weight"))
+        assert 1 < CountingMemoryFileSystem.most_in_flight <= max_in_flight()
+    finally:
+        fsspec.filesystem("ucpcount").rm(url.rsplit("/", 1)[0], recursive=True)
+
+
+def test_an_export_to_memory_loads_as_a_local_export(local, tmp_path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    bucket = f"memory://{uuid.uuid4().hex}"
+    try:
+        to_dcp(local, f"{bucket}/dcp", progress=False)
+        to_dcp(local, tmp_path / "dcp", progress=False)
+        fs = fsspec.filesystem("memory")
+        names = sorted(p.name for p in (tmp_path / "dcp").iterdir())
+        assert sorted(Path(p).name for p in fs.ls(f"{bucket}/dcp", detail=False)) == names and names
+        fs.get(f"{bucket}/dcp/", str(tmp_path / "down"), recursive=True)
+        dcp_to_torch_save(tmp_path / "down", tmp_path / "down.pt")
+        dcp_to_torch_save(tmp_path / "dcp", tmp_path / "dcp.pt")
+        got, want = leaves(torch.load(tmp_path / "down.pt")), leaves(torch.load(tmp_path / "dcp.pt"))
+        assert got.keys() == want.keys() and any("a.weight" in k for k in want)
+        assert all(torch.equal(got[k], v) if isinstance(v, torch.Tensor) else got[k] == v for k, v in want.items())
+    finally:
+        if fsspec.filesystem("memory").exists(bucket):
+            fsspec.filesystem("memory").rm(bucket, recursive=True)
+
+
+def test_file_urls_are_local_paths(local):
+    assert location(f"file://{local}") == local
+    assert torch.equal(ucp.open_checkpoint(f"file://{local}").tensor("a.weight"),
+                       ucp.open_checkpoint(local).tensor("a.weight"))
+    with pytest.raises(UnsupportedStorageError, match="file:///ABSOLUTE/PATH"):
+        location("file://otherhost/x")
+
+
+def test_writes_make_the_folders_a_file_system_needs_but_never_a_bucket(tmp_path, monkeypatch):
+    """fsspec's local filesystem (under `local://`) wants a file's folder to exist, as HDFS does: a write makes it.
+    Its URL's netloc plays a bucket's part: a missing one is refused, not created (gcsfs would create a bucket)."""
+    from ucp.errors import StorageAccessError
+    from ucp.format.storage import put_bytes, read_small
+
+    target = location(f"local://{tmp_path}/new/sub/ucp_index.json")
+    put_bytes(target, b"{}")
+    assert (tmp_path / "new" / "sub" / "ucp_index.json").read_bytes() == b"{}" == read_small(target)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(StorageAccessError, match="'nobucket' does not exist") as info:
+        put_bytes(location("local://nobucket/run1/latest"), b"x")
+    assert "\n" not in str(info.value) and not (tmp_path / "nobucket").exists()
+    put_bytes(location("local://new/run1/latest"), b"x")  # control: an existing one takes the folders it needs
+    assert (tmp_path / "new" / "run1" / "latest").read_bytes() == b"x"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("gcsfs") is not None, reason="gcsfs is installed here")
+def test_a_protocol_whose_package_is_missing_is_refused_naming_it(capsys):
+    with pytest.raises(UnsupportedStorageError, match="gs://bucket/run1: .*install gcsfs") as info:
+        location("gs://bucket/run1")
+    assert "\n" not in str(info.value)
+    assert main(["verify", "gs://bucket/run1"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "gcsfs" in err, err
+
+
+@pytest.mark.parametrize("url", ["nosuchprotocol://bucket/run1", "hf+s3://x/y"])
+def test_an_unknown_protocol_is_refused_in_one_line(url):
+    with pytest.raises(UnsupportedStorageError, match="no protocol fsspec knows") as info:
+        location(url)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("call", [
+    lambda url: SaveEvery.from_config({"dir": url, "every": 1}),
+    lambda url: ucp.deepspeed.save(object(), url),
+], ids=["save-config", "deepspeed.save"])
+def test_asynchronous_saves_to_other_protocols_are_refused_in_one_line(call):
+    url = f"memory://{uuid.uuid4().hex}/saves"
+    with pytest.raises(UnsupportedStorageError, match="asynchronous saves go to local folders or s3://") as info:
+        call(url)
+    assert "\n" not in str(info.value)
+    assert not fsspec.filesystem("memory").exists(url)
