@@ -476,11 +476,12 @@ def test_deepspeed_checkpoints_uploaded_to_s3_are_refused_in_one_line_naming_the
     converted = f"s3://{BUCKET}/raw-hf-converted"  # the fix the message names works as written
     assert cli_main(["convert", "--input", raw, "--output", converted, "--workers", "2", "--quiet"]) == 0
     assert trainer_folder(converted, "/elsewhere") == location(converted)
-    with pytest.raises(UnsupportedStorageError, match="takes local .* folders only so far; s3:// works with .*"
+    with pytest.raises(UnsupportedStorageError, match="takes local .* folders only so far; URLs: s3:// .*"
                                                       r"ucp.accelerate.load_state \(the ucp checkpoint"):
         engine_source(f"s3://{BUCKET}/raw-accelerate", trainer_on_s3)  # Accelerate's own files: local only
-    with pytest.raises(UnsupportedStorageError, match="gs://bucket/run1: ucp reads local folders and s3:// URLs"):
-        trainer_folder("gs://bucket/run1", "/elsewhere")  # not taken for a local folder named gs:
+    with pytest.raises(UnsupportedStorageError, match="gs://bucket/run1: fsspec's gs:// filesystem is not installed "
+                                                      r"\(.*gcsfs.*\); ucp reads local folders, s3:// URLs"):
+        trainer_folder("gs://bucket/run1", "/elsewhere")  # not taken for a local folder named gs: (no gcsfs here)
 
 
 
