@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Benchmark: where checkpoints live — a local disk against S3 (moto's server on 127.0.0.1), issue #22.
 
-    python benchmarks/tiers.py [--params 100] [--ranks 2] [--part-mib 8] [--in-flight 8] [--s3fs]
+    python benchmarks/tiers.py [--params 100] [--ranks 2] [--part-mib 8] [--in-flight 8] [--s3fs] [--crt]
 
 Writes a synthetic ucp checkpoint of `--params` million parameters (fp32 weights and two Adam moments, so
 12 bytes a parameter; `write_tensors`), then measures:
@@ -13,8 +13,11 @@ Writes a synthetic ucp checkpoint of `--params` million parameters (fp32 weights
   checked), from the local folder and from s3://; bytes and HTTP requests per rank (botocore's own events, each
   attempt counted), and MB/s. The local figure reads from the page cache (the folder was just written), so it
   is the upper bound of a local disk; the S3 one is moto's Python server on the same 2 cores.
-* with --s3fs (pip install s3fs): the same ranges of rank 0 read through s3fs's `cat_ranges`, for the choice of
-  client the issue asks to make by measurement.
+* the choice of client, which the issue asks to make by measurement: rank 0's coalesced ranges read without
+  checks by ucp's boto3 reader (`object_store.read_many`), and with --s3fs (pip install s3fs) through s3fs's
+  `cat_ranges`, with --crt (pip install awscrt) through the AWS CRT S3 client (every range one GET it splits
+  into parts itself, all in flight at once); with --crt also the data files uploaded by the CRT client
+  (multipart above the part size) against ucp's boto3 upload of the same files.
 """
 from __future__ import annotations
 
@@ -91,14 +94,88 @@ def s3fs_rank0(url: str, index, ranks: int, endpoint: str) -> tuple[int, float]:
     """Rank 0's exact byte ranges (as ucp plans and coalesces them) read with s3fs's cat_ranges."""
     import s3fs
 
-    from ucp.format.box_read import _plan
-    from ucp.format.byte_ranges import coalesce
-
     fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint})
-    ranges = [r for r, _ in coalesce([_plan(k, w).range for k, w in rank_wants(index, 0, ranks).items()])]
+    ranges = rank0_ranges(index, ranks)
     start = time.perf_counter()
     data = fs.cat_ranges([f"{url}/{r.file}" for r in ranges], [r.begin for r in ranges], [r.end for r in ranges])
     return sum(len(d) for d in data), time.perf_counter() - start
+
+
+def rank0_ranges(index, ranks: int) -> list:
+    """Rank 0's byte ranges, as ucp plans and coalesces them."""
+    from ucp.format.box_read import _plan
+    from ucp.format.byte_ranges import coalesce
+
+    return [r for r, _ in coalesce([_plan(k, w).range for k, w in rank_wants(index, 0, ranks).items()])]
+
+
+def boto3_rank0(url, index, ranks: int) -> tuple[list[bytearray], float]:
+    """Rank 0's ranges read by ucp's boto3 reader into buffers, without the checks `load` includes."""
+    from ucp.format import object_store
+
+    ranges = rank0_ranges(index, ranks)
+    buffers = [bytearray(r.end - r.begin) for r in ranges]
+    start = time.perf_counter()
+    object_store.read_many([(url / r.file, r.begin, memoryview(b)) for r, b in zip(ranges, buffers)])
+    return buffers, time.perf_counter() - start
+
+
+class Crt:
+    """The AWS CRT S3 client (awscrt.s3.S3Client, what boto3's CRT transfer manager drives), path-style
+    requests to the moto endpoint without TLS; credentials from the standard chain (the environment here)."""
+
+    def __init__(self, host: str, port: int, part_bytes: int):
+        from awscrt.auth import AwsCredentialsProvider
+        from awscrt.io import ClientBootstrap, DefaultHostResolver, EventLoopGroup
+        from awscrt.s3 import S3Client, S3RequestTlsMode
+
+        group = EventLoopGroup()
+        bootstrap = ClientBootstrap(group, DefaultHostResolver(group))
+        self.host = f"{host}:{port}"
+        self.client = S3Client(bootstrap=bootstrap, region="us-east-1", tls_mode=S3RequestTlsMode.DISABLED,
+                               credential_provider=AwsCredentialsProvider.new_default_chain(bootstrap),
+                               part_size=part_bytes, multipart_upload_threshold=part_bytes)
+
+    def _request(self, method: str, key: str, headers: list, **kwargs):
+        from awscrt.http import HttpHeaders, HttpRequest
+        from awscrt.s3 import S3RequestType
+
+        kind = S3RequestType.GET_OBJECT if method == "GET" else S3RequestType.PUT_OBJECT
+        request = HttpRequest(method, f"/{key}", HttpHeaders([("Host", self.host), *headers]))
+        return self.client.make_request(type=kind, request=request, **kwargs)
+
+    def read_rank0(self, bucket_key: str, index, ranks: int) -> tuple[list[bytearray], float]:
+        ranges = rank0_ranges(index, ranks)
+        buffers = [bytearray(r.end - r.begin) for r in ranges]
+
+        def filler(buffer: bytearray, begin: int):
+            def on_body(chunk, offset, **kwargs) -> None:  # offset: in the object, not the range
+                buffer[offset - begin:offset - begin + len(chunk)] = chunk
+            return on_body
+
+        start = time.perf_counter()
+        requests = [self._request("GET", f"{bucket_key}/{r.file}", [("Range", f"bytes={r.begin}-{r.end - 1}")],
+                                  on_body=filler(buffer, r.begin)) for r, buffer in zip(ranges, buffers)]
+        for request in requests:
+            request.finished_future.result()
+        return buffers, time.perf_counter() - start
+
+    def upload(self, folder: Path, bucket_key: str, names) -> float:
+        start = time.perf_counter()
+        requests = [self._request("PUT", f"{bucket_key}/{name}",
+                                  [("Content-Length", str((folder / name).stat().st_size)),
+                                   ("Content-Type", "application/octet-stream")], send_filepath=str(folder / name))
+                    for name in names]
+        for request in requests:
+            request.finished_future.result()
+        return time.perf_counter() - start
+
+
+def check_same(client, bucket: str, key: str, reference: Path) -> None:
+    """The object a client uploaded holds the local file's bytes (a benchmark that moved wrong bytes is void)."""
+    body = client.get_object(Bucket=bucket, Key=key)["Body"].read()
+    if body != reference.read_bytes():
+        raise SystemExit(f"s3://{bucket}/{key}: differs from {reference} after the upload")
 
 
 def main() -> None:
@@ -108,6 +185,8 @@ def main() -> None:
     p.add_argument("--part-mib", type=int, default=8)
     p.add_argument("--in-flight", type=int, default=8)
     p.add_argument("--s3fs", action="store_true", help="also read rank 0's ranges with s3fs")
+    p.add_argument("--crt", action="store_true", help="also read rank 0's ranges and upload the data files with "
+                                                      "the AWS CRT S3 client (awscrt)")
     args = p.parse_args()
     import logging
 
@@ -152,10 +231,28 @@ def main() -> None:
                     print(f"load  {name:<11}: rank {r['rank']}: {r['bytes'] / 1e6:7.1f} MB in {r['seconds']:6.2f} s "
                           f"{r['bytes'] / 1e6 / r['seconds']:7.1f} MB/s, {r['reads']} coalesced reads, "
                           f"{r['requests']} requests")
+            if args.s3fs or args.crt:
+                read, seconds = boto3_rank0(url, index, args.ranks)
+                nbytes = sum(len(b) for b in read)
+                print(f"load  boto3      : rank 0: {nbytes / 1e6:7.1f} MB in {seconds:6.2f} s "
+                      f"{nbytes / 1e6 / seconds:7.1f} MB/s (ucp's read_many, no checks)")
             if args.s3fs:
                 nbytes, seconds = s3fs_rank0("s3://bench/run", index, args.ranks, endpoint)
                 print(f"load  s3fs       : rank 0: {nbytes / 1e6:7.1f} MB in {seconds:6.2f} s "
                       f"{nbytes / 1e6 / seconds:7.1f} MB/s (cat_ranges, no checks)")
+            if args.crt:
+                crt = Crt(host, port, args.part_mib << 20)
+                crt_read, seconds = crt.read_rank0("bench/run", index, args.ranks)
+                if crt_read != read:
+                    raise SystemExit("the CRT client read other bytes than boto3 for rank 0's ranges")
+                print(f"load  crt        : rank 0: {nbytes / 1e6:7.1f} MB in {seconds:6.2f} s "
+                      f"{nbytes / 1e6 / seconds:7.1f} MB/s (awscrt S3Client, no checks)")
+                names = sorted(index.files)
+                seconds = crt.upload(folder, "bench/crt", names)
+                check_same(boto3.client("s3", endpoint_url=endpoint), "bench", f"crt/{names[0]}", folder / names[0])
+                data_mb = sum(index.files[n].nbytes for n in names) / 1e6
+                print(f"save  crt upload : {seconds:6.2f} s  {data_mb / seconds:7.1f} MB/s (data files only; "
+                      f"boto3's upload above also writes the index)")
     finally:
         server.stop()
 
