@@ -6,7 +6,10 @@ the URL; converting it again finds the conversion done (the objects' modificatio
 (Reads, verify, inspect, export and refusals: tests/unit/test_fsspec_storage.py.)
 
 A 2-rank torchrun load reads a conversion through fsspec's `http://` filesystem from a web server on 127.0.0.1
-(tests/support/http_files.py), a protocol other than s3:// that the ranks' processes all reach.
+(tests/support/http_files.py), a protocol other than s3:// that the ranks' processes all reach. A 2-rank training
+job saves asynchronously through fsspec's `local://` filesystem (writable and seen by every rank's process, which
+`memory://` is not): without S3's shared multipart uploads, each data file is written whole by one rank after
+the others sent it their bytes.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ import pytest
 import torch
 
 import ucp
-from support.checkpoints import TinySpec
+from support.checkpoints import TinySpec, run_tiny, uninterrupted_losses
 from support.http_files import HttpFiles
 from test_zero_conversion import compare_loads
 from ucp.cli.main import main
@@ -94,3 +97,38 @@ def test_a_two_rank_load_over_http_equals_a_local_load_and_reads_no_more_bytes(s
     assert main(["verify", served.url]) == 0
     assert main(["inspect", served.url]) == 0
     assert ucp.open_checkpoint(served.url).names[0] in capsys.readouterr().out
+
+
+SAVE_SPEC = TinySpec(stage=2, steps=0)  # 2 ranks at ZeRO-2: every data file holds bytes of both ranks
+
+
+def save_run(url: str, steps: int, ckpt_root, tmp_path, name: str):
+    """train_tiny.py on 2 ranks with `"save": {"dir": url, "every": 1, "keep": 2}` and `"load": "auto"`."""
+    extra = ["--ucp-save-dir", url, "--ucp-save-every", "1", "--ucp-save-keep", "2", "--ucp-load", "auto"]
+    return run_tiny(SAVE_SPEC, tmp_path / name, steps=steps, save=False, extra_args=extra)
+
+
+def test_async_saves_through_fsspec_keep_the_newest_two_and_auto_resume_continues_the_run(ckpt_root, tmp_path,
+                                                                                          capsys):
+    """Saves every step to a `local://` URL (fsspec's filesystem, not ucp's local path) with "keep": 2, then
+    "load": "auto" from there: every saved checkpoint verifies (the CRC-32s the ranks took of their own pieces
+    hold for the files one rank wrote from both ranks' bytes), and the resumed run's losses are the
+    uninterrupted run's (fp32, same layout)."""
+    folder = tmp_path / "saves"
+    url = f"local://{folder}"
+    first = save_run(url, 3, ckpt_root, tmp_path, "first")
+    straight = uninterrupted_losses(SAVE_SPEC, 5, ckpt_root)
+    assert first.losses == straight[:3]
+    assert sorted(p.name for p in folder.iterdir()) == ["global_step2", "global_step3", "latest", "ucp_progress.json"]
+    data = sorted((folder / "global_step3").glob("data-*.safetensors"))
+    assert data and not list(folder.rglob("*.partial*"))
+    capsys.readouterr()
+    assert main(["verify", f"{url}/global_step2"]) == 0 and main(["verify", url]) == 0
+    assert capsys.readouterr().out.count(": OK") == 2
+
+    resumed = save_run(url, 2, ckpt_root, tmp_path, "resumed")
+    log = (tmp_path / "resumed" / "train.log").read_text()
+    assert f"resuming from {url}/global_step3 (step 3)" in log, log[-3000:]
+    assert resumed.losses == pytest.approx(straight[3:5], rel=1e-6)
+    assert sorted(p.name for p in folder.iterdir()) == ["global_step4", "global_step5", "latest", "ucp_progress.json"]
+    assert (folder / "latest").read_text() == "global_step5"

@@ -4,8 +4,8 @@
 tensor for tensor; reads are ranged (a filesystem registered under its own protocol counts the bytes it serves)
 and run concurrently, no more than `max_in_flight()` at once; a flipped byte is caught by verify; a write makes
 the folders a file system needs but never a bucket; `file:///abs` is the local path; a protocol whose package is
-missing, an unknown one and an asynchronous save to memory:// are refused in one line. (`ucp convert
---input/--output memory://` from a DeepSpeed checkpoint: tests/integration/test_fsspec.py.)
+missing and an unknown one are refused in one line. (`ucp convert --input/--output memory://` from a DeepSpeed
+checkpoint, and asynchronous saves through fsspec: tests/integration/test_fsspec.py.)
 """
 from __future__ import annotations
 
@@ -22,11 +22,9 @@ import torch
 from fsspec.implementations.memory import MemoryFileSystem
 
 import ucp
-import ucp.deepspeed
 from ucp.cli.main import main
 from ucp.convert.object_output import upload
 from ucp.convert.tensors import write_tensors
-from ucp.deepspeed.async_save import SaveEvery
 from ucp.errors import UnsupportedStorageError
 from ucp.export import to_dcp
 from ucp.format.folder import read_index
@@ -206,6 +204,27 @@ def test_writes_make_the_folders_a_file_system_needs_but_never_a_bucket(tmp_path
     assert (tmp_path / "new" / "run1" / "latest").read_bytes() == b"x"
 
 
+@pytest.mark.parametrize("protocol", ["memory", "local"])
+def test_deleting_or_moving_a_tree_leaves_no_folder_behind(local, tmp_path, protocol):
+    """Retention (`"keep"`) deletes a tag's files and setting a damaged checkpoint aside moves them; a filesystem
+    that keeps folders (local://, HDFS; memory:// keeps pseudo-folders) must not keep the tag's empty folder,
+    which a listing of the save folder would still show."""
+    from ucp.format.storage import delete_tree, list_folders, move_tree
+
+    root = f"memory://{uuid.uuid4().hex}" if protocol == "memory" else f"local://{tmp_path}/saves"
+    try:
+        for name in ("global_step1", "global_step2"):
+            upload(local, location(f"{root}/{name}"), read_index(local))
+        assert sorted(list_folders(location(root))) == ["global_step1", "global_step2"]  # control
+        move_tree(location(f"{root}/global_step2"), location(f"{root}/global_step2.damaged"), "ucp_index.json")
+        delete_tree(location(f"{root}/global_step1"))
+        assert list_folders(location(root)) == ["global_step2.damaged"]
+        assert ucp.open_checkpoint(f"{root}/global_step2.damaged").verify() == []
+    finally:
+        if protocol == "memory":
+            fsspec.filesystem("memory").rm(root, recursive=True)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("gcsfs") is not None, reason="gcsfs is installed here")
 def test_a_protocol_whose_package_is_missing_is_refused_naming_it(capsys):
     with pytest.raises(UnsupportedStorageError, match="gs://bucket/run1: .*install gcsfs") as info:
@@ -221,15 +240,3 @@ def test_an_unknown_protocol_is_refused_in_one_line(url):
     with pytest.raises(UnsupportedStorageError, match="no protocol fsspec knows") as info:
         location(url)
     assert "\n" not in str(info.value)
-
-
-@pytest.mark.parametrize("call", [
-    lambda url: SaveEvery.from_config({"dir": url, "every": 1}),
-    lambda url: ucp.deepspeed.save(object(), url),
-], ids=["save-config", "deepspeed.save"])
-def test_asynchronous_saves_to_other_protocols_are_refused_in_one_line(call):
-    url = f"memory://{uuid.uuid4().hex}/saves"
-    with pytest.raises(UnsupportedStorageError, match="asynchronous saves go to local folders or s3://") as info:
-        call(url)
-    assert "\n" not in str(info.value)
-    assert not fsspec.filesystem("memory").exists(url)

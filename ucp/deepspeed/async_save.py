@@ -50,14 +50,7 @@ from ucp.deepspeed.save_files import SaveFiles, WrittenPiece, arrange_files, byt
 from ucp.deepspeed.save_writer import BackgroundSave, SavePiece, SnapshotBuffer, partial_path, write_pieces
 from ucp.deepspeed.targets import Target, TargetTensor, Zero3Target, module_aliases, target_for
 from ucp.elastic.resume import prune
-from ucp.errors import (
-    ConfigError,
-    OutputExistsError,
-    SaveError,
-    UcpError,
-    UnsupportedLayoutError,
-    UnsupportedStorageError,
-)
+from ucp.errors import ConfigError, OutputExistsError, SaveError, UcpError, UnsupportedLayoutError
 from ucp.format import loss_scale
 from ucp.format.crc import CHUNK_BYTES
 from ucp.format.folder import INDEX_NAME, commit_index, commit_latest, fsync_dir, tensor_key
@@ -149,7 +142,7 @@ class Saver:
         began = time.perf_counter()
         tag = tag or f"global_step{self.engine.global_steps}"
         self.job.wait_turn(tag)  # the buffer is reused: let the previous save finish (raises its failure)
-        place = save_location(save_dir)
+        place = location(save_dir)
         folder = place.resolve() if isinstance(place, Path) else place
         tag_dir = folder / tag
         if is_file(tag_dir / INDEX_NAME):
@@ -276,12 +269,13 @@ class Saver:
                       event: torch.cuda.Event | None) -> None:
         """`_write` into an object store (`ucp.deepspeed.object_save`): stage, exchange the bytes of shared parts,
         upload each rank's parts, then rank 0 completes the uploads and writes the index object, then `latest`.
-        Every rank takes the same branch at each collective, whatever failed where."""
+        On a store without S3's multipart uploads (another fsspec protocol) each file is one part, written whole
+        by its uploader. Every rank takes the same branch at each collective, whatever failed where."""
         from ucp.deepspeed import object_save
-        from ucp.format.object_store import part_bytes
 
         tag_dir, files, me = save_dir / tag, prepared.files.files, self.ranks.index(self.rank)
-        step = part_bytes()
+        multipart = object_save.multipart(save_dir)
+        step = object_save.part_size(save_dir, files)
         staging, written, error = None, None, None
         uploads: dict[str, str] = {}
         etags: list[tuple[str, int, str]] = []
@@ -302,7 +296,7 @@ class Saver:
             error = error or next((e for e, _ in got if e), None)  # every rank knows whether any failed
             if error is None and staging is not None:  # staged (no error) on every rank
                 opened: dict[str, str] | str = {}
-                if self.leader:
+                if self.leader and multipart:
                     try:
                         opened = object_save.open_uploads(save_dir, tag_dir, files)
                     except Exception as exc:
@@ -314,7 +308,8 @@ class Saver:
                     uploads = dict(opened)
                     try:
                         object_save.write_ranges(staging, [piece for _, theirs in got for piece in theirs])
-                        etags = object_save.upload_mine(staging, tag_dir, uploads, parts, me)
+                        etags = (object_save.upload_mine(staging, tag_dir, uploads, parts, me) if multipart else
+                                 object_save.write_mine(staging, tag_dir, parts, me))
                     except Exception as exc:
                         error = f"rank {self.rank}: {type(exc).__name__}: {exc}"
             report: RankReport = (None, error) if error is not None or written is None else (
@@ -516,18 +511,6 @@ def saver_for(engine: DeepSpeedEngine) -> Saver:
     return saver
 
 
-def save_location(path: str | os.PathLike[str]) -> Location:
-    """Where an asynchronous save goes: a local folder or an s3:// prefix. Its ranks upload the parts of one file
-    together as one S3 multipart upload (`ucp.deepspeed.object_save`), which other fsspec protocols do not
-    offer, so their URLs are refused in one line (they work for loading, converting and exporting)."""
-    place = location(path)
-    if isinstance(place, ObjectPath) and place.scheme != "s3":
-        raise UnsupportedStorageError(f"{place}: asynchronous saves go to local folders or s3://, not "
-                                      f"{place.scheme}://; save to a local folder and copy it there, its "
-                                      "ucp_index.json last")
-    return place
-
-
 def save(engine: DeepSpeedEngine, path: str | os.PathLike[str], tag: str | None = None, async_: bool = True, *,
          client_state: dict[str, Any] | None = None) -> SaveStats:
     """Save `engine` into `<path>/<tag>` (default tag `global_step<N>`), then point `<path>/latest` at it.
@@ -536,7 +519,7 @@ def save(engine: DeepSpeedEngine, path: str | os.PathLike[str], tag: str | None 
     the checkpoint is committed). A save still writing when the next one starts is waited for,
     with a warning in the log. A failed save raises `SaveError` from the next `save` or `wait`.
     """
-    save_location(path)  # a URL other than s3:// is refused before the engine is touched
+    location(path)  # a URL no storage takes is refused before the engine is touched
     return saver_for(engine).save(path, tag, client_state, async_)
 
 
@@ -577,7 +560,7 @@ class SaveEvery:
         if unknown:
             raise ConfigError(f'"ucp": {{"save": ...}}: unknown key {sorted(unknown)[0]!r}; known: "dir", "every", '
                               '"keep", "memory"')
-        save_location(options["dir"])  # a URL other than s3:// is refused in one line, before training
+        location(options["dir"])  # a URL no storage takes is refused in one line, before training
         memory = MemoryEvery.from_config(options["memory"], os.fspath(options["dir"])) if "memory" in options else None
         return cls(os.fspath(options["dir"]), options["every"], options.get("keep"), memory)
 

@@ -1,4 +1,5 @@
-"""The object-storage side of an asynchronous save (`ucp.deepspeed.save` to `s3://bucket/prefix`).
+"""The object-storage side of an asynchronous save (`ucp.deepspeed.save` to `s3://bucket/prefix`, or to the URL
+of any other fsspec filesystem).
 
 An object cannot be written at offsets by several ranks, so each data file goes up as one multipart upload
 whose parts the ranks contribute (`ucp.deepspeed.save_files.plan_parts`): the file is cut into parts of
@@ -9,6 +10,14 @@ few bytes it holds in parts other ranks upload to those ranks (one all-to-all ov
 only the parts where two ranks' ranges meet), then uploads its parts from its staging copy. Rank 0 opens the
 uploads and, once every rank reported its parts, completes them, writes the index object, then `latest`;
 on any failure it aborts every upload of the save, so no parts are left behind.
+
+Other fsspec filesystems (`gs://`, `az://`, `hdfs://`, ...) have no multipart uploads that several writers can
+share, so there each data file is one part: the rank that holds most of its bytes receives the others' bytes of
+it in the same all-to-all and writes the file whole. Under ZeRO-1/2 a file's bytes mostly come from one rank
+(each rank's partition is one run of every state), so little moves; under ZeRO-3 every tensor is spread over
+all ranks, and (N-1)/N of each file goes through the group before its write. A failed save leaves data
+objects but no index, so it is never taken for a checkpoint; `"keep"` removes them once a newer checkpoint is
+committed.
 """
 from __future__ import annotations
 
@@ -27,6 +36,21 @@ from ucp.deepspeed.save_files import Part, SaveFile
 from ucp.deepspeed.save_writer import partial_path
 from ucp.format import storage
 from ucp.format.locations import ObjectPath
+
+
+def multipart(save_dir: ObjectPath) -> bool:
+    """Whether the ranks upload parts of a file to one S3 multipart upload (s3://), or each file is written whole
+    by one rank (any other fsspec protocol)."""
+    return save_dir.scheme == "s3"
+
+
+def part_size(save_dir: ObjectPath, files: Sequence[SaveFile]) -> int:
+    """The part size of `plan_parts`: S3's (`UCP_S3_PART_BYTES`), else the largest file (one part a file)."""
+    if multipart(save_dir):
+        from ucp.format.object_store import part_bytes
+
+        return part_bytes()
+    return max(f.size for f in files)
 
 
 def staging_dir() -> Path:
@@ -99,20 +123,34 @@ def upload_mine(staging: Path, tag_dir: ObjectPath, uploads: dict[str, str], par
     return done
 
 
+def write_mine(staging: Path, tag_dir: ObjectPath, parts: Sequence[Part], me: int) -> list[tuple[str, int, str]]:
+    """Write whole each file this rank is the uploader of (its only part), from its staging copy, which holds the
+    other ranks' bytes of it by now; (file, 1, "") each, as `upload_mine` reports parts."""
+    done = []
+    for part in parts:
+        if part.uploader == me:
+            storage.upload_file(partial_path(staging, part.file), tag_dir / part.file)
+            done.append((part.file, part.number, ""))
+    return done
+
+
 def complete(tag_dir: ObjectPath, uploads: dict[str, str], etags: Sequence[tuple[str, int, str]],
              parts: Sequence[Part]) -> None:
-    """Complete every file's upload from the parts the ranks reported; the data objects appear."""
+    """Check that the ranks reported every part of every file, then complete each file's multipart upload (none
+    open where files were written whole); the data objects appear."""
     from ucp.errors import SaveError
-    from ucp.format import object_store
 
     reported: dict[str, list[dict[str, Any]]] = {}
     for name, number, etag in etags:
         reported.setdefault(name, []).append({"PartNumber": number, "ETag": etag})
-    for name, upload in list(uploads.items()):
+    for name in sorted({p.file for p in parts}):
         expected = sorted(p.number for p in parts if p.file == name)
         if sorted(int(p["PartNumber"]) for p in reported.get(name, [])) != expected:
             raise SaveError(f"{tag_dir / name}: the ranks uploaded parts {sorted(reported.get(name, []), key=str)}"
                             f" of {len(expected)}; every rank must save the same model")
+    for name, upload in list(uploads.items()):
+        from ucp.format import object_store
+
         object_store.complete_upload(tag_dir / name, upload, reported[name])
         del uploads[name]  # completed: nothing left to abort
 

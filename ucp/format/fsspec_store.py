@@ -262,6 +262,18 @@ def delete(path: ObjectPath) -> None:
     _call(path, "deleting it", request)
 
 
+def remove_folder(folder: ObjectPath) -> None:
+    """Remove what is left of `folder` once its files are deleted: the empty folders a file system keeps (local,
+    HDFS); an object store keeps none."""
+    fs, p = _fs(folder)
+
+    def request() -> None:
+        if fs.isdir(p):
+            fs.rm(p, recursive=True)
+
+    _call(folder, "removing it", request)
+
+
 def copy(source: ObjectPath, target: ObjectPath) -> None:
     """Copy an object inside the filesystem (server side where it can)."""
     if (source.scheme, source.bucket) != (target.scheme, target.bucket):

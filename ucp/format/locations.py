@@ -19,7 +19,7 @@ URL_ENTRY_POINTS = ("s3:// and the protocols of any fsspec filesystem installed 
                     "ucp convert --input and --output, ucp inspect, ucp verify, ucp export --input and --output, "
                     "ucp.open_checkpoint, "
                     "ucp.deepspeed.load and ucp.deepspeed.save (also as \"ucp\": {\"load\": ...} and "
-                    "{\"save\": {\"dir\": ...}}, \"auto\" and \"keep\" included; saves to s3:// only), "
+                    "{\"save\": {\"dir\": ...}}, \"auto\" and \"keep\" included), "
                     "ucp.transformers.train(resume_from_checkpoint=...) and ucp.accelerate.load_state (the ucp "
                     "checkpoint, not Accelerate's own folder)")
 

@@ -252,6 +252,10 @@ def list_folders(folder: ObjectPath) -> list[str]:
     return names
 
 
+def remove_folder(folder: ObjectPath) -> None:
+    """Nothing: a prefix is gone with its last object (S3 has no folders)."""
+
+
 def list_tree(folder: ObjectPath) -> list[str]:
     """The names, relative to prefix `folder` ("a/b"), of every object under it at any depth."""
     prefix = f"{folder.key}/" if folder.key else ""

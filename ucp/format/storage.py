@@ -35,6 +35,7 @@ class Store(Protocol):
     def upload_file(self, source: Path, path: ObjectPath) -> None: ...
     def abort_uploads(self, prefix: ObjectPath) -> int: ...
     def delete(self, path: ObjectPath) -> None: ...
+    def remove_folder(self, folder: ObjectPath) -> None: ...
     def copy(self, source: ObjectPath, target: ObjectPath) -> None: ...
 
 
@@ -159,9 +160,11 @@ def list_folders(folder: Location) -> list[str]:
 
 
 def delete_tree(folder: ObjectPath) -> None:
-    """Delete every object under prefix `folder`."""
-    for name in _store(folder).list_tree(folder):
-        _store(folder).delete(folder / name)
+    """Delete every object under prefix `folder`, then the folder itself where the storage keeps folders."""
+    store = _store(folder)
+    for name in store.list_tree(folder):
+        store.delete(folder / name)
+    store.remove_folder(folder)
 
 
 def move_tree(source: ObjectPath, target: ObjectPath, last: str) -> None:
@@ -172,3 +175,4 @@ def move_tree(source: ObjectPath, target: ObjectPath, last: str) -> None:
         _store(source).copy(source / name, target / name)
     for name in reversed(names):
         _store(source).delete(source / name)
+    _store(source).remove_folder(source)
