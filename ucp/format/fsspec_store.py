@@ -147,31 +147,18 @@ def read_many(reads: Sequence[tuple[ObjectPath, int, memoryview]]) -> None:
               for path, offset, view in reads for lo in range(0, len(view), step)])
 
 
-def download(path: ObjectPath, target: Path) -> None:
-    """Copy the object to local file `target` by ranged reads in parallel; the file takes the object's
-    modification time when the filesystem gives one (`object_store.download` says why)."""
-    import mmap
-
+def stat(path: ObjectPath) -> tuple[int, int | None] | None:
+    """The file's size and modification time (ns; None where the filesystem records none), or None when there is
+    no such file."""
     info = _info(path)
     if info is None:
-        raise CheckpointNotFoundError(f"{path}: no such object (it was listed a moment ago; is something deleting "
-                                      "the prefix?)")
-    nbytes = int(info["size"])
-    with open(target, "wb+") as f:
-        f.truncate(nbytes)
-        if nbytes:
-            with mmap.mmap(f.fileno(), nbytes) as mapped:
-                view = memoryview(mapped)
-                try:
-                    read_many([(path, 0, view)])
-                finally:
-                    view.release()
+        return None
     fs, p = _fs(path)
     try:
         mtime_ns = int(fs.modified(p).timestamp() * 1_000_000_000)
-    except Exception:  # noqa: BLE001  # NotImplementedError, or no time recorded: the file keeps the download's
-        return
-    os.utime(target, ns=(mtime_ns, mtime_ns))
+    except Exception:  # noqa: BLE001  # NotImplementedError, or no time recorded
+        mtime_ns = None
+    return int(info["size"]), mtime_ns
 
 
 def _entries(folder: ObjectPath, kind: str) -> list[str]:

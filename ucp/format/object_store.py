@@ -16,7 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageAccessError, UcpError
+from ucp.errors import CorruptCheckpointError, StorageAccessError, UcpError
 from ucp.format.object_path import ObjectPath
 
 PART_BYTES = 8 << 20  # ranged GETs and multipart parts are cut this large, unless $UCP_S3_PART_BYTES says
@@ -171,29 +171,12 @@ def _get_range(path: ObjectPath, view: memoryview, offset: int) -> None:
     _call(path, f"reading bytes [{offset}, {offset + len(view)})", request)
 
 
-def download(path: ObjectPath, target: Path) -> None:
-    """Copy the object to local file `target` by ranged GETs in parallel (`read_many`), written in place through
-    a memory map, so a file of any size costs no more memory than the parts in flight. The file takes the
-    object's modification time, so that what identifies a source by size and mtime (`convert`'s fingerprint)
-    stays the same from one download to the next."""
-    import mmap
-
+def stat(path: ObjectPath) -> tuple[int, int | None] | None:
+    """The object's size and modification time (ns) from one HEAD, or None when there is no such object."""
     head = _unless_missing(path, "reading its size", lambda: _client().head_object(Bucket=path.bucket, Key=path.key))
     if head is None:
-        raise CheckpointNotFoundError(f"{path}: no such object (it was listed a moment ago; is something deleting "
-                                      "the prefix?)")
-    nbytes = int(head["ContentLength"])
-    with open(target, "wb+") as f:
-        f.truncate(nbytes)
-        if nbytes:
-            with mmap.mmap(f.fileno(), nbytes) as mapped:
-                view = memoryview(mapped)
-                try:
-                    read_many([(path, 0, view)])
-                finally:
-                    view.release()
-    mtime_ns = int(head["LastModified"].timestamp() * 1_000_000_000)
-    os.utime(target, ns=(mtime_ns, mtime_ns))
+        return None
+    return int(head["ContentLength"]), int(head["LastModified"].timestamp() * 1_000_000_000)
 
 
 def _parts(nbytes: int) -> Iterator[tuple[int, int]]:

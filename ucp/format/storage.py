@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
+from ucp.errors import CheckpointNotFoundError
 from ucp.format.fileio import ReadCounter, open_regular, read_exactly, read_regular, write_exactly
 from ucp.format.locations import Location, ObjectPath
 
@@ -27,7 +28,7 @@ class Store(Protocol):
     def size(self, path: ObjectPath) -> int | None: ...
     def read_object(self, path: ObjectPath, limit: int | None = None) -> bytes | None: ...
     def read_many(self, reads: Sequence[tuple[ObjectPath, int, memoryview]]) -> None: ...
-    def download(self, path: ObjectPath, target: Path) -> None: ...
+    def stat(self, path: ObjectPath) -> tuple[int, int | None] | None: ...
     def list_names(self, folder: ObjectPath) -> list[str]: ...
     def list_folders(self, folder: ObjectPath) -> list[str]: ...
     def list_tree(self, folder: ObjectPath) -> list[str]: ...
@@ -118,8 +119,29 @@ def write_ranges(writes: Sequence[tuple[Path, int, bytes | memoryview]], sync: b
 
 
 def download(path: ObjectPath, target: Path) -> None:
-    """Copy object `path` to local file `target` (ranged GETs in parallel; the object's modification time)."""
-    _store(path).download(path, target)
+    """Copy object `path` to local file `target` by ranged reads in parallel, written in place through a memory
+    map, so a file of any size costs no more memory than the parts in flight. The file takes the object's
+    modification time where the store records one, so that what identifies a source by size and mtime
+    (`convert`'s fingerprint) stays the same from one download to the next."""
+    import mmap
+
+    store = _store(path)
+    found = store.stat(path)
+    if found is None:
+        raise CheckpointNotFoundError(f"{path}: no such object (it was listed a moment ago; is something deleting "
+                                      "the prefix?)")
+    nbytes, mtime_ns = found
+    with open(target, "wb+") as f:
+        f.truncate(nbytes)
+        if nbytes:
+            with mmap.mmap(f.fileno(), nbytes) as mapped:
+                view = memoryview(mapped)
+                try:
+                    store.read_many([(path, 0, view)])
+                finally:
+                    view.release()
+    if mtime_ns is not None:
+        os.utime(target, ns=(mtime_ns, mtime_ns))
 
 
 def list_names(folder: Location) -> list[str]:
