@@ -39,7 +39,7 @@ def write_checkpoint(folder: Path, params_m: int) -> int:
     from ucp.convert.tensors import write_tensors
 
     rng = np.random.default_rng(0)
-    count = max(1, params_m * 1_000_000 // (SHAPE[0] * SHAPE[1]))
+    count = max(1, -(-params_m * 1_000_000 // (SHAPE[0] * SHAPE[1])))  # at least --params million
     tensors = {f"layers.{i}.weight": {s: rng.standard_normal(SHAPE, dtype=np.float32)
                                       for s in ("fp32", "exp_avg", "exp_avg_sq")} for i in range(count)}
     write_tensors(folder, tensors, optimizer={"type": "AdamW", "states": ["exp_avg", "exp_avg_sq"],
