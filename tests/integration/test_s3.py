@@ -27,6 +27,7 @@ import torch
 
 import ucp
 from support.checkpoints import TinySpec, run_tiny, ucp_resume, uninterrupted_losses
+from support.dcp_leaves import assert_same_leaves, dcp_leaves
 from support.hf_runs import SAVE_STEP, SOURCE_WORLD, accelerate_resume, accelerate_source, losses, trainer_resume
 from support.s3_proxy import BUCKET, Fault
 from test_zero_conversion import compare_loads
@@ -127,28 +128,15 @@ def test_convert_from_s3_errors_name_the_url_not_the_staging_folder(s3, deepspee
 
 
 def test_export_from_s3_writes_what_the_local_export_writes(s3, converted, tmp_path):
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
     from ucp.export import to_dcp
 
     loaded = []
     for source, name in ((converted.url, "from-s3"), (converted.local, "from-local")):
         to_dcp(source, tmp_path / name, progress=False)
-        dcp_to_torch_save(tmp_path / name, tmp_path / f"{name}.pt")
-        loaded.append(flat(torch.load(tmp_path / f"{name}.pt", weights_only=False)))
+        loaded.append(dcp_leaves(tmp_path / name, tmp_path))
     from_s3, from_local = loaded
-    assert from_local and sorted(from_s3) == sorted(from_local)
-    for key, value in from_local.items():
-        same = torch.equal(from_s3[key], value) if torch.is_tensor(value) else from_s3[key] == value
-        assert same, key
-
-
-def flat(tree: object, prefix: str = "") -> dict[str, object]:
-    if isinstance(tree, dict):
-        return {k: v for key, sub in tree.items() for k, v in flat(sub, f"{prefix}{key}/").items()}
-    if isinstance(tree, (list, tuple)):
-        return {k: v for i, sub in enumerate(tree) for k, v in flat(sub, f"{prefix}{i}/").items()}
-    return {prefix: tree}
+    assert from_local
+    assert_same_leaves(from_s3, from_local)
 
 
 def test_local_reads_send_nothing_through_the_proxy(s3, converted):
