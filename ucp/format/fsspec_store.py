@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageAccessError, UcpError
 from ucp.format.object_path import ObjectPath
-from ucp.format.object_store import max_in_flight, part_bytes, wait_all
+from ucp.format.object_store import cut_parts, max_in_flight, wait_all
 
 T = TypeVar("T")
 _lock = threading.Lock()
@@ -142,9 +142,9 @@ def _get_range(path: ObjectPath, view: memoryview, offset: int) -> None:
 
 def read_many(reads: Sequence[tuple[ObjectPath, int, memoryview]]) -> None:
     """Fill each (object, offset, buffer): every range cut into parts, all parts concurrently (bounded)."""
-    step, pool = part_bytes(), _pool()
-    wait_all([pool.submit(_get_range, path, view[lo:lo + step], offset + lo)
-              for path, offset, view in reads for lo in range(0, len(view), step)])
+    pool = _pool()
+    wait_all([pool.submit(_get_range, path, view[lo:hi], offset + lo)
+              for path, offset, view in reads for lo, hi in cut_parts(len(view))])
 
 
 def stat(path: ObjectPath) -> tuple[int, int | None] | None:

@@ -179,7 +179,8 @@ def stat(path: ObjectPath) -> tuple[int, int | None] | None:
     return int(head["ContentLength"]), int(head["LastModified"].timestamp() * 1_000_000_000)
 
 
-def _parts(nbytes: int) -> Iterator[tuple[int, int]]:
+def cut_parts(nbytes: int) -> Iterator[tuple[int, int]]:
+    """[begin, end) of each part of `nbytes` bytes, cut at `part_bytes()` (also fsspec_store's reads)."""
     step = part_bytes()
     for begin in range(0, nbytes, step):
         yield begin, min(nbytes, begin + step)
@@ -189,7 +190,7 @@ def read_many(reads: Sequence[tuple[ObjectPath, int, memoryview]]) -> None:
     """Fill each (object, offset, buffer): every range cut into parts, all parts concurrently (bounded)."""
     pool = _client_and_pool()[1]
     jobs = [pool.submit(_get_range, path, view[lo:hi], offset + lo)
-            for path, offset, view in reads for lo, hi in _parts(len(view))]
+            for path, offset, view in reads for lo, hi in cut_parts(len(view))]
     wait_all(jobs)
 
 
@@ -291,7 +292,7 @@ def upload_file(source: Path, path: ObjectPath) -> None:
                    lambda: client.create_multipart_upload(Bucket=path.bucket, Key=path.key))["UploadId"]
     try:
         jobs = [pool.submit(_upload_part, source, path, upload, number, lo, hi)
-                for number, (lo, hi) in enumerate(_parts(nbytes), start=1)]
+                for number, (lo, hi) in enumerate(cut_parts(nbytes), start=1)]
         parts = wait_all(jobs)
         _call(path, "completing its multipart upload",
               lambda: client.complete_multipart_upload(Bucket=path.bucket, Key=path.key, UploadId=upload,

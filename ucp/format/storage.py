@@ -192,9 +192,10 @@ def delete_tree(folder: ObjectPath) -> None:
 def move_tree(source: ObjectPath, target: ObjectPath, last: str) -> None:
     """Copy every object under prefix `source` to the same names under `target` (object `last`, the one that
     commits, after the others), then delete `source`'s objects, `last` first. An object store has no rename."""
-    names = sorted(_store(source).list_tree(source), key=lambda n: n == last)
+    store = _store(source)
+    names = sorted(store.list_tree(source), key=lambda n: n == last)
     for name in names:
-        _store(source).copy(source / name, target / name)
+        store.copy(source / name, target / name)
     for name in reversed(names):
-        _store(source).delete(source / name)
-    _store(source).remove_folder(source)
+        store.delete(source / name)
+    store.remove_folder(source)
