@@ -139,6 +139,7 @@ def complete(tag_dir: ObjectPath, uploads: dict[str, str], etags: Sequence[tuple
     """Check that the ranks reported every part of every file, then complete each file's multipart upload (none
     open where files were written whole); the data objects appear."""
     from ucp.errors import SaveError
+    from ucp.format import object_store  # boto3 only at its first request: none where files were written whole
 
     reported: dict[str, list[dict[str, Any]]] = {}
     for name, number, etag in etags:
@@ -149,8 +150,6 @@ def complete(tag_dir: ObjectPath, uploads: dict[str, str], etags: Sequence[tuple
             raise SaveError(f"{tag_dir / name}: the ranks uploaded parts {sorted(reported.get(name, []), key=str)}"
                             f" of {len(expected)}; every rank must save the same model")
     for name, upload in list(uploads.items()):
-        from ucp.format import object_store
-
         object_store.complete_upload(tag_dir / name, upload, reported[name])
         del uploads[name]  # completed: nothing left to abort
 
