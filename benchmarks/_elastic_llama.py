@@ -60,15 +60,15 @@ def main() -> None:
     p.add_argument("--load-universal", help="stock: DeepSpeed's universal checkpoint folder (its tag) to load")
     args = p.parse_args()
 
-    import deepspeed
     import torch.distributed as dist
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import ucp.deepspeed
+    import ucp.elastic
     from ucp.elastic import ElasticBatchSampler
 
     called = time.time()
-    deepspeed.init_distributed(dist_backend="gloo")
+    ucp.elastic.init_distributed("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(SEED)
     model = LlamaForCausalLM(LlamaConfig(**MODEL))

@@ -53,7 +53,7 @@ NO_SAVES = 10 ** 9
 
 
 def env() -> dict:
-    e = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    e = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     e.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/ucp/torch_extensions"))
     return e
 

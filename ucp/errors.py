@@ -53,3 +53,8 @@ class ExportError(UcpError):
 class CheckpointMismatchError(UcpError):
     """The checkpoint does not fit the model or optimizer it is being loaded into (the DeepSpeed hook,
     `ucp.hmp.load_slices`)."""
+
+
+class RendezvousError(UcpError):
+    """The ranks of a job could not meet: no store of this rendezvous round was announced in time
+    (`ucp.elastic.init_distributed`)."""

@@ -40,10 +40,9 @@ class ElasticJob:
                "keep_alive_max_attempt=3", f"--max-restarts={self.max_restarts}",
                "--monitor-interval=0.5", str(self.script), *self.args]
         log = open(self.workdir / f"agent{index}.log", "w")
-        # A fresh store for the workers of each rendezvous round: with the agents' shared store (torch's
-        # default), a restarted gloo worker can read a dead worker's address left from the last round and hang
-        # in connect (docs/RELIABILITY.md).
-        env = ds_env({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "LOGLEVEL": "INFO", **(env or {})})
+        # torch's defaults, as a user starts the agents: the workers share the agents' store, and the scripts'
+        # ucp.elastic.init_distributed() gives each rendezvous round a store of its own (docs/RELIABILITY.md).
+        env = ds_env({"LOGLEVEL": "INFO", **(env or {})})
         self.agents.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True))
         log.close()
         return index

@@ -67,18 +67,6 @@ def check_engine(engine, batch: ElasticBatch) -> None:
                           "ucp.deepspeed.initialize")
 
 
-def warn_shared_rendezvous_store() -> None:
-    """Under torchrun's elastic agent with restarts, say so when the workers share the agents' store (torch's
-    default): a restarted gloo worker can read an address a dead worker left there in the last round and hang
-    in connect (docs/RELIABILITY.md, "Elastic training"). Rank 0, once per start."""
-    if (_rank() == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-            and os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0"
-            and dist.is_initialized() and dist.get_backend() == "gloo"):
-        logger.warning("ucp: torchrun shares its rendezvous store with these gloo workers: a restart can hang in "
-                       "gloo's connect on an address a dead worker left there; start the agents with "
-                       "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1")
-
-
 @dataclass(frozen=True)
 class Resumed:
     """What `resume_auto` loaded (path None: started fresh), its step, and how long the load took."""

@@ -108,7 +108,6 @@ from ucp.deepspeed.elastic import (
     StepBook,
     check_engine,
     resume_auto,
-    warn_shared_rendezvous_store,
     with_batch_keys,
     world_size,
 )
@@ -117,6 +116,7 @@ from ucp.deepspeed.memory_tier import MemoryTier
 from ucp.deepspeed.placement import as_layout, place_by_layout
 from ucp.deepspeed.readers import assign_readers
 from ucp.deepspeed.targets import OPTIMIZER_STATES, Target, TargetTensor, module_aliases, target_for
+from ucp.elastic.rendezvous import warn_shared_rendezvous_store
 from ucp.elastic.shares import ElasticBatch
 from ucp.errors import CheckpointMismatchError, ConfigError, CorruptCheckpointError, UcpError, UnsupportedLayoutError
 from ucp.format import loss_scale

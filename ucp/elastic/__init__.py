@@ -3,14 +3,16 @@
 * `ElasticBatch` (`shares`): a fixed global batch shared by any number of ranks, uneven where it must be.
 * `ElasticBatchSampler` (`sampler`): one global sample order, continued from the checkpoint at any world size.
 * `candidates` / `prune` (`resume`): which checkpoints `"load": "auto"` tries, and what `"keep"` removes.
+* `init_distributed` (`rendezvous`): the process group, with a store of its own at each torchrun restart.
 * `RestartReport` (`restart`): what a restart cost, from the last step before the fault to the first after it.
 
 The DeepSpeed side (`ucp.deepspeed.initialize` with `"ucp": {"elastic": ..., "load": "auto", "save": {...}}`)
 uses these; the launcher adapters sit above it: torchrun's elastic agent needs none (a script restarts as it
 is), Ray Train's is `ucp.elastic.ray_train`.
 """
+from ucp.elastic.rendezvous import init_distributed
 from ucp.elastic.restart import RestartReport
 from ucp.elastic.sampler import ElasticBatchSampler
 from ucp.elastic.shares import ElasticBatch
 
-__all__ = ["ElasticBatch", "ElasticBatchSampler", "RestartReport"]
+__all__ = ["ElasticBatch", "ElasticBatchSampler", "RestartReport", "init_distributed"]

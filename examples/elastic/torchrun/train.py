@@ -21,10 +21,10 @@ from pathlib import Path
 os.environ.setdefault("DS_ACCELERATOR", "cpu")   # CPU only
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import deepspeed  # noqa: E402
 from training import Run, train  # noqa: E402
 
 import ucp.deepspeed  # noqa: E402
+import ucp.elastic  # noqa: E402
 
 
 def main() -> None:
@@ -42,7 +42,9 @@ def main() -> None:
     p.add_argument("--losses-out", help="append each step's loss here (JSON lines, rank 0)")
     p.add_argument("--stock", action="store_true", help="negative control: DistributedSampler, no \"elastic\"")
     args = p.parse_args()
-    deepspeed.init_distributed(dist_backend="gloo")   # CPU only
+    # In place of deepspeed.init_distributed(): each restart meets in a store of its own (torchrun's shared
+    # store keeps the addresses dead workers left; docs/RELIABILITY.md, "Elastic training").
+    ucp.elastic.init_distributed("gloo")   # CPU only
     memory = None
     if args.memory_every:
         memory = {"every": args.memory_every, "replicas": args.replicas}
