@@ -231,7 +231,7 @@ class _Redacting(logging.Formatter):
     """A note's line with every URL in it shown without credentials (`redact`), whoever formatted the URL."""
 
     def format(self, record: logging.LogRecord) -> str:
-        from ucp.format.redact import redact
+        from ucp.errors import redact
 
         return redact(super().format(record))
 
@@ -270,7 +270,7 @@ def os_error_line(exc: OSError, output: str | None = None) -> str:
 def _fail(args: argparse.Namespace, message: str, code: int) -> int:
     """The error's one line, every URL in it without credentials (`redact`: the message may quote a URL as the
     user typed it)."""
-    from ucp.format.redact import redact
+    from ucp.errors import redact
 
     if args.debug:
         traceback.print_exc()

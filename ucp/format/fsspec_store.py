@@ -64,11 +64,15 @@ def _options(scheme: str) -> dict[str, Any]:
 
 
 def _fs(path: ObjectPath) -> tuple[Any, str]:
-    """The filesystem of `path` (fsspec caches the instance, per options) and the path it takes."""
-    from fsspec.core import url_to_fs
+    """The filesystem of `path` (fsspec caches the instance, per options) and the path it takes. Not through
+    `fsspec.core.url_to_fs`, which takes every "::" for a chain (`locations` refuses chained URLs): an IPv6
+    host, http://[::1]:8080/run, is one URL."""
+    import fsspec
 
     try:
-        return url_to_fs(path.url, **_options(path.scheme))  # type: ignore[no-any-return]
+        cls = fsspec.get_filesystem_class(path.scheme)
+        options = {**cls._get_kwargs_from_urls(path.url), **_options(path.scheme)}
+        return fsspec.filesystem(path.scheme, **options), cls._strip_protocol(path.url)
     except Exception as exc:  # noqa: BLE001  # e.g. zip:// or cached:// without the options they need
         raise StorageAccessError(f"{path}: fsspec cannot open the {path.scheme}:// filesystem "
                                  f"({type(exc).__name__}); check its options (fsspec's config, FSSPEC_"

@@ -8,9 +8,8 @@ import re
 from pathlib import Path
 from typing import Union
 
-from ucp.errors import UnsupportedStorageError
+from ucp.errors import UnsupportedStorageError, redact
 from ucp.format.object_path import ObjectPath as ObjectPath  # re-exported: where every caller takes it from
-from ucp.format.redact import redact
 
 OBJECT_SCHEMES = ("s3",)
 _URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")  # scheme://..., as s3://bucket/prefix or gs://...

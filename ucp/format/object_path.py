@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ucp.format.redact import redact
+from ucp.errors import redact
 
 
 @dataclass(frozen=True)
