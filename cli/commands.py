@@ -20,6 +20,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from ucp.errors import UcpError
 
     start = time.perf_counter()
+    outlives_the_command(args.output)
     names = None
     if args.param_names:
         with open(args.param_names) as f:
@@ -39,6 +40,19 @@ def cmd_convert(args: argparse.Namespace) -> int:
           f"({human_bytes(result.bytes_written)} in {result.files_written} files, "
           f"{time.perf_counter() - start:.1f} s{redone})")
     return 0
+
+
+def outlives_the_command(output: str) -> None:
+    """Refuse an --output that dies with the process: fsspec's memory:// is a dict inside it, so a conversion
+    or export written there is gone the moment `ucp` exits (it used to report success). The Python API
+    (`ucp.convert.convert`, `ucp.export`) still writes there, for a caller that reads it in the same process."""
+    from ucp.errors import UnsupportedStorageError
+    from ucp.format.locations import url_scheme
+
+    if (url_scheme(output) or "").lower() == "memory":
+        raise UnsupportedStorageError(f"--output {output}: memory:// lives inside this one process, so what ucp "
+                                      "writes there is gone when the command ends; write to a folder or a bucket "
+                                      "(or call ucp.convert.convert from Python to keep it in memory)")
 
 
 def split_policy(args: argparse.Namespace) -> SplitPolicy | None:
@@ -82,6 +96,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from ucp.export import to_dcp, to_hf
 
     start = time.perf_counter()
+    outlives_the_command(args.output)
     options = dict(dtype=args.dtype, config=args.config, workers=args.workers, tag=args.tag, progress=not args.quiet)
     if args.to == "hf":
         if args.optimizer:

@@ -227,11 +227,20 @@ def _reader_gone() -> int:
     return 128 + signal.SIGPIPE
 
 
+class _Redacting(logging.Formatter):
+    """A note's line with every URL in it shown without credentials (`redact`), whoever formatted the URL."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        from ucp.errors import redact
+
+        return redact(super().format(record))
+
+
 def _notes_to_stderr(command: str) -> logging.Handler:
     """Show ucp's informational log lines (which checkpoint-N was picked, which files were left out)
     on stderr, one line each; removed again when the command ends, so `main` can run many times."""
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter(f"ucp {command}: %(message)s"))
+    handler.setFormatter(_Redacting(f"ucp {command}: %(message)s"))
     handler.setLevel(logging.INFO)
     logger = logging.getLogger("ucp")
     logger.setLevel(logging.INFO)
@@ -259,9 +268,13 @@ def os_error_line(exc: OSError, output: str | None = None) -> str:
 
 
 def _fail(args: argparse.Namespace, message: str, code: int) -> int:
+    """The error's one line, every URL in it without credentials (`redact`: the message may quote a URL as the
+    user typed it)."""
+    from ucp.errors import redact
+
     if args.debug:
         traceback.print_exc()
-    print(f"ucp {args.command}: error: {message}", file=sys.stderr)
+    print(f"ucp {args.command}: error: {redact(message)}", file=sys.stderr)
     return code
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ucp.converters.trainer_folders import CHECKPOINT_RE, checkpoint_folders, folder_names
 from ucp.errors import CheckpointNotFoundError
-from ucp.format.folder import LATEST_NAME, read_latest
+from ucp.format.folder import LATEST_NAME, check_tag, read_latest
 
 logger = logging.getLogger("ucp.input")
 
@@ -36,6 +36,8 @@ def resolve_tag(input_dir: str | os.PathLike, tag: str | None = None) -> TagDir:
     `checkpoint-N` tag for that folder; each is a save directory with its own `latest`.
     """
     root = Path(input_dir)
+    if tag is not None:
+        check_tag(tag)
     if not root.is_dir():
         raise CheckpointNotFoundError(f"{root}: no such directory; pass the directory given to "
                                       "engine.save_checkpoint, or one of its tag folders")

@@ -19,7 +19,15 @@ from ucp.converters.trainer_folders import LINK_REASON
 from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError, UcpError, UnsupportedStorageError
 from ucp.format.crc import crc32
 from ucp.format.fileio import ReadCounter, read_regular
-from ucp.format.folder import DATA_PREFIX, INDEX_NAME, LATEST_NAME, latest_checkpoint, read_index, read_latest
+from ucp.format.folder import (
+    DATA_PREFIX,
+    INDEX_NAME,
+    LATEST_NAME,
+    check_tag,
+    latest_checkpoint,
+    read_index,
+    read_latest,
+)
 from ucp.format.index import ExtraFile, Index, NotSaved, ParamEntry, StoredState, header_problems
 from ucp.format.locations import Location, ObjectPath, location
 from ucp.format.safetensors_stream import read_stored
@@ -337,6 +345,8 @@ def open_checkpoint(path: str | os.PathLike[str] | ObjectPath, tag: str | None =
     checkpoint (save dir or tag folder) through its plan. `path` may be an `s3://bucket/prefix` URL of a ucp
     checkpoint (DeepSpeed's own checkpoints are read from local folders)."""
     place = location(path)
+    if tag is not None:
+        check_tag(tag)
     if is_file(place / INDEX_NAME):
         return AtomicCheckpoint(place)
     latest = latest_checkpoint(place) if tag is None else None  # a ucp.deepspeed.save directory

@@ -1,8 +1,10 @@
 """`ucp convert` to and from any fsspec filesystem a user has installed (issue #22), against fsspec's real
-in-process `memory://` filesystem, in-process through the CLI's `main` (torchrun children would not see it): the
+in-process `memory://` filesystem, in-process through the Python API (torchrun children would not see it, and the
+CLI refuses memory:// as an output: it dies with the command): the
 tiny DeepSpeed checkpoint converted to memory:// writes the bytes a local conversion writes; the same DeepSpeed
 folder uploaded as it is to memory:// converts from there to the same bytes and tensors, its source recorded as
 the URL; converting it again finds the conversion done (the objects' modification times keep the fingerprint).
+Converted from an http:// URL with a password in it, neither the output lines nor the index hold the password.
 (Reads, verify, inspect, export and refusals: tests/unit/test_fsspec_storage.py.)
 
 A 2-rank torchrun load reads a conversion through fsspec's `http://` filesystem from a web server on 127.0.0.1
@@ -25,6 +27,7 @@ from support.checkpoints import TinySpec, run_tiny, uninterrupted_losses
 from support.http_files import HttpFiles
 from test_zero_conversion import compare_loads
 from ucp.cli.main import main
+from ucp.convert import convert
 
 SPEC = TinySpec(stage=1)
 
@@ -38,30 +41,48 @@ def bucket():
         fs.rm(name, recursive=True)
 
 
-def test_convert_to_and_from_memory_writes_what_a_local_conversion_writes(tiny_checkpoint, tiny_conversion, bucket,
-                                                                          capsys):
+def test_convert_to_and_from_memory_writes_what_a_local_conversion_writes(tiny_checkpoint, tiny_conversion, bucket):
+    """Through the Python API: `ucp convert --output memory://` is refused (the CLI's process, and the memory
+    filesystem with it, ends with the command: test_network.py), while a caller of `convert` reads the result
+    in its own process."""
     save_dir, local = tiny_checkpoint(SPEC), tiny_conversion(SPEC)
     fs = fsspec.filesystem("memory")
     data = sorted(p.name for p in local.iterdir() if p.name.startswith("data-"))
     assert data
 
-    assert main(["convert", "--input", str(save_dir), "--output", f"{bucket}/run1", "--quiet"]) == 0
+    convert(save_dir, f"{bucket}/run1", progress=False)
     names = sorted(n.rsplit("/", 1)[-1] for n in fs.ls(f"{bucket}/run1", detail=False))
     assert names == sorted(data + ["ucp_index.json"])
     for name in data:
         assert fs.cat_file(f"{bucket}/run1/{name}") == (local / name).read_bytes(), name
 
     fs.put(f"{save_dir}/", f"{bucket}/ds-run", recursive=True)  # the DeepSpeed folder as it is
-    assert main(["convert", "--input", f"{bucket}/ds-run", "--output", f"{bucket}/from-ds", "--quiet"]) == 0
+    assert not convert(f"{bucket}/ds-run", f"{bucket}/from-ds", progress=False).already_done
     for name in data:
         assert fs.cat_file(f"{bucket}/from-ds/{name}") == (local / name).read_bytes(), name
     remote, here = ucp.open_checkpoint(f"{bucket}/from-ds"), ucp.open_checkpoint(local)
     assert remote.index.run.source["path"].startswith(f"{bucket}/ds-run/"), remote.index.run.source
     name = here.names[0]
     assert torch.equal(remote.tensor(name), here.tensor(name))
-    capsys.readouterr()
-    assert main(["convert", "--input", f"{bucket}/ds-run", "--output", f"{bucket}/from-ds", "--quiet"]) == 0
-    assert "already holds this conversion" in capsys.readouterr().out
+    assert convert(f"{bucket}/ds-run", f"{bucket}/from-ds", progress=False).already_done
+
+
+def test_a_conversion_from_a_url_with_credentials_records_and_shows_none(tiny_checkpoint, tmp_path, capsys):
+    """`ucp convert --input http://user:SECRET@host/...` (the DeepSpeed folder served over HTTP; the server
+    takes any user): neither its output lines nor the index's recorded source hold the password."""
+    secret = "SeCrEt-77e1"
+    save_dir = tiny_checkpoint(SPEC)
+    server = HttpFiles(save_dir.parent).start()
+    try:
+        url = f"{server.url.replace('http://', f'http://user:{secret}@')}/{save_dir.name}"
+        assert main(["convert", "--input", url, "--output", str(tmp_path / "out")]) == 0
+    finally:
+        server.stop()
+    out = capsys.readouterr()
+    index = (tmp_path / "out" / "ucp_index.json").read_text()
+    assert secret not in out.out + out.err + index
+    source = ucp.open_checkpoint(tmp_path / "out").index.run.source["path"]
+    assert source.startswith(f"{server.url.replace('http://', 'http://***@')}/{save_dir.name}/"), source
 
 
 @pytest.fixture

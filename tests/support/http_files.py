@@ -3,13 +3,17 @@ checkpoint (HEAD for sizes, HTML listings of folders, GETs with a `Range: bytes=
 what fsspec's `http://` filesystem reads. It records every GET: path, first byte asked for and body bytes sent.
 
 The standard library's `SimpleHTTPRequestHandler` serves files and listings but ignores `Range` (it answers 200
-with the whole file), so ranged GETs are answered here.
+with the whole file), so ranged GETs are answered here. For the network tests (test_network.py) it can also
+behave as a bad server would: ignore `Range` again (`ignore_range`), cut the body of the next `cut` ranged GETs
+halfway (Content-Length promising all of it) and, with `stall_s`, stop sending for that long before closing.
 """
 from __future__ import annotations
 
 import os
 import re
+import socket
 import threading
+import time
 from dataclasses import dataclass
 from functools import partial
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
@@ -23,11 +27,15 @@ class Get:
     path: str  # /relative/path, as requested
     range_begin: int | None
     body_bytes: int
+    cut: bool = False
 
 
 class HttpFiles:
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, host: str = "127.0.0.1"):
         self.gets: list[Get] = []
+        self.ignore_range = False
+        self.cut = 0
+        self.stall_s = 0.0
         self._lock = threading.Lock()
         server = self
 
@@ -40,7 +48,7 @@ class HttpFiles:
             def do_GET(self) -> None:
                 wanted = _RANGE.match(self.headers.get("Range", ""))
                 local = Path(self.translate_path(self.path))
-                if wanted is None or not local.is_file():
+                if wanted is None or not local.is_file() or server.ignore_range:
                     return super().do_GET()  # a whole file, or a folder's listing
                 size = local.stat().st_size
                 begin = int(wanted.group(1))
@@ -58,8 +66,14 @@ class HttpFiles:
                 self.send_header("Content-Range", f"bytes {begin}-{end - 1}/{size}")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
-                self.wfile.write(body)
-                server._record(Get(self.path, begin, len(body)))
+                cut = server._take_cut()
+                self.wfile.write(body[:len(body) // 2] if cut else body)
+                server._record(Get(self.path, begin, len(body) // 2 if cut else len(body), cut))
+                if cut:
+                    self.wfile.flush()
+                    time.sleep(server.stall_s)
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
                 return None
 
             def copyfile(self, source, outputfile) -> None:  # type: ignore[no-untyped-def]
@@ -68,13 +82,23 @@ class HttpFiles:
                 super().copyfile(source, outputfile)
                 server._record(Get(self.path, None, size))
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), partial(Handler, directory=str(root)))
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._server = type("Server", (ThreadingHTTPServer,), {"address_family": family})(
+            (host, 0), partial(Handler, directory=str(root)))
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self._server.server_address[1]}"
+        host = self._server.server_address[0]
+        return f"http://{f'[{host}]' if ':' in host else host}:{self._server.server_address[1]}"
+
+    def _take_cut(self) -> bool:
+        with self._lock:
+            if self.cut > 0:
+                self.cut -= 1
+                return True
+            return False
 
     def _record(self, get: Get) -> None:
         with self._lock:

@@ -4,7 +4,11 @@ storage (`ucp convert`, inspect, verify, `ucp export`, `open_checkpoint`, `ucp.d
 `ucp.transformers.train`, `ucp.accelerate.load_state`; tests/integration/test_s3.py runs them against a real S3
 server, and checks their refusals of other URLs); every other entry point refuses it in one line that says where
 URLs work, and a protocol fsspec does not know, or whose package is not installed, is refused everywhere, writing
-nothing, where `ucp convert --output s3://bucket/run1` used to write a local folder `s3:` and exit 0."""
+nothing, where `ucp convert --output s3://bucket/run1` used to write a local folder `s3:` and exit 0.
+
+Issue #32's pure parts: `redact` shows a URL without its credentials (every error, `ObjectPath`'s str and repr),
+an IPv6 host is no chained URL, and a tag is one plain name once percent-decoded (test_network.py drives them
+through the CLI against real servers)."""
 from __future__ import annotations
 
 import os
@@ -150,3 +154,49 @@ def test_local_reads_fill_the_buffer_whether_named_by_str_or_path(kind, tmp_path
     read_ranges([(kind(tmp_path / "f"), 123, memoryview(out))], counter)
     assert bytes(out) == data[123:1123]
     assert (counter.bytes, counter.calls) == (1000, 1)
+
+
+@pytest.mark.parametrize("url, shown", [
+    ("s3://AKIAKEY:SeCrEt@bucket/x", "s3://***@bucket/x"),
+    ("http://user:SeCrEt@host:8080/run", "http://***@host:8080/run"),
+    ("http://user:p@SeCrEt@host/run", "http://***@host/run"),  # an unescaped "@" in the password
+    ("https://h/o?X-Amz-Algorithm=AWS4&X-Amz-Credential=SeCrEt%2F1&X-Amz-Signature=SeCrEt&x=1",
+     "https://h/o?X-Amz-Algorithm=AWS4&X-Amz-Credential=***&X-Amz-Signature=***&x=1"),
+    ("https://h/o?X-Amz-Security-Token=SeCrEt", "https://h/o?X-Amz-Security-Token=***"),
+    ("https://acct.blob/c/o?sv=2020&sig=SeCrEt&se=1", "https://acct.blob/c/o?sv=2020&sig=***&se=1"),
+    ("http://h/x?token=SeCrEt&signature=SeCrEt", "http://h/x?token=***&signature=***"),
+    ("ucp verify: error: http://u:SeCrEt@h/x: failed; see s3://b/y",
+     "ucp verify: error: http://***@h/x: failed; see s3://b/y"),
+    ("http://[::1]:8080/run", "http://[::1]:8080/run"),  # nothing to hide: unchanged
+    ("/local/path?key", "/local/path?key"),
+])
+def test_redact_hides_user_info_and_secret_query_values(url, shown):
+    """`redact`, the one function behind every message, log line and index source that names a URL."""
+    from ucp.errors import UcpError, redact
+
+    assert redact(url) == shown
+    assert "SeCrEt" not in str(UcpError(url))  # every ucp error, as it is made
+
+
+def test_an_object_path_shows_no_credentials_but_requests_with_them():
+    place = location("http://user:SeCrEt@host/run")
+    assert str(place / "ucp_index.json") == "http://***@host/run/ucp_index.json" and "SeCrEt" not in repr(place)
+    assert place.url == "http://user:SeCrEt@host/run"
+
+
+def test_ipv6_hosts_are_urls_and_chained_urls_are_not():
+    assert location("http://[::1]:8080/run") == ObjectPath("http", "[::1]:8080", "run")
+    for url in ("simplecache::http://[::1]:8080/run", "simplecache::gs://bucket/run"):
+        with pytest.raises(UnsupportedStorageError, match="chained fsspec URLs"):
+            location(url)
+
+
+@pytest.mark.parametrize("tag, plain", [
+    ("global_step3", True), ("checkpoint-500", True), ("", False), (".", False), ("..", False), ("a/b", False),
+    ("a\\b", False), ("%2e%2e", False), ("%2E%2e%2fother", False), ("%252e%252e", False), ("x%2fy", False),
+    ("step\x00", False), ("%00", False), ("../other/global_step3", False),
+])
+def test_a_tag_is_one_plain_name_after_percent_decoding(tag, plain):
+    from ucp.format.folder import plain_tag
+
+    assert plain_tag(tag) is plain

@@ -20,7 +20,7 @@ from pathlib import Path
 from ucp.converters.tag_folder import MODEL_FILE, OPTIM_FILE
 from ucp.converters.trainer_folders import last_checkpoint
 from ucp.errors import CheckpointNotFoundError, UcpError
-from ucp.format.folder import read_latest
+from ucp.format.folder import check_tag, read_latest
 from ucp.format.locations import ObjectPath
 from ucp.format.storage import download, list_folders, list_names
 
@@ -29,6 +29,8 @@ from ucp.format.storage import download, list_folders, list_names
 def staged_source(source: ObjectPath, tag: str | None) -> Iterator[Path]:
     """A local copy of the DeepSpeed checkpoint at `source` that `tag` (or `latest`, ...) picks, for the body
     to convert; an error the body raises names `source`, not the staging folder."""
+    if tag is not None:
+        check_tag(tag)
     with tempfile.TemporaryDirectory(prefix="ucp-input-", dir=os.environ.get("UCP_STAGING_DIR")) as staging:
         root = Path(staging) / (source.name or source.bucket)
         root.mkdir()

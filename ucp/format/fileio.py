@@ -110,14 +110,21 @@ def open_regular(path: str, follow: bool = True) -> int:
     return fd
 
 
+def oversized(path: object, nbytes: int, limit: int) -> CorruptCheckpointError:
+    """The one line for a whole-file read refused unread (its size known from a stat, a HEAD or a GET's headers,
+    before any byte of its body): the file, its size and the bound (docs/FORMAT.md names each)."""
+    return CorruptCheckpointError(f"{path}: {nbytes} bytes, more than the {limit} bytes ucp reads for this file "
+                                  "(docs/FORMAT.md, \"Bounds\"); it is not the file ucp expects here, or, for a "
+                                  "larger ucp_index.json than any known model's, raise $UCP_INDEX_MAX_BYTES")
+
+
 def read_regular(path: str, follow: bool = True, limit: int | None = None) -> bytes:
     """The whole content of regular file `path` (a FIFO or device is refused, never waited on; a symlink too
     unless `follow`); a file of more than `limit` bytes is refused unread."""
     fd = open_regular(path, follow)
     try:
         if limit is not None and os.fstat(fd).st_size > limit:
-            raise CorruptCheckpointError(f"{path}: {os.fstat(fd).st_size} bytes, more than the {limit} this file "
-                                         "can hold; it is not the file ucp expects here")
+            raise oversized(path, os.fstat(fd).st_size, limit)
         with os.fdopen(fd, "rb", closefd=False) as f:
             return f.read()
     finally:

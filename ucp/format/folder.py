@@ -14,7 +14,8 @@ import json
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path, PurePosixPath
+from pathlib import Path
+from urllib.parse import unquote
 
 from ucp.errors import (
     CheckpointNotFoundError,
@@ -30,7 +31,9 @@ DATA_PREFIX = "data-"
 PARTIAL_SUFFIX = ".partial"
 LATEST_NAME = "latest"
 LATEST_MAX_BYTES = 4096  # a tag name; DeepSpeed writes e.g. "global_step1000"
-INDEX_MAX_BYTES = 1 << 30  # far above any index (about 1 KiB per tensor state)
+# The largest index read ($UCP_INDEX_MAX_BYTES): parsing costs about 7x its size in memory, so a hostile one is
+# refused unread. A 1-trillion-parameter model with Adam states writes about 300 MiB (docs/FORMAT.md, "Bounds").
+INDEX_MAX_BYTES = 512 << 20
 
 
 def local_path(path: str | os.PathLike[str] | ObjectPath, entry_point: str = "this command") -> Path:
@@ -112,11 +115,31 @@ def read_latest(save_dir: str | os.PathLike[str] | ObjectPath) -> str | None:
         tag = raw.decode("utf-8").strip()
     except UnicodeDecodeError:
         tag = ""
-    parts = PurePosixPath(tag).parts
-    if not tag or not tag.isprintable() or tag.startswith("/") or ".." in parts or "\\" in tag:
+    if not plain_tag(tag):
         raise CorruptCheckpointError(f"{pointer}: does not hold the name of a tag folder inside {save_dir} "
                                      f"({len(raw)} bytes that are not one); write the tag's name into it, or "
                                      "pass the tag folder itself (--tag)")
+    return tag
+
+
+def plain_tag(tag: str) -> bool:
+    """Whether `tag` names one folder directly inside a save folder: a printable single name, also once
+    percent-decoded (a web server or object store decodes `%2e%2e` to `..` and `%2f` to `/`), so neither `.`,
+    `..`, empty, nor holding `/`, `\\` or NUL. Anything else would read another folder than the one named:
+    `%2e%2e/other/global_step3` over http(s):// verified and loaded another run's checkpoint."""
+    decoded = tag
+    for _ in range(3):  # %252e%252e -> %2e%2e -> ..
+        decoded = unquote(decoded)
+    return (bool(tag) and tag.isprintable() and decoded.isprintable() and decoded not in (".", "..")
+            and not any(c in decoded for c in "/\\"))
+
+
+def check_tag(tag: str) -> str:
+    """`tag` as given by a caller (`--tag`, `tag=`) when `plain_tag`, else one line saying what a tag is."""
+    if not plain_tag(tag):
+        raise CheckpointNotFoundError(f"tag {tag!r}: not the name of a tag folder (one plain name, such as "
+                                      "global_step100: no '/', '\\', '.', '..' nor their %-escapes); pass the name "
+                                      "of a folder inside the save folder")
     return tag
 
 
@@ -177,12 +200,17 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+def index_max_bytes() -> int:
+    """The largest `ucp_index.json` read: $UCP_INDEX_MAX_BYTES, else INDEX_MAX_BYTES."""
+    return int(os.environ.get("UCP_INDEX_MAX_BYTES", INDEX_MAX_BYTES))
+
+
 def read_index(directory: str | os.PathLike[str] | ObjectPath) -> Index:
     """The committed index of a ucp checkpoint, checked in full (see `ucp.format.index`), or a clear error
     saying why there is none."""
     directory = location(directory)
     path = directory / INDEX_NAME
-    raw = read_small(path, limit=INDEX_MAX_BYTES) if isinstance(path, ObjectPath) or path.is_file() else None
+    raw = read_small(path, limit=index_max_bytes()) if isinstance(path, ObjectPath) or path.is_file() else None
     if raw is None:
         if any(n.startswith(DATA_PREFIX) for n in list_names(directory)):
             raise IncompleteCheckpointError(

@@ -6,7 +6,9 @@ Credentials and options come from the filesystem's own configuration (its packag
 files, or fsspec's config: `FSSPEC_<PROTOCOL>_<OPTION>` variables, ~/.config/fsspec/); they are never put into an
 error (an error names the exception's type, not its text, which may carry a signed URL). Reads are ranged
 (`cat_file` with start and end), each range cut into parts of `part_bytes()` that run concurrently, at most
-`max_in_flight()` at once per process, as for s3://. Retries on throttling are the filesystem's own. A small
+`max_in_flight()` at once per process, as for s3://. A request that fails on the way (timed out, cut, reset, a
+5xx) is tried again by ucp's network policy (`net`), on top of whatever retries the filesystem has; http(s)://
+gets the connect and read timeouts of `net.timeout_s()`. A small
 object is written in one call (`pipe_file`), which an object store (GCS, Azure) makes visible whole or not at
 all; a file system without atomic writes (HDFS, a mounted folder) is not: the index and `latest` still commit by
 being written last, but a reader racing the write can see a partial one, which its checks then refuse. There are
@@ -22,6 +24,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageAccessError, UcpError
+from ucp.format import net
+from ucp.format.fileio import oversized
 from ucp.format.object_path import ObjectPath
 from ucp.format.object_store import cut_parts, max_in_flight, wait_all
 
@@ -46,12 +50,29 @@ def protocol_problem(scheme: str) -> str | None:
     return None
 
 
+def _options(scheme: str) -> dict[str, Any]:
+    """The options ucp gives the filesystem: for http(s)://, aiohttp's connect and read timeouts of
+    `net.timeout_s()` in place of its default (5 minutes in all, none per read); other filesystems keep their
+    own (gcsfs, adlfs, ... configure theirs)."""
+    if scheme not in ("http", "https"):
+        return {}
+    import aiohttp
+
+    seconds = net.timeout_s()
+    return {"client_kwargs": {"timeout": aiohttp.ClientTimeout(total=None, sock_connect=seconds,
+                                                                sock_read=seconds)}}
+
+
 def _fs(path: ObjectPath) -> tuple[Any, str]:
-    """The filesystem of `path` (fsspec caches the instance) and the path it takes."""
-    from fsspec.core import url_to_fs
+    """The filesystem of `path` (fsspec caches the instance, per options) and the path it takes. Not through
+    `fsspec.core.url_to_fs`, which takes every "::" for a chain (`locations` refuses chained URLs): an IPv6
+    host, http://[::1]:8080/run, is one URL."""
+    import fsspec
 
     try:
-        return url_to_fs(str(path))  # type: ignore[no-any-return]
+        cls = fsspec.get_filesystem_class(path.scheme)
+        options = {**cls._get_kwargs_from_urls(path.url), **_options(path.scheme)}
+        return fsspec.filesystem(path.scheme, **options), cls._strip_protocol(path.url)
     except Exception as exc:  # noqa: BLE001  # e.g. zip:// or cached:// without the options they need
         raise StorageAccessError(f"{path}: fsspec cannot open the {path.scheme}:// filesystem "
                                  f"({type(exc).__name__}); check its options (fsspec's config, FSSPEC_"
@@ -74,9 +95,23 @@ def _error(exc: BaseException, path: ObjectPath, doing: str) -> UcpError:
                               "and the network, then run the command again")
 
 
+def _transient(exc: BaseException) -> bool:
+    """Whether a request failed on the way (timed out, cut, reset, a 5xx or 429), not on the file: tried again.
+    http(s)://'s aiohttp errors are told by their module, so that this module need not import aiohttp."""
+    if isinstance(exc, (UcpError, FileNotFoundError, PermissionError)):
+        return False
+    if isinstance(exc, (TimeoutError, ConnectionError)):
+        return True
+    status = getattr(exc, "status", None)
+    if isinstance(status, int):
+        return status >= 500 or status == 429
+    return type(exc).__module__.partition(".")[0] == "aiohttp"  # payload cut short, server disconnected, ...
+
+
 def _call(path: ObjectPath, doing: str, request: Callable[[], T]) -> T:
+    """`request()`, retried by the network policy (`net.retrying`); any failure as one line."""
     try:
-        return request()
+        return net.retrying(path, doing, request, _transient)
     except UcpError:
         raise
     except Exception as exc:  # noqa: BLE001  # any filesystem's failure becomes one line
@@ -108,8 +143,7 @@ def read_object(path: ObjectPath, limit: int | None = None) -> bytes | None:
     if nbytes is None:
         return None
     if limit is not None and nbytes > limit:
-        raise CorruptCheckpointError(f"{path}: {nbytes} bytes, more than the {limit} this file can hold; it is not "
-                                     "the file ucp expects here")
+        raise oversized(path, nbytes, limit)
     fs, p = _fs(path)
 
     def request() -> bytes | None:
@@ -122,22 +156,31 @@ def read_object(path: ObjectPath, limit: int | None = None) -> bytes | None:
 
 
 def _get_range(path: ObjectPath, view: memoryview, offset: int) -> None:
-    """Fill `view` with bytes [offset, offset + len(view)) of the object, in one ranged read."""
+    """Fill `view` with bytes [offset, offset + len(view)) of the object by ranged reads (`net.fill`: a read
+    that fails on the way is asked for again; fsspec's `cat_file` gives all of a range or nothing)."""
     fs, p = _fs(path)
-    end = offset + len(view)
 
-    def request() -> None:
+    def request(begin: int, end: int) -> list[bytes]:
         try:
-            data = fs.cat_file(p, start=offset, end=end)
+            data = fs.cat_file(p, start=begin, end=end)
         except FileNotFoundError:
             raise CheckpointNotFoundError(f"{path}: no such object (the index names it); upload the checkpoint "
                                           "again") from None
-        if len(data) != len(view):
-            raise CorruptCheckpointError(f"{path}: ends at byte {offset + len(data)}, expected at least {end}; the "
+        if len(data) > end - begin:  # an HTTP server's 200 with the whole object
+            raise StorageAccessError(f"{path}: the server ignores Range requests (it answered a read of bytes "
+                                     f"[{begin}, {end}) with {len(data)} bytes); serve the checkpoint from a server "
+                                     "that answers them with 206, or copy it to a local folder")
+        if len(data) < end - begin:
+            raise CorruptCheckpointError(f"{path}: ends at byte {begin + len(data)}, expected at least {end}; the "
                                          "object is truncated, upload it again")
-        view[:] = data
+        return [data]
 
-    _call(path, f"reading bytes [{offset}, {end})", request)
+    try:
+        net.fill(path, view, offset, request, _transient)
+    except UcpError:
+        raise
+    except Exception as exc:  # noqa: BLE001  # any filesystem's failure becomes one line
+        raise _error(exc, path, f"reading bytes [{offset}, {offset + len(view)})") from None
 
 
 def read_many(reads: Sequence[tuple[ObjectPath, int, memoryview]]) -> None:

@@ -8,12 +8,13 @@ import re
 from pathlib import Path
 from typing import Union
 
-from ucp.errors import UnsupportedStorageError
+from ucp.errors import UnsupportedStorageError, redact
 from ucp.format.object_path import ObjectPath as ObjectPath  # re-exported: where every caller takes it from
 
 OBJECT_SCHEMES = ("s3",)
 _URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")  # scheme://..., as s3://bucket/prefix or gs://...
 _CHAINED = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*::")  # fsspec's chained URLs: simplecache::gs://bucket/run
+_BRACKETED = re.compile(r"\[[^\]/]*\]")  # an IPv6 host, http://[::1]:8080/run, whose "::" chains nothing
 # Where a URL is accepted (issue #22); the other entry points name this list when they refuse one.
 URL_ENTRY_POINTS = ("s3:// and the protocols of any fsspec filesystem installed (gs://, az://, hdfs://, ...) with "
                     "ucp convert --input and --output, ucp inspect, ucp verify, ucp export --input and --output, "
@@ -42,8 +43,10 @@ def location(path: str | os.PathLike[str] | ObjectPath) -> Location:
         return path
     text = os.fspath(path)
     scheme = url_scheme(text)
-    if "::" in text and "://" in text and (scheme is not None or _CHAINED.match(text)):
-        raise UnsupportedStorageError(f"{text}: chained fsspec URLs (a::b://...) are not taken; pass the URL of "
+    shown = redact(text)  # every message names the URL without its credentials
+    unbracketed = _BRACKETED.sub("", text)
+    if "::" in unbracketed and "://" in text and (scheme is not None or _CHAINED.match(text)):
+        raise UnsupportedStorageError(f"{shown}: chained fsspec URLs (a::b://...) are not taken; pass the URL of "
                                       "the storage itself (gs://bucket/run1) or a local copy")
     if scheme is None:
         return Path(text)
@@ -51,25 +54,30 @@ def location(path: str | os.PathLike[str] | ObjectPath) -> Location:
     netloc, _, key = text[len(scheme) + 3:].partition("/")
     if scheme == "file":
         if netloc not in ("", "localhost") or not key:
-            raise UnsupportedStorageError(f"{text}: a file:// URL names a local path as file:///ABSOLUTE/PATH; "
+            raise UnsupportedStorageError(f"{shown}: a file:// URL names a local path as file:///ABSOLUTE/PATH; "
                                           "or pass the path itself")
         return Path("/" + key)
     if scheme in OBJECT_SCHEMES:
         if not netloc:
-            raise UnsupportedStorageError(f"{text}: names no bucket; write s3://BUCKET/PREFIX")
+            raise UnsupportedStorageError(f"{shown}: names no bucket; write s3://BUCKET/PREFIX")
+        if "@" in netloc:
+            raise UnsupportedStorageError(f"{shown}: credentials in an s3:// URL are not taken (nor shown); write "
+                                          "s3://BUCKET/PREFIX and give them through the standard AWS chain "
+                                          "(AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, an instance "
+                                          "role)")
         if not _installed("boto3"):
-            raise UnsupportedStorageError(f"{text}: object storage needs boto3, which is not installed; pip install "
+            raise UnsupportedStorageError(f"{shown}: object storage needs boto3, which is not installed; pip install "
                                           "boto3, or copy the checkpoint to a local folder")
         return ObjectPath(scheme, netloc, key.strip("/"))
     from ucp.format.fsspec_store import protocol_problem
 
     problem = protocol_problem(scheme)
     if problem is not None:
-        raise UnsupportedStorageError(f"{text}: {problem}; ucp reads local folders, s3:// URLs and the URLs of any "
+        raise UnsupportedStorageError(f"{shown}: {problem}; ucp reads local folders, s3:// URLs and the URLs of any "
                                       "fsspec filesystem installed: install it, copy the checkpoint to a local "
                                       "folder or a bucket, or mount the storage and pass the mount's path")
     if not netloc and not key.strip("/"):
-        raise UnsupportedStorageError(f"{text}: names no bucket nor path; write {scheme}://BUCKET/PREFIX")
+        raise UnsupportedStorageError(f"{shown}: names no bucket nor path; write {scheme}://BUCKET/PREFIX")
     return ObjectPath(scheme, netloc, key.strip("/"))
 
 

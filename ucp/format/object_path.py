@@ -5,13 +5,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ucp.errors import redact
+
 
 @dataclass(frozen=True)
 class ObjectPath:
     """A file or prefix in an object store, `s3://bucket/key`, or in another fsspec filesystem
     (`gs://bucket/key`, `hdfs://namenode:8020/key`, `memory://bucket/key`): what a `Path` is to a local folder.
 
-    It has no `__fspath__`, so no local file call can take it for a path by mistake."""
+    It has no `__fspath__`, so no local file call can take it for a path by mistake. `str()` is the form shown
+    to people (messages, logs, an index's recorded source): without credentials (`redact`); `url` is the form
+    requests go to."""
 
     scheme: str
     bucket: str  # the URL's netloc: a bucket, or a host (and port); "" in hdfs:///path
@@ -25,5 +29,13 @@ class ObjectPath:
     def __truediv__(self, name: str) -> ObjectPath:
         return ObjectPath(self.scheme, self.bucket, f"{self.key}/{name}" if self.key else str(name))
 
-    def __str__(self) -> str:
+    @property
+    def url(self) -> str:
+        """The whole URL, credentials included: for the storage client only, never for a message."""
         return f"{self.scheme}://{self.bucket}/{self.key}" if self.key else f"{self.scheme}://{self.bucket}"
+
+    def __str__(self) -> str:
+        return redact(self.url)
+
+    def __repr__(self) -> str:
+        return f"ObjectPath({str(self)!r})"

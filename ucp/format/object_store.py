@@ -1,15 +1,18 @@
 """S3-compatible object storage through boto3, the only module that imports it (on first use of an s3:// URL).
 
 Credentials and the endpoint come from the standard AWS chain (environment, `AWS_ENDPOINT_URL`, config files,
-instance roles); they are never logged, nor put into an error or an index. Throttling (503 SlowDown) and 5xx
-answers are retried with exponential backoff by botocore's "standard" retry mode. Reads are ranged GETs, each
-range cut into parts of `part_bytes()` that run concurrently, at most `max_in_flight()` at once per process;
+instance roles); they are never logged, nor put into an error or an index (an s3:// URL carrying some is refused:
+`locations`). Every request has the connect and read timeouts of `net.timeout_s()`; throttling (503 SlowDown), 5xx
+answers and timeouts are retried `net.attempts()` times with exponential backoff by botocore's "standard" retry
+mode, and a body cut or stalled halfway is asked for again from where it stopped (`net.fill`). Reads are ranged
+GETs, each range cut into parts of `part_bytes()` that run concurrently, at most `max_in_flight()` at once per process;
 uploads of more than that are multipart, their parts in parallel, and a failed one is aborted so that
 no parts are left behind.
 """
 from __future__ import annotations
 
 import os
+import re
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -17,18 +20,20 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ucp.errors import CorruptCheckpointError, StorageAccessError, UcpError
+from ucp.format import net
+from ucp.format.fileio import oversized
 from ucp.format.object_path import ObjectPath
 
 PART_BYTES = 8 << 20  # ranged GETs and multipart parts are cut this large, unless $UCP_S3_PART_BYTES says
-MAX_ATTEMPTS = 10  # per request, throttling and 5xx included (botocore's standard mode backs off exponentially)
 _ACCESS_CODES = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
                  "InvalidToken", "AllAccessDisabled", "AuthorizationHeaderMalformed"}
 _OPENING_BUCKET = "opening its bucket"
 _MISSING_KEY_CODES = {"NoSuchKey", "404", "NotFound"}
+_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/")
 _lock = threading.Lock()
 # One client and pool per process (a forked worker makes its own) and per endpoint and credentials in the
-# environment, so a process that changes them gets a new client.
-_state: dict[tuple[int, str | None, str | None, str | None], tuple[Any, ThreadPoolExecutor]] = {}
+# environment (and network settings), so a process that changes them gets a new client.
+_state: dict[tuple[object, ...], tuple[Any, ThreadPoolExecutor]] = {}
 T = TypeVar("T")
 
 
@@ -46,13 +51,15 @@ def part_bytes() -> int:
 def _client_and_pool() -> tuple[Any, ThreadPoolExecutor]:
     with _lock:
         env = os.environ.get
-        key = (os.getpid(), env("AWS_ENDPOINT_URL"), env("AWS_ACCESS_KEY_ID"), env("AWS_PROFILE"))
+        key = (os.getpid(), env("AWS_ENDPOINT_URL"), env("AWS_ACCESS_KEY_ID"), env("AWS_PROFILE"), net.timeout_s(),
+               net.attempts())
         if key not in _state:
             import boto3
             from botocore.config import Config
 
             rank = os.environ.get("RANK")
-            config = Config(retries={"mode": "standard", "max_attempts": MAX_ATTEMPTS},
+            config = Config(retries={"mode": "standard", "max_attempts": net.attempts()},
+                            connect_timeout=net.timeout_s(), read_timeout=net.timeout_s(),
                             max_pool_connections=max_in_flight(),
                             user_agent_extra="ucp" + (f" ucp-rank/{rank}" if rank is not None else ""),
                             # ucp checks every byte against its own CRC-32s; no second checksum per request
@@ -70,12 +77,21 @@ def _client() -> Any:
 def _error(exc: Exception, path: ObjectPath, doing: str) -> UcpError:
     """One line naming `path` and the fix for a failed request; never the credentials (nor the request's text,
     which can carry the access key id)."""
-    from botocore.exceptions import ClientError, EndpointConnectionError, NoCredentialsError
+    from botocore.exceptions import (
+        ClientError,
+        ConnectionClosedError,
+        ConnectTimeoutError,
+        EndpointConnectionError,
+        NoCredentialsError,
+        ReadTimeoutError,
+    )
 
     chain = ("give credentials for the bucket through the standard AWS chain (AWS_ACCESS_KEY_ID and "
              "AWS_SECRET_ACCESS_KEY, AWS_PROFILE, ~/.aws/credentials or an instance role)")
     if isinstance(exc, NoCredentialsError):
         return StorageAccessError(f"{path}: no AWS credentials found while {doing}; {chain}")
+    if isinstance(exc, (ReadTimeoutError, ConnectTimeoutError, ConnectionClosedError)):  # after botocore's retries
+        return net.gave_up(path, doing, exc)
     if isinstance(exc, EndpointConnectionError):
         return StorageAccessError(f"{path}: cannot reach the object store while {doing}; check AWS_ENDPOINT_URL "
                                   "(or the AWS config's endpoint_url) and the network")
@@ -88,7 +104,7 @@ def _error(exc: Exception, path: ObjectPath, doing: str) -> UcpError:
         if code in _ACCESS_CODES or status == 403:
             return StorageAccessError(f"{path}: access refused ({code}) while {doing}; {chain}")
         return StorageAccessError(f"{path}: {doing} failed ({code}, HTTP {status}; throttling and server errors "
-                                  f"are tried {MAX_ATTEMPTS} times); check the object store, then run the command "
+                                  f"are tried {net.attempts()} times); check the object store, then run the command "
                                   "again")
     return StorageAccessError(f"{path}: {doing} failed ({type(exc).__name__}); check the object store and "
                               "the network, then run the command again")
@@ -137,38 +153,71 @@ def _check_bucket(path: ObjectPath) -> None:
 
 
 def read_object(path: ObjectPath, limit: int | None = None) -> bytes | None:
-    """The whole object (refused unread when larger than `limit`), or None when there is none."""
+    """The whole object (refused unread when larger than `limit`: its size comes with the answer's headers,
+    before its body), or None when there is none. A body cut short is asked for again from where it stopped."""
     got = _unless_missing(path, "reading it", lambda: _client().get_object(Bucket=path.bucket, Key=path.key))
     if got is None:
         return None
     nbytes = int(got["ContentLength"])
     if limit is not None and nbytes > limit:
         got["Body"].close()
-        raise CorruptCheckpointError(f"{path}: {nbytes} bytes, more than the {limit} this file can hold; it is not "
-                                     "the file ucp expects here")
-    return _call(path, "reading it", lambda: bytes(got["Body"].read()))
+        raise oversized(path, nbytes, limit)
+    data = bytearray(nbytes)
+    first = [got["Body"]]
+
+    def request(begin: int, end: int) -> Iterator[bytes]:
+        return _chunks(first.pop()) if first else _ranged_body(path, begin, end)
+
+    net.fill(path, memoryview(data), 0, request, _transient)
+    return bytes(data)
+
+
+def _ranged_body(path: ObjectPath, begin: int, end: int) -> Iterator[bytes]:
+    """The body of one ranged GET of bytes [begin, end), in chunks. A store that ignores the range, or an object
+    that ends before `end`, is refused; a body that is cut or stalls ends the chunks early (`net.fill` asks for
+    the rest)."""
+    got = _call(path, f"reading bytes [{begin}, {end})",
+                lambda: _client().get_object(Bucket=path.bucket, Key=path.key, Range=f"bytes={begin}-{end - 1}"))
+    answered = _CONTENT_RANGE.match(str(got.get("ContentRange", "")))
+    if answered is None or int(answered.group(1)) != begin:
+        got["Body"].close()
+        raise StorageAccessError(f"{path}: the object store ignores Range requests (it answered a ranged read of "
+                                 f"bytes [{begin}, {end}) with other bytes); use an S3-compatible store that serves "
+                                 "them")
+    if int(answered.group(2)) + 1 < end:
+        got["Body"].close()
+        raise CorruptCheckpointError(f"{path}: ends at byte {int(answered.group(2)) + 1}, expected at least {end}; "
+                                     "the object is truncated, upload it again")
+    return _chunks(got["Body"])
+
+
+def _chunks(body: Any) -> Iterator[bytes]:
+    """The chunks of a response body as they arrive, the body closed at the end (or when abandoned)."""
+    try:
+        while data := body.read(1 << 20):
+            yield data
+    finally:
+        body.close()
+
+
+def _transient(exc: BaseException) -> bool:
+    """Whether a body read failed on the way (cut, reset, stalled past the read timeout), not on the object."""
+    from botocore.exceptions import (
+        ConnectionClosedError,
+        IncompleteReadError,
+        ReadTimeoutError,
+        ResponseStreamingError,
+    )
+    from urllib3.exceptions import HTTPError as Urllib3Error
+
+    return isinstance(exc, (IncompleteReadError, ResponseStreamingError, ReadTimeoutError, ConnectionClosedError,
+                            Urllib3Error, ConnectionError, TimeoutError))
 
 
 def _get_range(path: ObjectPath, view: memoryview, offset: int) -> None:
-    """Fill `view` with bytes [offset, offset + len(view)) of the object, in one ranged GET (retried whole)."""
-    def request() -> None:
-        got = _client().get_object(Bucket=path.bucket, Key=path.key, Range=f"bytes={offset}-{offset + len(view) - 1}")
-        body, done = got["Body"], 0
-        if not str(got.get("ContentRange", "")).startswith(f"bytes {offset}-"):  # a store that ignored the range
-            body.close()
-            raise StorageAccessError(f"{path}: the object store answered a ranged read of bytes [{offset}, "
-                                     f"{offset + len(view)}) with other bytes; use an S3-compatible store that "
-                                     "serves Range requests")
-        while done < len(view):
-            data = body.read(min(len(view) - done, 1 << 20))
-            if not data:
-                raise CorruptCheckpointError(f"{path}: ends at byte {offset + done}, expected at least "
-                                             f"{offset + len(view)}; the object is truncated, upload it again")
-            view[done:done + len(data)] = data
-            done += len(data)
-        body.close()
-
-    _call(path, f"reading bytes [{offset}, {offset + len(view)})", request)
+    """Fill `view` with bytes [offset, offset + len(view)) of the object by ranged GETs: one, and one more for
+    what is missing each time a body is cut (`net.fill`)."""
+    net.fill(path, view, offset, lambda begin, end: _ranged_body(path, begin, end), _transient)
 
 
 def stat(path: ObjectPath) -> tuple[int, int | None] | None:
