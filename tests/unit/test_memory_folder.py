@@ -14,7 +14,7 @@ import pytest
 
 from support.atomic import memory_copy, saved_at
 from ucp.deepspeed.elastic import resume_auto
-from ucp.deepspeed.memory_files import MemoryEvery, drop_newer, read_copies, untrusted
+from ucp.deepspeed.memory_files import MemoryEvery, read_copies, remove_copies, untrusted
 from ucp.deepspeed.memory_manifest import MANIFEST_NAME
 from ucp.deepspeed.memory_resume import memory_resume_point
 from ucp.elastic.restart import PROGRESS_NAME, Progress, read_progress, record_progress
@@ -93,22 +93,22 @@ def test_another_jobs_memory_checkpoint_is_passed_over(tier, tmp_path, caplog):
     copy = memory_copy(tier.path / "global_step3", 3, str(tmp_path / "other-job"))
     assert memory_resume_point(tier, -1, "starting fresh") is None
     assert f"{copy} is another job's memory checkpoint (of {tmp_path / 'other-job'}" in warnings_of(caplog)[0]
-    drop_newer(tier.path, tier.job, 0)
+    remove_copies(tier.path, tier.job, lambda step: True)
     assert (copy / INDEX_NAME).is_file()  # never removed by this job
     mine = MemoryEvery.from_config({"every": 1, "dir": str(tier.path)}, str(tmp_path / "other-job"))
     assert memory_resume_point(mine, -1, "starting fresh") == copy  # control: its own job resumes from it
 
 
 def test_a_tag_folder_linked_out_of_the_memory_folder_is_never_read_nor_removed(tier, tmp_path):
-    """#32: the link was loaded, and at the next start `_drop_newer` deleted the index of a committed checkpoint
-    outside the memory folder through it."""
+    """#32: the link was loaded, and at the next start the removal of newer memory checkpoints deleted the index
+    of a committed checkpoint outside the memory folder through it."""
     outside = memory_copy(tmp_path / "elsewhere" / "global_step9", 9, tier.job)
     tier.path.mkdir(mode=0o700)
     (tier.path / "global_step9").symlink_to(outside, target_is_directory=True)
     newer, older = memory_copy(tier.path / "global_step5", 5, tier.job), memory_copy(tier.path / "global_step2", 2,
                                                                                       tier.job)
     assert sorted(read_copies(tier.path, tier.job)) == ["global_step2", "global_step5"]
-    drop_newer(tier.path, tier.job, 3)
+    remove_copies(tier.path, tier.job, lambda step: step > 3)  # as a start from step 3 does
     assert (outside / INDEX_NAME).is_file() and (tier.path / "global_step9").is_symlink()
     assert not newer.exists() and (older / INDEX_NAME).is_file()  # control: this job's newer copy goes
 

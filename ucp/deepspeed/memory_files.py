@@ -19,13 +19,14 @@ import os
 import shutil
 import socket
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from ucp.deepspeed.memory_manifest import Manifest, read_manifest
 from ucp.elastic.resume import indexed_step, tag_step
 from ucp.errors import ConfigError, UcpError, UnsupportedStorageError
-from ucp.format.folder import INDEX_NAME, local_path
+from ucp.format.folder import INDEX_NAME, local_path, locked_for_removal
 from ucp.format.locations import url_scheme
 from ucp.format.storage import list_folders
 
@@ -108,10 +109,10 @@ def untrusted(folder: Path) -> str | None:
 
 
 def refuse_untrusted(problems: list[str | None]) -> None:
-    """Every rank's `untrusted` answer, gathered: one `ConfigError` on every rank when any node's folder is."""
+    """Every rank's `checked_folder` problem, gathered: one `ConfigError` on every rank when any node has one."""
     found = next((p for p in problems if p is not None), None)
     if found is not None:
-        raise ConfigError(f'"ucp": {{"save": {{"memory": ...}}}}: memory folder {found}')
+        raise ConfigError(found)
 
 
 def read_copies(folder: Path, job: str) -> dict[str, Manifest]:
@@ -139,13 +140,33 @@ def read_copies(folder: Path, job: str) -> dict[str, Manifest]:
     return out
 
 
-def drop_newer(folder: Path, job: str, step: int) -> None:
-    """Remove this job's memory checkpoints newer than `step` by the step their index records, and partial ones
-    named newer; never another job's, one passed over, or anything through a symbolic link."""
+def remove_copies(folder: Path, job: str, gone: Callable[[int], bool]) -> None:
+    """Remove this job's memory checkpoints whose step (as their index records it) is `gone`, and the partial
+    ones (no index) whose name's step is; never another job's, one passed over, one a reader holds
+    (`ucp.format.folder.reading`), or anything through a symbolic link."""
     ours = read_copies(folder, job)
     for name in list_folders(folder):
         tag = folder / name
-        partial = not os.path.lexists(tag / INDEX_NAME)
-        if ours[name].step > step if name in ours else partial and tag_step(tag) > step:
-            (tag / INDEX_NAME).unlink(missing_ok=True)
-            shutil.rmtree(tag, ignore_errors=True)
+        if name in ours:
+            doomed = gone(ours[name].step)
+        else:
+            doomed = tag_step(tag) >= 0 and not os.path.lexists(tag / INDEX_NAME) and gone(tag_step(tag))
+        if doomed:
+            with locked_for_removal(tag) as free:
+                if free:
+                    (tag / INDEX_NAME).unlink(missing_ok=True)
+                    shutil.rmtree(tag, ignore_errors=True)
+
+
+def checked_folder(config: MemoryEvery, create: bool) -> tuple[Path, str | None]:
+    """This node's memory folder (created private when `create`), and why this job may not use it (None when it
+    may; the folder is then `dir` unexpanded): gathered from every rank, so that all refuse together
+    (`refuse_untrusted`)."""
+    try:
+        folder = config.path
+        if create:
+            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except (ConfigError, OSError) as exc:
+        return Path(config.dir), str(exc)
+    problem = untrusted(folder)
+    return folder, None if problem is None else f'"ucp": {{"save": {{"memory": ...}}}}: memory folder {problem}'

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ucp.deepspeed.memory_files import MemoryEvery, node_key, read_copies, refuse_untrusted, untrusted
+from ucp.deepspeed.memory_files import MemoryEvery, checked_folder, node_key, read_copies, refuse_untrusted
 from ucp.deepspeed.memory_manifest import Manifest, write_manifest
 from ucp.elastic.memory_plan import BASE, Fill, NodeCopy, choose, fills, nodes_of
 from ucp.format.fileio import tensor_bytes
@@ -38,11 +38,10 @@ _CHUNK = 64 << 20  # bytes sent at a time: what a transfer holds in memory on ei
 def memory_resume_point(config: MemoryEvery, newer_than: int, fallback: str) -> Path | None:
     """This rank's node copy of the newest memory checkpoint newer than step `newer_than` that the nodes hold
     completely, filled from the peers; None when there is none (`fallback` says what loads instead)."""
-    folder = config.path
+    folder, problem = checked_folder(config, create=False)
     initialized = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank() if initialized else 0
     group = _gloo_group() if initialized else None
-    problem = untrusted(folder)
     copies_here = read_copies(folder, config.job) if problem is None else {}
     gathered = _all_gather((node_key(folder), copies_here, problem), initialized, group)
     refuse_untrusted([p for _, _, p in gathered])

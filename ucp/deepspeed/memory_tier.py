@@ -27,11 +27,10 @@ import torch
 import torch.distributed as dist
 
 from ucp.deepspeed.async_save import Prepared, RankReport, Saver, index_of
-from ucp.deepspeed.memory_files import MemoryEvery, drop_newer, node_key, refuse_untrusted, untrusted
+from ucp.deepspeed.memory_files import MemoryEvery, checked_folder, node_key, refuse_untrusted, remove_copies
 from ucp.deepspeed.memory_manifest import Manifest, write_manifest
 from ucp.deepspeed.save_writer import BackgroundSave, partial_path, write_pieces
 from ucp.elastic.memory_plan import held_by, nodes_of, peer_pairs
-from ucp.elastic.resume import prune
 from ucp.errors import SaveError
 from ucp.format.fileio import tensor_bytes
 from ucp.format.folder import commit_index, commit_latest, fsync_dir
@@ -48,15 +47,15 @@ class MemoryTier:
 
     def __init__(self, saver: Saver, config: MemoryEvery, step: int):
         self.config = config
-        self.dir = config.path
-        self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # private: see `memory_files.untrusted`
+        folder, problem = checked_folder(config, create=True)
         self.last_step: int | None = step
         # A writer thread and a gloo group of its own: a memory save never queues behind a disk save in flight,
         # and the two writers' collectives never interleave.
         self.job = BackgroundSave()
         self.group = dist.new_group(saver.ranks, backend="gloo") if saver.group is not None else None
-        gathered = _all_gather((node_key(self.dir), untrusted(self.dir)), self.group)
+        gathered = _all_gather((node_key(folder), problem), self.group)
         refuse_untrusted([problem for _, problem in gathered])
+        self.dir = folder
         self.nodes = [[saver.ranks[i] for i in node] for node in nodes_of([key for key, _ in gathered])]
         self.pairs = peer_pairs(self.nodes, config.replicas)
         self.node = next(n for n in self.nodes if saver.rank in n)
@@ -69,7 +68,7 @@ class MemoryTier:
         self._runs: tuple[Prepared, list[Runs]] | None = None
         self._received: torch.Tensor | None = None
         if self.leader:  # a run resumed from an older checkpoint goes another way: it saves those steps again
-            drop_newer(self.dir, config.job, step)
+            remove_copies(self.dir, config.job, lambda saved: saved > step)
         if self.group is not None:
             dist.barrier(group=self.group)  # no rank writes a memory save before the stale ones are gone
 
@@ -154,12 +153,12 @@ class MemoryTier:
         fsync_dir(tag_dir)
         holds = {self.index[r]: tuple((file, begin, end) for file, begin, end, _ in runs[self.index[r]])
                  for r in held_by(self.node, self.pairs)}
-        write_manifest(tag_dir, Manifest(tag, int(index.run.training["global_steps"]),
-                                         index.run.source["fingerprint"], self.config.job, len(runs), holds,
+        step = int(index.run.training["global_steps"])
+        write_manifest(tag_dir, Manifest(tag, step, index.run.source["fingerprint"], self.config.job, len(runs), holds,
                                          tuple((f.name, f.size, len(f.header)) for f in prepared.files.files)))
         commit_index(tag_dir, index)
         commit_latest(self.dir, tag)
-        prune(self.dir, 1)
+        remove_copies(self.dir, self.config.job, lambda saved: saved < step)
 
 
 def _write_runs(tag_dir: Path, runs: Runs, data: memoryview) -> None:
