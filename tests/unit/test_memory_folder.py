@@ -54,14 +54,14 @@ def test_a_manifest_that_is_a_fifo_or_a_link_to_dev_zero_is_passed_over(tier, al
         assert str(manifest) in line and says in line and "\n" not in line
 
 
-HOSTILE_MANIFESTS = {
-    "a JSON list": lambda m: [m],
-    "no holds": lambda m: {k: v for k, v in m.items() if k != "holds"},
-    "step NaN": lambda m: {**m, "step": float("nan")},
-    "step 1e400": lambda m: {**m, "step": float("inf")},
-    "rank x": lambda m: {**m, "holds": {"x": m["holds"]["0"]}},
-    "a file out of the folder": lambda m: {**m, "files": [["../x", 8, 8]]},
-    "a range past its file": lambda m: {**m, "holds": {"0": [[m["files"][0][0], 0, m["files"][0][1] + 1]]}},
+HOSTILE_MANIFESTS = {  # the sound manifest -> the text written in its place
+    "a JSON list": lambda m: json.dumps([m]),
+    "no holds": lambda m: json.dumps({k: v for k, v in m.items() if k != "holds"}),
+    "step NaN": lambda m: json.dumps({**m, "step": float("nan")}),
+    "step 1e400": lambda m: json.dumps({**m, "step": 0}).replace('"step": 0', '"step": 1e400'),
+    "rank x": lambda m: json.dumps({**m, "holds": {"x": m["holds"]["0"]}}),
+    "a file out of the folder": lambda m: json.dumps({**m, "files": [["../x", 8, 8]]}),
+    "a range past its file": lambda m: json.dumps({**m, "holds": {"0": [[m["files"][0][0], 0, m["files"][0][1] + 1]]}}),
 }
 
 
@@ -70,7 +70,7 @@ def test_a_hostile_manifest_is_one_warning_naming_it(tier, caplog, lie):
     copy = memory_copy(tier.path / "global_step3", 3, tier.job)
     manifest = copy / MANIFEST_NAME
     sound = json.loads(manifest.read_text())
-    manifest.write_text(json.dumps(HOSTILE_MANIFESTS[lie](sound)))   # json writes NaN and Infinity as Python does
+    manifest.write_text(HOSTILE_MANIFESTS[lie](sound))
     assert read_copies(tier.path, tier.job) == {}
     [line] = warnings_of(caplog)
     assert line.startswith(f"ucp: {manifest}: ") and "passed over" in line and "\n" not in line, line
