@@ -119,9 +119,15 @@ def test_lose_a_node_resume_from_the_peer_copy_newer_than_disk(tmp_path, referen
 
 
 def copy_of(run: Path, tmp_path: Path) -> Path:
+    """A copy of `run` at `tmp_path`. A memory checkpoint belongs to the job of the save folder its manifest
+    names, so the copies' manifests are pointed at the copied save folder, as a job saving there writes them."""
     subprocess.run(["cp", "-a", f"{run}/.", str(tmp_path)], check=True)
     for old in tmp_path.glob("agents*"):
         shutil.rmtree(old)
+    for manifest in tmp_path.glob("node*/global_step*/ucp_memory.json"):
+        moved = json.loads(manifest.read_text())
+        assert moved["job"] == str(run / "ckpt"), moved["job"]
+        manifest.write_text(json.dumps({**moved, "job": str(tmp_path / "ckpt")}))
     return tmp_path
 
 

@@ -336,16 +336,21 @@ def test_a_save_whose_uploads_fail_commits_nothing_and_training_is_told(s3, ckpt
 
 def test_auto_and_keep_over_an_object_store_prefix(s3, converted):
     """`candidates`, `set_aside` and `prune` (ucp.elastic.resume) on an s3:// save prefix, without training:
-    copies of the converted checkpoint as tags 1 and 2, and a tag 0 that never committed (data, no index)."""
+    copies of the converted checkpoint as tags 1 and 2 (each index recording its tag's step, as a save's does),
+    and a tag 0 that never committed (data, no index)."""
     from ucp.elastic.resume import candidates, prune, set_aside
     from ucp.format.folder import commit_latest
     from ucp.format.locations import location
 
     def copy_tag(tag: str, skip_index: bool = False) -> None:
         for key in keys(s3, "run1/"):
-            if not (skip_index and key.endswith("ucp_index.json")):
-                s3.client.copy_object(Bucket=BUCKET, Key=f"saves/{tag}/{key[len('run1/'):]}",
-                                      CopySource={"Bucket": BUCKET, "Key": key})
+            target = f"saves/{tag}/{key[len('run1/'):]}"
+            if not key.endswith("ucp_index.json"):
+                s3.client.copy_object(Bucket=BUCKET, Key=target, CopySource={"Bucket": BUCKET, "Key": key})
+            elif not skip_index:
+                index = json.loads(s3.client.get_object(Bucket=BUCKET, Key=key)["Body"].read())
+                index.setdefault("training", {})["global_steps"] = int(tag.removeprefix("global_step"))
+                s3.client.put_object(Bucket=BUCKET, Key=target, Body=json.dumps(index).encode())
 
     for tag, partial in (("global_step0", True), ("global_step1", False), ("global_step2", False)):
         copy_tag(tag, partial)

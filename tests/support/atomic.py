@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -17,7 +18,8 @@ import torch
 import ucp
 from ucp.convert.split_policy import SplitPolicy
 from ucp.convert.tensors import write_tensors
-from ucp.format.folder import INDEX_NAME, tensor_key
+from ucp.deepspeed.memory_manifest import Manifest, write_manifest
+from ucp.format.folder import INDEX_NAME, commit_index, read_index, tensor_key
 from ucp.format.index import ParamEntry, index_json
 from ucp.format.safetensors_stream import StreamingWriter, TensorSlot
 
@@ -37,6 +39,24 @@ def write_checkpoint(out: Path, tensors: dict[str, dict[str, torch.Tensor]], pol
                  "param_groups": [{"hyperparams": {"lr": 0.1}, "params": list(tensors)}]}
     as_fp32 = {name: {state: t.detach().to(torch.float32) for state, t in st.items()} for name, st in tensors.items()}
     return write_tensors(out, as_fp32, optimizer=optimizer, step=1.0, splits=policy, chunk_bytes=chunk_bytes)
+
+
+def saved_at(folder: Path, step: int) -> Path:
+    """A small ucp checkpoint at `folder` whose index records optimizer step `step`, as a training save's does."""
+    write_checkpoint(folder, {"w": {"fp32": torch.arange(4.0), "exp_avg": torch.ones(4)}})
+    index = read_index(folder)
+    commit_index(folder, replace(index, run=replace(index.run, training={**index.run.training, "global_steps": step})))
+    return folder
+
+
+def memory_copy(folder: Path, step: int, job: str) -> Path:
+    """A memory tier's node copy at `folder` (`saved_at`, and the manifest a save writes beside it), saved by job
+    `job` with one saving rank, whose pieces it holds."""
+    index = read_index(saved_at(folder, step))
+    files = tuple((f.name, f.nbytes, f.header_end) for f in index.files.values())
+    write_manifest(folder, Manifest(folder.name, step, index.run.source["fingerprint"], job, 1,
+                                    {0: tuple((name, header, size) for name, size, header in files)}, files))
+    return folder
 
 
 def with_edited_index(path: Path, copy: Path, edit: Callable[[dict], None]) -> Path:

@@ -61,7 +61,10 @@ def test_the_memory_section_is_checked():
     assert SaveEvery.from_config({"dir": "/ckpt", "every": 4}).memory is None
     for bad, says in [({"every": 0}, '"every": 0'), ({"every": 1, "replicas": -1}, '"replicas": -1'),
                       ({"every": 1, "replica": 1}, "unknown key 'replica'"), ([1], "must be an object"),
-                      ({"every": 1, "dir": 3}, '"dir": 3'), ({"every": 1, "dir": "s3://b/m"}, "s3://")]:
+                      ({"every": 1, "dir": 3}, '"dir": 3'), ({"every": 1, "dir": "s3://b/m"}, "s3://"),
+                      # the working directory, whose global_step* folders the tier's pruning removed (#32)
+                      ({"every": 1, "dir": ""}, "must be an absolute path"),
+                      ({"every": 1, "dir": "shm/job"}, "must be an absolute path")]:
         with pytest.raises(ConfigError, match=None) as raised:
             SaveEvery.from_config({"dir": "/ckpt", "every": 4, "memory": bad})
         assert says in str(raised.value), (bad, str(raised.value))
@@ -69,4 +72,7 @@ def test_the_memory_section_is_checked():
 
 def test_the_memory_folder_expands_variables_on_each_node(monkeypatch, tmp_path):
     monkeypatch.setenv("UCP_NODE", "n7")
-    assert MemoryEvery(1, 1, f"{tmp_path}/$UCP_NODE").path == tmp_path / "n7"
+    assert MemoryEvery(1, 1, f"{tmp_path}/$UCP_NODE", "/ckpt").path == tmp_path / "n7"
+    monkeypatch.delenv("UCP_NODE")  # expands to a relative path: refused, never the working directory
+    with pytest.raises(ConfigError, match="expands to '\\$UCP_NODE' on this node, not an absolute path"):
+        MemoryEvery(1, 1, "$UCP_NODE", "/ckpt").path

@@ -1,19 +1,22 @@
 """Which checkpoints "load": "auto" tries and "keep" removes (ucp.elastic.resume), on real folders."""
 from __future__ import annotations
 
+import logging
 import threading
 from pathlib import Path
 
+from support.atomic import saved_at
 from ucp.elastic.resume import candidates, prune, set_aside
 from ucp.format.folder import INDEX_NAME, locked_for_removal, reading
 
 
-def tag(save_dir: Path, step: int, committed: bool = True) -> Path:
-    folder = save_dir / f"global_step{step}"
+def tag(save_dir: Path, step: int, committed: bool = True, name: str | None = None) -> Path:
+    """A checkpoint saved at `step` (named as a save names it unless `name`), or a save killed mid-write."""
+    folder = save_dir / (name or f"global_step{step}")
+    if committed:
+        return saved_at(folder, step)
     folder.mkdir(parents=True)
     (folder / "data-00000-of-00001.safetensors").write_bytes(b"x")
-    if committed:
-        (folder / INDEX_NAME).write_text("{}")
     return folder
 
 
@@ -88,3 +91,38 @@ def test_set_aside_renames_the_failed_and_points_latest_at_the_loaded(tmp_path):
     assert [p.name for p in moved] == ["global_step5.damaged1", "global_step4.damaged"]
     assert (tmp_path / "latest").read_text() == "global_step3"
     assert [p.name for p in candidates(tmp_path)] == ["global_step3"]
+
+
+def test_auto_and_keep_go_by_the_step_each_index_records(tmp_path, caplog):
+    """Folders whose name says another step than their index (#32: tried first, and "keep": 1 removed the newest
+    real checkpoint) are passed over with a warning: never loaded, never removed."""
+    for step in (3, 4):
+        tag(tmp_path, step)
+    huge = tag(tmp_path, 2, name="global_step99999999999999999999")
+    padded = tag(tmp_path, 3, name="global_step003")   # a second folder claiming step 3
+    (tmp_path / "latest").write_text("global_step4")
+    with caplog.at_level(logging.WARNING, logger="ucp.elastic"):
+        assert [p.name for p in candidates(tmp_path)] == ["global_step4", "global_step3"]
+    passed = [r.getMessage() for r in caplog.records]
+    assert len(passed) == 2 and all("passes over it" in m for m in passed)
+    assert any(f"{huge}: its index records step 2" in m for m in passed)
+    assert any(f"{padded}: its index records step 3" in m for m in passed)
+    assert prune(tmp_path, keep=1) == [tmp_path / "global_step3"]
+    assert names(tmp_path) == ["global_step003", "global_step4", "global_step99999999999999999999", "latest"]
+    # control: a folder named as its index's step is a checkpoint like any other, the newest here
+    tag(tmp_path, 5)
+    assert [p.name for p in candidates(tmp_path)] == ["global_step5", "global_step4"]
+
+
+def test_auto_and_keep_never_follow_a_link_out_of_the_save_folder(tmp_path):
+    outside = tag(tmp_path / "other", 9)
+    save_dir = tmp_path / "ckpt"
+    tag(save_dir, 4)
+    (save_dir / "global_step9").symlink_to(outside, target_is_directory=True)
+    (save_dir / "global_step1").symlink_to(outside, target_is_directory=True)
+    (save_dir / "latest").write_text("global_step4")
+    assert [p.name for p in candidates(save_dir)] == ["global_step4"]
+    assert prune(save_dir, keep=1) == []
+    assert (outside / INDEX_NAME).is_file() and (save_dir / "global_step1").is_symlink()
+    tag(save_dir, 3)   # control: a real older checkpoint goes
+    assert prune(save_dir, keep=1) == [save_dir / "global_step3"]

@@ -7,8 +7,9 @@
   (DeepSpeed refuses a train_batch_size that is not micro x accumulation x world).
 * `resume_auto` loads the newest committed checkpoint of the save folder that passes its checks, falling
   back to older ones with a warning naming both (the newer ones are set aside as `<tag>.damaged`), or
-  starts fresh; every rank takes the same decision. With the memory tier, a newer memory checkpoint that
-  the nodes hold completely is tried first (`ucp.deepspeed.memory_resume`).
+  starts fresh; every rank takes the same decision. With the memory tier, a newer memory checkpoint of this
+  job that the nodes hold completely is tried first (`ucp.deepspeed.memory_resume`); one that fails its
+  checks or does not fit the model is passed over with a warning, and the disk tier loads.
 * `StepBook` wraps `engine.step`: after each optimizer step it keeps `global_samples` at B per step
   (DeepSpeed adds its nominal train_batch_size), records the job's progress, and after the first step
   of a restarted job logs what the restart cost (`ucp.elastic.restart`).
@@ -28,7 +29,7 @@ from ucp.deepspeed.memory_resume import memory_resume_point
 from ucp.elastic.restart import Progress, ProgressRecorder, RestartReport, read_progress
 from ucp.elastic.resume import candidates, set_aside, tag_step
 from ucp.elastic.shares import BATCH_KEYS, ElasticBatch
-from ucp.errors import ConfigError, CorruptCheckpointError, UnsupportedLayoutError
+from ucp.errors import CheckpointMismatchError, ConfigError, CorruptCheckpointError, UnsupportedLayoutError
 from ucp.format.locations import Location, location
 
 logger = logging.getLogger("ucp.elastic")
@@ -102,7 +103,9 @@ def resume_auto(engine, save_dir: str | os.PathLike, load: Callable[..., dict], 
         began = time.perf_counter()
         try:
             load(engine, path, **load_kwargs)
-        except CorruptCheckpointError as exc:
+        except (CorruptCheckpointError, CheckpointMismatchError) as exc:
+            if isinstance(exc, CheckpointMismatchError) and path != in_memory:
+                raise  # a disk checkpoint of another model: the config is wrong, not the checkpoint
             failed.append((path, str(exc)))
             if _rank() == 0:
                 later = found[len(failed)] if len(failed) < len(found) else None

@@ -17,13 +17,15 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ucp.deepspeed.memory_files import MemoryEvery, node_key, read_copies, write_manifest
+from ucp.deepspeed.memory_files import MemoryEvery, checked_folder, node_key, read_copies, refuse_untrusted
+from ucp.deepspeed.memory_manifest import Manifest, write_manifest
 from ucp.elastic.memory_plan import BASE, Fill, NodeCopy, choose, fills, nodes_of
 from ucp.format.fileio import tensor_bytes
 from ucp.format.folder import INDEX_NAME, PARTIAL_SUFFIX, commit_latest, fsync_dir
@@ -36,13 +38,15 @@ _CHUNK = 64 << 20  # bytes sent at a time: what a transfer holds in memory on ei
 def memory_resume_point(config: MemoryEvery, newer_than: int, fallback: str) -> Path | None:
     """This rank's node copy of the newest memory checkpoint newer than step `newer_than` that the nodes hold
     completely, filled from the peers; None when there is none (`fallback` says what loads instead)."""
-    folder = config.path
+    folder, problem = checked_folder(config, create=False)
     initialized = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank() if initialized else 0
     group = _gloo_group() if initialized else None
-    gathered = _all_gather((node_key(folder), read_copies(folder)), initialized, group)
-    nodes = nodes_of([key for key, _ in gathered])
-    manifests: list[dict[str, dict[str, Any]]] = [gathered[node[0]][1] for node in nodes]
+    copies_here = read_copies(folder, config.job) if problem is None else {}
+    gathered = _all_gather((node_key(folder), copies_here, problem), initialized, group)
+    refuse_untrusted([p for _, _, p in gathered])
+    nodes = nodes_of([key for key, _, _ in gathered])
+    manifests: list[dict[str, Manifest]] = [gathered[node[0]][1] for node in nodes]
     copies = [{tag: _copy(m) for tag, m in node.items()} for node in manifests]
     choice = choose(copies, newer_than)
     if rank == 0:
@@ -80,16 +84,15 @@ def memory_resume_point(config: MemoryEvery, newer_than: int, fallback: str) -> 
     return tag_dir
 
 
-def _copy(manifest: dict[str, Any]) -> NodeCopy:
-    return NodeCopy(manifest["tag"], int(manifest["step"]), manifest["fingerprint"], int(manifest["ranks"]),
-                    frozenset(int(s) for s in manifest["holds"]))
+def _copy(manifest: Manifest) -> NodeCopy:
+    return NodeCopy(manifest.tag, manifest.step, manifest.fingerprint, manifest.ranks, frozenset(manifest.holds))
 
 
-def _unreadable(tag_dir: Path, manifest: dict[str, Any]) -> str | None:
+def _unreadable(tag_dir: Path, manifest: Manifest) -> str | None:
     """What keeps this node from sending its copy: a missing index or data file, or one of another size."""
     try:
         (tag_dir / INDEX_NAME).stat()
-        for name, nbytes, _ in manifest["files"]:
+        for name, nbytes, _ in manifest.files:
             size = (tag_dir / name).stat().st_size
             if size != nbytes:
                 return f"{tag_dir / name}: {size} bytes, the manifest says {nbytes}"
@@ -98,14 +101,14 @@ def _unreadable(tag_dir: Path, manifest: dict[str, Any]) -> str | None:
     return None
 
 
-def _ranges(fill: Fill, holder: dict[str, Any]) -> list[tuple[str, int, int]]:
+def _ranges(fill: Fill, holder: Manifest) -> list[tuple[str, int, int]]:
     """The byte ranges a fill moves: the headers for `BASE`, else the saving rank's pieces."""
     if fill.source == BASE:
-        return [(name, 0, header) for name, _, header in holder["files"]]
-    return [(file, begin, end) for file, begin, end in holder["holds"][str(fill.source)]]
+        return [(name, 0, header) for name, _, header in holder.files]
+    return list(holder.holds[fill.source])
 
 
-def _send(fill: Fill, holder: dict[str, Any], tag_dir: Path, dst: int, group: Any) -> None:
+def _send(fill: Fill, holder: Manifest, tag_dir: Path, dst: int, group: Any) -> None:
     if fill.source == BASE:
         index = (tag_dir / INDEX_NAME).read_bytes()
         dist.send(torch.tensor([len(index)], dtype=torch.int64), dst, group=group)
@@ -117,8 +120,10 @@ def _send(fill: Fill, holder: dict[str, Any], tag_dir: Path, dst: int, group: An
             dist.send(data, dst, group=group)
 
 
-def _receive(fill: Fill, holder: dict[str, Any], tag_dir: Path, src: int, group: Any) -> None:
+def _receive(fill: Fill, holder: Manifest, tag_dir: Path, src: int, group: Any) -> None:
     if fill.source == BASE:  # this node has no copy: start one, sized as the holder's
+        if tag_dir.is_symlink():  # the link itself goes, never what it points at
+            tag_dir.unlink()
         shutil.rmtree(tag_dir, ignore_errors=True)
         tag_dir.mkdir(parents=True)
         size = torch.zeros(1, dtype=torch.int64)
@@ -126,7 +131,7 @@ def _receive(fill: Fill, holder: dict[str, Any], tag_dir: Path, src: int, group:
         index = torch.empty(int(size.item()), dtype=torch.uint8)
         dist.recv(index, src, group=group)
         (tag_dir / (INDEX_NAME + PARTIAL_SUFFIX)).write_bytes(index.numpy().tobytes())
-        for name, nbytes, _ in holder["files"]:
+        for name, nbytes, _ in holder.files:
             with open(tag_dir / name, "wb") as f:
                 f.truncate(nbytes)
     parts: list[tuple[Path, int, bytes | memoryview]] = []
@@ -141,17 +146,17 @@ def _receive(fill: Fill, holder: dict[str, Any], tag_dir: Path, src: int, group:
     write_ranges(parts, sync=True)
 
 
-def _commit_fill(tag_dir: Path, own: dict[str, Any] | None, received: list[Fill],
-                 manifests: list[dict[str, dict[str, Any]]]) -> None:
+def _commit_fill(tag_dir: Path, own: Manifest | None, received: list[Fill], manifests: list[dict[str, Manifest]]
+                 ) -> None:
     """The filled copy's manifest (it now holds every saving rank's pieces), then, for a new copy, its index
     and `latest`."""
     tag = tag_dir.name
     base = own if own is not None else manifests[received[0].src][tag]
-    holds = dict(own["holds"]) if own is not None else {}
+    holds = dict(own.holds) if own is not None else {}
     for fill in received:
         if fill.source != BASE:
-            holds[str(fill.source)] = manifests[fill.src][tag]["holds"][str(fill.source)]
-    write_manifest(tag_dir, {**base, "holds": holds})
+            holds[fill.source] = manifests[fill.src][tag].holds[fill.source]
+    write_manifest(tag_dir, replace(base, holds=holds))
     if own is None:
         os.replace(tag_dir / (INDEX_NAME + PARTIAL_SUFFIX), tag_dir / INDEX_NAME)
         fsync_dir(tag_dir)

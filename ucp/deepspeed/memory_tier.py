@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -28,13 +27,13 @@ import torch
 import torch.distributed as dist
 
 from ucp.deepspeed.async_save import Prepared, RankReport, Saver, index_of
-from ucp.deepspeed.memory_files import MemoryEvery, node_key, write_manifest
+from ucp.deepspeed.memory_files import MemoryEvery, checked_folder, node_key, refuse_untrusted, remove_copies
+from ucp.deepspeed.memory_manifest import Manifest, write_manifest
 from ucp.deepspeed.save_writer import BackgroundSave, partial_path, write_pieces
 from ucp.elastic.memory_plan import held_by, nodes_of, peer_pairs
-from ucp.elastic.resume import prune, tag_step
 from ucp.errors import SaveError
 from ucp.format.fileio import tensor_bytes
-from ucp.format.folder import INDEX_NAME, commit_index, commit_latest, fsync_dir
+from ucp.format.folder import commit_index, commit_latest, fsync_dir
 from ucp.format.index import Index
 from ucp.format.storage import write_ranges
 
@@ -48,15 +47,16 @@ class MemoryTier:
 
     def __init__(self, saver: Saver, config: MemoryEvery, step: int):
         self.config = config
-        self.dir = config.path
-        self.dir.mkdir(parents=True, exist_ok=True)
+        folder, problem = checked_folder(config, create=True)
         self.last_step: int | None = step
         # A writer thread and a gloo group of its own: a memory save never queues behind a disk save in flight,
         # and the two writers' collectives never interleave.
         self.job = BackgroundSave()
         self.group = dist.new_group(saver.ranks, backend="gloo") if saver.group is not None else None
-        keys = _all_gather(node_key(self.dir), self.group)
-        self.nodes = [[saver.ranks[i] for i in node] for node in nodes_of(keys)]
+        gathered = _all_gather((node_key(folder), problem), self.group)
+        refuse_untrusted([problem for _, problem in gathered])
+        self.dir = folder
+        self.nodes = [[saver.ranks[i] for i in node] for node in nodes_of([key for key, _ in gathered])]
         self.pairs = peer_pairs(self.nodes, config.replicas)
         self.node = next(n for n in self.nodes if saver.rank in n)
         self.leader = saver.rank == self.node[0]
@@ -67,17 +67,10 @@ class MemoryTier:
                            config.replicas, len(self.nodes))
         self._runs: tuple[Prepared, list[Runs]] | None = None
         self._received: torch.Tensor | None = None
-        if self.leader:
-            self._drop_newer(step)
+        if self.leader:  # a run resumed from an older checkpoint goes another way: it saves those steps again
+            remove_copies(self.dir, config.job, lambda saved: saved > step)
         if self.group is not None:
             dist.barrier(group=self.group)  # no rank writes a memory save before the stale ones are gone
-
-    def _drop_newer(self, step: int) -> None:
-        """Remove memory checkpoints newer than `step` (a run resumed from an older one goes another way)."""
-        for tag in self.dir.iterdir():
-            if tag.is_dir() and tag_step(tag) > step:
-                (tag / INDEX_NAME).unlink(missing_ok=True)
-                shutil.rmtree(tag, ignore_errors=True)
 
     # -- the writer thread
 
@@ -158,15 +151,14 @@ class MemoryTier:
         for f in prepared.files.files:
             os.replace(partial_path(tag_dir, f.name), tag_dir / f.name)
         fsync_dir(tag_dir)
-        holds = {str(self.index[r]): [[file, begin, end] for file, begin, end, _ in runs[self.index[r]]]
+        holds = {self.index[r]: tuple((file, begin, end) for file, begin, end, _ in runs[self.index[r]])
                  for r in held_by(self.node, self.pairs)}
         step = int(index.run.training["global_steps"])
-        write_manifest(tag_dir, {"tag": tag, "step": step, "fingerprint": index.run.source["fingerprint"],
-                                 "ranks": len(runs), "holds": holds,
-                                 "files": [[f.name, f.size, len(f.header)] for f in prepared.files.files]})
+        write_manifest(tag_dir, Manifest(tag, step, index.run.source["fingerprint"], self.config.job, len(runs), holds,
+                                         tuple((f.name, f.size, len(f.header)) for f in prepared.files.files)))
         commit_index(tag_dir, index)
         commit_latest(self.dir, tag)
-        prune(self.dir, 1)
+        remove_copies(self.dir, self.config.job, lambda saved: saved < step)
 
 
 def _write_runs(tag_dir: Path, runs: Runs, data: memoryview) -> None:

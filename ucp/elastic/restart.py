@@ -18,13 +18,16 @@ from __future__ import annotations
 import atexit
 import json
 import logging
+import math
 import os
 import threading
 from dataclasses import dataclass
 
 from ucp.errors import UcpError
+from ucp.format.fields import Fields
+from ucp.format.index import MAX_STEP
 from ucp.format.locations import Location, ObjectPath
-from ucp.format.storage import put_bytes, read_small
+from ucp.format.storage import put_bytes, read_json
 
 PROGRESS_NAME = "ucp_progress.json"
 PROGRESS_MAX_BYTES = 4096  # three numbers
@@ -54,11 +57,22 @@ def record_progress(save_dir: Location, progress: Progress) -> None:
 
 
 def read_progress(save_dir: Location) -> Progress | None:
-    """The progress a previous run of the job recorded, or None (a first start, or an unreadable record)."""
+    """The progress a previous run of the job recorded, or None: a first start, or a record that is not three
+    numbers in range (a FIFO, a link, NaN, 1e400, a list: one warning naming it; the restart goes unmeasured)."""
+    path = save_dir / PROGRESS_NAME
+    fix = "the restart's cost is not reported; ucp rewrites the file after the next step"
     try:
-        raw = json.loads(read_small(save_dir / PROGRESS_NAME, limit=PROGRESS_MAX_BYTES) or b"")
-        return Progress(int(raw["step"]), float(raw["time"]), int(raw["world"]))
-    except (OSError, UcpError, ValueError, KeyError, TypeError):
+        raw = read_json(path, PROGRESS_MAX_BYTES, fix)
+        if raw is None:
+            return None
+        fields = Fields("progress", raw, path, fix)
+        when = fields.get("time", (int, float))
+        if not math.isfinite(when):
+            raise fields.bad("progress.time", f"{when!r} is not a time")
+        return Progress(fields.count("step", limit=MAX_STEP), float(when), fields.count("world", least=1,
+                                                                                          limit=1 << 24))
+    except (OSError, UcpError) as exc:
+        logger.warning("ucp: %s", exc)
         return None
 
 

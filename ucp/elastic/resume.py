@@ -8,6 +8,13 @@ save commits (`prune`), never the one `latest` names nor one a reader holds (`uc
 Tag folders that never committed (a save killed mid-write) and are older than the newest committed one
 are removed with them: nothing will ever complete them.
 
+"Newest" is by the step each index records (`indexed_step`), never by the folder's name alone: a save names
+its folder `global_step<step>`, so a committed folder whose name says another step (`global_step003`, or
+`global_step99999999999999999999` holding step 2), or whose index cannot be read, is passed over, with a
+warning when "auto" lists the folder: never loaded, never removed, left for a person to look at. Two
+folders cannot then claim one step. Symbolic links are never listed (`storage.list_folders`), so nothing
+outside the save folder is read or removed through one.
+
 The save folder may be a prefix of an object store (`s3://bucket/prefix`): the same rules run over
 `ucp.format.storage` (list, read, delete). There is no rename and no lock there: a checkpoint set aside is
 copied to `<tag>.damaged/` and deleted, and a checkpoint is removed by deleting its index object first.
@@ -19,10 +26,12 @@ import os
 import re
 import shutil
 
-from ucp.errors import UcpError
-from ucp.format.folder import INDEX_NAME, commit_latest, locked_for_removal, read_latest
+from ucp.errors import CorruptCheckpointError, UcpError
+from ucp.format.fields import Fields
+from ucp.format.folder import INDEX_MAX_BYTES, INDEX_NAME, commit_latest, locked_for_removal, read_latest
+from ucp.format.index import FORMAT_NAME, MAX_STEP
 from ucp.format.locations import Location, ObjectPath, location
-from ucp.format.storage import delete, delete_tree, is_file, list_folders, move_tree
+from ucp.format.storage import delete, delete_tree, is_file, list_folders, move_tree, read_json
 
 logger = logging.getLogger("ucp.elastic")
 
@@ -30,10 +39,46 @@ _STEP_TAG = re.compile(r"global_step(\d+)")
 
 
 def candidates(save_dir: str | os.PathLike[str] | ObjectPath) -> list[Location]:
-    """The committed checkpoints of `save_dir`, newest (highest step) first. A save killed between its index
-    and `latest` leaves `latest` one behind: the newest committed is still the newest."""
-    committed = [tag for tag in _tags(location(save_dir)) if is_file(tag / INDEX_NAME)]
-    return sorted(committed, key=lambda tag: -tag_step(tag))
+    """The committed checkpoints of `save_dir`, newest (highest step its index records) first; those passed over
+    are named in a warning each (module docstring). A save killed between its index and `latest` leaves `latest`
+    one behind: the newest committed is still the newest."""
+    sound, passed = _committed(location(save_dir))
+    for problem in passed:
+        logger.warning("ucp: %s", problem)
+    return sound
+
+
+def indexed_step(tag: Location) -> int:
+    """The step the committed index of tag folder `tag` records (`training.global_steps`), which must be the
+    one its name says, written as a save writes it; else one `CorruptCheckpointError` naming the folder."""
+    fix = "ucp passes over it (never loads or removes it): move it out of the folder, or restore it from a copy"
+    index = tag / INDEX_NAME
+    raw = read_json(index, INDEX_MAX_BYTES, fix)
+    if raw is None:
+        raise CorruptCheckpointError(f"{index}: missing; {fix}")
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT_NAME:
+        raise CorruptCheckpointError(f"{index}: not a {FORMAT_NAME} index; {fix}")
+    training = Fields("index", raw, index, fix).get("training", (dict,))
+    step = Fields("index.training", training, index, fix).count("global_steps", limit=MAX_STEP)
+    if _name(tag) != f"global_step{step}":
+        raise CorruptCheckpointError(f"{tag}: its index records step {step}, not the step its name says (a save "
+                                     f"names it global_step{step}); {fix}")
+    return step
+
+
+def _committed(place: Location) -> tuple[list[Location], list[str]]:
+    """The committed tag folders whose index records the step their name says, newest first; and why each other
+    committed one is passed over."""
+    sound: list[tuple[int, Location]] = []
+    passed: list[str] = []
+    for tag in _tags(place):
+        if not is_file(tag / INDEX_NAME):
+            continue
+        try:
+            sound.append((indexed_step(tag), tag))
+        except UcpError as exc:
+            passed.append(str(exc))
+    return [tag for _, tag in sorted(sound, key=lambda st: -st[0])], passed
 
 
 def set_aside(failed: list[Location], loaded: Location) -> list[Location]:
@@ -64,14 +109,15 @@ def set_aside(failed: list[Location], loaded: Location) -> list[Location]:
 def prune(save_dir: str | os.PathLike[str] | ObjectPath, keep: int) -> list[Location]:
     """Remove all but the newest `keep` committed checkpoints of `save_dir`, and the abandoned partial ones
     older than the newest committed; returns what was removed. Never the one `latest` names, nor one being
-    read. Each is uncommitted first (its index removed), so a crash midway leaves no folder that looks whole."""
+    read, nor one passed over (module docstring). Each is uncommitted first (its index removed), so a crash
+    midway leaves no folder that looks whole."""
     place = location(save_dir)
-    committed = candidates(place)
+    committed, _ = _committed(place)
     if not committed:
         return []
-    latest, newest = _latest_name(place), max(tag_step(tag) for tag in committed)
+    latest, newest = _latest_name(place), tag_step(committed[0])
     doomed = committed[keep:] + [tag for tag in _tags(place)
-                                 if tag_step(tag) < newest and tag not in committed]
+                                 if tag_step(tag) < newest and not is_file(tag / INDEX_NAME)]
     removed: list[Location] = []
     for tag in doomed:
         if _name(tag) == latest:

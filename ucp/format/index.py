@@ -18,10 +18,11 @@ import stat
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal, overload
+from typing import Any
 
 from ucp.errors import CorruptCheckpointError
 from ucp.format.crc import CHUNK_BYTES, chunk_bounds
+from ucp.format.fields import Fields
 from ucp.format.locations import Location, ObjectPath, location
 from ucp.format.storage import read_ranges
 from ucp.version import __version__
@@ -194,37 +195,11 @@ def _jsonable(value: dict[str, Any]) -> dict[str, Any]:
         return {k: repr(v) for k, v in value.items()}
 
 
-class _Fields:
-    """Typed access to one JSON object of the index, each failure naming where it is."""
+class _Fields(Fields):
+    """`Fields` of the index: every message ends with how to get a sound one."""
 
     def __init__(self, where: str, value: object, path: Location):
-        if not isinstance(value, dict):
-            raise _bad(path, where, f"must be an object, got {_kind(value)}")
-        self.where, self.value, self.path = where, value, path
-
-    def get(self, key: str, types: tuple[type, ...], required: bool = True) -> Any:
-        """The value at `key`, of one of `types` (JSON's, as parsed), or None where it may be missing."""
-        if key not in self.value:
-            if required:
-                raise _bad(self.path, f"{self.where}.{key}", "is missing")
-            return None
-        value = self.value[key]
-        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-            raise _bad(self.path, f"{self.where}.{key}", f"must be {'/'.join(t.__name__ for t in types)}, "
-                       f"got {_kind(value)}")
-        return value
-
-    @overload
-    def count(self, key: str, required: Literal[True] = True, limit: int = 1 << 62) -> int: ...
-
-    @overload
-    def count(self, key: str, required: bool, limit: int = 1 << 62) -> int | None: ...
-
-    def count(self, key: str, required: bool = True, limit: int = 1 << 62) -> int | None:
-        value: int | None = self.get(key, (int,), required)
-        if value is not None and not 0 <= value <= limit:
-            raise _bad(self.path, f"{self.where}.{key}", f"{value} is out of range [0, {limit}]")
-        return value
+        super().__init__(where, value, path, _FIX)
 
 
 def parse_index(raw: object, directory: str | os.PathLike[str] | ObjectPath,
@@ -257,7 +232,7 @@ def parse_index(raw: object, directory: str | os.PathLike[str] | ObjectPath,
     extra_files = {}
     for name, meta in (top.get("extra_files", (dict,), required=False) or {}).items():
         fields = _Fields(f"extra_files[{name!r}]", meta, path)
-        if not _plain_name(name) or name in files:
+        if not plain_name(name) or name in files:
             raise _bad(path, f"extra_files[{name!r}]", "is not a plain file name of its own in the folder")
         extra_files[name] = ExtraFile(name, fields.count("bytes"), fields.count("crc32", limit=0xFFFFFFFF))
     splits = top.get("splits", (dict,), required=False)
@@ -341,7 +316,7 @@ def _run_record(top: _Fields, path: Location) -> RunRecord:
 
 
 def _data_file(directory: Location, path: Location, name: str, recorded: int) -> DataFile:
-    if not _plain_name(name):
+    if not plain_name(name):
         raise _bad(path, f"files[{name!r}]", "is not a plain file name inside the checkpoint folder")
     if isinstance(directory, ObjectPath):
         return _data_object(directory / name, name, recorded)
@@ -393,7 +368,7 @@ def _data_object(file_path: ObjectPath, name: str, recorded: int) -> DataFile:
     return DataFile(name, recorded, header_end)
 
 
-def _plain_name(name: object) -> bool:
+def plain_name(name: object) -> bool:
     return isinstance(name, str) and name not in ("", ".", "..") and not any(c in name for c in "/\\\0")
 
 
@@ -511,7 +486,3 @@ def _no_overlaps(path: Location, params: dict[str, ParamEntry]) -> None:
 
 def _bad(path: Location, where: str, problem: str) -> CorruptCheckpointError:
     return CorruptCheckpointError(f"{path}: {where} {problem}; {_FIX}")
-
-
-def _kind(value: object) -> str:
-    return "null" if value is None else type(value).__name__

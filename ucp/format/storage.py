@@ -12,12 +12,13 @@ caller's buffer, the size of a file, whole small files, list, delete, writes at 
 """
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
-from ucp.errors import CheckpointNotFoundError
+from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError
 from ucp.format.fileio import ReadCounter, open_regular, read_exactly, read_regular, write_exactly
 from ucp.format.locations import Location, ObjectPath
 
@@ -77,6 +78,21 @@ def read_small(path: Location, limit: int | None = None, follow: bool = True) ->
     if not os.path.lexists(path):
         return None
     return read_regular(str(path), follow=follow, limit=limit)
+
+
+def read_json(path: Location, limit: int, fix: str) -> object | None:
+    """The JSON value of small file `path` (a manifest, a progress record), or None when there is none: read as
+    `read_small` reads it, never through a symbolic link and never more than `limit` bytes (a FIFO, `/dev/zero`
+    or a link out of the folder is refused, not waited on or followed). Anything that is not one JSON value is a
+    `CorruptCheckpointError` naming the file; `fix` ends the message."""
+    raw = read_small(path, limit=limit, follow=False)
+    if raw is None:
+        return None
+    try:
+        value: object = json.loads(raw)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, over-long integers
+        raise CorruptCheckpointError(f"{path}: not a JSON file ({type(exc).__name__}); {fix}") from None
+    return value
 
 
 def read_ranges(reads: Sequence[tuple[Location, int, memoryview]], counter: ReadCounter | None = None) -> None:
