@@ -115,7 +115,7 @@ class Agents:
 
     def start(self) -> int:
         i = len(self.procs)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:4", f"--nproc-per-node={self.per_node}",
+        cmd = [sys.executable, "-m", "ucp.elastic.torchrun", "--nnodes=1:4", f"--nproc-per-node={self.per_node}",
                "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{self.port}", "--rdzv-id=bench",
                "--rdzv-conf=is_host=false,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3",
                "--max-restarts=10", "--monitor-interval=0.5", str(WORKER), *self.args]

@@ -1,6 +1,6 @@
 """torchrun elastic agents on this machine, each a "node" of `nproc` workers, for fault tests (loopback only).
 
-Every agent runs `torchrun --nnodes=MIN:MAX --nproc-per-node=NPROC --rdzv-backend=c10d` against one rendezvous
+Every agent runs `ucp-torchrun --nnodes=MIN:MAX --nproc-per-node=NPROC --rdzv-backend=c10d` against one rendezvous
 on 127.0.0.1, whose store this process hosts (as a job's launcher or a head node would), so that any agent can
 be taken away. A node lost is its agent and every process under it killed with SIGKILL; a worker lost is one
 worker process.
@@ -33,15 +33,14 @@ class ElasticJob:
     def start_agent(self, env: dict[str, str] | None = None) -> int:
         """Start one more agent (with `env` added to its environment); its index."""
         index = len(self.agents)
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={self.nodes}",
+        cmd = [sys.executable, "-m", "ucp.elastic.torchrun", f"--nnodes={self.nodes}",
                f"--nproc-per-node={self.nproc}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{self.port}",
                "--rdzv-id=ucp-test",
                "--rdzv-conf=is_host=false,last_call_timeout=2,join_timeout=300,keep_alive_interval=1,"
                "keep_alive_max_attempt=3", f"--max-restarts={self.max_restarts}",
                "--monitor-interval=0.5", str(self.script), *self.args]
         log = open(self.workdir / f"agent{index}.log", "w")
-        # torch's defaults, as a user starts the agents: the workers share the agents' store, and the scripts'
-        # ucp.elastic.init_distributed() gives each rendezvous round a store of its own (docs/RELIABILITY.md).
+        # The README's recipe: ucp-torchrun (torchrun with a store of each round's own), no variable to set.
         env = ds_env({"LOGLEVEL": "INFO", **(env or {})})
         self.agents.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True))
         log.close()

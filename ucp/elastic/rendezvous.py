@@ -5,7 +5,7 @@ torchrun's elastic agent shares its own TCP store with its workers by default
 wrote stay there when they die. torch's `env://` init puts no round in the key names, so a restarted gloo worker
 can read the address a dead worker left under the same key, fail in `connectFullMesh` ("Connection refused")
 and leave its peers waiting, at every restart. `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` avoids it, but only for a
-user who knows it.
+user who knows it (and the agents need it anyway to admit a node that joins later: `ucp.elastic.torchrun`).
 
 Here rank 0 of each round starts a store of its own on a free port and announces it in the agent's store with a
 token; the other ranks take an announcement only once the store it names answers with that token. A stale
@@ -58,16 +58,21 @@ def init_distributed(backend: str | None = None, timeout: timedelta = _DEFAULT_T
 
 
 def warn_shared_rendezvous_store() -> None:
-    """Under torchrun's elastic agent with restarts, say so when the workers' process group uses the agents'
-    shared store (it was not made by `init_distributed`): a restarted gloo worker can then read an address a
-    dead worker left there in the last round and hang in connect. Rank 0, once per start."""
-    if (not _own_store_in_use and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-            and os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0"
-            and dist.is_initialized() and dist.get_rank() == 0 and dist.get_backend() == "gloo"):
+    """Under torchrun's elastic agents with restarts, say what their shared store (torch's default) costs. Its
+    agents cannot admit a node that joins later (`ucp.elastic.torchrun`); and where the workers' process group
+    was not made by `init_distributed`, a restarted gloo worker can read an address a dead worker left in the
+    store and hang in connect. Rank 0, once per start."""
+    if (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+            or os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") == "0"
+            or not dist.is_initialized() or dist.get_rank() != 0):
+        return
+    if not _own_store_in_use and dist.get_backend() == "gloo":
         logger.warning("ucp: torchrun shares its rendezvous store with these gloo workers: a restart can hang in "
                        "gloo's connect on an address a dead worker left there; initialize with "
-                       "ucp.elastic.init_distributed() instead of deepspeed.init_distributed(), or start the "
-                       "agents with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1")
+                       "ucp.elastic.init_distributed() instead of deepspeed.init_distributed()")
+    logger.warning("ucp: torchrun's agents share one rendezvous store (torch's default): they cannot admit a node "
+                   "that joins later, nor lose the one that hosts the store; launch with ucp-torchrun (torchrun "
+                   "with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)")
 
 
 def _round_store(host: str, agent_port: int, rank: int, world: int, timeout: timedelta) -> dist.Store:

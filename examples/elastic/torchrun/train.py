@@ -2,13 +2,15 @@
 
 Each agent is a "node"; on one machine, start several (each its own terminal), all with the same rendezvous:
 
-    torchrun --nnodes=1:4 --nproc-per-node=1 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:29400 \\
+    ucp-torchrun --nnodes=1:4 --nproc-per-node=1 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:29400 \\
         --rdzv-id=demo --max-restarts=10 --monitor-interval=1 --rdzv-conf=last_call_timeout=2 \\
         examples/elastic/torchrun/train.py --save-dir /tmp/elastic --steps 40
 
 Kill one agent (and its worker) and the others restart their workers at the new world size, which resume from
 the newest committed ucp checkpoint; start an agent again and the job grows back at the next restart. The first
-agent hosts the rendezvous store: keep it (or run the store elsewhere, --rdzv-endpoint) alive. On GPUs, drop
+agent hosts the rendezvous store: keep it (or run the store elsewhere, --rdzv-endpoint) alive. `ucp-torchrun` is
+torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 set, without which torch's agents cannot admit a node that
+joins later (README, "Elastic training"). On GPUs, drop
 DS_ACCELERATOR and the gloo backend.
 """
 from __future__ import annotations
