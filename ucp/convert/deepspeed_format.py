@@ -109,12 +109,14 @@ def save_bin(task: SaveBin, report: Report) -> dict:
 
 def _save_aliases(plan: ConversionPlan, zero_dir: Path) -> int:
     """ZeRO-1/2: `zero/<alias>/fp32.pt` holding its source's weight, as `ds_to_universal` writes one for every
-    module tensor without a folder (from the module's copy: under bf16 the rounded one, here the fp32 master).
-    Stock `load_universal` never reads it (an alias is no optimizer parameter); ZeRO-3 output has none."""
+    module tensor without a folder: from the module's copy, that is the fp32 master rounded to the model's dtype
+    (bf16 or fp16 training keeps the module in it). Stock `load_universal` never reads it (an alias is no
+    optimizer parameter); ZeRO-3 output has none."""
     for alias, source in plan.aliases.items():
         weight = torch.load(zero_dir / source / f"{WEIGHT_STATE}.pt", weights_only=True)["param"]
+        module_dtype = getattr(torch, plan.param(source).model_dtype)
         (zero_dir / alias).mkdir(parents=True, exist_ok=True)
-        torch.save({"param": weight}, zero_dir / alias / f"{WEIGHT_STATE}.pt")
+        torch.save({"param": weight.to(module_dtype).float()}, zero_dir / alias / f"{WEIGHT_STATE}.pt")
     return len(plan.aliases)
 
 

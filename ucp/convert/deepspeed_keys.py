@@ -68,8 +68,8 @@ def universal_keys(name: str, declared: DeclaredPatterns | None, spec: PatternSp
         pass
     elif listed(declared.two_sub_params):
         keys = {"cat_dim": 0, "param_n_sub_params": 2}
-    elif listed(declared.sub_params):
-        keys = spec_keys(spec)
+    elif listed(declared.sub_params) and spec.sub_widths is not None and spec.dim is not None:
+        keys = {"sub_param_shape": sub_param_shape(spec.shape, spec.dim, spec.sub_widths)}
     else:
         keys = {"cat_dim": 1 if listed(declared.row) else 0}
     if listed(declared.vocabulary):
@@ -90,10 +90,17 @@ def spec_keys(spec: PatternSpec) -> dict:
         if len(sizes) == 2 and sizes[0] == sizes[1]:
             keys["param_n_sub_params"] = 2
         else:
-            from deepspeed.checkpoint.universal_checkpoint import SubparamShape
-
-            shape = tuple(sizes if d == spec.dim else s for d, s in enumerate(spec.shape))
-            keys["sub_param_shape"] = SubparamShape(patterns=[], shape=shape, partition_dim=spec.dim)
+            keys["sub_param_shape"] = sub_param_shape(spec.shape, spec.dim, spec.sub_widths)
     elif spec.padded_size is not None and spec.dim == 0:
         keys["vocab_tensor"] = True
     return keys
+
+
+def sub_param_shape(shape: tuple[int, ...], dim: int, sub_widths: tuple[tuple[int, ...], ...]) -> object:
+    """DeepSpeed's `SubparamShape` of fused sub-parameters: their sizes along `dim` (no patterns: the loader
+    reads the shape and dim only)."""
+    from deepspeed.checkpoint.universal_checkpoint import SubparamShape
+
+    sizes = tuple(sum(w) for w in sub_widths)
+    return SubparamShape(patterns=[], shape=tuple(sizes if d == dim else s for d, s in enumerate(shape)),
+                         partition_dim=dim)
