@@ -17,9 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
+import ucp
 from support.checkpoints import TinySpec, read_tag, run_ds_to_universal, trained_state
 from support.llama_tp_runs import AUTOTP, lists_only_copy
-from support.parallel import build_family, ds_universal_of, reference_state
+from support.parallel import MOE, PIPE, build_family, ds_universal_of, reference_state
 from support.stock_loads import engine_differences, stock_loads, trained_count
 from ucp.cli.main import main
 from ucp.convert import convert
@@ -41,6 +42,11 @@ AUTOTP_FAMILIES = {
     "autotp-z1-fp32-lists": ("z1-fp32", 1, "fp32", False),  # its universal_checkpoint_info without affine_map
 }
 LLAMA_WORLD = 2
+# Pipeline (PipelineModule, 2 stages, ZeRO-1) and MoE (4 experts, ep_size 1) sources, compared file for file with
+# ds_to_universal. Not loaded here: stock DeepSpeed restores these families through the same per-parameter
+# files (zero/<name>/<state>.pt) that the comparison covers, with no key of their own.
+OTHER_FAMILIES = {"pipe-z1-fp32": (PIPE, "z1-fp32"), "pipe-z1-bf16-topology": (PIPE, "z1-bf16-topology"),
+                  "moe-ep1-z1": (MOE, "ep1-z1")}
 
 
 def ours_of(save_dir: Path, out_root: Path) -> Path:
@@ -64,6 +70,9 @@ def pairs(tiny_checkpoint, ds_universal, ckpt_root, tmp_path_factory) -> dict[st
         else:
             theirs = ds_universal_of(family / run)
         out[name] = (ours_of(save_dir, root / name / "ours"), theirs)
+    for name, (other, run) in OTHER_FAMILIES.items():
+        folder = build_family(other, ckpt_root) / run
+        out[name] = (ours_of(folder / "ckpt", root / name), ds_universal_of(folder))
     return out
 
 
@@ -124,7 +133,7 @@ def same_file(a, b) -> bool:
     return a == b
 
 
-@pytest.mark.parametrize("family", [*TINY, *AUTOTP_FAMILIES])
+@pytest.mark.parametrize("family", [*TINY, *AUTOTP_FAMILIES, *OTHER_FAMILIES])
 def test_files_are_those_of_ds_to_universal(family, pairs):
     """Every zero/<param>/<state>.pt holds what ds_to_universal writes there: the same tensor in the same shape
     (flat only for plain ZeRO-3) and the same keys (cat_dim, vocab_tensor, ... or none), and the same model-state
@@ -181,6 +190,26 @@ def test_negative_controls_fail_the_engine_comparison(tiny_engines, autotp_engin
     assert tiny and all(d.endswith("l1.weight exp_avg") for d in tiny)
     autotp = engine_differences(autotp_engines["wrong"], autotp_engines["autotp-z3-bf16-tied:theirs"])
     assert autotp and all(d.endswith("model.layers.0.self_attn.o_proj.weight exp_avg") for d in autotp)
+
+
+def test_moe_ep2_holds_every_expert_under_its_global_id(ckpt_root, tmp_path):
+    """ds_to_universal 0.19.8 cannot convert MoE with ep_size 2 (it joins different experts: 'shape [6, 8] is
+    invalid for input of size 96'), so there is no reference: ucp's output holds every expert's states under its
+    global id, equal to ucp's own conversion (test_convert_moe checks that against the live engine). Stock
+    load_universal names experts by their local ids, so only an ep_size 1 engine loads them right; resume other
+    expert-parallel sizes through ucp.deepspeed."""
+    source = build_family(MOE, ckpt_root) / "ep2-z2" / "ckpt"
+    ours = ours_of(source, tmp_path / "universal")
+    atomic = ucp.open_checkpoint(convert(source, tmp_path / "ucp", progress=False).output)
+    experts = [n for n in atomic.names if ".deepspeed_experts." in n]
+    assert {n.split(".deepspeed_experts.")[1].split(".")[0] for n in experts} == {"0", "1", "2", "3"}
+    for name in (n for n in atomic.names if atomic.info(n).kind == "param"):
+        for state in ("fp32", "exp_avg", "exp_avg_sq"):
+            saved = torch.load(ours / "zero" / name / f"{state}.pt", weights_only=False)
+            assert torch.equal(saved["param"], atomic.tensor(name, state)), (name, state)
+    # Negative control: experts 0 and 2 (held by different EP ranks) differ, so a mix-up would show.
+    w1 = {n.split(".deepspeed_experts.")[1][0]: atomic.tensor(n) for n in experts if n.endswith(".w1.weight")}
+    assert not torch.equal(w1["0"], w1["2"])
 
 
 def test_zero0_is_refused_in_one_line(tiny_checkpoint, tmp_path, capsys):

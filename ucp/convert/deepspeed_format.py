@@ -47,8 +47,9 @@ _LOSS_SCALERS = frozenset({"deepspeed.runtime.fp16.loss_scaler.LossScaler",
 class SaveBin:
     zero_dir: str
     params: tuple[ParamPlan, ...]
-    zero3: bool  # ds_to_universal writes no step.pt and no frozen parameter or buffer for ZeRO-3
+    zero3: bool  # ds_to_universal writes no step.pt for ZeRO-3
     flat: bool  # plain ZeRO-3 (no TP): ds_to_universal writes each state as the bare flat tensor
+    untrained: bool  # frozen parameters and buffers too (see write_deepspeed_universal)
     declared: DeclaredPatterns | None  # the source's universal_checkpoint_info, which decides the keys
     strict: bool
 
@@ -68,7 +69,10 @@ def write_deepspeed_universal(plan: ConversionPlan, output: Path, executor: Exec
     flat = zero3 and int(plan.source.get("tp") or 1) == 1
     declared = declared_patterns(_universal_checkpoint_info(plan))
     bins = plan_bins(plan, executor.workers)
-    tasks = [SaveBin(str(zero_dir), tuple(b), zero3, flat, declared, strict) for b in bins]
+    # ds_to_universal writes frozen parameters and buffers from the `module` of the mp_rank files: ZeRO-3 and
+    # pipeline engines keep none there. Stock load_universal restores neither in any case.
+    untrained = not zero3 and int(plan.source.get("pp") or 1) == 1
+    tasks = [SaveBin(str(zero_dir), tuple(b), zero3, flat, untrained, declared, strict) for b in bins]
     written = executor.map(save_bin, tasks, total_bytes=sum(p.nbytes for p in plan.params), desc="convert")
     aliases = 0 if zero3 else _save_aliases(plan, zero_dir)
     _save_optimizer_state(plan, zero_dir / "optimizer_state.pt", zero3)
@@ -82,7 +86,7 @@ def write_deepspeed_universal(plan: ConversionPlan, output: Path, executor: Exec
 def save_bin(task: SaveBin, report: Report) -> dict:
     files = nbytes = 0
     for p in task.params:
-        if task.zero3 and p.kind != TRAINABLE:  # stock load_universal restores neither under ZeRO-3
+        if p.kind != TRAINABLE and not task.untrained:
             report(sum(source.nbytes for source in p.states.values()))
             continue
         folder = Path(task.zero_dir) / p.name
