@@ -1,12 +1,13 @@
 """`ucp convert --format deepspeed`: DeepSpeed's own universal layout, judged by DeepSpeed itself.
 
 Per family (ZeRO-1/2/3 x fp32/bf16 on the tiny model; AutoTP x ZeRO-1/3 on the Llama, and AutoTP described by
-pattern lists only) the output is compared file for file with what `ds_to_universal` writes from the same
-checkpoint, then loaded by stock DeepSpeed (`load_universal`, no ucp code) at another size beside
-`ds_to_universal`'s output: every fp32 master, moment, optimizer step and hyper-parameter the engines end up with
-must be equal (torch.equal). One launch loads every family of a model, and a deliberately wrong copy of one output
-(negative control). What stock DeepSpeed cannot do is stated where it is tested: ZeRO-0 has no universal layout
-(ucp refuses it in one line, below), and MoE with ep > 1 and pipeline parallelism are left to ucp.deepspeed
+pattern lists only; pipeline ZeRO-1 fp32/bf16; MoE ep_size 1) the output is compared file for file with what
+`ds_to_universal` writes from the same checkpoint, then (all but MoE) loaded by stock DeepSpeed (`load_universal`,
+no ucp code) at another size beside `ds_to_universal`'s output: every fp32 master, moment, optimizer step and
+hyper-parameter the engines end up with must be equal (torch.equal). One launch loads every family of a model,
+and a deliberately wrong copy of one output (negative control). What stock DeepSpeed cannot do is stated where it
+is tested: ZeRO-0 has no universal layout (ucp refuses it in one line, below); MoE with ep_size > 1 has no
+ds_to_universal reference (it joins different experts), and stock load_universal restores experts by local ids
 (docs/RELIABILITY.md).
 """
 from __future__ import annotations
@@ -21,7 +22,7 @@ import ucp
 from support.checkpoints import TinySpec, read_tag, run_ds_to_universal, trained_state
 from support.llama_tp_runs import AUTOTP, lists_only_copy
 from support.parallel import MOE, PIPE, build_family, ds_universal_of, reference_state
-from support.stock_loads import engine_differences, stock_loads, trained_count
+from support.stock_loads import engine_differences, stock_loads
 from ucp.cli.main import main
 from ucp.convert import convert
 
@@ -42,11 +43,13 @@ AUTOTP_FAMILIES = {
     "autotp-z1-fp32-lists": ("z1-fp32", 1, "fp32", False),  # its universal_checkpoint_info without affine_map
 }
 LLAMA_WORLD = 2
-# Pipeline (PipelineModule, 2 stages, ZeRO-1) and MoE (4 experts, ep_size 1) sources, compared file for file with
-# ds_to_universal. Not loaded here: stock DeepSpeed restores these families through the same per-parameter
-# files (zero/<name>/<state>.pt) that the comparison covers, with no key of their own.
+# Pipeline (PipelineModule, 2 stages x DP 1, ZeRO-1) and MoE (4 experts, ep_size 1) sources, compared file for
+# file with ds_to_universal. Stock DeepSpeed loads the pipeline ones at 2 stages x DP 2 (one launch).
 OTHER_FAMILIES = {"pipe-z1-fp32": (PIPE, "z1-fp32"), "pipe-z1-bf16-topology": (PIPE, "z1-bf16-topology"),
                   "moe-ep1-z1": (MOE, "ep1-z1")}
+PIPE_LOADS = {"pipe-z1-fp32": {"stage": 1, "dtype": "fp32"},
+              "pipe-z1-bf16-topology": {"stage": 1, "dtype": "bf16", "topology": True}}
+PIPE_WORLD = 4
 
 
 def ours_of(save_dir: Path, out_root: Path) -> Path:
@@ -124,6 +127,16 @@ def autotp_engines(pairs, tmp_path_factory) -> dict[str, dict]:
     return stock_loads("llama", 2, LLAMA_WORLD, loads, tmp_path_factory.mktemp("autotp-engines"))
 
 
+@pytest.fixture(scope="module")
+def pipe_engines(pairs, tmp_path_factory) -> dict[str, dict]:
+    """The same for the pipeline families, at 2 stages x DP 2, in one launch."""
+    loads = {}
+    for name, options in PIPE_LOADS.items():
+        ours, theirs = pairs[name]
+        loads[f"{name}:ours"], loads[f"{name}:theirs"] = {**options, **where(ours)}, {**options, **where(theirs)}
+    return stock_loads("pipe", 1, PIPE_WORLD, loads, tmp_path_factory.mktemp("pipe-engines"))
+
+
 def same_file(a, b) -> bool:
     """Equal content of two universal files: tensors torch.equal (dtype included), dicts key for key."""
     if torch.is_tensor(a) or torch.is_tensor(b):
@@ -153,19 +166,19 @@ def test_files_are_those_of_ds_to_universal(family, pairs):
     assert not same_file(changed.reshape(tensor.shape), tensor)
 
 
-def judged(engines: dict, family: str, saved: dict[int, dict], steps: int) -> None:
+def judged(engines: dict, family: str, saved: dict[int, dict], steps: int, holder: str = "tp_rank") -> None:
     """ucp's output loads into the engine state ds_to_universal's does; and that state is the one the source run
-    saved (`saved`: by TP rank, each parameter's TP shard, gathered over DP), so neither load was a no-op."""
+    saved (`saved`: by TP rank, or pipeline stage, each parameter's shard or copy there, gathered over DP), so
+    neither load was a no-op."""
     ours, theirs = engines[f"{family}:ours"], engines[f"{family}:theirs"]
     assert engine_differences(ours, theirs) == []
     assert theirs["global_steps"] == steps
     for rank in theirs["ranks"]:
-        expected = saved[rank["tp_rank"]]
+        expected = saved[rank[holder]]
         assert rank["params"].keys() == expected.keys()
         for name, states in rank["params"].items():
             assert states.keys() == expected[name].keys() == {"fp32", "exp_avg", "exp_avg_sq"}, name
             assert all(torch.equal(t, expected[name][s]) for s, t in states.items()), name
-    assert trained_count(theirs) == len(theirs["ranks"]) * 3 * len(theirs["ranks"][0]["params"])
 
 
 @pytest.mark.parametrize("family", TINY)
@@ -181,6 +194,13 @@ def test_stock_load_universal_of_autotp_families(family, autotp_engines, ckpt_ro
     saved = reference_state(build_family(AUTOTP, ckpt_root) / AUTOTP_FAMILIES[family][0])
     by_tp = {r["tp_rank"]: r["params"] for r in saved["ranks"] if r["dp_rank"] == 0}
     judged(autotp_engines, family, by_tp, saved["global_steps"])
+
+
+@pytest.mark.parametrize("family", PIPE_LOADS)
+def test_stock_load_universal_of_pipeline_families(family, pipe_engines, ckpt_root):
+    saved = reference_state(build_family(PIPE, ckpt_root) / OTHER_FAMILIES[family][1])
+    by_stage = {r["stage"]: r["params"] for r in saved["ranks"] if r["dp_rank"] == 0}
+    judged(pipe_engines, family, by_stage, saved["global_steps"], holder="stage")
 
 
 def test_negative_controls_fail_the_engine_comparison(tiny_engines, autotp_engines):

@@ -27,6 +27,13 @@ def build(run: dict, args: argparse.Namespace):
         options = argparse.Namespace(optimizer="AdamW", lr=1e-2, stage=run["stage"], dtype=run["dtype"],
                                      load_universal=True)
         return model, model.param_groups(), tiny_config(options, torch.distributed.get_world_size())
+    if args.model == "pipe":
+        from train_pipe import build as build_pipe
+        from train_pipe import ds_config as pipe_config
+
+        options = argparse.Namespace(stage=run["stage"], dtype=run["dtype"], topology=run.get("topology", False))
+        model = build_pipe(options, torch.distributed.get_world_size())
+        return model, list(model.parameters()), {**pipe_config(options), "checkpoint": {"load_universal": True}}
     from train_llama_tp import build_model
     from train_llama_tp import ds_config as llama_config
 
@@ -56,6 +63,8 @@ def load_one(run: dict, args: argparse.Namespace) -> None:
         raise RuntimeError(f"load_checkpoint({run['load_dir']!r}, tag={run['tag']!r}) loaded nothing")
     tp = args.tp if args.model == "llama" else 1
     ranks = {"tp_rank": groups.get_tensor_model_parallel_rank() if tp > 1 else 0, "dp_rank": dist.get_rank() // tp}
+    if args.model == "pipe":
+        ranks = {"tp_rank": 0, "dp_rank": engine.grid.data_parallel_id, "stage": engine.stage_id}
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups]
     dump_states(run["out"], {**ranks, "params": local_state(engine, model.named_parameters()),
                              "steps": optimizer_steps(engine), "param_groups": hyper},
@@ -66,7 +75,7 @@ def load_one(run: dict, args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     def arguments(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--model", choices=["tiny", "llama"], required=True)
+        p.add_argument("--model", choices=["tiny", "llama", "pipe"], required=True)
         p.add_argument("--tp", type=int, default=1)
 
     import ucp.deepspeed  # only for finish(): leave without the gloo exit abort (docs/RELIABILITY.md)

@@ -33,7 +33,7 @@ def engine_differences(mine: dict, reference: dict) -> list[str]:
     master and moments (torch.equal, dtype included), the optimizer's steps and hyper-parameters, and the
     engine's global step. Empty when they are the same."""
     def by_rank(dump: dict) -> dict:
-        return {(r["tp_rank"], r["dp_rank"]): r for r in dump["ranks"]}
+        return {(r.get("stage", 0), r["tp_rank"], r["dp_rank"]): r for r in dump["ranks"]}
 
     out = [] if mine["global_steps"] == reference["global_steps"] else ["global_steps"]
     ours, theirs = by_rank(mine), by_rank(reference)
@@ -55,7 +55,3 @@ def engine_differences(mine: dict, reference: dict) -> list[str]:
             out.append(f"{rank}: param_groups")
     return out
 
-
-def trained_count(dump: dict) -> int:
-    """How many (rank, parameter, state) tensors a recorded engine state holds: what a comparison covered."""
-    return sum(len(states) for r in dump["ranks"] for states in r["params"].values())
