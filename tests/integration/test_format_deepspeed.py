@@ -50,6 +50,9 @@ OTHER_FAMILIES = {"pipe-z1-fp32": (PIPE, "z1-fp32"), "pipe-z1-bf16-topology": (P
 PIPE_LOADS = {"pipe-z1-fp32": {"stage": 1, "dtype": "fp32"},
               "pipe-z1-bf16-topology": {"stage": 1, "dtype": "bf16", "topology": True}}
 PIPE_WORLD = 4
+# MoE, loaded by stock DeepSpeed at ep_size 1 on MOE_WORLD ranks: ep1-z1 beside ds_to_universal's output, and ucp's
+# output of ep2-z2 (which ds_to_universal cannot convert) against the state the source run saved.
+MOE_WORLD = 3
 
 
 def ours_of(save_dir: Path, out_root: Path) -> Path:
@@ -137,6 +140,18 @@ def pipe_engines(pairs, tmp_path_factory) -> dict[str, dict]:
     return stock_loads("pipe", 1, PIPE_WORLD, loads, tmp_path_factory.mktemp("pipe-engines"))
 
 
+@pytest.fixture(scope="module")
+def moe_engines(pairs, ckpt_root, tmp_path_factory) -> dict[str, dict]:
+    """The same for MoE at ep_size 1 on MOE_WORLD ranks, in one launch; `moe-ep2-z2:ours` is ucp's output of the
+    ep_size 2 source."""
+    ours, theirs = pairs["moe-ep1-z1"]
+    options = {"stage": 1, "dtype": "fp32", "ep_size": 1}
+    ep2 = ours_of(build_family(MOE, ckpt_root) / "ep2-z2" / "ckpt", tmp_path_factory.mktemp("moe-ep2"))
+    loads = {"moe-ep1-z1:ours": {**options, **where(ours)}, "moe-ep1-z1:theirs": {**options, **where(theirs)},
+             "moe-ep2-z2:ours": {**options, "stage": 2, **where(ep2)}}
+    return stock_loads("moe", 1, MOE_WORLD, loads, tmp_path_factory.mktemp("moe-engines"))
+
+
 def same_file(a, b) -> bool:
     """Equal content of two universal files: tensors torch.equal (dtype included), dicts key for key."""
     if torch.is_tensor(a) or torch.is_tensor(b):
@@ -201,6 +216,23 @@ def test_stock_load_universal_of_pipeline_families(family, pipe_engines, ckpt_ro
     saved = reference_state(build_family(PIPE, ckpt_root) / OTHER_FAMILIES[family][1])
     by_stage = {r["stage"]: r["params"] for r in saved["ranks"] if r["dp_rank"] == 0}
     judged(pipe_engines, family, by_stage, saved["global_steps"], holder="stage")
+
+
+def test_stock_load_universal_of_moe(moe_engines, ckpt_root):
+    """ep_size 1, DP 2 -> 3, beside ds_to_universal's output; and ucp's output of an ep_size 2 source (no
+    ds_to_universal reference: it joins different experts), whose experts sit under their global ids, which an
+    ep_size 1 engine's local ids are: every expert of both EP ranks arrives, equal to the state saved."""
+    saved = reference_state(build_family(MOE, ckpt_root) / "ep1-z1")
+    judged(moe_engines, "moe-ep1-z1", {0: saved["ranks"][0]["params"]}, saved["global_steps"])
+    ep2 = reference_state(build_family(MOE, ckpt_root) / "ep2-z2")
+    every_expert = {name: states for r in ep2["ranks"] for name, states in r["params"].items()}
+    assert {n.split(".deepspeed_experts.")[1][0] for n in every_expert if ".deepspeed_experts." in n} == set("0123")
+    loaded = moe_engines["moe-ep2-z2:ours"]
+    assert loaded["global_steps"] == ep2["global_steps"]
+    for rank in loaded["ranks"]:
+        assert rank["params"].keys() == every_expert.keys()
+        for name, states in rank["params"].items():
+            assert all(torch.equal(t, every_expert[name][s]) for s, t in states.items()), name
 
 
 def test_negative_controls_fail_the_engine_comparison(tiny_engines, autotp_engines):

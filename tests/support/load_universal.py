@@ -1,10 +1,11 @@
 #!/usr/bin/env python
 """Load universal checkpoints with stock DeepSpeed and record what each engine ends up with.
 
-Launched with ``torchrun --nproc_per_node N tests/support/load_universal.py --model tiny|llama --tp T
+Launched with ``torchrun --nproc_per_node N tests/support/load_universal.py --model tiny|llama|pipe|moe --tp T
 --runs JSON``: every run ({stage, dtype, load_dir, tag, out; ``tie`` for the tiny model, ``tied`` for the
-Llama}) builds a fresh engine of that model (train_tiny.py's tiny model, or train_llama_tp.py's Llama
-under AutoTP ``T``; T = 1 is a plain data-parallel engine), loads ``load_dir``/``tag`` through
+Llama, ``topology`` for the pipeline, ``ep_size`` for MoE}) builds a fresh engine of that model
+(train_tiny.py's tiny model, train_llama_tp.py's Llama under AutoTP ``T`` (T = 1: a plain data-parallel
+engine), train_pipe.py's 2-stage pipeline, or train_moe.py's MoE model), loads ``load_dir``/``tag`` through
 ``engine.load_checkpoint`` with ``{"checkpoint": {"load_universal": true}}`` (DeepSpeed's own
 loader, no ucp code), and writes to ``out`` every rank's fp32 master and Adam moments of each
 trainable parameter (its TP shard, gathered over DP: support/gather.py), the optimizer's steps and
@@ -34,6 +35,18 @@ def build(run: dict, args: argparse.Namespace):
         options = argparse.Namespace(stage=run["stage"], dtype=run["dtype"], topology=run.get("topology", False))
         model = build_pipe(options, torch.distributed.get_world_size())
         return model, list(model.parameters()), {**pipe_config(options), "checkpoint": {"load_universal": True}}
+    if args.model == "moe":
+        from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+        from train_moe import MoEModel
+        from train_moe import ds_config as moe_config
+
+        ep_size = run["ep_size"]
+        model = MoEModel(ep_size, torch.distributed.get_rank() % ep_size)
+        groups = split_params_into_different_moe_groups_for_optimizer([{"params": list(model.parameters()),
+                                                                        "name": "all"}])
+        options = argparse.Namespace(stage=run["stage"], dtype=run["dtype"])
+        return model, groups, {**moe_config(options), "checkpoint": {"load_universal": True}}
     from train_llama_tp import build_model
     from train_llama_tp import ds_config as llama_config
 
@@ -75,8 +88,9 @@ def load_one(run: dict, args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     def arguments(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--model", choices=["tiny", "llama", "pipe"], required=True)
+        p.add_argument("--model", choices=["tiny", "llama", "pipe", "moe"], required=True)
         p.add_argument("--tp", type=int, default=1)
 
     import ucp.deepspeed  # only for finish(): leave without the gloo exit abort (docs/RELIABILITY.md)
-    ucp.deepspeed.finish(run_all(load_one, "{stage, dtype, tie, load_dir, tag, out, tied}", add_arguments=arguments))
+    ucp.deepspeed.finish(run_all(load_one, "{stage, dtype, load_dir, tag, out, tie, tied, topology, ep_size}",
+                                 add_arguments=arguments))
