@@ -23,7 +23,9 @@ would silently take the first list in its own order.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
+from ucp.converters.deepspeed_declared import affine_params, declared_layout
 from ucp.errors import AmbiguousPatternError, CorruptCheckpointError
 from ucp.patterns import Hints, Pattern
 
@@ -38,6 +40,23 @@ ORIGINAL_VOCAB_SIZE = "original_vocab_size"
 _LISTS = (REPLICATED, TO_AVERAGE, ROW_PARALLEL, TWO_SUB_PARAMS, SUB_PARAMS, VOCABULARY)
 
 Shape = tuple[int, ...]
+Declared = Callable[[str, list[Shape]], "tuple[Shape, Hints] | None"]
+
+
+def checkpoint_layouts(uc_info: dict | None, source: str, trainable: set[str]) -> Declared:
+    """What `uc_info` declares per parameter, in the order DeepSpeed's `ds_to_universal` reads it: the
+    parameter's `affine_map` entry (AutoTP of DeepSpeed 0.19), else the pattern lists (Megatron-DeepSpeed,
+    and AutoTP of DeepSpeed versions without affine maps), else nothing (None: left to the shards)."""
+    entries = affine_params(uc_info, source)
+    lists = uc_info if declares_lists(uc_info) else None
+
+    def declared(name: str, shapes: list[Shape]) -> tuple[Shape, Hints] | None:
+        mapped = declared_layout(name, entries)
+        if mapped is not None or lists is None:
+            return mapped
+        return list_layout(name, shapes, lists, name in trainable)
+
+    return declared
 
 
 def declares_lists(uc_info: dict | None) -> bool:

@@ -23,8 +23,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ucp.convert.plan import TRAINABLE, ConversionPlan, ParamPlan
-from ucp.converters.deepspeed_declared import affine_params, declared_layout
-from ucp.converters.deepspeed_lists import declares_lists, list_layout
+from ucp.converters.deepspeed_lists import checkpoint_layouts
 from ucp.converters.deepspeed_pipe import LAYER_FILE, layer_tensors
 from ucp.converters.deepspeed_slices import SliceState, dtype_name, load_dict, outer_states, read_slice, tied_aliases
 from ucp.converters.deepspeed_tp import Layouts, fp32_shard, untrained_shards
@@ -72,7 +71,8 @@ def plan_megatron(where: TagDir, names: list[str], patterns: dict[str, str] | No
     slices = [read_slice(folder, mp, models[mp], contents[mp], optims) for mp in range(pp * tp)]
     uc_info = first.get("universal_checkpoint_info") or {}
     trainable = {name for st in slices for name in st.shapes}
-    layouts = Layouts(_declared(uc_info, str(models[0]), trainable), patterns or {})
+    layouts = Layouts(checkpoint_layouts(uc_info, str(models[0]), trainable), patterns or {},
+                      "universal_checkpoint_info" in first)
     by_tp = [[slices[stage * tp + rank] for stage in range(pp)] for rank in range(tp)]
     buffers = {b for c in contents for b in (c.get("buffer_names") or [])}
     layers = [_layer_tensors_of(folder, names, rank, trainable | buffers) for rank in range(tp)]
@@ -85,14 +85,6 @@ def plan_megatron(where: TagDir, names: list[str], patterns: dict[str, str] | No
     files += [folder / n for n in names if LAYER_FILE.match(n)]
     return finish_plan(where, first, params, slices[0].hyper, slices[0].moment_names, slices[0].stage, slices[0].dp,
                        files, slices[0].loss_scaler, {"pp": pp, "tp": tp})
-
-
-def _declared(uc_info: dict, source: str, trainable: set[str]):
-    """What the checkpoint declares per parameter: its pattern lists, else an affine map, else nothing."""
-    if declares_lists(uc_info):
-        return lambda name, shapes: list_layout(name, shapes, uc_info, name in trainable)
-    entries = affine_params(uc_info, source)
-    return lambda name, shapes: declared_layout(name, entries)
 
 
 def _in_order(slices: list[SliceState]) -> list[str]:

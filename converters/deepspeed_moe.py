@@ -24,7 +24,16 @@ import re
 from pathlib import Path
 
 from ucp.convert.plan import FROZEN, TRAINABLE, WEIGHT_STATE, ConversionPlan, ParamPlan, StateSource
-from ucp.converters.deepspeed_slices import combined_source, dtype_name, held_params, load_dict, read_slice, whole
+from ucp.converters.deepspeed_slices import (
+    combined_source,
+    dtype_name,
+    expect,
+    held_params,
+    load_dict,
+    param_groups,
+    read_slice,
+    whole,
+)
 from ucp.converters.deepspeed_zero0 import zero0_slice
 from ucp.converters.plan_common import finish_plan, frozen_and_buffers
 from ucp.converters.tag_folder import TagDir, model_files, optim_files
@@ -150,8 +159,9 @@ def _plan_zero0(where: TagDir, names: list[str], model_path: Path, model: dict, 
 
 def _expert_group_size(optimizer, path: Path) -> int:
     """The EP size of the experts in a ZeRO-0 optimizer state: its `moe` param groups are named `ep_size_N`."""
-    inner = optimizer.get("optimizer_state_dict", optimizer) if isinstance(optimizer, dict) else {}
-    sizes = {m.group(1) for g in inner.get("param_groups") or [] if g.get("moe")
+    inner = expect(optimizer.get("optimizer_state_dict", optimizer), dict, path, "its optimizer_state_dict"
+                   ) if isinstance(optimizer, dict) else {}
+    sizes = {m.group(1) for g in param_groups(inner.get("param_groups") or [], path) if g.get("moe")
              and (m := _EP_GROUP.match(str(g.get("name"))))}
     if len(sizes) != 1:
         raise UnsupportedLayoutError(f"{path}: expected one expert param group named ep_size_N, found "
@@ -213,8 +223,10 @@ def _local_counts(folder: Path, optims: dict, prefixes: list[str], dp: int) -> d
         if path is None:
             raise CheckpointNotFoundError(f"{folder}: the optimizer file of data-parallel rank {rank} is missing; "
                                           "copy every rank's *_optim_states.pt")
-        for mapping in load_dict(path)["optimizer_state_dict"].get("param_slice_mappings") or []:
-            for name in mapping:
+        osd = expect(load_dict(path).get("optimizer_state_dict"), dict, path, "its optimizer_state_dict")
+        for g, mapping in enumerate(expect(osd.get("param_slice_mappings") or [], (list, tuple), path,
+                                           "its param_slice_mappings")):
+            for name in expect(mapping, dict, path, f"its param_slice_mappings of param group {g}"):
                 m = _EXPERT_NAME.match(name)
                 if m and m.group(1) in seen:
                     seen[m.group(1)].add(int(m.group(2)))

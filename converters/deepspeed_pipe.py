@@ -27,7 +27,17 @@ import re
 from pathlib import Path
 
 from ucp.convert.plan import BUFFER, BUFFER_STATE, FROZEN, WEIGHT_STATE, ConversionPlan, ParamPlan, StateSource
-from ucp.converters.deepspeed_slices import dp_paths, dtype_name, held_params, load_dict, read_slice, slice_names, whole
+from ucp.converters.deepspeed_slices import (
+    dp_paths,
+    dtype_name,
+    expect,
+    held_params,
+    load_dict,
+    param_groups,
+    read_slice,
+    slice_names,
+    whole,
+)
 from ucp.converters.deepspeed_zero0 import zero0_slice
 from ucp.converters.plan_common import finish_plan
 from ucp.converters.tag_folder import TagDir, model_files, optim_files
@@ -111,8 +121,10 @@ def _stage_names(folder: Path, contents: list[dict], param_names: list[str] | No
             raise CheckpointNotFoundError(f"{folder / f'mp_rank_{s:02d}_model_states.pt'}: a pipeline checkpoint "
                                           "with no *_optim_states.pt files and no optimizer state in its model "
                                           "files; was it saved with an optimizer?")
-        inner = opt.get("optimizer_state_dict", opt)
-        counts.append(sum(len(g["params"]) for g in inner.get("param_groups") or []))
+        path = folder / f"mp_rank_{s:02d}_model_states.pt"
+        inner = expect(opt.get("optimizer_state_dict", opt), dict, path, "its optimizer_state_dict")
+        counts.append(sum(len(expect(g.get("params"), list, path, f"the 'params' of param group {i}"))
+                          for i, g in enumerate(param_groups(inner.get("param_groups") or [], path))))
     if param_names is None:
         raise AmbiguousPatternError(
             f"{folder}: fp32 ZeRO-0 keeps each pipeline stage's optimizer state in mp_rank_SS_model_states.pt "

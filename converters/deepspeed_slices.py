@@ -16,6 +16,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ucp.convert.plan import TRAINABLE, WEIGHT_STATE, Fragment, ParamPlan, Piece, StateSource
 from ucp.converters.rank_identity import (
@@ -62,6 +63,24 @@ class SliceState:
         return [*self.optim_paths, *(self.model_paths or [self.model_path])]
 
 
+def expect(value: object, kind: type | tuple[type, ...], path: Path, what: str) -> Any:
+    """`value`, which DeepSpeed writes as a `kind`; otherwise one error naming the file, rather than a
+    traceback from the first use of it."""
+    if not isinstance(value, kind):
+        names = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
+        raise CorruptCheckpointError(f"{path}: {what} is a {type(value).__name__} where DeepSpeed writes a {names}; "
+                                     "the file is damaged, copy it again from the training job")
+    return value
+
+
+def param_groups(value: object, path: Path) -> list[dict]:
+    """An optimizer's `param_groups`: a list of dicts (hyper-parameters), checked as `expect` does."""
+    groups = expect(value, list, path, "its optimizer 'param_groups'")
+    for g, group in enumerate(groups):
+        expect(group, dict, path, f"its optimizer param group {g}")
+    return groups
+
+
 def load_dict(path: Path) -> dict:
     """The dict a rank file holds, tensors lazy (see `torch_zip`)."""
     obj = load_lazy(path)
@@ -102,30 +121,36 @@ def read_slice(folder: Path, mp: int, model_path: Path, model: dict, files: dict
         out.stage = stage
         if rank == 0:
             out.loss_scaler = osd.get("loss_scaler")
-        base = osd["base_optimizer_state"]
+        base = expect(osd.get("base_optimizer_state"), dict, path, "its base_optimizer_state")
+        state = expect(base.get("state", {}), dict, path, "its optimizer 'state'")
         if not out.hyper:
-            out.hyper = base.get("param_groups", [])
+            out.hyper = param_groups(base.get("param_groups", []), path)
         check_partitions(osd.get("partition_count"), dp, out.hyper, path)
-        flat_fp32 = osd["single_partition_of_fp32_groups"]
+        flat_fp32 = expect(osd["single_partition_of_fp32_groups"], (list, tuple), path,
+                           "its single_partition_of_fp32_groups")
         mappings = osd.get("param_slice_mappings")
         if mappings is None:
             raise UnsupportedLayoutError(f"{path}: records no param_slice_mappings (DeepSpeed older than 0.10); "
                                          "re-save the checkpoint with a newer DeepSpeed")
+        expect(mappings, (list, tuple), path, "its param_slice_mappings")
         if len(mappings) != len(param_shapes):
             raise CorruptCheckpointError(f"{path}: has {len(mappings)} param groups, {model_path.name} has "
                                          f"{len(param_shapes)}; files from different runs are mixed")
+        if len(flat_fp32) != len(mappings):
+            raise CorruptCheckpointError(f"{path}: holds {len(flat_fp32)} fp32 partitions for {len(mappings)} param "
+                                         "groups; the file is damaged, copy it again from the training job")
         partitions.append([])
         masters.append(list(flat_fp32))
         for g, mapping in enumerate(mappings):
             if not isinstance(flat_fp32[g], LazyTensor):
                 raise CorruptCheckpointError(f"{path}: its fp32 partition of param group {g} is no tensor; the file is "
                                              "damaged, copy it again")
-            flats, step = group_states(out, base["state"].get(g, {}), flat_fp32[g], path)
+            flats, step = group_states(out, state.get(g, {}), flat_fp32[g], path, g)
             agree_step(out.steps, g, step, path, paths[0])
             partitions[rank].append(GroupPartition(flat_fp32[g].numel, _count_at(osd.get("group_paddings"), g, path),
                                                    "zero_stage" in osd,
                                                    sum(_counts_at(osd.get("param_alignment_paddings"), g, path))))
-            for local, address in mapping.items():
+            for local, address in expect(mapping, dict, path, f"its param_slice_mappings of param group {g}").items():
                 if local not in out.shapes:
                     raise CorruptCheckpointError(f"{path}: partition holds '{local}', which {model_path.name} "
                                                  "does not list; files from different runs are mixed")
@@ -231,12 +256,13 @@ def whole(t: LazyTensor, rank: int = 0) -> Fragment:
     return Fragment(FragmentInfo(rank, t.shape), piece(t, 0, t.numel))
 
 
-def group_states(out: SliceState, state: dict, fp32: LazyTensor, path: Path) -> tuple[dict[str, LazyTensor],
-                                                                                       float | None]:
+def group_states(out: SliceState, state: object, fp32: LazyTensor, path: Path,
+                 group: int) -> tuple[dict[str, LazyTensor], float | None]:
     """One flat param group's tensors by state name (fp32 master, then the moments of its optimizer `state`)
     and its step; the moment names are recorded in `out` the first time."""
-    out.moment_names = out.moment_names or moment_keys(state)
-    return {WEIGHT_STATE: fp32, **{k: state[k] for k in moment_keys(state)}}, step_value(state, path)
+    checked: dict = expect(state, dict, path, f"the optimizer state of param group {group}")
+    out.moment_names = out.moment_names or moment_keys(checked)
+    return {WEIGHT_STATE: fp32, **{k: checked[k] for k in moment_keys(checked)}}, step_value(checked, path)
 
 
 def moment_keys(state: dict) -> list[str]:
@@ -286,8 +312,10 @@ def slice_names(paths: list[Path]) -> list[dict[str, int]]:
     """Per param group, every parameter name a slice's optimizer files list (in flat order) -> its numel."""
     groups: list[dict[str, int]] = []
     for path in paths:
-        mappings = (load_dict(path).get("optimizer_state_dict") or {}).get("param_slice_mappings") or []
+        osd = expect(load_dict(path).get("optimizer_state_dict") or {}, dict, path, "its optimizer_state_dict")
+        mappings = expect(osd.get("param_slice_mappings") or [], (list, tuple), path, "its param_slice_mappings")
         for g, mapping in enumerate(mappings):
+            expect(mapping, dict, path, f"its param_slice_mappings of param group {g}")
             if g == len(groups):
                 groups.append({})
             for name, address in mapping.items():

@@ -35,7 +35,7 @@ from ucp.convert.plan import (
     ParamPlan,
     StateSource,
 )
-from ucp.converters.deepspeed_declared import affine_params, declared_layout
+from ucp.converters.deepspeed_lists import checkpoint_layouts
 from ucp.converters.deepspeed_slices import (
     SliceState,
     combined_source,
@@ -88,8 +88,9 @@ def plan_tp(where: TagDir, names: list[str], patterns: dict[str, str] | None = N
         # ZeRO-0 keeps each TP rank's optimizer state, whole, in its model file.
         ranks = [read_slice(folder, t, models[t], contents[t], optims) if optims
                  else zero0_slice(t, models[t], contents[t]) for t in range(tp)]
-    entries = affine_params(first.get("universal_checkpoint_info"), str(models[0]))
-    layouts = Layouts(lambda name, shapes: declared_layout(name, entries), patterns or {})
+    uc_info = first.get("universal_checkpoint_info")
+    trainable = set(ranks[0].shapes)
+    layouts = Layouts(checkpoint_layouts(uc_info, str(models[0]), trainable), patterns or {}, uc_info is not None)
     tied = {alias for r in ranks for alias in tied_aliases(r.model)}
     params = [_trainable(name, ranks, layouts) for name in ranks[0].shapes]
     params += [_frozen_zero3(name, ranks, layouts) for name in ranks[0].frozen]
@@ -111,8 +112,9 @@ class Layouts:
     ambiguous: split along dim 0 or 1, which only the user can say."""
 
     def __init__(self, declared: Callable[[str, list[tuple[int, ...]]], tuple[tuple[int, ...], Hints] | None],
-                 patterns: dict[str, str]):
+                 patterns: dict[str, str], has_info: bool):
         self.declared = declared
+        self.has_info = has_info  # whether the checkpoint records universal_checkpoint_info at all
         self.patterns = {key: _pattern_of(key, value) for key, value in patterns.items()}
         self.used: set[str] = set()
 
@@ -136,11 +138,14 @@ class Layouts:
             seen = f"its {len(shapes)} TP shards have one shape {shapes[0]} but different values"
         else:
             seen = f"its TP shards have shapes {shapes}"
+        declares = ("the checkpoint's universal_checkpoint_info declares no tensor-parallel layout for it" if
+                    self.has_info else "the checkpoint declares no tensor-parallel layout for it (no "
+                    "universal_checkpoint_info)")
         raise AmbiguousPatternError(
-            f"{name}: the checkpoint declares no tensor-parallel layout for it (no universal_checkpoint_info) and "
-            f"{seen}, so the way they join is unknown; pass --pattern '{name}=shard_v' (split along dim 0, "
-            f"column-parallel) or --pattern '{name}=shard_h' (dim 1, row-parallel); a fused parameter (QKV, gate/up) "
-            "needs its sub-parameters declared in universal_checkpoint_info (parameter_with_sub_params)")
+            f"{name}: {declares} and {seen}, so the way they join is unknown; pass --pattern '{name}=shard_v' "
+            f"(split along dim 0, column-parallel) or --pattern '{name}=shard_h' (dim 1, row-parallel); a fused "
+            "parameter (QKV, gate/up) needs its sub-parameters declared in universal_checkpoint_info "
+            "(parameter_with_sub_params)")
 
     def check_used(self, folder) -> None:
         unused = sorted(set(self.patterns) - self.used)

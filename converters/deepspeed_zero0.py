@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from ucp.convert.plan import TRAINABLE, WEIGHT_STATE, Fragment, ParamPlan, Piece, StateSource
-from ucp.converters.deepspeed_slices import SliceState, tied_aliases
+from ucp.converters.deepspeed_slices import SliceState, expect, param_groups, tied_aliases
 from ucp.converters.torch_zip import LazyTensor, read_array, read_values
 from ucp.errors import AmbiguousPatternError, CorruptCheckpointError
 from ucp.format.dtypes import cast
@@ -31,11 +31,15 @@ def zero0_trainable(model: dict, path: Path, param_names: list[str] | None) -> t
     if not isinstance(opt, dict):
         raise CorruptCheckpointError(f"{path}: a ZeRO-0 checkpoint without optimizer state; was it saved with "
                                      "an optimizer?")
-    inner = opt.get("optimizer_state_dict", opt)
+    inner = expect(opt.get("optimizer_state_dict", opt), dict, path, "its optimizer_state_dict")
     masters = opt.get("fp32_groups")
-    groups = inner.get("param_groups") or []
-    state = inner.get("state") or {}
-    slots = [(g, i, idx) for g, group in enumerate(groups) for i, idx in enumerate(group["params"])]
+    groups = param_groups(inner.get("param_groups") or [], path)
+    state = expect(inner.get("state") or {}, dict, path, "its optimizer 'state'")
+    slots = [(g, i, idx) for g, group in enumerate(groups)
+             for i, idx in enumerate(expect(group.get("params"), list, path, f"the 'params' of param group {g}"))]
+
+    def slot_state(idx) -> dict:
+        return expect(state.get(idx, {}), dict, path, f"the optimizer state of slot {idx}")
     module = model.get("module") or {}
     buffers = set(model.get("buffer_names") or [])
     tied = tied_aliases(model)  # a tied weight's second name holds no optimizer slot of its own
@@ -48,7 +52,7 @@ def zero0_trainable(model: dict, path: Path, param_names: list[str] | None) -> t
         m = master(g, i)
         if m is not None:
             return m.shape
-        moments = [v for k, v in state.get(idx, {}).items() if k != "step" and isinstance(v, LazyTensor)]
+        moments = [v for k, v in slot_state(idx).items() if k != "step" and isinstance(v, LazyTensor)]
         if not moments:
             raise AmbiguousPatternError(f"{path}: optimizer slot {idx} has no state to tell its shape; pass "
                                         "--param-names with the optimizer's parameter names in order")
@@ -69,7 +73,7 @@ def zero0_trainable(model: dict, path: Path, param_names: list[str] | None) -> t
         if not isinstance(t, LazyTensor) or t.shape != shape:
             raise AmbiguousPatternError(f"{name}: optimizer slot {idx} holds shape {shape}, the module "
                                         f"{getattr(t, 'shape', None)}; check --param-names")
-        s = state.get(idx, {})
+        s = slot_state(idx)
         moments = {k: v for k, v in s.items() if k != "step" and isinstance(v, LazyTensor)}
         moment_names = moment_names or list(moments)
         kept = master(g, i)

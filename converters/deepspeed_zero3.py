@@ -25,8 +25,10 @@ from ucp.converters.deepspeed_slices import (
     agree_with_model,
     check_partitions,
     dp_paths,
+    expect,
     group_states,
     load_dict,
+    param_groups,
     piece,
     shape_of,
     zero_stage,
@@ -79,15 +81,16 @@ def read_zero3_slice(folder: Path, mp: int, model_files: dict[tuple[int, int], P
         check_partitions(osd.get("partition_count"), dp, [], path)
         if rank == 0:
             out.loss_scaler = osd.get("loss_scaler")
-        inner = osd["optimizer_state_dict"]
+        inner = expect(osd.get("optimizer_state_dict"), dict, path, "its inner optimizer_state_dict")
+        state = expect(inner.get("state", {}), dict, path, "its optimizer 'state'")
         if sub_hyper is None:
-            sub_hyper = inner.get("param_groups", [])
-        flat_fp32 = osd["fp32_flat_groups"]
+            sub_hyper = param_groups(inner.get("param_groups", []), path)
+        flat_fp32 = expect(osd["fp32_flat_groups"], (list, tuple), path, "its fp32_flat_groups")
         if len(flat_fp32) != len(param_shapes):
             raise CorruptCheckpointError(f"{path}: has {len(flat_fp32)} sub-groups, the model files "
                                          f"{len(param_shapes)}; files from different runs are mixed")
         for i, group in enumerate(param_shapes):
-            flats, step = group_states(out, inner["state"].get(i, {}), flat_fp32[i], path)
+            flats, step = group_states(out, state.get(i, {}), flat_fp32[i], path, i)
             agree_step(sub_steps, i, step, path, optim_paths[0])
             offset = 0
             for name, shape in group.items():

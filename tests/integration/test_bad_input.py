@@ -182,3 +182,31 @@ def test_compressed_pickle_bomb_is_refused_unread(source, tmp_path, capsys):
     assert_one_line_error(err, str(shard), "compressed")
     # ru_maxrss is in KiB on Linux: the conversion grew this process by far less than the 1.5 GiB bomb.
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak_before < 256 << 10
+
+
+def _optimizer_state_holder(sd: dict, stage: int) -> dict:
+    """The torch optimizer state dict inside a rank file of `stage`: the dict whose 'state' DeepSpeed fills."""
+    if stage == 0:
+        return sd["optimizer"].get("optimizer_state_dict", sd["optimizer"])
+    return sd["optimizer_state_dict"]["base_optimizer_state" if stage in (1, 2) else "optimizer_state_dict"]
+
+
+@pytest.mark.parametrize("stage,fmt", [(0, "ucp"), (1, "ucp"), (3, "deepspeed")])
+def test_optimizer_state_that_is_no_dict(stage, fmt, tiny_checkpoint, tmp_path, capsys):
+    """A rank file whose optimizer `state` is a list (damaged, or written by something else) is one error line
+    naming that file and exit 2, for every reader of DeepSpeed's optimizer state (ZeRO-0 reads it from the model
+    file; ZeRO-1/2, pipeline and MoE share the ZeRO-1/2 reader; ZeRO-3 has its own), whatever the output format
+    (issue #32 found it under --format deepspeed)."""
+    import torch
+
+    source = tmp_path / "src"
+    shutil.copytree(tiny_checkpoint(TinySpec(stage=stage)), source)
+    damaged = (source / read_tag(source) / "mp_rank_00_model_states.pt" if stage == 0 else optim_file(source, 1))
+    sd = torch.load(damaged, weights_only=False)
+    holder = _optimizer_state_holder(sd, stage)
+    holder["state"] = list(holder["state"].values())
+    torch.save(sd, damaged)
+    code, _, err = run_cli(capsys, "convert", "--input", str(source), "--output", str(tmp_path / "out"), "--quiet",
+                           "--format", fmt)
+    assert code == 2
+    assert_one_line_error(err, str(damaged), "'state' is a list where DeepSpeed writes a dict", "copy it again")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,8 +23,8 @@ import torch
 import ucp
 from support.checkpoints import load_ds_universal
 from support.fragments import torch_fragment
+from support.llama_tp_runs import AUTOTP, lists_only_copy
 from support.parallel import (
-    Family,
     build_family,
     compare_with_ds_universal,
     ds_universal_of,
@@ -38,16 +39,6 @@ from ucp.converters.dispatch import plan_deepspeed
 from ucp.errors import AmbiguousPatternError, CorruptCheckpointError, UnsupportedLayoutError
 from ucp.patterns import Pattern, PatternSpec
 
-AUTOTP = Family.of("autotp", "train_llama_tp.py", 4, {
-    "z1-fp32": {"stage": 1},
-    "z2-bf16-tied": {"stage": 2, "dtype": "bf16", "tied": True},
-    "z1-bf16-tied": {"stage": 1, "dtype": "bf16", "tied": True},
-    "z2-fp32-frozen": {"stage": 2, "frozen": ["model.norm.weight"]},
-    "z0-fp32": {"stage": 0},
-    "z0-bf16-tied": {"stage": 0, "dtype": "bf16", "tied": True},
-    "z3-fp32-frozen": {"stage": 3, "frozen": ["model.norm.weight"]},
-    "z3-bf16-tied": {"stage": 3, "dtype": "bf16", "tied": True},
-})
 RUNS = [name for name, _ in AUTOTP.runs]
 STATES = ("fp32", "exp_avg", "exp_avg_sq")
 ROW_PARALLEL = ("o_proj", "down_proj")
@@ -251,6 +242,47 @@ def test_negative_control_a_wrong_pattern_flag_fails_the_comparison(undeclared, 
     got, want = ucp.open_checkpoint(tmp_path / "out").tensor(name), converted("z1-fp32").tensor(name)
     assert got.shape == (32, 8) and want.shape == (16, 16)
     assert not torch.equal(got.reshape(-1), want.reshape(-1))
+
+
+def _rewritten_info(save_dir: Path, dest: Path, edit) -> Path:
+    """A copy of `save_dir` whose model files' universal_checkpoint_info is `edit(info)`."""
+    shutil.copytree(save_dir, dest)
+    for path in dest.glob("*/mp_rank_*_model_states.pt"):
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        state["universal_checkpoint_info"] = edit(state["universal_checkpoint_info"])
+        torch.save(state, path)
+    return dest
+
+
+def test_pattern_lists_alone_read_as_the_affine_map(autotp, converted, tmp_path):
+    """Issue #32: DeepSpeed versions without affine maps describe AutoTP splits by pattern lists only (row-parallel,
+    replicated, vocabulary; the rest column-parallel). Read as ds_to_universal reads them, they rebuild every
+    tensor the affine map does (test_format_deepspeed compares the same copy with ds_to_universal's output)."""
+    copy = lists_only_copy(autotp / "z1-fp32" / "ckpt", tmp_path / "ckpt")
+    ckpt, declared = ucp.open_checkpoint(convert(copy, tmp_path / "out", progress=False, strict=True).output), \
+        converted("z1-fp32")
+    assert ckpt.names == declared.names
+    for name in ckpt.names:
+        for state in ckpt.states(name):
+            assert torch.equal(ckpt.tensor(name, state), declared.tensor(name, state)), (name, state)
+    # Negative control: without the row-parallel list, o_proj's shards join along dim 0, not into the weight.
+    wrong = _rewritten_info(copy, tmp_path / "no-rows", lambda info: {
+        **info, "parameter_with_row_parallelism_patterns": []})
+    name = "model.layers.0.self_attn.o_proj.weight"
+    got = ucp.open_checkpoint(convert(wrong, tmp_path / "wrong", progress=False).output).tensor(name)
+    assert got.shape == (32, 8) and not torch.equal(got.reshape(-1), declared.tensor(name).reshape(-1))
+
+
+def test_info_without_a_layout_for_a_parameter_is_named_so(autotp, tmp_path, capsys):
+    """A universal_checkpoint_info that declares nothing for q_proj (neither map nor lists) is not 'no
+    universal_checkpoint_info'."""
+    copy = _rewritten_info(autotp / "z1-fp32" / "ckpt", tmp_path / "ckpt",
+                           lambda info: {"universal_checkpoint_version": info["universal_checkpoint_version"]})
+    code = main(["convert", "--input", str(copy), "--output", str(tmp_path / "out"), "--quiet"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1
+    assert "the checkpoint's universal_checkpoint_info declares no tensor-parallel layout for it" in err, err
+    assert "(no universal_checkpoint_info)" not in err
 
 
 def test_pattern_flag_errors_name_the_flag(undeclared, tiny_checkpoint, tmp_path):

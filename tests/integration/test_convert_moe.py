@@ -19,7 +19,7 @@ import ucp
 from support.checkpoints import load_ds_universal
 from support.fragments import torch_fragment
 from support.parallel import (
-    Family,
+    MOE,
     build_family,
     compare_with_ds_universal,
     ds_universal_of,
@@ -35,14 +35,6 @@ from ucp.converters.deepspeed_zero0 import zero0_slice
 from ucp.converters.tag_folder import model_files, optim_files
 from ucp.patterns import FragmentInfo, Pattern, PatternSpec
 
-MOE = Family.of("moe", "train_moe.py", 2, {
-    "ep1-z1": {"ep_size": 1, "stage": 1},
-    "ep2-z2": {"ep_size": 2, "stage": 2},
-    "ep2-z1-bf16": {"ep_size": 2, "stage": 1, "dtype": "bf16"},
-    "ep1-z0": {"ep_size": 1, "stage": 0},
-    "ep2-z0": {"ep_size": 2, "stage": 0},
-    "ep2-z0-bf16": {"ep_size": 2, "stage": 0, "dtype": "bf16"},
-})
 RUNS = [name for name, _ in MOE.runs]
 STATES = ("fp32", "exp_avg", "exp_avg_sq")
 EXPERT = "moe.deepspeed_moe.experts.deepspeed_experts.{}.w1.weight"

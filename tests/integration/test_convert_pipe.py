@@ -20,7 +20,7 @@ import torch
 import ucp
 from support.fragments import torch_fragment
 from support.parallel import (
-    Family,
+    PIPE,
     build_family,
     compare_with_ds_universal,
     ds_universal_of,
@@ -34,12 +34,6 @@ from ucp.converters.dispatch import plan_deepspeed
 from ucp.errors import AmbiguousPatternError
 from ucp.patterns import Pattern
 
-PIPE = Family.of("pipe", "train_pipe.py", 2, {
-    "z1-fp32": {"stage": 1},
-    "z1-bf16-topology": {"stage": 1, "dtype": "bf16", "topology": True},
-    "z0-bf16": {"stage": 0, "dtype": "bf16"},  # the bf16 optimizer without ZeRO: no param_shapes recorded
-    "z0-fp32": {"stage": 0},  # optimizer state by position only: named with --param-names
-})
 RUNS = [name for name, _ in PIPE.runs]
 TIED = "tied_modules.embed.weight"
 STATES = ("fp32", "exp_avg", "exp_avg_sq")

@@ -11,14 +11,28 @@ as it is asked.
 from __future__ import annotations
 
 import json
+import shutil
 import tempfile
 from pathlib import Path
+
+import torch
 
 from .checkpoints import DONE, SUPPORT_DIR, _fresh, _is_done, _locked
 from .launch import run_torchrun
 from .parallel import Family
 
 SCRIPT = "train_llama_tp.py"
+# The AutoTP sources of the tests: TP=2 x DP=2, every ZeRO stage (one launch; see support.parallel.build_family).
+AUTOTP = Family.of("autotp", SCRIPT, 4, {
+    "z1-fp32": {"stage": 1},
+    "z2-bf16-tied": {"stage": 2, "dtype": "bf16", "tied": True},
+    "z1-bf16-tied": {"stage": 1, "dtype": "bf16", "tied": True},
+    "z2-fp32-frozen": {"stage": 2, "frozen": ["model.norm.weight"]},
+    "z0-fp32": {"stage": 0},
+    "z0-bf16-tied": {"stage": 0, "dtype": "bf16", "tied": True},
+    "z3-fp32-frozen": {"stage": 3, "frozen": ["model.norm.weight"]},
+    "z3-bf16-tied": {"stage": 3, "dtype": "bf16", "tied": True},
+})
 OUTPUTS = {"save_dir": "ckpt", "losses_out": "losses.json", "ucp_stats_out": "ucp_stats.json",
            "dump_state": "state.pt", "dump_loaded": "loaded.pt", "error_out": "error.json"}
 
@@ -61,3 +75,15 @@ def losses(run_dir: Path) -> list[float]:
 def load_stats(run_dir: Path) -> list[dict]:
     """Every rank's ucp load statistics, by rank, each with its tp_rank and dp_rank."""
     return json.loads((Path(run_dir) / "ucp_stats.json").read_text())
+
+
+def lists_only_copy(save_dir: Path, dest: Path) -> Path:
+    """A copy of AutoTP checkpoint `save_dir` whose `universal_checkpoint_info` keeps only its pattern lists (no
+    `affine_map`), as DeepSpeed versions without affine maps write it; the copy's save_dir."""
+    shutil.copytree(save_dir, dest)
+    for path in dest.glob("*/*model_states.pt"):
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        if isinstance(state.get("universal_checkpoint_info"), dict):
+            state["universal_checkpoint_info"].pop("affine_map", None)
+            torch.save(state, path)
+    return dest

@@ -50,6 +50,23 @@ class Family:
         return h.hexdigest()[:10]
 
 
+# The pipeline and MoE sources the tests share (test_convert_pipe, test_convert_moe, test_format_deepspeed).
+PIPE = Family.of("pipe", "train_pipe.py", 2, {
+    "z1-fp32": {"stage": 1},
+    "z1-bf16-topology": {"stage": 1, "dtype": "bf16", "topology": True},
+    "z0-bf16": {"stage": 0, "dtype": "bf16"},  # the bf16 optimizer without ZeRO: no param_shapes recorded
+    "z0-fp32": {"stage": 0},  # optimizer state by position only: named with --param-names
+})
+MOE = Family.of("moe", "train_moe.py", 2, {
+    "ep1-z1": {"ep_size": 1, "stage": 1},
+    "ep2-z2": {"ep_size": 2, "stage": 2},
+    "ep2-z1-bf16": {"ep_size": 2, "stage": 1, "dtype": "bf16"},
+    "ep1-z0": {"ep_size": 1, "stage": 0},
+    "ep2-z0": {"ep_size": 2, "stage": 0},
+    "ep2-z0-bf16": {"ep_size": 2, "stage": 0, "dtype": "bf16"},
+})
+
+
 def build_family(family: Family, root: Path, timeout: int = 900) -> Path:
     """Train every run of `family` in one launch (once; idempotent through a done-marker); the folder."""
     folder = Path(root) / f"{family.name}-{family.fingerprint()}"

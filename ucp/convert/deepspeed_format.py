@@ -1,7 +1,8 @@
 """`--format deepspeed`: write DeepSpeed's own universal layout, so stock `load_universal` resumes from it.
 
 The layout mirrors what `ds_to_universal` (DeepSpeed 0.19) writes: `zero/<param>/<state>.pt`
-(ZeRO-1/2: a dict with the full-shape tensor under `param`; ZeRO-3: the flat tensor), a
+(a dict with the full-shape tensor under `param` and the keys `deepspeed_keys` decides; plain
+ZeRO-3 without tensor parallelism: the bare flat tensor), a
 `zero/optimizer_state.pt` with the optimizer's global state, copies of the model-state files, and
 `latest_universal` beside the output folder, written last. The tensors come from the same
 Extract → Union → StripPad tasks as the atomic format; only the sink differs. This is the one
@@ -22,13 +23,13 @@ import torch
 
 from ucp.convert.assemble import materialize_tensor
 from ucp.convert.balance import plan_bins
+from ucp.convert.deepspeed_keys import UNIVERSAL_CHECKPOINT_INFO, DeclaredPatterns, declared_patterns, universal_keys
 from ucp.convert.executor import Executor, Report
 from ucp.convert.plan import BUFFER_STATE, TRAINABLE, WEIGHT_STATE, ConversionPlan, ParamPlan
 from ucp.convert.result import ConvertResult
 from ucp.converters.deepspeed_slices import load_dict
 from ucp.converters.torch_zip import Device, DtypeName, LazyTensor, Opaque, read_tensor
 from ucp.errors import CorruptCheckpointError, OutputExistsError, UnsupportedLayoutError
-from ucp.patterns import Pattern, PatternSpec
 
 _EXPERT_FILE = re.compile(r"^layer_\d+_expert_\d+_.*model_states\.pt$")
 # DeepSpeed's key names (deepspeed.checkpoint.constants), spelled out so that planning needs no deepspeed.
@@ -46,7 +47,10 @@ _LOSS_SCALERS = frozenset({"deepspeed.runtime.fp16.loss_scaler.LossScaler",
 class SaveBin:
     zero_dir: str
     params: tuple[ParamPlan, ...]
-    zero3: bool
+    zero3: bool  # ds_to_universal writes no step.pt for ZeRO-3
+    flat: bool  # plain ZeRO-3 (no TP): ds_to_universal writes each state as the bare flat tensor
+    untrained: bool  # frozen parameters and buffers too (see write_deepspeed_universal)
+    declared: DeclaredPatterns | None  # the source's universal_checkpoint_info, which decides the keys
     strict: bool
 
 
@@ -62,8 +66,13 @@ def write_deepspeed_universal(plan: ConversionPlan, output: Path, executor: Exec
     zero_dir = output / "zero"
     zero_dir.mkdir(parents=True, exist_ok=True)
     zero3 = plan.source["zero_stage"] == 3
+    flat = zero3 and int(plan.source.get("tp") or 1) == 1
+    declared = declared_patterns(_universal_checkpoint_info(plan))
     bins = plan_bins(plan, executor.workers)
-    tasks = [SaveBin(str(zero_dir), tuple(b), zero3, strict) for b in bins]
+    # ds_to_universal writes frozen parameters and buffers from the `module` of the mp_rank files: ZeRO-3 and
+    # pipeline engines keep none there. Stock load_universal restores neither in any case.
+    untrained = not zero3 and int(plan.source.get("pp") or 1) == 1
+    tasks = [SaveBin(str(zero_dir), tuple(b), zero3, flat, untrained, declared, strict) for b in bins]
     written = executor.map(save_bin, tasks, total_bytes=sum(p.nbytes for p in plan.params), desc="convert")
     aliases = 0 if zero3 else _save_aliases(plan, zero_dir)
     _save_optimizer_state(plan, zero_dir / "optimizer_state.pt", zero3)
@@ -77,15 +86,20 @@ def write_deepspeed_universal(plan: ConversionPlan, output: Path, executor: Exec
 def save_bin(task: SaveBin, report: Report) -> dict:
     files = nbytes = 0
     for p in task.params:
+        if p.kind != TRAINABLE and not task.untrained:
+            report(sum(source.nbytes for source in p.states.values()))
+            continue
         folder = Path(task.zero_dir) / p.name
         folder.mkdir(parents=True, exist_ok=True)
         for state, source in p.states.items():
             tensor = materialize_tensor(source, name=p.name, strict=task.strict).float()
             payload: torch.Tensor | dict[str, Any]
-            if task.zero3 and p.kind == TRAINABLE:
+            if p.kind != TRAINABLE:
+                payload = {"param": tensor}
+            elif task.flat:
                 payload = tensor.reshape(-1)
-            else:
-                payload = {"param": tensor, **tp_keys(source.spec)} if p.kind == TRAINABLE else {"param": tensor}
+            else:  # ZeRO-1/2, and ZeRO-3 under TP, whose loader cuts a TP rank's share only out of this dict
+                payload = {"param": tensor, **universal_keys(p.name, task.declared, source.spec)}
             # A buffer's one state is stored as DeepSpeed does for module tensors: fp32.pt.
             torch.save(payload, folder / f"{WEIGHT_STATE if state == BUFFER_STATE else state}.pt")
             files += 1
@@ -99,35 +113,15 @@ def save_bin(task: SaveBin, report: Report) -> dict:
 
 def _save_aliases(plan: ConversionPlan, zero_dir: Path) -> int:
     """ZeRO-1/2: `zero/<alias>/fp32.pt` holding its source's weight, as `ds_to_universal` writes one for every
-    module tensor without a folder (from the module's copy: under bf16 the rounded one, here the fp32 master).
-    Stock `load_universal` never reads it (an alias is no optimizer parameter); ZeRO-3 output has none."""
+    module tensor without a folder: from the module's copy, that is the fp32 master rounded to the model's dtype
+    (bf16 or fp16 training keeps the module in it). Stock `load_universal` never reads it (an alias is no
+    optimizer parameter); ZeRO-3 output has none."""
     for alias, source in plan.aliases.items():
         weight = torch.load(zero_dir / source / f"{WEIGHT_STATE}.pt", weights_only=True)["param"]
+        module_dtype = getattr(torch, plan.param(source).model_dtype)
         (zero_dir / alias).mkdir(parents=True, exist_ok=True)
-        torch.save({"param": weight}, zero_dir / alias / f"{WEIGHT_STATE}.pt")
+        torch.save({"param": weight.to(module_dtype).float()}, zero_dir / alias / f"{WEIGHT_STATE}.pt")
     return len(plan.aliases)
-
-
-def tp_keys(spec: PatternSpec) -> dict:
-    """The keys with which `ds_to_universal` tells stock `load_universal` how to cut a full tensor for
-    a TP rank: `cat_dim` (the split dim), `vocab_tensor` (padding to restore), and for fused parameters
-    `param_n_sub_params` (two equal halves) or `sub_param_shape` (sub-parameter sizes along a dim)."""
-    keys: dict = {"cat_dim": 0}
-    if spec.flat or spec.dim is None:
-        return keys
-    keys["cat_dim"] = spec.dim
-    if spec.pattern is Pattern.SHARD_NC and spec.sub_widths is not None:  # recognize gives shard_nc its widths
-        sizes = tuple(sum(w) for w in spec.sub_widths)
-        if len(sizes) == 2 and sizes[0] == sizes[1]:
-            keys["param_n_sub_params"] = 2
-        else:
-            from deepspeed.checkpoint.universal_checkpoint import SubparamShape
-
-            shape = tuple(sizes if d == spec.dim else s for d, s in enumerate(spec.shape))
-            keys["sub_param_shape"] = SubparamShape(patterns=[], shape=shape, partition_dim=spec.dim)
-    elif spec.padded_size is not None and spec.dim == 0:
-        keys["vocab_tensor"] = True
-    return keys
 
 
 def _save_optimizer_state(plan: ConversionPlan, path: Path, zero3: bool) -> None:
@@ -199,6 +193,16 @@ def _loss_scaler(value, path: Path) -> object:
     scaler = cls.__new__(cls)
     scaler.__dict__.update(_plain(value.state, path, LOSS_SCALER))
     return scaler
+
+
+def _universal_checkpoint_info(plan: ConversionPlan) -> object:
+    """What the source's first model-states file records as `universal_checkpoint_info` (None if nothing),
+    parsed with the allow-list reader."""
+    folder = Path(plan.source["path"])
+    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):
+        if (folder / name).is_file():
+            return load_dict(folder / name).get(UNIVERSAL_CHECKPOINT_INFO)
+    return None
 
 
 def _copy_model_files(plan: ConversionPlan, output: Path, zero3: bool) -> int:
