@@ -5,12 +5,13 @@
 
 `stock` loads DeepSpeed's universal layout with `load_universal`; the ucp modes (`ucp`,
 `ucp-no-bypass`) load the atomic checkpoint through `ucp.deepspeed.load`, and `ucp-no-conversion`
-the DeepSpeed checkpoint itself. Bytes and read calls come from /proc/self/io (rchar, syscr), so
-all tools are measured the same way, page-cache hits included. Memory: peak RSS over the process's life
-(`ru_maxrss`), and the engine's own footprint (VmRSS just before the load) with the peak during the load alone
-(VmHWM, reset before the load through /proc/self/clear_refs), so that what the load itself holds shows, and
-VmRSS after the load (the engine with the optimizer states the load created), so that what it held only while
-it ran shows.
+(`ucp-no-conversion-zero1`: of a ZeRO-1 source) the DeepSpeed checkpoint itself. Bytes and read calls come
+from /proc/self/io (rchar, syscr), so all tools are measured the same way, page-cache hits included. Memory:
+peak RSS over the process's life (`ru_maxrss`), and the engine's own footprint (VmRSS just before the load, and of
+it RssAnon and RssFile: the resident pages of mapped libraries vary from run to run with the machine's other
+memory use) with the peak during the load alone (VmHWM, reset before the load through /proc/self/clear_refs), so
+that what the load itself holds shows, and VmRSS after the load (the engine with the optimizer states the load
+created), so that what it held only while it ran shows.
 """
 import argparse
 import json
@@ -32,7 +33,7 @@ def proc_io() -> dict:
 
 
 def vm_mib(field: str) -> float:
-    """VmRSS (resident now) or VmHWM (its peak since the last reset) of this process, in MiB."""
+    """VmRSS (resident now), VmHWM (its peak since the last reset), RssAnon or RssFile of this process, in MiB."""
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) / 1024
 
@@ -45,9 +46,10 @@ def reset_peak() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=["stock", "ucp", "ucp-no-bypass", "ucp-no-conversion"], required=True)
+    parser.add_argument("--mode", choices=["stock", "ucp", "ucp-no-bypass", "ucp-no-conversion",
+                                                     "ucp-no-conversion-zero1"], required=True)
     parser.add_argument("--path", required=True, help="stock: the universal tag folder; ucp: the atomic dir; "
-                        "ucp-no-conversion: DeepSpeed's save dir")
+                        "ucp-no-conversion(-zero1): DeepSpeed's save dir")
     parser.add_argument("--stage", type=int, default=3)
     parser.add_argument("--model", choices=sorted(MODELS), default="112m")
     parser.add_argument("--check-keep-bytes", type=int, help="ucp modes: check_keep_bytes (default: ucp's own)")
@@ -72,7 +74,7 @@ def main() -> None:
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     dist.barrier()
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    engine_rss = vm_mib("VmRSS")
+    engine_rss, engine_anon, engine_file = vm_mib("VmRSS"), vm_mib("RssAnon"), vm_mib("RssFile")
     reset_peak()
     io_before = proc_io()
     start = time.perf_counter()
@@ -89,7 +91,8 @@ def main() -> None:
     mine = {"wall_s": wall, "bytes_read": io_after["rchar"] - io_before["rchar"],
             "read_calls": io_after["syscr"] - io_before["syscr"],
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "rss_before_mib": rss_before / 1024, "engine_rss_mib": engine_rss, "load_peak_rss_mib": load_peak,
+            "rss_before_mib": rss_before / 1024, "engine_rss_mib": engine_rss, "engine_anon_mib": engine_anon,
+            "engine_file_mib": engine_file, "load_peak_rss_mib": load_peak,
             "loaded_rss_mib": loaded_rss}
     stats = getattr(engine, "ucp_load_stats", None)
     if stats is not None:

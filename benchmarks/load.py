@@ -3,11 +3,14 @@
 straight from DeepSpeed's files.
 
     python benchmarks/load.py [--ranks 2 3] [--model 112m 359m] [--cache DIR] [--markdown-out FILE]
+    python benchmarks/load.py --ranks 2 --modes stock ucp-no-conversion-zero1   # issue #32's case
 
 Builds (once, cached) a ZeRO-3 checkpoint of the benchmark Llama (112M, or 359M parameters) on 2 ranks,
 converts it with `ucp convert` (atomic format) and `ucp convert --format deepspeed` (DeepSpeed's
 universal layout), then loads it into a ZeRO-3 engine on N ranks with each tool, and with ucp
-straight from the DeepSpeed checkpoint (no conversion). ZeRO-3 is the
+straight from the DeepSpeed checkpoint (no conversion); `--modes ucp-no-conversion-zero1` adds a load straight from a
+ZeRO-1 checkpoint of the same Llama saved on 2 ranks (a ZeRO-1 dp2 -> ZeRO-3 dpN resume, against the same stock row:
+DeepSpeed's own path to a ZeRO-3 layout, since its `load_universal` cannot cross ZeRO-1 -> 3). ZeRO-3 is the
 target because there every rank holds a part of every parameter, which is where stock
 `load_universal` makes each rank read every file whole. Prints wall time of the load (barrier to
 barrier); bytes read and read calls summed over ranks (/proc/self/io: rchar, syscr), and of them what ucp
@@ -51,6 +54,19 @@ def torchrun(script: Path, args: list[str], nproc: int, log: Path) -> None:
         sys.exit(f"{script.name} failed (exit {rc}); see {log}")
 
 
+def zero1_source(cache: Path, model: str) -> Path:
+    """A ZeRO-1 checkpoint of `model` saved on 2 ranks (trained once and cached), for `ucp-no-conversion-zero1`."""
+    root = cache / ("load-zero1" if model == "112m" else f"load-zero1-{model}")
+    if not (root / ".done").exists():
+        shutil.rmtree(root, ignore_errors=True)
+        root.mkdir(parents=True)
+        print(f"building a ZeRO-1 checkpoint of the {model} benchmark Llama on 2 ranks (once) ...", flush=True)
+        torchrun(HERE / "_train_llama.py", [str(root / "deepspeed"), "--stage", "1", "--model", model], 2,
+                 root / "train.log")
+        (root / ".done").touch()
+    return root / "deepspeed"
+
+
 def build(cache: Path, model: str) -> tuple[Path, Path, Path]:
     """The ZeRO-3 source checkpoint of `model` (DeepSpeed's save dir, trained once and cached) and its conversions
     to both formats, made again on every run so that they are this ucp's (an older atomic checkpoint has no chunk
@@ -80,7 +96,7 @@ def run(mode: str, path: Path, nproc: int, model: str, work: Path, keep: int | N
     return json.loads(out.read_text())
 
 
-MODES = ("stock", "ucp-no-bypass", "ucp", "ucp-no-conversion")
+MODES = ("stock", "ucp-no-bypass", "ucp", "ucp-no-conversion", "ucp-no-conversion-zero1")
 
 
 def summary(ranks: list[dict]) -> dict:
@@ -122,7 +138,7 @@ def table(rows: list[tuple]) -> list[str]:
 def verdicts(rows: list[tuple]) -> list[str]:
     out = []
     for model, n, mode, r, stock in rows:
-        if mode not in ("ucp", "ucp-no-conversion"):
+        if mode not in ("ucp", "ucp-no-conversion", "ucp-no-conversion-zero1"):
             continue
         own = r["bytes_read"] - r["check_bytes"] - r["again_bytes"]
         share = own / stock["bytes_read"]
@@ -146,7 +162,8 @@ def main() -> None:
     parser.add_argument("--model", nargs="+", default=["112m"], choices=("112m", "359m"),
                         help="benchmark Llama sizes (benchmarks/_train_llama.py MODELS); 359m for memory vs size")
     parser.add_argument("--modes", nargs="+", default=["stock", "ucp", "ucp-no-conversion"], choices=MODES,
-                        help="loads to run (ucp-no-bypass: every rank reads every tensor whole, a control)")
+                        help="loads to run (ucp-no-bypass: every rank reads every tensor whole, a control; "
+                        "ucp-no-conversion-zero1: straight from a ZeRO-1 dp2 checkpoint of the same model)")
     parser.add_argument("--check-keep-bytes", type=int,
                         help="what ucp's check before the load keeps for the install (default: ucp's KEEP_BYTES)")
     parser.add_argument("--cache", type=Path, default=Path(os.path.expanduser("~/.cache/ucp-bench")))
@@ -167,6 +184,8 @@ def main() -> None:
         atomic, universal, source = build(args.cache, model)
         sizes[model] = sum(f.stat().st_size for f in atomic.glob("*.safetensors"))
         paths = {"stock": universal, "ucp-no-bypass": atomic, "ucp": atomic, "ucp-no-conversion": source}
+        if "ucp-no-conversion-zero1" in modes:
+            paths["ucp-no-conversion-zero1"] = zero1_source(args.cache, model)
         for n in args.ranks:
             results = {mode: summary(run(mode, paths[mode], n, model, work, args.check_keep_bytes)) for mode in modes}
             rows += [(model, n, mode, r, results["stock"]) for mode, r in results.items()]

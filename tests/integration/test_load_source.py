@@ -250,3 +250,59 @@ def test_the_hook_reads_a_layer_in_consecutive_batches_of_at_most_batch_bytes(so
         firsts = [next(iter(batch.items())) for batch in batches[1:]]  # each batch as full as the next allows
         assert all(size + t.numel * source.dtype(key).itemsize > 256 for size, (key, t) in zip(sizes, firsts))
         assert len(batches) > 2  # the test's layer is larger than a batch
+
+
+def test_the_check_reads_a_partition_straight_into_the_tensor_it_goes_to(sources):
+    """`into`: a ZeRO partition of a flat-stored state is read straight into the tensor given for it (the
+    engine's memory in a load), range after range, with no buffer of its own: the same values and bytes read
+    as without it, and the same parts checked. States of another dtype than the tensor given read as before."""
+    planned, _, _ = sources["z2-fp32-dp2"]
+    by_buffer, direct = PlannedSource(planned.plan), PlannedSource(planned.plan)
+    stats_buffer, stats_direct = LoadStats(), LoadStats()
+    straight = spanning = 0
+    for wants in _rank_1_of_2(direct):
+        into = {key: torch.full((t.numel,), -1.0, dtype=direct.dtype(key)) for key, t in wants.items() if t.numel}
+        into[next(iter(into))] = torch.empty(0, dtype=torch.float64)  # another dtype (and size): not read into
+        want = by_buffer.check(wants, list(wants), True, stats_buffer)
+        got = direct.check(wants, list(wants), True, stats_direct, into)
+        assert want.keys() == got.keys()
+        for key, value in got.items():
+            assert torch.equal(value, want[key]), key
+            if key in into and value.data_ptr() == into[key].data_ptr():
+                straight += 1
+                spanning += len(direct._reads(key, wants[key], True)) > 1
+            else:
+                assert key not in into or into[key].dtype == torch.float64 or not into[key].numel(), key
+    by_buffer.close(stats_buffer)
+    direct.close(stats_direct)
+    assert straight > 0 and spanning > 0  # some partitions continue from one rank file into the next
+    assert stats_direct.bytes_read == stats_buffer.bytes_read
+    assert stats_direct.bytes_checked_sources == stats_buffer.bytes_checked_sources
+    assert direct._crcs == by_buffer._crcs
+
+
+def test_bytes_read_straight_into_their_tensor_are_checked(tiny_checkpoint, tmp_path):
+    """A flipped bit in a range the check read straight into its tensor fails the rank file's entry CRC-32
+    (negative control of the test above: the same check of an intact copy passes)."""
+    folder = shutil.copytree(tiny_checkpoint(TinySpec(stage=2)), tmp_path / "copy")
+    key = ("emb.weight", "exp_avg")
+
+    def check(source: PlannedSource) -> None:
+        stats = LoadStats()
+        for layer in _rank_1_of_2(source):
+            into = {k: torch.empty(t.numel, dtype=source.dtype(k)) for k, t in layer.items() if t.numel}
+            got = source.check(layer, list(layer), True, stats, into)
+            assert key not in layer or got[key].data_ptr() == into[key].data_ptr()
+        source.close(stats)
+
+    check(PlannedSource(ucp.open_checkpoint(folder).plan))
+    source = PlannedSource(ucp.open_checkpoint(folder).plan)
+    wants = next(w for w in _rank_1_of_2(source) if key in w)
+    where = source._reads(key, wants[key], True)[0]
+    with open(where.file, "r+b") as f:
+        f.seek(where.begin + 5)
+        byte = f.read(1)[0]
+        f.seek(where.begin + 5)
+        f.write(bytes([byte ^ 0x10]))
+    with pytest.raises(CorruptCheckpointError, match="fails its CRC-32"):
+        check(source)

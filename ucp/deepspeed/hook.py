@@ -63,7 +63,10 @@ committed, and runs at exit too; see `ucp.deepspeed.async_save`). The `"ucp"` co
 Loading is layer by layer: a rank holds its own shard plus one batch of a layer's states at a time
 (`BATCH_BYTES`, or one state larger than that; with `check_first`, plus up to `check_keep_bytes` of what
 the check read, kept for the install). Read buffers from 1 MiB on are mappings of their own
-(`ucp.format.fileio.read_buffer`), returned to the system as soon as they are freed.
+(`ucp.format.fileio.read_buffer`), returned to the system as soon as they are freed. From a DeepSpeed
+checkpoint, what the check puts straight into the engine (a rank's own run of a flat-stored state, stored in
+the engine's dtype) is read into the engine's memory itself, with no buffer (`Source.check`'s `into`), so a
+zero-conversion resume holds nothing beyond the engine and the states it creates.
 
 Tied weights (one Parameter under two names, e.g. `lm_head.weight` and `model.embed_tokens.weight`)
 are one parameter: the checkpoint records the second name as an alias of the first (its index's
@@ -514,20 +517,16 @@ def _check_first(source: Source, target: Target, state_names: list[str], owners:
     compared with what was checked). Returns (kept values, keys already installed)."""
     kept: dict[Key, torch.Tensor] = {}
     done: set[Key] = set()
-    held = 0
     damaged: UcpError | None = None
     try:
         for wants in (batch for layer in _layers(target.tensors, state_names) for batch in _batches(layer, source)):
-            for key, value in source.check(wants, _mine(wants, owners, me), bypass, stats).items():
-                t = wants[key]
-                if key[1] in fresh and key not in owners and t.kind == "param":  # this rank's own elements,
-                    # into memory that the engine reads only after the verdict, or that is put back on damage
-                    t.install(key[1], value)
-                    done.add(key)
-                    stats.tensors += 1
-                elif held + value.numel() * value.element_size() <= keep_bytes:
-                    kept[key] = value if _alone(value) else value.clone()  # not a view keeping a whole read alive
-                    held += value.numel() * value.element_size()
+            mine = _mine(wants, owners, me)
+            into = {key: wants[key].view(key[1]) for key in mine if _into_engine(key, wants[key], owners, fresh)}
+            checked = source.check(wants, mine, bypass, stats, into)  # where it can, straight into the engine
+            del into
+            _take_checked(checked, wants, owners, fresh, kept, done, keep_bytes, stats)
+            del checked  # before the next batch is read: a batch at a time (the largest state's read, 47 MiB a
+            # rank for the 112M benchmark Llama's embedding at dp 2, was still held while the next one was read)
     except UcpError as exc:  # still meet the others in the exchange below
         damaged = exc
     try:
@@ -542,6 +541,31 @@ def _check_first(source: Source, target: Target, state_names: list[str], owners:
             target.restore_masters()
         raise
     return kept, done
+
+
+def _take_checked(checked: dict[Key, torch.Tensor], wants: dict[Key, TargetTensor], owners: Owners, fresh: set[str],
+                  kept: dict[Key, torch.Tensor], done: set[Key], keep_bytes: int, stats: LoadStats) -> None:
+    """One batch of what the check read: into the engine where damage can be undone (`_check_first`), else into
+    `kept` while it fits in `keep_bytes`; the rest is dropped. A function of its own, and `checked` emptied as it
+    goes, so that no value outlives its install here (a loop variable would hold the batch's last one)."""
+    held = sum(v.numel() * v.element_size() for v in kept.values())
+    for key in list(checked):  # in the batch's order
+        value = checked.pop(key)
+        t = wants[key]
+        if _into_engine(key, t, owners, fresh):
+            t.install(key[1], value)  # nothing to copy where the check read it there
+            done.add(key)
+            stats.tensors += 1
+        elif held + value.numel() * value.element_size() <= keep_bytes:
+            kept[key] = value if _alone(value) else value.clone()  # not a view keeping a whole read alive
+            held += value.numel() * value.element_size()
+        del value
+
+
+def _into_engine(key: Key, t: TargetTensor, owners: Owners, fresh: set[str]) -> bool:
+    """Whether the check puts `key`'s value straight into the engine: this rank's own elements of a parameter's
+    state, in memory that the engine reads only after the verdict or that is put back on damage (`fresh`)."""
+    return key[1] in fresh and key not in owners and t.kind == "param"
 
 
 def _alone(value: torch.Tensor) -> bool:

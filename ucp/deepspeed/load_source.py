@@ -50,7 +50,7 @@ from ucp.deepspeed.targets import TargetTensor
 from ucp.format.box_read import BoxWant, full_box, read_boxes
 from ucp.format.boxes import Box
 from ucp.format.byte_ranges import ByteRange
-from ucp.format.checked_read import OpenChunk, check_again, close_chunks, fetch
+from ucp.format.checked_read import OpenChunk, check_again, close_chunks, fetch, fill
 from ucp.format.crc import crc32
 from ucp.format.dtypes import NUMPY_DTYPES, to_torch
 from ucp.format.fileio import ReadCounter, tensor_bytes
@@ -70,10 +70,13 @@ class Source(Protocol):
     def shared(self, key: Key, t: TargetTensor) -> bool:
         """Whether one rank of `t`'s data-parallel group reads `t`'s whole box for the group."""
 
-    def check(self, wants: dict[Key, TargetTensor], readers: list[Key], bypass: bool, stats) -> dict:
+    def check(self, wants: dict[Key, TargetTensor], readers: list[Key], bypass: bool, stats,
+              into: dict[Key, torch.Tensor] | None = None) -> dict:
         """The check before a load, one layer: what `read` returns, read exactly once and checked as far as this
         rank can alone; parts of units it read only part of wait for `close`. Raises `CorruptCheckpointError`
-        on damage. Adds to `stats.bytes_read`, `stats.read_calls` and `stats.bytes_checked_extra`."""
+        on damage. Adds to `stats.bytes_read`, `stats.read_calls` and `stats.bytes_checked_extra`. A key of
+        `into` may be read straight into the tensor given there (flat, where its value goes), which is then
+        its value: no buffer of its own (a source that cannot returns a value of its own)."""
 
     def close(self, stats) -> None:
         """Finish the check (a collective: every rank calls it once, after its last `check`, damage or not):
@@ -132,9 +135,11 @@ class AtomicSource:
     def shared(self, key: Key, t: TargetTensor) -> bool:
         return t.whole
 
-    def check(self, wants: dict[Key, TargetTensor], readers: list[Key], bypass: bool, stats) -> dict:
+    def check(self, wants: dict[Key, TargetTensor], readers: list[Key], bypass: bool, stats,
+              into: dict[Key, torch.Tensor] | None = None) -> dict:
         """See `Source.check`: exact reads, their whole chunks checked; a chunk a read holds part of (where ZeRO
-        partitions meet) is closed from the parts the ranks read (`ucp.format.checked_read.close_chunks`)."""
+        partitions meet) is closed from the parts the ranks read (`ucp.format.checked_read.close_chunks`).
+        Values of their own (`into` unused)."""
         counter = ReadCounter()
         try:
             values, extra = read_boxes(self.ckpt.path, self._boxes(wants, readers, bypass), self.ckpt.index.chunk_bytes,
@@ -213,16 +218,45 @@ class PlannedSource:
     def shared(self, key: Key, t: TargetTensor) -> bool:
         return t.whole or self._flat(key) is None
 
-    def check(self, wants: dict[Key, TargetTensor], readers: list[Key], bypass: bool, stats) -> dict:
+    def check(self, wants: dict[Key, TargetTensor], readers: list[Key], bypass: bool, stats,
+              into: dict[Key, torch.Tensor] | None = None) -> dict:
         """See `Source.check`: every range read is CRC'd; a zip entry read whole is checked at once, the part
-        read of any other goes to the entry's owner (`close`)."""
-        ranges, raws = self._fetch(wants, readers, bypass, stats, again=False)
+        read of any other goes to the entry's owner (`close`). A key of `into` whose value is its run's bytes
+        as stored (a flat-stored state in the dtype of the tensor given, which it fills) is read straight into
+        that tensor, range after range."""
+        direct = self._direct(wants, readers, bypass, into or {})
+        ranges, raws = self._fetch(wants, readers, bypass, stats, again=False, direct=direct)
         crcs = {r: crc32(tensor_bytes(raw)) for r, raw in raws.items()}
         for r in sorted(crcs, key=lambda r: (r.file, r.begin, r.end)):
             self._parts.add(r.file, self._names[r.file], r.begin, r.end, crcs[r])
         for key, rs in ranges.items():
             self._crcs[key] = [crcs[r] for r in rs]
-        return self._values(wants, ranges, raws, bypass)
+        values = self._values(wants, {k: rs for k, rs in ranges.items() if k not in direct}, raws, bypass)
+        values.update(direct)
+        return values
+
+    def _direct(self, wants: dict[Key, TargetTensor], readers: list[Key], bypass: bool,
+                into: dict[Key, torch.Tensor]) -> dict[Key, torch.Tensor]:
+        """The keys of `into` that can be read straight into their tensors: a run of a flat-stored state, stored
+        in the tensor's dtype, which the tensor holds contiguously, and no range of it read for another key."""
+        direct = {}
+        for key in readers:
+            dest, t, runs = into.get(key), wants[key], self._flat(key) if bypass else None
+            if (dest is None or runs is None or TORCH_DTYPES[runs[0].piece.dtype] != dest.dtype
+                    or self.dtype(key) != dest.dtype or not dest.is_contiguous()
+                    or not (t.box is None or t.box == full_box(t.shape))):
+                continue
+            lo, hi = self._span(key, t)
+            if dest.numel() == hi - lo:
+                direct[key] = dest
+        if len(direct) > 0:
+            seen: dict[ByteRange, int] = {}
+            for key in readers:
+                for r in self._reads(key, wants[key], bypass):
+                    seen[r] = seen.get(r, 0) + 1
+            direct = {key: dest for key, dest in direct.items()
+                      if all(seen[r] == 1 for r in self._reads(key, wants[key], bypass))}
+        return direct
 
     def close(self, stats) -> None:
         """See `Source.close`: each entry this rank owns is joined from every rank's parts of it, its gaps read
@@ -255,13 +289,19 @@ class PlannedSource:
                     check_again(raws[r], crc, f"{r.file}: bytes [{r.begin}, {r.end}) of {key[0]}:{key[1]}")
         return self._values(wants, ranges, raws, bypass)
 
-    def _fetch(self, wants: dict[Key, TargetTensor], readers: list[Key], bypass: bool, stats,
-               again: bool) -> tuple[dict[Key, list[ByteRange]], dict[ByteRange, torch.Tensor]]:
-        """The byte ranges each reader's value comes from, and their bytes (touching ones read at once)."""
+    def _fetch(self, wants: dict[Key, TargetTensor], readers: list[Key], bypass: bool, stats, again: bool,
+               direct: dict[Key, torch.Tensor] | None = None
+               ) -> tuple[dict[Key, list[ByteRange]], dict[ByteRange, torch.Tensor]]:
+        """The byte ranges each reader's value comes from, and their bytes (touching ones read at once); those
+        of a `direct` key are read into consecutive parts of its tensor instead (`_direct`)."""
+        direct = direct or {}
         ranges = {key: self._reads(key, wants[key], bypass) for key in readers}
         counter = ReadCounter()
         try:
-            raws = fetch(Path(), [r for rs in ranges.values() for r in rs if r.nbytes], counter)  # absolute paths
+            raws = fetch(Path(), [r for key, rs in ranges.items() if key not in direct for r in rs if r.nbytes],
+                         counter)  # absolute paths
+            for key, dest in direct.items():
+                raws.update(fill(Path(), ranges[key], dest.detach().view(-1).view(torch.uint8), counter))
         finally:
             if again:
                 stats.bytes_read_again += counter.bytes

@@ -75,7 +75,10 @@ class TargetTensor:
     dp_group: ProcessGroup | None = None  # the ranks sharing this tensor's box (None: the target's data-parallel group)
 
     def install(self, state: str, value: torch.Tensor) -> None:
-        self.view(state).copy_(value)
+        dest = self.view(state)
+        if dest.data_ptr() == value.data_ptr() and dest.shape == value.shape and dest.dtype == value.dtype:
+            return  # read straight into it (`Source.check`'s `into`)
+        dest.copy_(value)
 
     def shared_by(self, dp_group: ProcessGroup | None) -> TargetTensor:
         """This tensor, its box shared by the ranks of `dp_group`."""

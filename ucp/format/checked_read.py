@@ -85,6 +85,21 @@ def fetch(root: Location, ranges: list[ByteRange], counter: ReadCounter) -> dict
     return chunks
 
 
+def fill(root: Location, ranges: list[ByteRange], into: torch.Tensor, counter: ReadCounter
+         ) -> dict[ByteRange, torch.Tensor]:
+    """Read `ranges` (relative to `root` unless absolute) one after the other into `into` (bytes, exactly as many
+    as they hold), where the caller wants them, with no buffer of their own; each range's part of it."""
+    if sum(r.nbytes for r in ranges) != into.numel():
+        raise ValueError(f"{into.numel()} bytes to fill from ranges of {sum(r.nbytes for r in ranges)}")
+    parts, reads, offset = {}, [], 0
+    for r in ranges:
+        parts[r] = into.narrow(0, offset, r.nbytes)
+        reads.append((root / r.file, r.begin, tensor_bytes(parts[r])))
+        offset += r.nbytes
+    read_ranges(reads, counter)
+    return parts
+
+
 def read_checked(root: Location, wanted: dict[Key, tuple[StoredState, ByteRange]], chunk_bytes: int,
                  counter: ReadCounter, verify: bool = True, open_chunks: list[OpenChunk] | None = None,
                  crcs: dict[Key, int] | None = None,
