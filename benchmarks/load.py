@@ -54,32 +54,31 @@ def torchrun(script: Path, args: list[str], nproc: int, log: Path) -> None:
         sys.exit(f"{script.name} failed (exit {rc}); see {log}")
 
 
-def zero1_source(cache: Path, model: str) -> Path:
-    """A ZeRO-1 checkpoint of `model` saved on 2 ranks (trained once and cached), for `ucp-no-conversion-zero1`."""
-    root = cache / ("load-zero1" if model == "112m" else f"load-zero1-{model}")
+def trained_once(cache: Path, stage: int, model: str) -> Path:
+    """The folder holding a ZeRO-`stage` checkpoint of `model` saved on 2 ranks (`deepspeed/`), trained on the
+    first call and cached."""
+    root = cache / (f"load-zero{stage}" if model == "112m" else f"load-zero{stage}-{model}")
     if not (root / ".done").exists():
         shutil.rmtree(root, ignore_errors=True)
         root.mkdir(parents=True)
-        print(f"building a ZeRO-1 checkpoint of the {model} benchmark Llama on 2 ranks (once) ...", flush=True)
-        torchrun(HERE / "_train_llama.py", [str(root / "deepspeed"), "--stage", "1", "--model", model], 2,
+        print(f"building a ZeRO-{stage} checkpoint of the {model} benchmark Llama on 2 ranks (once) ...", flush=True)
+        torchrun(HERE / "_train_llama.py", [str(root / "deepspeed"), "--stage", str(stage), "--model", model], 2,
                  root / "train.log")
         (root / ".done").touch()
-    return root / "deepspeed"
+    return root
+
+
+def zero1_source(cache: Path, model: str) -> Path:
+    """A ZeRO-1 checkpoint of `model`, for `ucp-no-conversion-zero1`."""
+    return trained_once(cache, 1, model) / "deepspeed"
 
 
 def build(cache: Path, model: str) -> tuple[Path, Path, Path]:
     """The ZeRO-3 source checkpoint of `model` (DeepSpeed's save dir, trained once and cached) and its conversions
     to both formats, made again on every run so that they are this ucp's (an older atomic checkpoint has no chunk
     checksums, and a rank then reads whole tensors to check them)."""
-    root = cache / ("load-zero3" if model == "112m" else f"load-zero3-{model}")
+    root = trained_once(cache, 3, model)
     atomic, universal = root / "atomic", root / "universal" / "global_step1"
-    if not (root / ".done").exists():
-        shutil.rmtree(root, ignore_errors=True)
-        root.mkdir(parents=True)
-        print(f"building a ZeRO-3 checkpoint of the {model} benchmark Llama on 2 ranks (once) ...", flush=True)
-        torchrun(HERE / "_train_llama.py", [str(root / "deepspeed"), "--stage", "3", "--model", model], 2,
-                 root / "train.log")
-        (root / ".done").touch()
     for stale in (atomic, universal.parent):
         shutil.rmtree(stale, ignore_errors=True)
     for fmt, out in (("ucp", atomic), ("deepspeed", universal)):
