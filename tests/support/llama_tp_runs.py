@@ -20,7 +20,8 @@ from .parallel import Family
 
 SCRIPT = "train_llama_tp.py"
 OUTPUTS = {"save_dir": "ckpt", "losses_out": "losses.json", "ucp_stats_out": "ucp_stats.json",
-           "dump_state": "state.pt", "dump_loaded": "loaded.pt", "error_out": "error.json"}
+           "dump_state": "state.pt", "dump_loaded": "loaded.pt", "error_out": "error.json",
+           "ucp_save": "ucp"}
 
 
 def _launch(folder: Path, tp: int, nproc: int, runs: dict[str, dict]) -> None:

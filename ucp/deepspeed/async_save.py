@@ -3,11 +3,13 @@
     ucp.deepspeed.save(engine, "/ckpt/ucp")   # writes /ckpt/ucp/global_step<N>; returns at once
     ucp.deepspeed.wait(engine)                # the save is durable and committed once this returns
 
-A save, on every rank of the data-parallel group:
+A save, on every rank of the data-parallel group (of the whole job under AutoTP):
 
-1. (training thread) copies exactly what this rank holds into its snapshot buffer: its ZeRO run of
+1. (training thread) copies exactly what this rank writes into its snapshot buffer: its ZeRO run of
    every fp32 master and optimizer moment, plus the replicated tensors (ZeRO-0 parameters, frozen
-   parameters, buffers) that byte balancing gives it; rank 0 also copies the step,
+   parameters, buffers) that byte balancing gives it. Under AutoTP a rank's run lies in its TP shard's
+   box of the full tensor, and a box that several TP ranks hold is written by one copy
+   (`ucp.deepspeed.save_plan`, planned once from what every rank holds); rank 0 also copies the step,
    hyper-parameters, scheduler and client state. Then training goes on.
 2. (writer thread) pwrites the snapshot at its final offsets in the shared data files, whose arrangement
    every rank computes alike (`ucp.deepspeed.save_files`), fsyncs them, and reports per-piece CRCs to rank 0
@@ -43,14 +45,15 @@ import torch.distributed as dist
 from ucp.convert.balance import TARGET_FILE_BYTES
 from ucp.convert.index_builder import ParamRecord, WrittenFile, build_index
 from ucp.convert.plan import BUFFER_STATE, WEIGHT_STATE
-from ucp.deepspeed.autotp import tp_size
+from ucp.deepspeed.autotp import tp_size, with_tensor_parallel
 from ucp.deepspeed.memory_files import MemoryEvery
-from ucp.deepspeed.readers import assign_readers
 from ucp.deepspeed.save_files import SaveFiles, WrittenPiece, arrange_files, bytes_to_send, plan_parts, whole_crcs
+from ucp.deepspeed.save_layout import declared_hints, holdings, refuse_unsupported
+from ucp.deepspeed.save_plan import Holding, box_runs, full_box, pattern_of, writers
 from ucp.deepspeed.save_writer import BackgroundSave, SavePiece, SnapshotBuffer, partial_path, write_pieces
 from ucp.deepspeed.targets import Target, TargetTensor, Zero3Target, module_aliases, target_for
 from ucp.elastic.resume import prune
-from ucp.errors import ConfigError, OutputExistsError, SaveError, UcpError, UnsupportedLayoutError
+from ucp.errors import ConfigError, OutputExistsError, SaveError, UcpError
 from ucp.format import loss_scale
 from ucp.format.crc import CHUNK_BYTES
 from ucp.format.folder import INDEX_NAME, commit_index, commit_latest, fsync_dir, tensor_key
@@ -59,7 +62,7 @@ from ucp.format.locations import Location, ObjectPath, location
 from ucp.format.optimizer import optimizer_record
 from ucp.format.safetensors_stream import TORCH_DTYPES, StoredTensor, TensorSlot
 from ucp.format.storage import is_file
-from ucp.patterns.recognize import FragmentInfo, recognize
+from ucp.patterns import PatternSpec
 
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
@@ -90,8 +93,23 @@ class Prepared:
     moments: tuple[str, ...]
     files: SaveFiles
     buffer: SnapshotBuffer
-    sources: tuple[tuple[TargetTensor, str], ...]   # the live tensor of each buffer piece, in buffer order
-    whole: frozenset[str]                           # keys stored whole by one owner (not partitioned)
+    copies: tuple[Copy, ...]                        # what the snapshot copies from the live tensors
+    patterns: dict[str, PatternSpec]                # each tensor's pattern (on the leader, which builds the index)
+
+
+@dataclass(frozen=True)
+class Copy:
+    """Elements [offset, offset + numel) of a live tensor's `view(state)` go to buffer pieces [first, stop)."""
+
+    tensor: TargetTensor
+    state: str
+    offset: int
+    numel: int
+    first: int
+    stop: int
+
+    def source(self) -> torch.Tensor:
+        return self.tensor.view(self.state).narrow(0, self.offset, self.numel)
 
 
 class MemoryWriter(Protocol):
@@ -109,16 +127,14 @@ class Saver:
     """Saves one engine: its process group, the arrangement of its files, snapshot buffer and the save in flight."""
 
     def __init__(self, engine: DeepSpeedEngine):
-        if (getattr(engine, "mp_world_size", 1) > 1 or getattr(engine, "pipeline_parallelism", False)
-                or getattr(engine, "has_moe_layers", False) or tp_size(engine) > 1):
-            raise UnsupportedLayoutError("ucp.deepspeed.save handles data parallelism only (ZeRO 0-3); this engine "
-                                         "uses tensor, pipeline or expert parallelism: use engine.save_checkpoint "
-                                         "and `ucp convert` instead")
+        refuse_unsupported(engine)
         self.engine = engine
-        self.target: Target = target_for(engine)
+        self.target: Target = with_tensor_parallel(target_for(engine))
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         if not dist.is_initialized():
             self.ranks = [0]
+        elif tp_size(engine) > 1:  # the whole job saves one checkpoint
+            self.ranks = list(range(dist.get_world_size()))
         elif self.target.dp_group is not None:
             self.ranks = dist.get_process_group_ranks(self.target.dp_group)
         else:
@@ -192,7 +208,8 @@ class Saver:
             tag_dir.mkdir(parents=True, exist_ok=True)
         prepared = self._prepare(tier)
         with torch.no_grad():
-            prepared.buffer.fill([t.view(state) for t, state in prepared.sources])
+            for c in prepared.copies:
+                prepared.buffer.fill_pieces(c.first, c.stop, c.source())
         event: torch.cuda.Event | None = None
         if prepared.buffer.data.is_pinned():
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch leaves its __init__ untyped
@@ -221,20 +238,37 @@ class Saver:
         entries = _entries(self.target, moments)
         slots = [TensorSlot(tensor_key(t.name, s), dtype, t.shape) for t, s, dtype in entries]
         files = arrange_files(slots, TARGET_FILE_BYTES, {"format": FORMAT_NAME})
-        whole = {tensor_key(t.name, s): t.numel * TORCH_DTYPES[dtype].itemsize for t, s, dtype in entries if t.whole}
-        owners = assign_readers(whole, self.ranks)
-        pieces, sources = [], {}
+        every = self._every_holding()
+        element_bytes: dict[str, int] = {}
+        for t, _, dtype in entries:
+            element_bytes[t.name] = element_bytes.get(t.name, 0) + TORCH_DTYPES[dtype].itemsize
+        mine = writers(every, element_bytes)
+        pieces, runs = [], []
         for t, state, dtype in entries:
-            key = tensor_key(t.name, state)
-            if t.numel == 0 or owners.get(key, self.rank) != self.rank:
+            if (t.name, self.rank) not in mine:
                 continue
-            span = files.piece(key, t.start, t.numel, TORCH_DTYPES[dtype].itemsize)
-            pieces.append(SavePiece(key, span.file, span.begin, span.end, dtype, t.start))
-            sources[key] = (t, state)
+            key = tensor_key(t.name, state)
+            for first, offset, numel in box_runs(t.shape, t.box or full_box(t.shape), t.start, t.numel):
+                span = files.piece(key, first, numel, TORCH_DTYPES[dtype].itemsize)
+                pieces.append(SavePiece(key, span.file, span.begin, span.end, dtype, first))
+                runs.append((t, state, offset, numel))
         buffer = SnapshotBuffer(pieces, pin=torch.device(self.engine.device).type == "cuda")
-        prepared = Prepared(moments, files, buffer, tuple(sources[p.key] for p in buffer.pieces), frozenset(whole))
+        of_piece = {(p.key, p.start): run for p, run in zip(pieces, runs)}
+        patterns = _patterns(self.engine, entries, every) if self.leader else {}
+        prepared = Prepared(moments, files, buffer, _copies(buffer, of_piece), patterns)
         self._prepared[tier] = prepared
         return prepared
+
+    def _every_holding(self) -> list[Holding]:
+        """What every rank of the saving group holds (collective, from the training thread, on the training
+        group: the saver's own group belongs to the writer thread)."""
+        mine = holdings(self.target, self.rank)
+        if self.group is None:
+            return mine
+        found: list[list[Holding]] = [[] for _ in self.ranks]
+        world = self.ranks == list(range(dist.get_world_size()))
+        dist.all_gather_object(found, mine, group=None if world else self.target.dp_group)
+        return [h for rank in found for h in rank]
 
     # -- the writer thread
 
@@ -403,7 +437,8 @@ def _metadata(saver: Saver, prepared: Prepared, tag: str, tag_dir: Location,
     return {
         "params": params,
         "source": {"framework": "deepspeed", "ds_version": deepspeed.__version__,
-                   "zero_stage": engine.zero_optimization_stage(), "dp": len(saver.ranks), "tp": 1, "pp": 1,
+                   "zero_stage": engine.zero_optimization_stage(),
+                   "dp": len(saver.ranks) // tp_size(engine), "tp": tp_size(engine), "pp": 1,
                    "precision": precision, "tag": tag, "path": str(tag_dir), "writer": "ucp.deepspeed.save"},
         "training": training,
         "optimizer": optimizer_record(config.get("optimizer"), groups, list(prepared.moments), engine.optimizer_name()),
@@ -457,14 +492,10 @@ def index_of(prepared: Prepared, tag_dir: Location, reports: list[RankReport], m
     failed = [error for _, error in reports if error]
     if failed:
         raise SaveError(f"{tag_dir}: not committed, {failed[0]}")
-    pieces: list[WrittenPiece] = []
-    fragments: dict[str, list[tuple[int, int, int]]] = {}
-    for rank_index, (report, _) in enumerate(reports):
-        for key, start, numel, begin, end, segments in report or []:
-            pieces.append(WrittenPiece(key, begin, end, tuple((lo, hi, crc) for lo, hi, crc in segments)))
-            fragments.setdefault(key, []).append((rank_index, start, numel))
+    pieces = [WrittenPiece(key, begin, end, tuple((lo, hi, crc) for lo, hi, crc in segments))
+              for report, _ in reports for key, _start, _numel, begin, end, segments in report or []]
     crcs = whole_crcs(prepared.files, pieces)
-    params = [_param_record(p, prepared, fragments) for p in meta["params"]]
+    params = [_param_record(p, prepared.patterns[p["name"]]) for p in meta["params"]]
     fingerprint = hashlib.sha256(f"{tag_dir}:{time.time_ns()}".encode()).hexdigest()[:32]
     run = RunRecord(meta["source"], meta["training"], meta["optimizer"], meta["lr_scheduler"], meta["client_state"])
     written = [WrittenFile(f.name, f.size, CHUNK_BYTES,
@@ -485,16 +516,37 @@ def _prune(save_dir: Location, keep: int) -> None:
         logger.info("ucp: removed %s (\"keep\": %d)", tag, keep)
 
 
-def _param_record(p: dict[str, Any], prepared: Prepared, fragments: dict[str, list[tuple[int, int, int]]]
-                  ) -> ParamRecord:
+def _param_record(p: dict[str, Any], pattern: PatternSpec) -> ParamRecord:
     """The parameter's index record; its pattern says how the ranks held it (as `ucp convert` records it)."""
-    shape = tuple(p["shape"])
-    first = tensor_key(p["name"], next(iter(p["states"])))
-    infos = [FragmentInfo(rank, shape) if first in prepared.whole else FragmentInfo(rank, (numel,), start)
-             for rank, start, numel in fragments.get(first, [])]
-    spec = recognize(p["name"], shape, infos)
-    return ParamRecord(name=p["name"], kind=p["kind"], shape=shape, pattern=spec, dtypes=dict(p["states"]),
-                       model_dtype=p["model_dtype"], group=p["group"], step=p["step"])
+    return ParamRecord(name=p["name"], kind=p["kind"], shape=tuple(p["shape"]), pattern=pattern,
+                       dtypes=dict(p["states"]), model_dtype=p["model_dtype"], group=p["group"], step=p["step"])
+
+
+def _patterns(engine: DeepSpeedEngine, entries: list[tuple[TargetTensor, str, str]], every: list[Holding]
+              ) -> dict[str, PatternSpec]:
+    """Each tensor's pattern, from what every rank holds of it (`ucp.deepspeed.save_plan.pattern_of`)."""
+    shapes = {t.name: t.shape for t, _, _ in entries}
+    hints = declared_hints(engine, shapes)
+    held: dict[str, list[Holding]] = {}
+    for h in every:
+        held.setdefault(h.name, []).append(h)
+    return {name: pattern_of(name, shape, held[name], hints[name]) for name, shape in shapes.items()}
+
+
+def _copies(buffer: SnapshotBuffer, runs: dict[tuple[str, int], tuple[TargetTensor, str, int, int]]
+            ) -> tuple[Copy, ...]:
+    """The snapshot's copies: each run of a live tensor into its buffer piece, runs that continue each other
+    (the rows of one box, adjacent in the buffer and in the rank's shard) joined into one copy."""
+    out: list[Copy] = []
+    for i, p in enumerate(buffer.pieces):
+        t, state, offset, numel = runs[(p.key, p.start)]
+        last = out[-1] if out else None
+        if (last is not None and last.tensor is t and last.state == state and last.offset + last.numel == offset
+                and last.stop == i):
+            out[-1] = Copy(t, state, last.offset, last.numel + numel, last.first, i + 1)
+        else:
+            out.append(Copy(t, state, offset, numel, i, i + 1))
+    return tuple(out)
 
 
 # -- one saver per engine, and the public entry points -------------------------------------------------

@@ -19,7 +19,7 @@ committed, and runs at exit too; see `ucp.deepspeed.async_save`). The `"ucp"` co
   else to call), and moves `<dir>/latest` once each is committed; with `keep`, only the newest `keep`
   committed checkpoints stay (never the one `latest` names, nor one being read). A save that finds
   the previous one still writing waits for it, with a warning. Client state for these saves is
-  `engine.ucp_client_state` (a dict) when set. Data parallelism (ZeRO 0-3) only. With
+  `engine.ucp_client_state` (a dict) when set. Data parallelism (ZeRO 0-3) and AutoTP. With
   `"memory": {"every": k, "replicas": r, "dir": ...}` it also saves every k steps into each node's host
   memory, with copies on r other nodes, which `"auto"` prefers when newer (`ucp.deepspeed.memory_tier`).
 * `elastic` (dict): `{"global_batch": B, "micro_batch": m}` sets DeepSpeed's batch keys for the

@@ -28,11 +28,12 @@ import torch
 import torch.distributed as dist
 
 from ucp.deepspeed.async_save import Prepared, RankReport, Saver, index_of
+from ucp.deepspeed.autotp import tp_size
 from ucp.deepspeed.memory_files import MemoryEvery, node_key, write_manifest
 from ucp.deepspeed.save_writer import BackgroundSave, partial_path, write_pieces
 from ucp.elastic.memory_plan import held_by, nodes_of, peer_pairs
 from ucp.elastic.resume import prune, tag_step
-from ucp.errors import SaveError
+from ucp.errors import SaveError, UnsupportedLayoutError
 from ucp.format.fileio import tensor_bytes
 from ucp.format.folder import INDEX_NAME, commit_index, commit_latest, fsync_dir
 from ucp.format.index import Index
@@ -47,6 +48,10 @@ class MemoryTier:
     """A saver's memory tier: its nodes and peers, fixed when training starts (collectively)."""
 
     def __init__(self, saver: Saver, config: MemoryEvery, step: int):
+        if tp_size(saver.engine) > 1:
+            raise UnsupportedLayoutError('"ucp": {"save": {"memory": ...}}: the host-memory tier serves data '
+                                         "parallelism (ZeRO 0-3) only, this engine uses AutoTP tensor parallelism; "
+                                         'drop "memory" (the disk saves serve AutoTP)')
         self.config = config
         self.dir = config.path
         self.dir.mkdir(parents=True, exist_ok=True)
