@@ -7,6 +7,11 @@ must equal `ucp convert` of DeepSpeed's checkpoint: names, shapes, patterns, met
 every tensor `torch.equal` (`support.atomic.assert_same_checkpoint`), and `verify` clean. Negative
 control: the save of the last step fails the same comparison. One checkpoint then resumes at another
 layout (plain DP=2, ZeRO-2) and continues the run's losses.
+
+PipelineModule: train_pipe.py's model (a tied embedding on the first and the last stage) on 2 stages,
+ZeRO-1 x DP=2 (4 ranks) and bf16 without ZeRO (BF16_Optimizer, 2 ranks), saves the same way; the tied
+weight is written by the first stage's ranks only, each stage writes its own layers. The same
+comparisons and negative control; the ZeRO-1 save resumes on 1 stage x DP=2 and continues the losses.
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ import pytest
 import ucp
 from support.atomic import assert_same_checkpoint
 from support.llama_tp_runs import losses, resume
+from support.resume_3d import Layout, resume_run
 from ucp.convert import convert
 
 SAVED_AT, STEPS = 2, 4
@@ -57,3 +63,39 @@ def test_an_autotp_save_resumes_without_tensor_parallelism(autotp, ckpt_root):
                                                      "tied": True, "ucp_load": str(path)}}, ckpt_root)
     # TP sums row-parallel products and the vocabulary-parallel loss in another order (~1e-7 apart in fp32).
     assert losses(run / "z2") == pytest.approx(losses(autotp / "z1-fp32-tied")[SAVED_AT:], rel=1e-6)
+
+
+PIPE_LAYOUTS = {"z1-pp2-dp2": Layout("resume_pipe.py", 4, ("--stages", "2", "--zero-stage", "1")),
+                "bf16-z0-pp2": Layout("resume_pipe.py", 2, ("--stages", "2", "--zero-stage", "0", "--dtype", "bf16"))}
+PIPE_SAVED_AT, PIPE_STEPS = 2, 4
+
+
+@pytest.fixture(scope="module")
+def pipe_runs(ckpt_root):
+    return {name: resume_run(layout, ["--steps", PIPE_STEPS, "--save-at", PIPE_SAVED_AT, "--save-dir", "{run}/ckpt",
+                                      "--ucp-save", "{run}/ucp", "--losses-out", "{run}/losses.json"], ckpt_root)
+            for name, layout in PIPE_LAYOUTS.items()}
+
+
+@pytest.mark.parametrize("name", list(PIPE_LAYOUTS))
+def test_pipeline_saves_equal_converted_deepspeed_checkpoints(pipe_runs, name, tmp_path):
+    run = pipe_runs[name]
+    saved = ucp.open_checkpoint(run / "ucp" / f"global_step{PIPE_SAVED_AT}")
+    assert saved.verify() == []
+    assert saved.source["pp"] == 2
+    converted = ucp.open_checkpoint(convert(run / "ckpt", tmp_path / "converted", workers=1, progress=False).output)
+    assert_same_checkpoint(saved, converted)
+    assert saved.index.params["tied_modules.embed.weight"].pattern["pattern"] == "replicate"
+    later = ucp.open_checkpoint(run / "ucp" / f"global_step{PIPE_STEPS}")
+    assert later.verify() == []
+    with pytest.raises(AssertionError):  # negative control: another step's save
+        assert_same_checkpoint(later, converted)
+
+
+def test_a_pipeline_save_resumes_on_one_stage(pipe_runs, ckpt_root):
+    source = pipe_runs["z1-pp2-dp2"]
+    run = resume_run(Layout("resume_pipe.py", 2, ("--stages", "1", "--zero-stage", "1")),
+                     ["--steps", PIPE_STEPS - PIPE_SAVED_AT, "--start-step", PIPE_SAVED_AT, "--ucp-load",
+                      source / "ucp" / f"global_step{PIPE_SAVED_AT}", "--losses-out", "{run}/losses.json"], ckpt_root)
+    assert losses(run) == pytest.approx(losses(source)[PIPE_SAVED_AT:], rel=1e-6)
+

@@ -9,6 +9,8 @@ degree); a lower DP degree accumulates more micro-batches, so runs at any layout
 
 * ``--save-at K --save-dir D``: save with DeepSpeed after K steps and keep training: the losses of
   the later steps are those of the uninterrupted run.
+* ``--ucp-save D``: with ``--save-at K``, also save with ``ucp.deepspeed.save`` into D after K steps
+  (asynchronously, alongside DeepSpeed's own save), and again after the last step.
 * ``--ucp-load P``: resume from the ucp checkpoint P through ``ucp.deepspeed.initialize``.
 * ``--reset-tied-on-last-stage`` (negative control): after loading, the last stage's copy of the
   tied embedding gets its initial value back, as a loader that fills only the first stage's copy
@@ -90,6 +92,7 @@ def main(argv=None):
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--ucp-expect-error", default=None)
     p.add_argument("--reset-tied-on-last-stage", action="store_true")
+    p.add_argument("--ucp-save", default=None)
     args = p.parse_args(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
@@ -127,8 +130,13 @@ def main(argv=None):
     losses = []
     for step in range(args.start_step, args.start_step + args.steps):
         if step == args.save_at:
+            if args.ucp_save:  # asynchronous, overlapping DeepSpeed's own save of the same step
+                ucp.deepspeed.save(engine, args.ucp_save, client_state=dict(CLIENT_STATE))
             engine.save_checkpoint(args.save_dir, client_state=dict(CLIENT_STATE))
         losses.append(engine.train_batch(iter(batches(step, dp_rank, dp))).item())
+    if args.ucp_save:  # the last step too: another step's checkpoint, for negative controls
+        ucp.deepspeed.save(engine, args.ucp_save, client_state=dict(CLIENT_STATE))
+        ucp.deepspeed.wait(engine)
     write_losses_and_close(engine, losses, args.losses_out)
     return 0
 

@@ -34,7 +34,7 @@ import logging
 import os
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -44,12 +44,12 @@ import torch.distributed as dist
 
 from ucp.convert.balance import TARGET_FILE_BYTES
 from ucp.convert.index_builder import ParamRecord, WrittenFile, build_index
-from ucp.convert.plan import BUFFER_STATE, WEIGHT_STATE
 from ucp.deepspeed.autotp import tp_size, with_tensor_parallel
 from ucp.deepspeed.memory_files import MemoryEvery
 from ucp.deepspeed.save_files import SaveFiles, WrittenPiece, arrange_files, bytes_to_send, plan_parts, whole_crcs
-from ucp.deepspeed.save_layout import declared_hints, holdings, refuse_unsupported
-from ucp.deepspeed.save_plan import Holding, box_runs, full_box, pattern_of, writers
+from ucp.deepspeed.save_layout import holdings, pattern_inputs, refuse_unsupported
+from ucp.deepspeed.save_plan import Holding, box_runs, full_box, pattern_of, tensors, writers
+from ucp.deepspeed.save_plan import entries as save_entries
 from ucp.deepspeed.save_writer import BackgroundSave, SavePiece, SnapshotBuffer, partial_path, write_pieces
 from ucp.deepspeed.targets import Target, TargetTensor, Zero3Target, module_aliases, target_for
 from ucp.elastic.resume import prune
@@ -95,6 +95,7 @@ class Prepared:
     buffer: SnapshotBuffer
     copies: tuple[Copy, ...]                        # what the snapshot copies from the live tensors
     patterns: dict[str, PatternSpec]                # each tensor's pattern (on the leader, which builds the index)
+    model: tuple[Holding, ...]                      # every tensor of the model (of every pipeline stage), in order
 
 
 @dataclass(frozen=True)
@@ -133,7 +134,7 @@ class Saver:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         if not dist.is_initialized():
             self.ranks = [0]
-        elif tp_size(engine) > 1:  # the whole job saves one checkpoint
+        elif tp_size(engine) > 1 or getattr(engine, "pipeline_parallelism", False):  # the job saves one checkpoint
             self.ranks = list(range(dist.get_world_size()))
         elif self.target.dp_group is not None:
             self.ranks = dist.get_process_group_ranks(self.target.dp_group)
@@ -235,34 +236,39 @@ class Saver:
         if known is not None and known.moments == moments:
             return known
         self._prepared.pop(tier, None)  # free the old buffer before allocating the new one
-        entries = _entries(self.target, moments)
-        slots = [TensorSlot(tensor_key(t.name, s), dtype, t.shape) for t, s, dtype in entries]
+        every = self._every_holding(moments)
+        model = tensors(every)
+        entries = save_entries(model)
+        slots = [TensorSlot(tensor_key(h.name, s), dtype, h.shape) for h, s, dtype in entries]
         files = arrange_files(slots, TARGET_FILE_BYTES, {"format": FORMAT_NAME})
-        every = self._every_holding()
         element_bytes: dict[str, int] = {}
-        for t, _, dtype in entries:
-            element_bytes[t.name] = element_bytes.get(t.name, 0) + TORCH_DTYPES[dtype].itemsize
+        for h, _, dtype in entries:
+            element_bytes[h.name] = element_bytes.get(h.name, 0) + TORCH_DTYPES[dtype].itemsize
         mine = writers(every, element_bytes)
+        local = {t.name: t for t in self.target.tensors}
         pieces, runs = [], []
-        for t, state, dtype in entries:
-            if (t.name, self.rank) not in mine:
+        for h, state, dtype in entries:
+            if (h.name, self.rank) not in mine:
                 continue
-            key = tensor_key(t.name, state)
+            t, key = local[h.name], tensor_key(h.name, state)
             for first, offset, numel in box_runs(t.shape, t.box or full_box(t.shape), t.start, t.numel):
                 span = files.piece(key, first, numel, TORCH_DTYPES[dtype].itemsize)
                 pieces.append(SavePiece(key, span.file, span.begin, span.end, dtype, first))
                 runs.append((t, state, offset, numel))
         buffer = SnapshotBuffer(pieces, pin=torch.device(self.engine.device).type == "cuda")
         of_piece = {(p.key, p.start): run for p, run in zip(pieces, runs)}
-        patterns = _patterns(self.engine, entries, every) if self.leader else {}
-        prepared = Prepared(moments, files, buffer, _copies(buffer, of_piece), patterns)
+        patterns = {}
+        if self.leader:
+            patterns = {name: pattern_of(name, held[0].shape, held, hints)
+                        for name, (held, hints) in pattern_inputs(self.engine, every).items()}
+        prepared = Prepared(moments, files, buffer, _copies(buffer, of_piece), patterns, tuple(model))
         self._prepared[tier] = prepared
         return prepared
 
-    def _every_holding(self) -> list[Holding]:
+    def _every_holding(self, moments: tuple[str, ...]) -> list[Holding]:
         """What every rank of the saving group holds (collective, from the training thread, on the training
         group: the saver's own group belongs to the writer thread)."""
-        mine = holdings(self.target, self.rank)
+        mine = holdings(self.target, self.rank, moments)
         if self.group is None:
             return mine
         found: list[list[Holding]] = [[] for _ in self.ranks]
@@ -394,37 +400,19 @@ class Saver:
         return box[0]
 
 
-def _entries(target: Target, moments: tuple[str, ...]) -> list[tuple[TargetTensor, str, str]]:
-    """(tensor, state, stored dtype), state-major, in flat order (see `ucp.deepspeed.save_files`)."""
-    trainable = [t for t in target.tensors if t.kind == "param"]
-    entries = [(t, s, "float32") for s in (WEIGHT_STATE, *moments) for t in trainable]
-    entries += [(t, WEIGHT_STATE, "float32") for t in target.tensors if t.kind == "frozen"]
-    entries += [(t, BUFFER_STATE, _dtype(t.view(BUFFER_STATE))) for t in target.tensors if t.kind == "buffer"]
-    return entries
-
-
-def _dtype(t: torch.Tensor) -> str:
-    return str(t.dtype).removeprefix("torch.")
-
-
 # -- what the index says besides tensors, taken at snapshot time on rank 0 --------------------------------
 
 def _metadata(saver: Saver, prepared: Prepared, tag: str, tag_dir: Location,
               client_state: dict[str, Any] | None) -> dict[str, Any]:
     engine, target = saver.engine, saver.target
-    groups, group_index = _param_groups(target)
-    dtypes = {n: _dtype(p) for n, p in engine.module.named_parameters()}
-    dtypes.update({n: _dtype(b) for n, b in engine.module.named_buffers()})
-    states: dict[str, dict[str, str]] = {}
-    for t, state, dtype in _entries(target, prepared.moments):
-        states.setdefault(t.name, {})[state] = dtype
+    groups, group_index = _param_groups(target, prepared.model)
     params = []
-    for t in target.tensors:
-        group = t.group if t.kind == "param" else None  # every trainable tensor is in a param group
-        params.append({"name": t.name, "shape": t.shape, "kind": t.kind, "states": states[t.name],
+    for h in prepared.model:
+        group = h.group  # every trainable tensor is in a param group
+        params.append({"name": h.name, "shape": h.shape, "kind": h.kind, "states": dict(h.states),
                        "group": group_index[group] if group is not None else None,
                        "step": target.saved_step(group) if group is not None else None,
-                       "model_dtype": dtypes.get(t.name, "float32")})
+                       "model_dtype": h.model_dtype})
     config = engine.config if isinstance(engine.config, dict) else {}
     precision = "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32"
     training = {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
@@ -432,13 +420,14 @@ def _metadata(saver: Saver, prepared: Prepared, tag: str, tag_dir: Location,
     scaler = loss_scale.live_scaler(engine.optimizer)
     if precision == "fp16" and scaler is not None:
         training["loss_scaler"] = loss_scale.record_live(scaler)
+    stages = engine.num_stages if getattr(engine, "pipeline_parallelism", False) else 1
     import deepspeed
 
     return {
         "params": params,
         "source": {"framework": "deepspeed", "ds_version": deepspeed.__version__,
                    "zero_stage": engine.zero_optimization_stage(),
-                   "dp": len(saver.ranks) // tp_size(engine), "tp": tp_size(engine), "pp": 1,
+                   "dp": len(saver.ranks) // (tp_size(engine) * stages), "tp": tp_size(engine), "pp": stages,
                    "precision": precision, "tag": tag, "path": str(tag_dir), "writer": "ucp.deepspeed.save"},
         "training": training,
         "optimizer": optimizer_record(config.get("optimizer"), groups, list(prepared.moments), engine.optimizer_name()),
@@ -448,20 +437,26 @@ def _metadata(saver: Saver, prepared: Prepared, tag: str, tag_dir: Location,
     }
 
 
-def _param_groups(target: Target) -> tuple[list[dict[str, Any]], dict[int, int]]:
-    """The torch param groups as the index records them, and each engine group's index among them.
+def _param_groups(target: Target, model: Sequence[Holding]) -> tuple[list[dict[str, Any]], dict[int, int]]:
+    """The torch param groups as the index records them, and each engine group's index among them: group i
+    holds the trainable tensors of `model` (every pipeline stage's) in group i, with this rank's hyper-parameters
+    of group i (the stages' optimizers are built from one config).
 
     ZeRO-3 splits a param group into sub-groups with the same hyper-parameters; like `ucp convert`,
     consecutive sub-groups with equal hyper-parameters are one group again.
     """
+    names: dict[int, list[str]] = {}
+    for h in model:
+        if h.group is not None:
+            names.setdefault(h.group, []).append(h.name)
     groups: list[dict[str, Any]] = []
     index = {}
     for i, entry in enumerate(target.optimizer_groups):
         hyper = _to_json({k: v for k, v in entry["group"].items() if k != "params"})
         if isinstance(target, Zero3Target) and groups and groups[-1]["hyperparams"] == hyper:
-            groups[-1]["params"] += entry["names"]
+            groups[-1]["params"] += names.get(i, [])
         else:
-            groups.append({"hyperparams": hyper, "params": list(entry["names"])})
+            groups.append({"hyperparams": hyper, "params": names.get(i, [])})
         index[i] = len(groups) - 1
     return groups, index
 
@@ -520,17 +515,6 @@ def _param_record(p: dict[str, Any], pattern: PatternSpec) -> ParamRecord:
     """The parameter's index record; its pattern says how the ranks held it (as `ucp convert` records it)."""
     return ParamRecord(name=p["name"], kind=p["kind"], shape=tuple(p["shape"]), pattern=pattern,
                        dtypes=dict(p["states"]), model_dtype=p["model_dtype"], group=p["group"], step=p["step"])
-
-
-def _patterns(engine: DeepSpeedEngine, entries: list[tuple[TargetTensor, str, str]], every: list[Holding]
-              ) -> dict[str, PatternSpec]:
-    """Each tensor's pattern, from what every rank holds of it (`ucp.deepspeed.save_plan.pattern_of`)."""
-    shapes = {t.name: t.shape for t, _, _ in entries}
-    hints = declared_hints(engine, shapes)
-    held: dict[str, list[Holding]] = {}
-    for h in every:
-        held.setdefault(h.name, []).append(h)
-    return {name: pattern_of(name, shape, held[name], hints[name]) for name, shape in shapes.items()}
 
 
 def _copies(buffer: SnapshotBuffer, runs: dict[tuple[str, int], tuple[TargetTensor, str, int, int]]
@@ -627,7 +611,9 @@ class SaveEvery:
         engine.ucp_save_dir = self.dir
         saver.last_step = engine.global_steps
         saver.keep = self.keep
-        step: Callable[..., Any] = engine.step
+        # A pipeline engine steps inside train_batch (its `step` refuses to be called).
+        method = "train_batch" if getattr(engine, "pipeline_parallelism", False) else "step"
+        step: Callable[..., Any] = getattr(engine, method)
 
         def step_and_save(*args: Any, **kwargs: Any) -> Any:
             result = step(*args, **kwargs)
@@ -640,7 +626,7 @@ class SaveEvery:
                 saver.save(self.dir, None, client_state, True)
             return result
 
-        engine.step = step_and_save
+        setattr(engine, method, step_and_save)
 
 
 def wait_all() -> list[SaveError]:

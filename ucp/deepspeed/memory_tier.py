@@ -48,10 +48,10 @@ class MemoryTier:
     """A saver's memory tier: its nodes and peers, fixed when training starts (collectively)."""
 
     def __init__(self, saver: Saver, config: MemoryEvery, step: int):
-        if tp_size(saver.engine) > 1:
+        if tp_size(saver.engine) > 1 or getattr(saver.engine, "pipeline_parallelism", False):
             raise UnsupportedLayoutError('"ucp": {"save": {"memory": ...}}: the host-memory tier serves data '
-                                         "parallelism (ZeRO 0-3) only, this engine uses AutoTP tensor parallelism; "
-                                         'drop "memory" (the disk saves serve AutoTP)')
+                                         "parallelism (ZeRO 0-3) only, this engine uses AutoTP or pipeline "
+                                         'parallelism; drop "memory" (the disk saves serve both)')
         self.config = config
         self.dir = config.path
         self.dir.mkdir(parents=True, exist_ok=True)

@@ -1,20 +1,24 @@
 """The engine side of a save's plan (`ucp.deepspeed.save_plan`): what this rank holds, what the engine declares.
 
 `holdings` describes each tensor of the rank's target (`ucp.deepspeed.targets`, AutoTP boxes from
-`ucp.deepspeed.autotp`) as a `Holding`; `declared_hints` gives the TP pattern the engine's own
-`universal_checkpoint_info` declares, read with the converter's reader, so a save and `ucp convert` of the
-engine's `save_checkpoint` see one layout. `refuse_unsupported` names the families the saver does not
-serve yet, in one line, before anything is allocated.
+`ucp.deepspeed.autotp`, a pipeline stage's tensors) as a `Holding`; `pattern_inputs` says from which
+holdings and hints each pattern is recognized, as `ucp convert` reads the engine's `save_checkpoint`
+(under AutoTP the TP pattern the engine's own `universal_checkpoint_info` declares, read with the
+converter's reader), so a save and a conversion see one layout. `refuse_unsupported` names the
+families the saver does not serve yet, in one line, before anything is allocated.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
+import torch
 import torch.distributed as dist
 
+from ucp.convert.plan import BUFFER_STATE, WEIGHT_STATE
 from ucp.converters.deepspeed_declared import affine_params, declared_layout
 from ucp.deepspeed.autotp import UNIVERSAL_CHECKPOINT_INFO, tp_size
+from ucp.deepspeed.moe_target import checkpoint_name, local_expert_tensors
 from ucp.deepspeed.save_plan import Holding, full_box
 from ucp.deepspeed.targets import Target
 from ucp.errors import UnsupportedLayoutError
@@ -28,29 +32,67 @@ _INSTEAD = "; use engine.save_checkpoint and `ucp convert` instead"
 
 def refuse_unsupported(engine: DeepSpeedEngine) -> None:
     """Raise `UnsupportedLayoutError` naming the parallelism family of `engine` that saves do not serve yet."""
-    if getattr(engine, "pipeline_parallelism", False):
-        raise UnsupportedLayoutError("ucp.deepspeed.save does not save PipelineModule (pipeline-parallel) engines "
-                                     "yet" + _INSTEAD)
+    pipeline = getattr(engine, "pipeline_parallelism", False)
+    if pipeline and engine.grid.get_slice_parallel_world_size() > 1:
+        raise UnsupportedLayoutError("ucp.deepspeed.save does not save PipelineModule engines with tensor "
+                                     "parallelism (a Megatron-style mpu) yet" + _INSTEAD)
     if getattr(engine, "has_moe_layers", False):
-        raise UnsupportedLayoutError("ucp.deepspeed.save does not save MoE (expert-parallel) engines yet" + _INSTEAD)
-    if tp_size(engine) == 1 and getattr(engine, "mp_world_size", 1) > 1:
+        raise UnsupportedLayoutError("ucp.deepspeed.save does not save MoE engines (expert parallelism) yet" + _INSTEAD)
+    if not pipeline and tp_size(engine) == 1 and getattr(engine, "mp_world_size", 1) > 1:
         raise UnsupportedLayoutError("ucp.deepspeed.save does not save engines with a Megatron-style mpu (tensor "
                                      "parallelism outside AutoTP) yet" + _INSTEAD)
 
 
-def holdings(target: Target, rank: int) -> list[Holding]:
-    """One `Holding` per tensor of `target` on global rank `rank`."""
+def holdings(target: Target, rank: int, moments: Sequence[str]) -> list[Holding]:
+    """One `Holding` per tensor of `target` on global rank `rank`, whose optimizer holds `moments`."""
+    engine = target.engine
     outer = 0
-    if tp_size(target.engine) > 1:
+    if tp_size(engine) > 1:
         from deepspeed.utils import groups
 
         outer = groups.get_tensor_model_parallel_rank()
+    elif getattr(engine, "pipeline_parallelism", False):
+        outer = engine.stage_id
+    experts = local_expert_tensors(engine.module)
+    model_dtypes = {checkpoint_name(experts, n): _dtype(p) for n, p in engine.module.named_parameters()}
+    model_dtypes.update({checkpoint_name(experts, n): _dtype(b) for n, b in engine.module.named_buffers()})
     out = []
     for t in target.tensors:
         group = t.dp_group if t.dp_group is not None else target.dp_group
         inner = dist.get_rank(group=group) if dist.is_initialized() else 0
+        if t.kind == "param":
+            states = tuple((s, "float32") for s in (WEIGHT_STATE, *moments))
+        elif t.kind == "frozen":
+            states = ((WEIGHT_STATE, "float32"),)
+        else:
+            states = ((BUFFER_STATE, _dtype(t.view(BUFFER_STATE))),)
         out.append(Holding(t.name, rank, t.box if t.box is not None else full_box(t.shape), t.start, t.numel,
-                           t.whole, outer, inner))
+                           t.whole, outer, inner, t.kind, tuple(t.shape), states,
+                           t.group if t.kind == "param" else None, model_dtypes.get(t.name, "float32")))
+    return out
+
+
+def _dtype(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def pattern_inputs(engine: DeepSpeedEngine, every: Iterable[Holding]) -> dict[str, tuple[list[Holding], Hints | None]]:
+    """For each tensor, the holdings its pattern comes from and the hints that settle it, as `ucp convert`
+    reads the engine's checkpoint: under AutoTP what the engine's affine map declares; in a pipeline, a
+    trainable tensor on several stages (a tied module) is a Replicate of the stages' copies, and a frozen
+    tensor or buffer is read from one layer file (the first stage's copy)."""
+    held: dict[str, list[Holding]] = {}
+    for h in every:
+        held.setdefault(h.name, []).append(h)
+    hints = declared_hints(engine, held)
+    out = {}
+    for name, hs in held.items():
+        stages = sorted({h.outer for h in hs})
+        if getattr(engine, "pipeline_parallelism", False) and hs[0].kind != "param":
+            hs = [h for h in hs if h.outer == stages[0]]
+        elif getattr(engine, "pipeline_parallelism", False) and len(stages) > 1:
+            hints[name] = Hints(pattern=Pattern.REPLICATE)
+        out[name] = (hs, hints[name])
     return out
 
 

@@ -27,7 +27,8 @@ from ucp.patterns.recognize import FragmentInfo, recognize_outer
 
 @dataclass(frozen=True)
 class Holding:
-    """What global rank `rank` holds of tensor `name`: elements [start, start + numel) of its box, flattened."""
+    """What global rank `rank` holds of tensor `name`: elements [start, start + numel) of its box, flattened;
+    and what the tensor is, which a rank that does not hold it (another pipeline stage) learns from here."""
 
     name: str
     rank: int
@@ -35,8 +36,33 @@ class Holding:
     start: int
     numel: int
     whole: bool       # holds every element of the box, as the other ranks sharing the box do
-    outer: int        # the outer piece's rank (TP rank; 0 without model parallelism)
+    outer: int        # the outer piece's rank (TP rank, pipeline stage; 0 without model parallelism)
     inner: int        # the rank among the ranks sharing the box (its DP rank)
+    kind: str = "param"                          # "param", "frozen" or "buffer"
+    shape: tuple[int, ...] = ()                  # of the full tensor
+    states: tuple[tuple[str, str], ...] = ()     # (state, stored dtype) in state order
+    group: int | None = None                     # optimizer param group (trainable tensors)
+    model_dtype: str = "float32"
+
+
+def tensors(holdings: Iterable[Holding]) -> list[Holding]:
+    """One holding per tensor, the whole model's, the same list on every rank: trainable tensors first, then
+    frozen ones and buffers, each in the order ranks report them (rank order, first seen), as `ucp convert`
+    lists a pipeline's stages."""
+    seen: dict[str, Holding] = {}
+    for h in holdings:
+        seen.setdefault(h.name, h)
+    return sorted(seen.values(), key=lambda h: h.kind != "param")
+
+
+def entries(model: Sequence[Holding]) -> list[tuple[Holding, str, str]]:
+    """(tensor, state, stored dtype) of every state of `model`'s tensors, state-major: every trainable tensor's
+    fp32, then each moment, then frozen weights and buffers, each in model order (`ucp.deepspeed.save_files`),
+    so a rank's ZeRO run of one state lands in one contiguous byte range."""
+    order = list(dict.fromkeys(s for h in model if h.kind == "param" for s, _ in h.states))
+    out = [(h, s, dict(h.states)[s]) for s in order for h in model if h.kind == "param"]
+    out += [(h, s, dtype) for kind in ("frozen", "buffer") for h in model if h.kind == kind for s, dtype in h.states]
+    return out
 
 
 def full_box(shape: Sequence[int]) -> Box:
