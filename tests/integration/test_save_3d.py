@@ -12,6 +12,10 @@ PipelineModule: train_pipe.py's model (a tied embedding on the first and the las
 ZeRO-1 x DP=2 (4 ranks) and bf16 without ZeRO (BF16_Optimizer, 2 ranks), saves the same way; the tied
 weight is written by the first stage's ranks only, each stage writes its own layers. The same
 comparisons and negative control; the ZeRO-1 save resumes on 1 stage x DP=2 and continues the losses.
+
+MoE: train_moe.py's model (4 experts) at ep_size 2 on 2 ranks, ZeRO-1 and ZeRO-2: each rank writes its own
+experts under their global ids, the dense tensors each rank its ZeRO run. The same comparisons and negative
+control; the ZeRO-1 save resumes at ep_size 1 and continues the losses.
 """
 from __future__ import annotations
 
@@ -99,3 +103,35 @@ def test_a_pipeline_save_resumes_on_one_stage(pipe_runs, ckpt_root):
                       source / "ucp" / f"global_step{PIPE_SAVED_AT}", "--losses-out", "{run}/losses.json"], ckpt_root)
     assert losses(run) == pytest.approx(losses(source)[PIPE_SAVED_AT:], rel=1e-6)
 
+
+MOE_LAYOUTS = {"ep2-z1": Layout("resume_moe.py", 2, ("--ep-size", "2", "--zero-stage", "1")),
+               "ep2-z2": Layout("resume_moe.py", 2, ("--ep-size", "2", "--zero-stage", "2"))}
+
+
+@pytest.fixture(scope="module")
+def moe_runs(ckpt_root):
+    return {name: resume_run(layout, ["--steps", PIPE_STEPS, "--save-at", PIPE_SAVED_AT, "--save-dir", "{run}/ckpt",
+                                      "--ucp-save", "{run}/ucp", "--losses-out", "{run}/losses.json"], ckpt_root)
+            for name, layout in MOE_LAYOUTS.items()}
+
+
+@pytest.mark.parametrize("name", list(MOE_LAYOUTS))
+def test_moe_saves_equal_converted_deepspeed_checkpoints(moe_runs, name, tmp_path):
+    run = moe_runs[name]
+    saved = ucp.open_checkpoint(run / "ucp" / f"global_step{PIPE_SAVED_AT}")
+    assert saved.verify() == []
+    assert sum(".deepspeed_experts." in n for n in saved.names) == 4 * 3  # 4 experts of 3 tensors, global ids
+    converted = ucp.open_checkpoint(convert(run / "ckpt", tmp_path / "converted", workers=1, progress=False).output)
+    assert_same_checkpoint(saved, converted)
+    later = ucp.open_checkpoint(run / "ucp" / f"global_step{PIPE_STEPS}")
+    assert later.verify() == []
+    with pytest.raises(AssertionError):  # negative control: another step's save
+        assert_same_checkpoint(later, converted)
+
+
+def test_an_moe_save_resumes_at_another_ep_size(moe_runs, ckpt_root):
+    source = moe_runs["ep2-z1"]
+    run = resume_run(Layout("resume_moe.py", 2, ("--ep-size", "1", "--zero-stage", "1")),
+                     ["--steps", PIPE_STEPS - PIPE_SAVED_AT, "--start-step", PIPE_SAVED_AT, "--ucp-load",
+                      source / "ucp" / f"global_step{PIPE_SAVED_AT}", "--losses-out", "{run}/losses.json"], ckpt_root)
+    assert losses(run) == pytest.approx(losses(source)[PIPE_SAVED_AT:], rel=1e-6)

@@ -3,13 +3,14 @@
     ucp.deepspeed.save(engine, "/ckpt/ucp")   # writes /ckpt/ucp/global_step<N>; returns at once
     ucp.deepspeed.wait(engine)                # the save is durable and committed once this returns
 
-A save, on every rank of the data-parallel group (of the whole job under AutoTP):
+A save, on every rank of the data-parallel group (of the whole job under AutoTP, a pipeline or MoE):
 
 1. (training thread) copies exactly what this rank writes into its snapshot buffer: its ZeRO run of
    every fp32 master and optimizer moment, plus the replicated tensors (ZeRO-0 parameters, frozen
    parameters, buffers) that byte balancing gives it. Under AutoTP a rank's run lies in its TP shard's
-   box of the full tensor, and a box that several TP ranks hold is written by one copy
-   (`ucp.deepspeed.save_plan`, planned once from what every rank holds); rank 0 also copies the step,
+   box of the full tensor, and a box that several TP ranks (or pipeline stages: a tied module) hold is
+   written by one copy (`ucp.deepspeed.save_plan`, planned once from what every rank holds, which also
+   tells each rank the tensors of stages it does not run); rank 0 also copies the step,
    hyper-parameters, scheduler and client state. Then training goes on.
 2. (writer thread) pwrites the snapshot at its final offsets in the shared data files, whose arrangement
    every rank computes alike (`ucp.deepspeed.save_files`), fsyncs them, and reports per-piece CRCs to rank 0
@@ -134,7 +135,8 @@ class Saver:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         if not dist.is_initialized():
             self.ranks = [0]
-        elif tp_size(engine) > 1 or getattr(engine, "pipeline_parallelism", False):  # the job saves one checkpoint
+        elif (tp_size(engine) > 1 or getattr(engine, "pipeline_parallelism", False)
+              or getattr(engine, "has_moe_layers", False)):  # the whole job saves one checkpoint
             self.ranks = list(range(dist.get_world_size()))
         elif self.target.dp_group is not None:
             self.ranks = dist.get_process_group_ranks(self.target.dp_group)

@@ -48,10 +48,12 @@ class MemoryTier:
     """A saver's memory tier: its nodes and peers, fixed when training starts (collectively)."""
 
     def __init__(self, saver: Saver, config: MemoryEvery, step: int):
-        if tp_size(saver.engine) > 1 or getattr(saver.engine, "pipeline_parallelism", False):
+        engine = saver.engine
+        if (tp_size(engine) > 1 or getattr(engine, "pipeline_parallelism", False)
+                or getattr(engine, "has_moe_layers", False)):
             raise UnsupportedLayoutError('"ucp": {"save": {"memory": ...}}: the host-memory tier serves data '
-                                         "parallelism (ZeRO 0-3) only, this engine uses AutoTP or pipeline "
-                                         'parallelism; drop "memory" (the disk saves serve both)')
+                                         "parallelism (ZeRO 0-3) only, this engine uses AutoTP, pipeline or expert "
+                                         'parallelism; drop "memory" (the disk saves serve all three)')
         self.config = config
         self.dir = config.path
         self.dir.mkdir(parents=True, exist_ok=True)

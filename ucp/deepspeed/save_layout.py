@@ -1,11 +1,12 @@
 """The engine side of a save's plan (`ucp.deepspeed.save_plan`): what this rank holds, what the engine declares.
 
 `holdings` describes each tensor of the rank's target (`ucp.deepspeed.targets`, AutoTP boxes from
-`ucp.deepspeed.autotp`, a pipeline stage's tensors) as a `Holding`; `pattern_inputs` says from which
-holdings and hints each pattern is recognized, as `ucp convert` reads the engine's `save_checkpoint`
-(under AutoTP the TP pattern the engine's own `universal_checkpoint_info` declares, read with the
-converter's reader), so a save and a conversion see one layout. `refuse_unsupported` names the
-families the saver does not serve yet, in one line, before anything is allocated.
+`ucp.deepspeed.autotp`, a pipeline stage's tensors, experts under global ids) as a `Holding`;
+`pattern_inputs` says from which holdings and hints each pattern is recognized, as `ucp convert`
+reads the engine's `save_checkpoint` (under AutoTP the TP pattern the engine's own
+`universal_checkpoint_info` declares, read with the converter's reader), so a save and a conversion
+see one layout. `refuse_unsupported` names the families the saver does not serve yet, in one line,
+before anything is allocated.
 """
 from __future__ import annotations
 
@@ -36,8 +37,9 @@ def refuse_unsupported(engine: DeepSpeedEngine) -> None:
     if pipeline and engine.grid.get_slice_parallel_world_size() > 1:
         raise UnsupportedLayoutError("ucp.deepspeed.save does not save PipelineModule engines with tensor "
                                      "parallelism (a Megatron-style mpu) yet" + _INSTEAD)
-    if getattr(engine, "has_moe_layers", False):
-        raise UnsupportedLayoutError("ucp.deepspeed.save does not save MoE engines (expert parallelism) yet" + _INSTEAD)
+    if getattr(engine, "has_moe_layers", False) and engine.zero_optimization_stage() == 0:
+        raise UnsupportedLayoutError("ucp.deepspeed.save does not save MoE engines (expert parallelism) without ZeRO "
+                                     "(ZeRO-0) yet" + _INSTEAD)
     if not pipeline and tp_size(engine) == 1 and getattr(engine, "mp_world_size", 1) > 1:
         raise UnsupportedLayoutError("ucp.deepspeed.save does not save engines with a Megatron-style mpu (tensor "
                                      "parallelism outside AutoTP) yet" + _INSTEAD)
@@ -54,11 +56,14 @@ def holdings(target: Target, rank: int, moments: Sequence[str]) -> list[Holding]
     elif getattr(engine, "pipeline_parallelism", False):
         outer = engine.stage_id
     experts = local_expert_tensors(engine.module)
+    # `ucp convert` numbers an expert's ZeRO fragments by the rank's data-parallel rank (its optimizer file),
+    # not by its place in the expert-data-parallel group that partitions it.
+    by_dp_rank = bool(experts)
     model_dtypes = {checkpoint_name(experts, n): _dtype(p) for n, p in engine.module.named_parameters()}
     model_dtypes.update({checkpoint_name(experts, n): _dtype(b) for n, b in engine.module.named_buffers()})
     out = []
     for t in target.tensors:
-        group = t.dp_group if t.dp_group is not None else target.dp_group
+        group = t.dp_group if t.dp_group is not None and not by_dp_rank else target.dp_group
         inner = dist.get_rank(group=group) if dist.is_initialized() else 0
         if t.kind == "param":
             states = tuple((s, "float32") for s in (WEIGHT_STATE, *moments))
