@@ -9,7 +9,8 @@ control: the save of the last step fails the same comparison. One checkpoint the
 layout (plain DP=2, ZeRO-2) and continues the run's losses.
 
 PipelineModule: train_pipe.py's model (a tied embedding on the first and the last stage) on 2 stages,
-ZeRO-1 x DP=2 (4 ranks) and bf16 without ZeRO (BF16_Optimizer, 2 ranks), saves the same way; the tied
+ZeRO-1 x DP=2 (4 ranks) and bf16 without ZeRO (BF16_Optimizer, 2 ranks), saves every 2 steps through the
+`"ucp": {"save": ...}` config (which wraps `train_batch` there); the tied
 weight is written by the first stage's ranks only, each stage writes its own layers. The same
 comparisons and negative control; the ZeRO-1 save resumes on 1 stage x DP=2 and continues the losses.
 

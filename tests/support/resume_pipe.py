@@ -9,8 +9,9 @@ degree); a lower DP degree accumulates more micro-batches, so runs at any layout
 
 * ``--save-at K --save-dir D``: save with DeepSpeed after K steps and keep training: the losses of
   the later steps are those of the uninterrupted run.
-* ``--ucp-save D``: with ``--save-at K``, also save with ``ucp.deepspeed.save`` into D after K steps
-  (asynchronously, alongside DeepSpeed's own save), and again after the last step.
+* ``--ucp-save D``: with ``--save-at K``, also save with ucp into D every K steps, through the
+  ``"ucp": {"save": {"dir": D, "every": K}}`` config (asynchronously; the save after K steps lands
+  beside DeepSpeed's own).
 * ``--ucp-load P``: resume from the ucp checkpoint P through ``ucp.deepspeed.initialize``.
 * ``--reset-tied-on-last-stage`` (negative control): after loading, the last stage's copy of the
   tied embedding gets its initial value back, as a loader that fills only the first stage's copy
@@ -114,6 +115,10 @@ def main(argv=None):
             raise RuntimeError("client state not restored by ucp")
         if args.ucp_stats_out:
             write_stats(engine, args.ucp_stats_out)
+    elif args.ucp_save:
+        config["ucp"] = {"save": {"dir": args.ucp_save, "every": args.save_at}}
+        engine, *_ = ucp.deepspeed.initialize(model=model, model_parameters=params, config=config)
+        engine.ucp_client_state = dict(CLIENT_STATE)
     else:
         engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=config)
     if args.ucp_expect_error:
@@ -130,12 +135,9 @@ def main(argv=None):
     losses = []
     for step in range(args.start_step, args.start_step + args.steps):
         if step == args.save_at:
-            if args.ucp_save:  # asynchronous, overlapping DeepSpeed's own save of the same step
-                ucp.deepspeed.save(engine, args.ucp_save, client_state=dict(CLIENT_STATE))
             engine.save_checkpoint(args.save_dir, client_state=dict(CLIENT_STATE))
         losses.append(engine.train_batch(iter(batches(step, dp_rank, dp))).item())
-    if args.ucp_save:  # the last step too: another step's checkpoint, for negative controls
-        ucp.deepspeed.save(engine, args.ucp_save, client_state=dict(CLIENT_STATE))
+    if args.ucp_save:
         ucp.deepspeed.wait(engine)
     write_losses_and_close(engine, losses, args.losses_out)
     return 0
