@@ -28,7 +28,7 @@ from ucp.converters.rank_identity import (
 from ucp.converters.torch_zip import LazyTensor, Opaque, load_lazy, read_values
 from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedLayoutError
 from ucp.patterns import Pattern
-from ucp.patterns.recognize import FragmentInfo, Hints, OuterPiece, recognize, recognize_nested
+from ucp.patterns.recognize import FragmentInfo, Hints, outer_kind, recognize_outer
 
 # (rank, param group, name as the rank's optimizer stores it) -> the parameter's global name
 Rename = Callable[[int, int, str], str]
@@ -334,17 +334,17 @@ def zero_stage(osd: dict, path: Path) -> int:
 def combined_source(name: str, shape: tuple[int, ...], outer: list[tuple[int, tuple[int, ...], list[Fragment]]],
                     hints: Hints | None = None) -> StateSource:
     """One state held as outer pieces (TP shards, pipeline stages' copies), each as its own ZeRO
-    fragments: `outer` lists (outer rank, piece shape, fragments in rank order), in outer-rank order.
-    A single piece of the full shape needs no nesting, nor do pieces each held whole (ZeRO-0)."""
-    if len(outer) == 1 and outer[0][1] == shape and hints is None:
-        frags = outer[0][2]
-        return StateSource(recognize(name, shape, [f.info for f in frags]), tuple(frags))
-    if all(len(frags) == 1 and frags[0].info.shape == piece_shape and frags[0].info.offset is None
-           for _, piece_shape, frags in outer):
-        whole_pieces = [Fragment(FragmentInfo(rank, piece_shape), frags[0].piece) for rank, piece_shape, frags in outer]
-        return StateSource(recognize(name, shape, [f.info for f in whole_pieces], hints), tuple(whole_pieces))
-    pieces = [OuterPiece(rank, piece_shape, tuple(f.info for f in frags)) for rank, piece_shape, frags in outer]
-    return StateSource(recognize_nested(name, shape, pieces, hints), tuple(f for _, _, frags in outer for f in frags),
+    fragments: `outer` lists (outer rank, piece shape, fragments in rank order), in outer-rank order
+    (how they join: `ucp.patterns.recognize.recognize_outer`)."""
+    infos = [(rank, piece_shape, [f.info for f in frags]) for rank, piece_shape, frags in outer]
+    spec = recognize_outer(name, shape, infos, hints)
+    kind = outer_kind(shape, infos, hints)
+    if kind == "single":
+        return StateSource(spec, tuple(outer[0][2]))
+    if kind == "whole":
+        return StateSource(spec, tuple(Fragment(FragmentInfo(rank, piece_shape), frags[0].piece)
+                                       for rank, piece_shape, frags in outer))
+    return StateSource(spec, tuple(f for _, _, frags in outer for f in frags),
                        groups=tuple(len(frags) for *_, frags in outer))
 
 

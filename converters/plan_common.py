@@ -32,6 +32,7 @@ _MODEL_KEYS = {
     "shared_params", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
     "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config",
     "ds_version", "checkpoint_parallel_dimensions", "universal_checkpoint_info",
+    "num_experts", "ds_autoep_layers",  # what an MoE engine's save adds (not client state)
 }
 
 

@@ -104,6 +104,35 @@ def recognize_nested(name: str, shape: Sequence[int], pieces: Sequence[OuterPiec
     return dataclasses.replace(outer, inner=inner[0], shard_shapes=shard_shapes)
 
 
+Held = tuple[int, tuple[int, ...], Sequence[FragmentInfo]]  # (outer rank, piece shape, its fragments in rank order)
+
+
+def outer_kind(shape: Sequence[int], outer: Sequence[Held], hints: Hints | None = None) -> str:
+    """How outer pieces hold a tensor: "single" (one piece of the full shape, no hints: its fragments are the
+    tensor's own), "whole" (every piece held whole, e.g. ZeRO-0 TP shards: one fragment per outer rank) or
+    "nested" (each piece partitioned again, e.g. by ZeRO)."""
+    if len(outer) == 1 and tuple(outer[0][1]) == tuple(shape) and hints is None:
+        return "single"
+    if all(len(infos) == 1 and tuple(infos[0].shape) == tuple(piece) and infos[0].offset is None
+           for _, piece, infos in outer):
+        return "whole"
+    return "nested"
+
+
+def recognize_outer(name: str, shape: Sequence[int], outer: Sequence[Held], hints: Hints | None = None
+                    ) -> PatternSpec:
+    """The PatternSpec of a tensor held as outer pieces (TP shards, pipeline stages' or EP ranks' copies), each
+    as its own fragments: the converters' and the asynchronous saver's single rule, so that a save from a live
+    engine records the pattern `ucp convert` of the same engine's checkpoint records."""
+    kind = outer_kind(shape, outer, hints)
+    if kind == "single":
+        return recognize(name, shape, list(outer[0][2]))
+    if kind == "whole":
+        return recognize(name, shape, [FragmentInfo(rank, tuple(piece)) for rank, piece, _ in outer], hints)
+    return recognize_nested(name, shape, [OuterPiece(rank, tuple(piece), tuple(infos)) for rank, piece, infos in outer],
+                            hints)
+
+
 def _recognize_flat(name: str, shape: tuple[int, ...], fragments: Sequence[FragmentInfo]) -> PatternSpec:
     numel = math.prod(shape)
     if len(fragments) > 1 and all(f.offset == 0 and f.numel == numel for f in fragments):

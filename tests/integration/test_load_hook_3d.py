@@ -158,9 +158,7 @@ def misplaced_experts(path, dump, ep_size: int) -> list[str]:
 @pytest.mark.parametrize("source,target", MOE_CASES, ids=lambda layout: layout.name)
 def test_moe_resume_places_experts_by_global_id(source, target, converted, ckpt_root):
     path, straight = converted(source)
-    losses, run = resume(path, target, ckpt_root, "--experts-out", "{run}/experts.pt",
-                         "--save-refusal-out", "{run}/save_refusal.txt")
-    assert "expert parallelism" in (run / "save_refusal.txt").read_text()  # ucp.deepspeed.save: DP only
+    losses, run = resume(path, target, ckpt_root, "--experts-out", "{run}/experts.pt")
     dump = torch.load(run / "experts.pt", weights_only=False)
     # 4 experts of 3 tensors, each held by 2 / ep_size ranks
     assert sum(len(entry["params"]) for entry in dump) == 4 * 3 * (2 // degree(target))

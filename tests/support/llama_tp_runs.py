@@ -34,7 +34,8 @@ AUTOTP = Family.of("autotp", SCRIPT, 4, {
     "z3-bf16-tied": {"stage": 3, "dtype": "bf16", "tied": True},
 })
 OUTPUTS = {"save_dir": "ckpt", "losses_out": "losses.json", "ucp_stats_out": "ucp_stats.json",
-           "dump_state": "state.pt", "dump_loaded": "loaded.pt", "error_out": "error.json"}
+           "dump_state": "state.pt", "dump_loaded": "loaded.pt", "error_out": "error.json",
+           "ucp_save": "ucp"}
 
 
 def _launch(folder: Path, tp: int, nproc: int, runs: dict[str, dict]) -> None:

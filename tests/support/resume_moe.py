@@ -16,8 +16,8 @@ of a step is the mean over ranks of their losses.
   local expert i loads global expert i, as stock DeepSpeed does at a new ep_size. The strict check
   then refuses the checkpoint (no rank claims experts 2-3): rank 0 writes the error to
   ``--strict-error-out``, and the run loads again with ``strict=False`` and goes on.
-* ``--save-refusal-out F``: after loading, ``ucp.deepspeed.save`` must refuse the engine (it saves
-  data parallelism only); rank 0 writes the error to F.
+* ``--ucp-save D``: with ``--save-at K``, also save with ``ucp.deepspeed.save`` into D after K steps
+  (asynchronously, alongside DeepSpeed's own save), and again after the last step.
 """
 import argparse
 import os
@@ -47,27 +47,13 @@ def dump_experts(engine, model, path: str) -> None:
         torch.save(gathered, path)
 
 
-def refuse_save(engine, out: str, rank: int) -> None:
-    import ucp.deepspeed
-    from ucp.errors import UnsupportedLayoutError
-
-    try:
-        ucp.deepspeed.save(engine, os.path.join(os.path.dirname(out), "ucp_save"))
-    except UnsupportedLayoutError as e:
-        if rank == 0:
-            with open(out, "w") as f:
-                f.write(str(e))
-        return
-    raise RuntimeError("ucp.deepspeed.save accepted an MoE engine")
-
-
 def main(argv=None):
     p = resume_arguments()
     p.add_argument("--ep-size", type=int, required=True)
     p.add_argument("--experts-out", default=None)
     p.add_argument("--experts-by-local-id", action="store_true")
     p.add_argument("--strict-error-out", default=None)
-    p.add_argument("--save-refusal-out", default=None)
+    p.add_argument("--ucp-save", default=None)
     args = p.parse_args(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
@@ -102,8 +88,6 @@ def main(argv=None):
             raise RuntimeError("client state not restored by ucp")
         if args.ucp_stats_out:
             write_stats(engine, args.ucp_stats_out)
-        if args.save_refusal_out:
-            refuse_save(engine, args.save_refusal_out, rank)
     else:
         engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
     if args.experts_out:
@@ -115,10 +99,15 @@ def main(argv=None):
     losses = []
     for step in range(args.start_step, args.start_step + args.steps):
         if step == args.save_at:
+            if args.ucp_save:  # asynchronous, overlapping DeepSpeed's own save of the same step
+                ucp.deepspeed.save(engine, args.ucp_save, client_state=dict(CLIENT_STATE))
             engine.save_checkpoint(args.save_dir, client_state=dict(CLIENT_STATE))
         total = train_step(engine, step, rank, world).detach().float().clone()
         dist.all_reduce(total)
         losses.append(total.item() / world)
+    if args.ucp_save:  # the last step too: another step's checkpoint, for negative controls
+        ucp.deepspeed.save(engine, args.ucp_save, client_state=dict(CLIENT_STATE))
+        ucp.deepspeed.wait(engine)
     write_losses_and_close(engine, losses, args.losses_out)
     return 0
 

@@ -9,6 +9,9 @@ degree); a lower DP degree accumulates more micro-batches, so runs at any layout
 
 * ``--save-at K --save-dir D``: save with DeepSpeed after K steps and keep training: the losses of
   the later steps are those of the uninterrupted run.
+* ``--ucp-save D``: with ``--save-at K``, also save with ucp into D every K steps, through the
+  ``"ucp": {"save": {"dir": D, "every": K}}`` config (asynchronously; the save after K steps lands
+  beside DeepSpeed's own).
 * ``--ucp-load P``: resume from the ucp checkpoint P through ``ucp.deepspeed.initialize``.
 * ``--reset-tied-on-last-stage`` (negative control): after loading, the last stage's copy of the
   tied embedding gets its initial value back, as a loader that fills only the first stage's copy
@@ -90,6 +93,7 @@ def main(argv=None):
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--ucp-expect-error", default=None)
     p.add_argument("--reset-tied-on-last-stage", action="store_true")
+    p.add_argument("--ucp-save", default=None)
     args = p.parse_args(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
@@ -111,6 +115,10 @@ def main(argv=None):
             raise RuntimeError("client state not restored by ucp")
         if args.ucp_stats_out:
             write_stats(engine, args.ucp_stats_out)
+    elif args.ucp_save:
+        config["ucp"] = {"save": {"dir": args.ucp_save, "every": args.save_at}}
+        engine, *_ = ucp.deepspeed.initialize(model=model, model_parameters=params, config=config)
+        engine.ucp_client_state = dict(CLIENT_STATE)
     else:
         engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=config)
     if args.ucp_expect_error:
@@ -129,6 +137,8 @@ def main(argv=None):
         if step == args.save_at:
             engine.save_checkpoint(args.save_dir, client_state=dict(CLIENT_STATE))
         losses.append(engine.train_batch(iter(batches(step, dp_rank, dp))).item())
+    if args.ucp_save:
+        ucp.deepspeed.wait(engine)
     write_losses_and_close(engine, losses, args.losses_out)
     return 0
 

@@ -17,10 +17,11 @@ parameter, gathered over data parallelism; see support/gather.py) with its TP an
 For loss continuity across layouts a run may also set ``global_batch`` (rows per step, split over
 the DP ranks; default 2 per DP rank), ``steps``, ``save_after`` (save after that many steps and
 go on training, instead of saving at the end), ``losses_out`` (per-step global losses, JSON),
-``start_step`` (the first step's batch), and resume through the ucp hook: ``ucp_load`` (a ucp
-checkpoint), ``ucp_bypass``, ``ucp_stats_out`` (every rank's load statistics with its TP and
-DP rank), ``dump_loaded`` (like ``dump_state``, right after loading, plus the frozen parameters'
-shards as ``fp32``) and ``ucp_swap_row_blocks``
+``start_step`` (the first step's batch), ``ucp_save`` (a folder: ``ucp.deepspeed.save``
+asynchronously at ``save_after``, alongside DeepSpeed's own save, and again after the last step),
+and resume through the ucp hook: ``ucp_load`` (a ucp checkpoint), ``ucp_bypass``, ``ucp_stats_out``
+(every rank's load statistics with its TP and DP rank), ``dump_loaded`` (like ``dump_state``, right
+after loading, plus the frozen parameters' shards as ``fp32``) and ``ucp_swap_row_blocks``
 (negative control: every row-parallel weight loads the other TP rank's block). ``ucp_fuse`` (a
 parameter name) and ``error_out`` instead make that parameter's affine map fused, try the load and
 record its error and whether the engine was left untouched.
@@ -72,6 +73,8 @@ def train_one(run: dict, args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from deepspeed.utils import groups
 
+    import ucp.deepspeed
+
     world = dist.get_world_size()
     dp, dp_rank = world // args.tp, dist.get_rank() // args.tp
     micro = run.get("global_batch", MICRO_BATCH * dp) // dp
@@ -103,7 +106,12 @@ def train_one(run: dict, args: argparse.Namespace) -> None:
         losses.append(total.item() / world)
         if step + 1 - start == save_after:
             dump(engine, run, ranks, model)
+            if run.get("ucp_save"):  # asynchronous, overlapping DeepSpeed's own save of the same step
+                ucp.deepspeed.save(engine, run["ucp_save"], client_state=CLIENT_STATE)
             engine.save_checkpoint(run["save_dir"], client_state=CLIENT_STATE)
+    if run.get("ucp_save"):  # the last step too: another step's checkpoint, for negative controls
+        ucp.deepspeed.save(engine, run["ucp_save"], client_state=CLIENT_STATE)
+        ucp.deepspeed.wait(engine)
     if run.get("losses_out") and dist.get_rank() == 0:
         with open(run["losses_out"], "w") as f:
             json.dump(losses, f)

@@ -3,11 +3,14 @@
     ucp.deepspeed.save(engine, "/ckpt/ucp")   # writes /ckpt/ucp/global_step<N>; returns at once
     ucp.deepspeed.wait(engine)                # the save is durable and committed once this returns
 
-A save, on every rank of the data-parallel group:
+A save, on every rank of the data-parallel group (of the whole job under AutoTP, a pipeline or MoE):
 
-1. (training thread) copies exactly what this rank holds into its snapshot buffer: its ZeRO run of
+1. (training thread) copies exactly what this rank writes into its snapshot buffer: its ZeRO run of
    every fp32 master and optimizer moment, plus the replicated tensors (ZeRO-0 parameters, frozen
-   parameters, buffers) that byte balancing gives it; rank 0 also copies the step,
+   parameters, buffers) that byte balancing gives it. Under AutoTP a rank's run lies in its TP shard's
+   box of the full tensor, and a box that several TP ranks (or pipeline stages: a tied module) hold is
+   written by one copy (`ucp.deepspeed.save_plan`, planned once from what every rank holds, which also
+   tells each rank the tensors of stages it does not run); rank 0 also copies the step,
    hyper-parameters, scheduler and client state. Then training goes on.
 2. (writer thread) pwrites the snapshot at its final offsets in the shared data files, whose arrangement
    every rank computes alike (`ucp.deepspeed.save_files`), fsyncs them, and reports per-piece CRCs to rank 0
@@ -32,7 +35,7 @@ import logging
 import os
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -42,15 +45,16 @@ import torch.distributed as dist
 
 from ucp.convert.balance import TARGET_FILE_BYTES
 from ucp.convert.index_builder import ParamRecord, WrittenFile, build_index
-from ucp.convert.plan import BUFFER_STATE, WEIGHT_STATE
-from ucp.deepspeed.autotp import tp_size
+from ucp.deepspeed.autotp import tp_size, with_tensor_parallel
 from ucp.deepspeed.memory_files import MemoryEvery
-from ucp.deepspeed.readers import assign_readers
 from ucp.deepspeed.save_files import SaveFiles, WrittenPiece, arrange_files, bytes_to_send, plan_parts, whole_crcs
+from ucp.deepspeed.save_layout import holdings, pattern_inputs, refuse_unsupported
+from ucp.deepspeed.save_plan import Holding, box_runs, full_box, pattern_of, tensors, writers
+from ucp.deepspeed.save_plan import entries as save_entries
 from ucp.deepspeed.save_writer import BackgroundSave, SavePiece, SnapshotBuffer, partial_path, write_pieces
 from ucp.deepspeed.targets import Target, TargetTensor, Zero3Target, module_aliases, target_for
 from ucp.elastic.resume import prune
-from ucp.errors import ConfigError, OutputExistsError, SaveError, UcpError, UnsupportedLayoutError
+from ucp.errors import ConfigError, OutputExistsError, SaveError, UcpError
 from ucp.format import loss_scale
 from ucp.format.crc import CHUNK_BYTES
 from ucp.format.folder import INDEX_NAME, commit_index, commit_latest, fsync_dir, tensor_key
@@ -59,7 +63,7 @@ from ucp.format.locations import Location, ObjectPath, location
 from ucp.format.optimizer import optimizer_record
 from ucp.format.safetensors_stream import TORCH_DTYPES, StoredTensor, TensorSlot
 from ucp.format.storage import is_file
-from ucp.patterns.recognize import FragmentInfo, recognize
+from ucp.patterns import PatternSpec
 
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
@@ -90,8 +94,24 @@ class Prepared:
     moments: tuple[str, ...]
     files: SaveFiles
     buffer: SnapshotBuffer
-    sources: tuple[tuple[TargetTensor, str], ...]   # the live tensor of each buffer piece, in buffer order
-    whole: frozenset[str]                           # keys stored whole by one owner (not partitioned)
+    copies: tuple[Copy, ...]                        # what the snapshot copies from the live tensors
+    patterns: dict[str, PatternSpec]                # each tensor's pattern (on the leader, which builds the index)
+    model: tuple[Holding, ...]                      # every tensor of the model (of every pipeline stage), in order
+
+
+@dataclass(frozen=True)
+class Copy:
+    """Elements [offset, offset + numel) of a live tensor's `view(state)` go to buffer pieces [first, stop)."""
+
+    tensor: TargetTensor
+    state: str
+    offset: int
+    numel: int
+    first: int
+    stop: int
+
+    def source(self) -> torch.Tensor:
+        return self.tensor.view(self.state).narrow(0, self.offset, self.numel)
 
 
 class MemoryWriter(Protocol):
@@ -109,16 +129,15 @@ class Saver:
     """Saves one engine: its process group, the arrangement of its files, snapshot buffer and the save in flight."""
 
     def __init__(self, engine: DeepSpeedEngine):
-        if (getattr(engine, "mp_world_size", 1) > 1 or getattr(engine, "pipeline_parallelism", False)
-                or getattr(engine, "has_moe_layers", False) or tp_size(engine) > 1):
-            raise UnsupportedLayoutError("ucp.deepspeed.save handles data parallelism only (ZeRO 0-3); this engine "
-                                         "uses tensor, pipeline or expert parallelism: use engine.save_checkpoint "
-                                         "and `ucp convert` instead")
+        refuse_unsupported(engine)
         self.engine = engine
-        self.target: Target = target_for(engine)
+        self.target: Target = with_tensor_parallel(target_for(engine))
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         if not dist.is_initialized():
             self.ranks = [0]
+        elif (tp_size(engine) > 1 or getattr(engine, "pipeline_parallelism", False)
+              or getattr(engine, "has_moe_layers", False)):  # the whole job saves one checkpoint
+            self.ranks = list(range(dist.get_world_size()))
         elif self.target.dp_group is not None:
             self.ranks = dist.get_process_group_ranks(self.target.dp_group)
         else:
@@ -192,7 +211,8 @@ class Saver:
             tag_dir.mkdir(parents=True, exist_ok=True)
         prepared = self._prepare(tier)
         with torch.no_grad():
-            prepared.buffer.fill([t.view(state) for t, state in prepared.sources])
+            for c in prepared.copies:
+                prepared.buffer.fill_pieces(c.first, c.stop, c.source())
         event: torch.cuda.Event | None = None
         if prepared.buffer.data.is_pinned():
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch leaves its __init__ untyped
@@ -218,23 +238,45 @@ class Saver:
         if known is not None and known.moments == moments:
             return known
         self._prepared.pop(tier, None)  # free the old buffer before allocating the new one
-        entries = _entries(self.target, moments)
-        slots = [TensorSlot(tensor_key(t.name, s), dtype, t.shape) for t, s, dtype in entries]
+        every = self._every_holding(moments)
+        model = tensors(every)
+        entries = save_entries(model)
+        slots = [TensorSlot(tensor_key(h.name, s), dtype, h.shape) for h, s, dtype in entries]
         files = arrange_files(slots, TARGET_FILE_BYTES, {"format": FORMAT_NAME})
-        whole = {tensor_key(t.name, s): t.numel * TORCH_DTYPES[dtype].itemsize for t, s, dtype in entries if t.whole}
-        owners = assign_readers(whole, self.ranks)
-        pieces, sources = [], {}
-        for t, state, dtype in entries:
-            key = tensor_key(t.name, state)
-            if t.numel == 0 or owners.get(key, self.rank) != self.rank:
+        element_bytes: dict[str, int] = {}
+        for h, _, dtype in entries:
+            element_bytes[h.name] = element_bytes.get(h.name, 0) + TORCH_DTYPES[dtype].itemsize
+        mine = writers(every, element_bytes)
+        local = {t.name: t for t in self.target.tensors}
+        pieces, runs = [], []
+        for h, state, dtype in entries:
+            if (h.name, self.rank) not in mine:
                 continue
-            span = files.piece(key, t.start, t.numel, TORCH_DTYPES[dtype].itemsize)
-            pieces.append(SavePiece(key, span.file, span.begin, span.end, dtype, t.start))
-            sources[key] = (t, state)
+            t, key = local[h.name], tensor_key(h.name, state)
+            for first, offset, numel in box_runs(t.shape, t.box or full_box(t.shape), t.start, t.numel):
+                span = files.piece(key, first, numel, TORCH_DTYPES[dtype].itemsize)
+                pieces.append(SavePiece(key, span.file, span.begin, span.end, dtype, first))
+                runs.append((t, state, offset, numel))
         buffer = SnapshotBuffer(pieces, pin=torch.device(self.engine.device).type == "cuda")
-        prepared = Prepared(moments, files, buffer, tuple(sources[p.key] for p in buffer.pieces), frozenset(whole))
+        of_piece = {(p.key, p.start): run for p, run in zip(pieces, runs)}
+        patterns = {}
+        if self.leader:
+            patterns = {name: pattern_of(name, held[0].shape, held, hints)
+                        for name, (held, hints) in pattern_inputs(self.engine, every).items()}
+        prepared = Prepared(moments, files, buffer, _copies(buffer, of_piece), patterns, tuple(model))
         self._prepared[tier] = prepared
         return prepared
+
+    def _every_holding(self, moments: tuple[str, ...]) -> list[Holding]:
+        """What every rank of the saving group holds (collective, from the training thread, on the training
+        group: the saver's own group belongs to the writer thread)."""
+        mine = holdings(self.target, self.rank, moments)
+        if self.group is None:
+            return mine
+        found: list[list[Holding]] = [[] for _ in self.ranks]
+        world = self.ranks == list(range(dist.get_world_size()))
+        dist.all_gather_object(found, mine, group=None if world else self.target.dp_group)
+        return [h for rank in found for h in rank]
 
     # -- the writer thread
 
@@ -360,37 +402,19 @@ class Saver:
         return box[0]
 
 
-def _entries(target: Target, moments: tuple[str, ...]) -> list[tuple[TargetTensor, str, str]]:
-    """(tensor, state, stored dtype), state-major, in flat order (see `ucp.deepspeed.save_files`)."""
-    trainable = [t for t in target.tensors if t.kind == "param"]
-    entries = [(t, s, "float32") for s in (WEIGHT_STATE, *moments) for t in trainable]
-    entries += [(t, WEIGHT_STATE, "float32") for t in target.tensors if t.kind == "frozen"]
-    entries += [(t, BUFFER_STATE, _dtype(t.view(BUFFER_STATE))) for t in target.tensors if t.kind == "buffer"]
-    return entries
-
-
-def _dtype(t: torch.Tensor) -> str:
-    return str(t.dtype).removeprefix("torch.")
-
-
 # -- what the index says besides tensors, taken at snapshot time on rank 0 --------------------------------
 
 def _metadata(saver: Saver, prepared: Prepared, tag: str, tag_dir: Location,
               client_state: dict[str, Any] | None) -> dict[str, Any]:
     engine, target = saver.engine, saver.target
-    groups, group_index = _param_groups(target)
-    dtypes = {n: _dtype(p) for n, p in engine.module.named_parameters()}
-    dtypes.update({n: _dtype(b) for n, b in engine.module.named_buffers()})
-    states: dict[str, dict[str, str]] = {}
-    for t, state, dtype in _entries(target, prepared.moments):
-        states.setdefault(t.name, {})[state] = dtype
+    groups, group_index = _param_groups(target, prepared.model)
     params = []
-    for t in target.tensors:
-        group = t.group if t.kind == "param" else None  # every trainable tensor is in a param group
-        params.append({"name": t.name, "shape": t.shape, "kind": t.kind, "states": states[t.name],
+    for h in prepared.model:
+        group = h.group  # every trainable tensor is in a param group
+        params.append({"name": h.name, "shape": h.shape, "kind": h.kind, "states": dict(h.states),
                        "group": group_index[group] if group is not None else None,
                        "step": target.saved_step(group) if group is not None else None,
-                       "model_dtype": dtypes.get(t.name, "float32")})
+                       "model_dtype": h.model_dtype})
     config = engine.config if isinstance(engine.config, dict) else {}
     precision = "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32"
     training = {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
@@ -398,12 +422,14 @@ def _metadata(saver: Saver, prepared: Prepared, tag: str, tag_dir: Location,
     scaler = loss_scale.live_scaler(engine.optimizer)
     if precision == "fp16" and scaler is not None:
         training["loss_scaler"] = loss_scale.record_live(scaler)
+    stages = engine.num_stages if getattr(engine, "pipeline_parallelism", False) else 1
     import deepspeed
 
     return {
         "params": params,
         "source": {"framework": "deepspeed", "ds_version": deepspeed.__version__,
-                   "zero_stage": engine.zero_optimization_stage(), "dp": len(saver.ranks), "tp": 1, "pp": 1,
+                   "zero_stage": engine.zero_optimization_stage(),
+                   "dp": len(saver.ranks) // (tp_size(engine) * stages), "tp": tp_size(engine), "pp": stages,
                    "precision": precision, "tag": tag, "path": str(tag_dir), "writer": "ucp.deepspeed.save"},
         "training": training,
         "optimizer": optimizer_record(config.get("optimizer"), groups, list(prepared.moments), engine.optimizer_name()),
@@ -413,20 +439,26 @@ def _metadata(saver: Saver, prepared: Prepared, tag: str, tag_dir: Location,
     }
 
 
-def _param_groups(target: Target) -> tuple[list[dict[str, Any]], dict[int, int]]:
-    """The torch param groups as the index records them, and each engine group's index among them.
+def _param_groups(target: Target, model: Sequence[Holding]) -> tuple[list[dict[str, Any]], dict[int, int]]:
+    """The torch param groups as the index records them, and each engine group's index among them: group i
+    holds the trainable tensors of `model` (every pipeline stage's) in group i, with this rank's hyper-parameters
+    of group i (the stages' optimizers are built from one config).
 
     ZeRO-3 splits a param group into sub-groups with the same hyper-parameters; like `ucp convert`,
     consecutive sub-groups with equal hyper-parameters are one group again.
     """
+    names: dict[int, list[str]] = {}
+    for h in model:
+        if h.group is not None:
+            names.setdefault(h.group, []).append(h.name)
     groups: list[dict[str, Any]] = []
     index = {}
     for i, entry in enumerate(target.optimizer_groups):
         hyper = _to_json({k: v for k, v in entry["group"].items() if k != "params"})
         if isinstance(target, Zero3Target) and groups and groups[-1]["hyperparams"] == hyper:
-            groups[-1]["params"] += entry["names"]
+            groups[-1]["params"] += names.get(i, [])
         else:
-            groups.append({"hyperparams": hyper, "params": list(entry["names"])})
+            groups.append({"hyperparams": hyper, "params": names.get(i, [])})
         index[i] = len(groups) - 1
     return groups, index
 
@@ -457,14 +489,10 @@ def index_of(prepared: Prepared, tag_dir: Location, reports: list[RankReport], m
     failed = [error for _, error in reports if error]
     if failed:
         raise SaveError(f"{tag_dir}: not committed, {failed[0]}")
-    pieces: list[WrittenPiece] = []
-    fragments: dict[str, list[tuple[int, int, int]]] = {}
-    for rank_index, (report, _) in enumerate(reports):
-        for key, start, numel, begin, end, segments in report or []:
-            pieces.append(WrittenPiece(key, begin, end, tuple((lo, hi, crc) for lo, hi, crc in segments)))
-            fragments.setdefault(key, []).append((rank_index, start, numel))
+    pieces = [WrittenPiece(key, begin, end, tuple((lo, hi, crc) for lo, hi, crc in segments))
+              for report, _ in reports for key, _start, _numel, begin, end, segments in report or []]
     crcs = whole_crcs(prepared.files, pieces)
-    params = [_param_record(p, prepared, fragments) for p in meta["params"]]
+    params = [_param_record(p, prepared.patterns[p["name"]]) for p in meta["params"]]
     fingerprint = hashlib.sha256(f"{tag_dir}:{time.time_ns()}".encode()).hexdigest()[:32]
     run = RunRecord(meta["source"], meta["training"], meta["optimizer"], meta["lr_scheduler"], meta["client_state"])
     written = [WrittenFile(f.name, f.size, CHUNK_BYTES,
@@ -485,16 +513,26 @@ def _prune(save_dir: Location, keep: int) -> None:
         logger.info("ucp: removed %s (\"keep\": %d)", tag, keep)
 
 
-def _param_record(p: dict[str, Any], prepared: Prepared, fragments: dict[str, list[tuple[int, int, int]]]
-                  ) -> ParamRecord:
+def _param_record(p: dict[str, Any], pattern: PatternSpec) -> ParamRecord:
     """The parameter's index record; its pattern says how the ranks held it (as `ucp convert` records it)."""
-    shape = tuple(p["shape"])
-    first = tensor_key(p["name"], next(iter(p["states"])))
-    infos = [FragmentInfo(rank, shape) if first in prepared.whole else FragmentInfo(rank, (numel,), start)
-             for rank, start, numel in fragments.get(first, [])]
-    spec = recognize(p["name"], shape, infos)
-    return ParamRecord(name=p["name"], kind=p["kind"], shape=shape, pattern=spec, dtypes=dict(p["states"]),
-                       model_dtype=p["model_dtype"], group=p["group"], step=p["step"])
+    return ParamRecord(name=p["name"], kind=p["kind"], shape=tuple(p["shape"]), pattern=pattern,
+                       dtypes=dict(p["states"]), model_dtype=p["model_dtype"], group=p["group"], step=p["step"])
+
+
+def _copies(buffer: SnapshotBuffer, runs: dict[tuple[str, int], tuple[TargetTensor, str, int, int]]
+            ) -> tuple[Copy, ...]:
+    """The snapshot's copies: each run of a live tensor into its buffer piece, runs that continue each other
+    (the rows of one box, adjacent in the buffer and in the rank's shard) joined into one copy."""
+    out: list[Copy] = []
+    for i, p in enumerate(buffer.pieces):
+        t, state, offset, numel = runs[(p.key, p.start)]
+        last = out[-1] if out else None
+        if (last is not None and last.tensor is t and last.state == state and last.offset + last.numel == offset
+                and last.stop == i):
+            out[-1] = Copy(t, state, last.offset, last.numel + numel, last.first, i + 1)
+        else:
+            out.append(Copy(t, state, offset, numel, i, i + 1))
+    return tuple(out)
 
 
 # -- one saver per engine, and the public entry points -------------------------------------------------
@@ -575,7 +613,9 @@ class SaveEvery:
         engine.ucp_save_dir = self.dir
         saver.last_step = engine.global_steps
         saver.keep = self.keep
-        step: Callable[..., Any] = engine.step
+        # A pipeline engine steps inside train_batch (its `step` refuses to be called).
+        method = "train_batch" if getattr(engine, "pipeline_parallelism", False) else "step"
+        step: Callable[..., Any] = getattr(engine, method)
 
         def step_and_save(*args: Any, **kwargs: Any) -> Any:
             result = step(*args, **kwargs)
@@ -588,7 +628,7 @@ class SaveEvery:
                 saver.save(self.dir, None, client_state, True)
             return result
 
-        engine.step = step_and_save
+        setattr(engine, method, step_and_save)
 
 
 def wait_all() -> list[SaveError]:

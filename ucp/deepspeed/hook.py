@@ -15,11 +15,13 @@ committed, and runs at exit too; see `ucp.deepspeed.async_save`). The `"ucp"` co
   line on rank 0 says which (`ucp.deepspeed.elastic.resume_auto`). The same command then serves the
   first start and every restart.
 * `save` (dict): `{"dir": str, "every": int, "keep": int}` saves asynchronously into
-  `<dir>/global_step<N>` after every `every`-th optimizer step (`engine.step` is wrapped; nothing
-  else to call), and moves `<dir>/latest` once each is committed; with `keep`, only the newest `keep`
-  committed checkpoints stay (never the one `latest` names, nor one being read). A save that finds
-  the previous one still writing waits for it, with a warning. Client state for these saves is
-  `engine.ucp_client_state` (a dict) when set. Data parallelism (ZeRO 0-3) only. With
+  `<dir>/global_step<N>` after every `every`-th optimizer step (`engine.step` is wrapped, `train_batch`
+  on a pipeline engine; nothing else to call), and moves `<dir>/latest` once each is committed; with
+  `keep`, only the newest `keep` committed checkpoints stay (never the one `latest` names, nor one
+  being read). A save that finds the previous one still writing waits for it, with a warning.
+  Client state for these saves is
+  `engine.ucp_client_state` (a dict) when set. Data parallelism (ZeRO 0-3), AutoTP, PipelineModule
+  (ZeRO-0/1) and MoE (ZeRO-1/2); not a Megatron-style mpu yet. With
   `"memory": {"every": k, "replicas": r, "dir": ...}` it also saves every k steps into each node's host
   memory, with copies on r other nodes, which `"auto"` prefers when newer (`ucp.deepspeed.memory_tier`).
 * `elastic` (dict): `{"global_batch": B, "micro_batch": m}` sets DeepSpeed's batch keys for the

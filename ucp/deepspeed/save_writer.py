@@ -85,9 +85,18 @@ class SnapshotBuffer:
 
     def fill(self, sources: Sequence[torch.Tensor]) -> None:
         """Copy each live flat tensor into its piece (same order as `pieces`); asynchronous from a GPU."""
-        for p, offset, source in zip(self.pieces, self.offsets, sources, strict=True):
-            slot = self.data.narrow(0, offset, p.end - p.begin).view(TORCH_DTYPES[p.dtype])
-            slot.copy_(source, non_blocking=slot.is_pinned())
+        if len(sources) != len(self.pieces):
+            raise ValueError(f"{len(sources)} sources for {len(self.pieces)} pieces")
+        for i, source in enumerate(sources):
+            self.fill_pieces(i, i + 1, source)
+
+    def fill_pieces(self, first: int, stop: int, source: torch.Tensor) -> None:
+        """Copy one live flat tensor into pieces [first, stop), which lie back to back in the buffer (the rows of
+        a box that one rank writes, each its own piece of the file, are one run of its shard)."""
+        end = self.offsets[stop - 1] + self.pieces[stop - 1].end - self.pieces[stop - 1].begin
+        slot = self.data.narrow(0, self.offsets[first], end - self.offsets[first])
+        slot = slot.view(TORCH_DTYPES[self.pieces[first].dtype])
+        slot.copy_(source, non_blocking=slot.is_pinned())
 
 
 

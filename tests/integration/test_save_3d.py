@@ -1,0 +1,138 @@
+"""Asynchronous saves (`ucp.deepspeed.save`) from engines with model parallelism, against `ucp convert`.
+
+AutoTP: a tiny Llama (vocabulary 37, split 19 + 18 when tied) trains on AutoTP=2 x DP=2 (4 ranks) under
+several ZeRO stages in one launch. After 2 steps each run saves asynchronously with ucp and, at the same
+step, with DeepSpeed's `save_checkpoint`; it saves with ucp once more after its last step. The ucp save
+must equal `ucp convert` of DeepSpeed's checkpoint: names, shapes, patterns, metadata, and every state of
+every tensor `torch.equal` (`support.atomic.assert_same_checkpoint`), and `verify` clean. Negative
+control: the save of the last step fails the same comparison. One checkpoint then resumes at another
+layout (plain DP=2, ZeRO-2) and continues the run's losses.
+
+PipelineModule: train_pipe.py's model (a tied embedding on the first and the last stage) on 2 stages,
+ZeRO-1 x DP=2 (4 ranks) and bf16 without ZeRO (BF16_Optimizer, 2 ranks), saves every 2 steps through the
+`"ucp": {"save": ...}` config (which wraps `train_batch` there); the tied
+weight is written by the first stage's ranks only, each stage writes its own layers. The same
+comparisons and negative control; the ZeRO-1 save resumes on 1 stage x DP=2 and continues the losses.
+
+MoE: train_moe.py's model (4 experts) at ep_size 2 on 2 ranks, ZeRO-1 and ZeRO-2: each rank writes its own
+experts under their global ids, the dense tensors each rank its ZeRO run. The same comparisons and negative
+control; the ZeRO-1 save resumes at ep_size 1 and continues the losses.
+"""
+from __future__ import annotations
+
+import pytest
+
+import ucp
+from support.atomic import assert_same_checkpoint
+from support.llama_tp_runs import losses, resume
+from support.resume_3d import Layout, resume_run
+from ucp.convert import convert
+
+SAVED_AT, STEPS = 2, 4
+TRAIN = {"global_batch": 4, "steps": STEPS, "save_after": SAVED_AT, "save_dir": True, "ucp_save": True,
+         "losses_out": True}
+AUTOTP_RUNS = {
+    "z1-fp32-tied": {**TRAIN, "stage": 1, "tied": True},   # TP shards partitioned again by ZeRO; vocab-split head
+    "z0-fp32": {**TRAIN, "stage": 0},                       # TP shards whole, each written by one rank of its DP group
+    "z2-bf16-frozen": {**TRAIN, "stage": 2, "dtype": "bf16",
+                       "frozen": ["model.norm.weight", "model.layers.1.self_attn.o_proj.weight"]},
+    "z3-fp32-tied": {**TRAIN, "stage": 3, "tied": True},   # each TP shard partitioned on its own
+}
+
+
+@pytest.fixture(scope="module")
+def autotp(ckpt_root):
+    """The runs' folders (one launch; the ucp code under test runs in it, so it is never cached)."""
+    return resume("save-autotp", 2, 4, AUTOTP_RUNS, ckpt_root)
+
+
+@pytest.mark.parametrize("run", list(AUTOTP_RUNS))
+def test_autotp_saves_equal_converted_deepspeed_checkpoints(autotp, run, tmp_path):
+    saved = ucp.open_checkpoint(autotp / run / "ucp" / f"global_step{SAVED_AT}")
+    assert saved.verify() == []
+    assert (saved.source["tp"], saved.source["dp"]) == (2, 2)
+    converted = ucp.open_checkpoint(convert(autotp / run / "ckpt", tmp_path / "converted", workers=1,
+                                            progress=False).output)
+    assert_same_checkpoint(saved, converted)
+    # Negative control: the save of a later step fails the same comparison.
+    later = ucp.open_checkpoint(autotp / run / "ucp" / f"global_step{STEPS}")
+    assert later.verify() == []
+    with pytest.raises(AssertionError):
+        assert_same_checkpoint(later, converted)
+
+
+def test_an_autotp_save_resumes_without_tensor_parallelism(autotp, ckpt_root):
+    path = autotp / "z1-fp32-tied" / "ucp" / f"global_step{SAVED_AT}"
+    run = resume("save-autotp-to-dp2", 1, 2, {"z2": {"global_batch": 4, "steps": STEPS - SAVED_AT,
+                                                     "start_step": SAVED_AT, "losses_out": True, "stage": 2,
+                                                     "tied": True, "ucp_load": str(path)}}, ckpt_root)
+    # TP sums row-parallel products and the vocabulary-parallel loss in another order (~1e-7 apart in fp32).
+    assert losses(run / "z2") == pytest.approx(losses(autotp / "z1-fp32-tied")[SAVED_AT:], rel=1e-6)
+
+
+PIPE_LAYOUTS = {"z1-pp2-dp2": Layout("resume_pipe.py", 4, ("--stages", "2", "--zero-stage", "1")),
+                "bf16-z0-pp2": Layout("resume_pipe.py", 2, ("--stages", "2", "--zero-stage", "0", "--dtype", "bf16"))}
+PIPE_SAVED_AT, PIPE_STEPS = 2, 4
+
+
+@pytest.fixture(scope="module")
+def pipe_runs(ckpt_root):
+    return {name: resume_run(layout, ["--steps", PIPE_STEPS, "--save-at", PIPE_SAVED_AT, "--save-dir", "{run}/ckpt",
+                                      "--ucp-save", "{run}/ucp", "--losses-out", "{run}/losses.json"], ckpt_root)
+            for name, layout in PIPE_LAYOUTS.items()}
+
+
+@pytest.mark.parametrize("name", list(PIPE_LAYOUTS))
+def test_pipeline_saves_equal_converted_deepspeed_checkpoints(pipe_runs, name, tmp_path):
+    run = pipe_runs[name]
+    saved = ucp.open_checkpoint(run / "ucp" / f"global_step{PIPE_SAVED_AT}")
+    assert saved.verify() == []
+    assert saved.source["pp"] == 2
+    converted = ucp.open_checkpoint(convert(run / "ckpt", tmp_path / "converted", workers=1, progress=False).output)
+    assert_same_checkpoint(saved, converted)
+    assert saved.index.params["tied_modules.embed.weight"].pattern["pattern"] == "replicate"
+    later = ucp.open_checkpoint(run / "ucp" / f"global_step{PIPE_STEPS}")
+    assert later.verify() == []
+    with pytest.raises(AssertionError):  # negative control: another step's save
+        assert_same_checkpoint(later, converted)
+
+
+def test_a_pipeline_save_resumes_on_one_stage(pipe_runs, ckpt_root):
+    source = pipe_runs["z1-pp2-dp2"]
+    run = resume_run(Layout("resume_pipe.py", 2, ("--stages", "1", "--zero-stage", "1")),
+                     ["--steps", PIPE_STEPS - PIPE_SAVED_AT, "--start-step", PIPE_SAVED_AT, "--ucp-load",
+                      source / "ucp" / f"global_step{PIPE_SAVED_AT}", "--losses-out", "{run}/losses.json"], ckpt_root)
+    assert losses(run) == pytest.approx(losses(source)[PIPE_SAVED_AT:], rel=1e-6)
+
+
+MOE_LAYOUTS = {"ep2-z1": Layout("resume_moe.py", 2, ("--ep-size", "2", "--zero-stage", "1")),
+               "ep2-z2": Layout("resume_moe.py", 2, ("--ep-size", "2", "--zero-stage", "2"))}
+
+
+@pytest.fixture(scope="module")
+def moe_runs(ckpt_root):
+    return {name: resume_run(layout, ["--steps", PIPE_STEPS, "--save-at", PIPE_SAVED_AT, "--save-dir", "{run}/ckpt",
+                                      "--ucp-save", "{run}/ucp", "--losses-out", "{run}/losses.json"], ckpt_root)
+            for name, layout in MOE_LAYOUTS.items()}
+
+
+@pytest.mark.parametrize("name", list(MOE_LAYOUTS))
+def test_moe_saves_equal_converted_deepspeed_checkpoints(moe_runs, name, tmp_path):
+    run = moe_runs[name]
+    saved = ucp.open_checkpoint(run / "ucp" / f"global_step{PIPE_SAVED_AT}")
+    assert saved.verify() == []
+    assert sum(".deepspeed_experts." in n for n in saved.names) == 4 * 3  # 4 experts of 3 tensors, global ids
+    converted = ucp.open_checkpoint(convert(run / "ckpt", tmp_path / "converted", workers=1, progress=False).output)
+    assert_same_checkpoint(saved, converted)
+    later = ucp.open_checkpoint(run / "ucp" / f"global_step{PIPE_STEPS}")
+    assert later.verify() == []
+    with pytest.raises(AssertionError):  # negative control: another step's save
+        assert_same_checkpoint(later, converted)
+
+
+def test_an_moe_save_resumes_at_another_ep_size(moe_runs, ckpt_root):
+    source = moe_runs["ep2-z1"]
+    run = resume_run(Layout("resume_moe.py", 2, ("--ep-size", "1", "--zero-stage", "1")),
+                     ["--steps", PIPE_STEPS - PIPE_SAVED_AT, "--start-step", PIPE_SAVED_AT, "--ucp-load",
+                      source / "ucp" / f"global_step{PIPE_SAVED_AT}", "--losses-out", "{run}/losses.json"], ckpt_root)
+    assert losses(run) == pytest.approx(losses(source)[PIPE_SAVED_AT:], rel=1e-6)
