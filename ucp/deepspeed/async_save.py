@@ -40,9 +40,6 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import torch
 import torch.distributed as dist
 
-from ucp.convert.balance import TARGET_FILE_BYTES
-from ucp.convert.index_builder import ParamRecord, WrittenFile, build_index
-from ucp.convert.plan import BUFFER_STATE, WEIGHT_STATE
 from ucp.deepspeed.autotp import tp_size
 from ucp.deepspeed.memory_files import MemoryEvery
 from ucp.deepspeed.readers import assign_readers
@@ -60,6 +57,9 @@ from ucp.format.optimizer import optimizer_record
 from ucp.format.safetensors_stream import TORCH_DTYPES, StoredTensor, TensorSlot
 from ucp.format.storage import is_file
 from ucp.patterns.recognize import FragmentInfo, recognize
+from ucp.plan.balance import TARGET_FILE_BYTES
+from ucp.plan.index_builder import ParamRecord, WrittenFile, build_index
+from ucp.plan.plan import BUFFER_STATE, WEIGHT_STATE
 
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
