@@ -65,7 +65,7 @@ def first(*names):  # this checkout's module, or its name before the package mov
     raise ImportError(names)
 
 zero = first("ucp.converters.dispatch", "ucp.converters.deepspeed_zero")
-assemble = first("ucp.convert.assemble", "ucp.assemble")
+assemble = first("ucp.plan.assemble", "ucp.assemble")
 st = first("ucp.format.safetensors_stream", "ucp.safetensors_stream")
 crc = first("ucp.format.crc", "ucp.crc")
 LocalExecutor = first("ucp.convert.executor", "ucp.executor").LocalExecutor

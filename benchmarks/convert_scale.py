@@ -70,10 +70,7 @@ sys.path.insert(0, str(HERE))  # benchmarks/convert.py and convert_ray.py, besid
 
 from convert import CKPT_NAME, DONE_MARKER  # noqa: E402
 from convert_ray import tiny_checkpoint  # noqa: E402
-from ucp.convert.balance import plan_bins  # noqa: E402
 from ucp.convert.driver import WriteBin  # noqa: E402
-from ucp.convert.index_builder import WrittenFile, build_index, records_of  # noqa: E402
-from ucp.convert.plan import WEIGHT_STATE, ConversionPlan  # noqa: E402
 from ucp.convert.ray_executor import shuffle_plan  # noqa: E402
 from ucp.converters import deepspeed_slices, deepspeed_zero3  # noqa: E402
 from ucp.converters.deepspeed_zero import plan_zero3, plan_zero12  # noqa: E402
@@ -84,6 +81,9 @@ from ucp.format.folder import data_file_name, tensor_key  # noqa: E402
 from ucp.format.index import index_json  # noqa: E402
 from ucp.format.safetensors_stream import StoredTensor  # noqa: E402
 from ucp.patterns import Pattern  # noqa: E402
+from ucp.plan.balance import plan_bins  # noqa: E402
+from ucp.plan.index_builder import WrittenFile, build_index, records_of  # noqa: E402
+from ucp.plan.plan import WEIGHT_STATE, ConversionPlan  # noqa: E402
 from ucp.sizes import human_bytes  # noqa: E402
 
 MOMENTS = ("exp_avg", "exp_avg_sq")

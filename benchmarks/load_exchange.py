@@ -36,11 +36,11 @@ sys.path.insert(0, str(HERE))  # benchmarks/convert_scale.py, beside this script
 
 import ucp.convert.source_check as source_check  # noqa: E402
 from convert_scale import HEADER_BYTES, SMALL, plan_of, synthetic_zero1  # noqa: E402
-from ucp.convert.plan import ConversionPlan  # noqa: E402
 from ucp.converters.torch_zip import ZipEntry  # noqa: E402
 from ucp.deepspeed.exchange import payloads  # noqa: E402
 from ucp.deepspeed.load_source import PlannedSource  # noqa: E402
 from ucp.deepspeed.targets import TargetTensor  # noqa: E402
+from ucp.plan.plan import ConversionPlan  # noqa: E402
 
 STATES = 3  # fp32 masters, exp_avg, exp_avg_sq: each rank file stores one flat partition of each
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ucp.convert.plan import TRAINABLE, ConversionPlan, ParamPlan
 from ucp.converters.deepspeed_lists import checkpoint_layouts
 from ucp.converters.deepspeed_pipe import LAYER_FILE, layer_tensors
 from ucp.converters.deepspeed_slices import SliceState, dtype_name, load_dict, outer_states, read_slice, tied_aliases
@@ -31,6 +30,7 @@ from ucp.converters.plan_common import finish_plan
 from ucp.converters.tag_folder import TagDir, model_files, optim_files
 from ucp.converters.torch_zip import LazyTensor
 from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedLayoutError
+from ucp.plan.plan import TRAINABLE, ConversionPlan, ParamPlan
 
 
 def is_tensor_pipeline(names: list[str]) -> bool:

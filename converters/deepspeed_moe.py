@@ -23,7 +23,6 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ucp.convert.plan import FROZEN, TRAINABLE, WEIGHT_STATE, ConversionPlan, ParamPlan, StateSource
 from ucp.converters.deepspeed_slices import (
     combined_source,
     dtype_name,
@@ -40,6 +39,7 @@ from ucp.converters.tag_folder import TagDir, model_files, optim_files
 from ucp.converters.torch_zip import LazyTensor
 from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedLayoutError
 from ucp.patterns import recognize
+from ucp.plan.plan import FROZEN, TRAINABLE, WEIGHT_STATE, ConversionPlan, ParamPlan, StateSource
 
 EXPERT_FILE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 EXPP_FILE = re.compile(r"^expp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")

@@ -26,7 +26,6 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ucp.convert.plan import BUFFER, BUFFER_STATE, FROZEN, WEIGHT_STATE, ConversionPlan, ParamPlan, StateSource
 from ucp.converters.deepspeed_slices import (
     dp_paths,
     dtype_name,
@@ -44,6 +43,7 @@ from ucp.converters.tag_folder import TagDir, model_files, optim_files
 from ucp.converters.torch_zip import LazyTensor
 from ucp.errors import AmbiguousPatternError, CheckpointNotFoundError, CorruptCheckpointError
 from ucp.patterns import recognize
+from ucp.plan.plan import BUFFER, BUFFER_STATE, FROZEN, WEIGHT_STATE, ConversionPlan, ParamPlan, StateSource
 
 LAYER_FILE = re.compile(r"^layer_(\d+)(?:-model_(\d+))?-model_states\.pt$")
 _TIED = re.compile(r"^tied_modules\.([^.]+)\.(.+)$")

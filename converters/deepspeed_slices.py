@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ucp.convert.plan import TRAINABLE, WEIGHT_STATE, Fragment, ParamPlan, Piece, StateSource
 from ucp.converters.rank_identity import (
     GroupPartition,
     check_distinct,
@@ -29,6 +28,7 @@ from ucp.converters.torch_zip import LazyTensor, Opaque, load_lazy, read_values
 from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedLayoutError
 from ucp.patterns import Pattern
 from ucp.patterns.recognize import FragmentInfo, Hints, outer_kind, recognize_outer
+from ucp.plan.plan import TRAINABLE, WEIGHT_STATE, Fragment, ParamPlan, Piece, StateSource
 
 # (rank, param group, name as the rank's optimizer stores it) -> the parameter's global name
 Rename = Callable[[int, int, str], str]

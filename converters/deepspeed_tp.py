@@ -24,17 +24,6 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ucp.convert.assemble import materialize
-from ucp.convert.plan import (
-    BUFFER,
-    BUFFER_STATE,
-    FROZEN,
-    TRAINABLE,
-    WEIGHT_STATE,
-    ConversionPlan,
-    ParamPlan,
-    StateSource,
-)
 from ucp.converters.deepspeed_lists import checkpoint_layouts
 from ucp.converters.deepspeed_slices import (
     SliceState,
@@ -53,6 +42,17 @@ from ucp.converters.tag_folder import MODEL_FILE, TagDir, model_files, optim_fil
 from ucp.converters.torch_zip import LazyTensor, read_values
 from ucp.errors import AmbiguousPatternError, CheckpointNotFoundError, CorruptCheckpointError, UnsupportedLayoutError
 from ucp.patterns import Hints, Pattern, recognize
+from ucp.plan.assemble import materialize
+from ucp.plan.plan import (
+    BUFFER,
+    BUFFER_STATE,
+    FROZEN,
+    TRAINABLE,
+    WEIGHT_STATE,
+    ConversionPlan,
+    ParamPlan,
+    StateSource,
+)
 
 
 def is_tensor_parallel(names: list[str]) -> bool:

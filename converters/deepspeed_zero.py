@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ucp.convert.plan import FROZEN, TRAINABLE, WEIGHT_STATE, ConversionPlan, ParamPlan
 from ucp.converters.deepspeed_slices import read_slice
 from ucp.converters.deepspeed_zero0 import zero0_trainable
 from ucp.converters.deepspeed_zero3 import read_zero3_slice
@@ -29,6 +28,7 @@ from ucp.converters.plan_common import (
     state_source,
 )
 from ucp.converters.tag_folder import TagDir
+from ucp.plan.plan import FROZEN, TRAINABLE, WEIGHT_STATE, ConversionPlan, ParamPlan
 
 
 def plan_zero12(where: TagDir, model_path: Path, model: dict, optim_files: dict) -> ConversionPlan:

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import numpy as np
 
-from ucp.convert.plan import TRAINABLE, WEIGHT_STATE, Fragment, ParamPlan, Piece, StateSource
 from ucp.converters.deepspeed_slices import SliceState, expect, param_groups, tied_aliases
 from ucp.converters.torch_zip import LazyTensor, read_array, read_values
 from ucp.errors import AmbiguousPatternError, CorruptCheckpointError
 from ucp.format.dtypes import cast
 from ucp.patterns.recognize import FragmentInfo, recognize
+from ucp.plan.plan import TRAINABLE, WEIGHT_STATE, Fragment, ParamPlan, Piece, StateSource
 
 
 def zero0_trainable(model: dict, path: Path, param_names: list[str] | None) -> tuple[list[ParamPlan], list, list[str]]:

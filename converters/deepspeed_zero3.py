@@ -18,7 +18,6 @@ import math
 import re
 from pathlib import Path
 
-from ucp.convert.plan import Fragment
 from ucp.converters.deepspeed_slices import (
     SliceState,
     agree_step,
@@ -37,6 +36,7 @@ from ucp.converters.rank_identity import check_distinct
 from ucp.converters.torch_zip import LazyTensor
 from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedLayoutError
 from ucp.patterns.recognize import FragmentInfo
+from ucp.plan.plan import Fragment
 
 ZERO3_MODEL_FILE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 

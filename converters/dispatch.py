@@ -10,7 +10,6 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from ucp.convert.plan import ConversionPlan
 from ucp.converters.deepspeed_megatron import is_tensor_pipeline, plan_megatron
 from ucp.converters.deepspeed_moe import is_moe, plan_moe
 from ucp.converters.deepspeed_pipe import is_pipeline, plan_pipe
@@ -20,6 +19,7 @@ from ucp.converters.deepspeed_zero import plan_zero0, plan_zero3, plan_zero12
 from ucp.converters.deepspeed_zero3 import zero3_model_files
 from ucp.converters.tag_folder import MODEL_FILE, optim_files, resolve_tag
 from ucp.errors import CheckpointNotFoundError, UnsupportedLayoutError
+from ucp.plan.plan import ConversionPlan
 
 
 def plan_deepspeed(input_dir: str | os.PathLike, tag: str | None = None,

@@ -4,7 +4,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ucp.convert.plan import (
+from ucp.converters.deepspeed_slices import dtype_name, tied_aliases, whole
+from ucp.converters.tag_folder import TagDir
+from ucp.converters.torch_zip import LazyTensor, as_python
+from ucp.converters.trainer_folders import side_files
+from ucp.errors import CorruptCheckpointError
+from ucp.format import loss_scale
+from ucp.format.index import NotSaved
+from ucp.format.optimizer import optimizer_record
+from ucp.patterns.recognize import recognize
+from ucp.plan.plan import (
     BUFFER,
     BUFFER_STATE,
     FROZEN,
@@ -15,15 +24,6 @@ from ucp.convert.plan import (
     ParamPlan,
     StateSource,
 )
-from ucp.converters.deepspeed_slices import dtype_name, tied_aliases, whole
-from ucp.converters.tag_folder import TagDir
-from ucp.converters.torch_zip import LazyTensor, as_python
-from ucp.converters.trainer_folders import side_files
-from ucp.errors import CorruptCheckpointError
-from ucp.format import loss_scale
-from ucp.format.index import NotSaved
-from ucp.format.optimizer import optimizer_record
-from ucp.patterns.recognize import recognize
 
 # Why a checkpoint lacks its frozen parameters: DeepSpeed's save_checkpoint argument that left them out.
 EXCLUDE_FROZEN = "exclude_frozen_parameters"

@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 
-from ucp.convert.plan import ParamPlan
 from ucp.convert.source_check import EntryChecks
 from ucp.converters.trainer_folders import LINK_REASON
 from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError, UcpError, UnsupportedStorageError
@@ -33,6 +32,7 @@ from ucp.format.locations import Location, ObjectPath, location
 from ucp.format.safetensors_stream import read_stored
 from ucp.format.splits import from_split_major
 from ucp.format.storage import is_file, list_names, read_small
+from ucp.plan.plan import ParamPlan
 
 STEP_STATE = "step"
 DEEPSPEED_RANK_FILES = ("model_states.pt", "optim_states.pt")  # mp_rank_00_model_states.pt, zero_pp_rank_*_optim_...
@@ -254,7 +254,7 @@ class PlannedCheckpoint:
     def tensor(self, name: str, state: str = "fp32", *, verify: bool = True) -> torch.Tensor:
         """The state, merged from the rank files. With `verify`, every zip entry it comes from is checked
         against its CRC-32 (the first time) and replicated copies must agree."""
-        from ucp.convert.assemble import materialize_tensor
+        from ucp.plan.assemble import materialize_tensor
 
         p = self._param(name)
         if state == STEP_STATE and p.step is not None:

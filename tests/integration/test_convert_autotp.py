@@ -33,11 +33,11 @@ from support.parallel import (
 )
 from ucp.cli.main import main
 from ucp.convert import convert
-from ucp.convert.primitives import strip_pad, union
 from ucp.converters.deepspeed_declared import affine_params, declared_layout
 from ucp.converters.dispatch import plan_deepspeed
 from ucp.errors import AmbiguousPatternError, CorruptCheckpointError, UnsupportedLayoutError
 from ucp.patterns import Pattern, PatternSpec
+from ucp.plan.primitives import strip_pad, union
 
 RUNS = [name for name, _ in AUTOTP.runs]
 STATES = ("fp32", "exp_avg", "exp_avg_sq")

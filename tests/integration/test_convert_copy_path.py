@@ -13,16 +13,16 @@ from support.checkpoints import TinySpec
 from support.fragments import torch_fragment
 from support.parallel import build_family
 from test_convert_autotp import AUTOTP
-from ucp.convert.assemble import assemble, materialize
-from ucp.convert.balance import plan_bins
 from ucp.convert.driver import WriteBin, bin_slots, source_fingerprint, stream_bin, write_bin
-from ucp.convert.index_builder import WrittenFile
 from ucp.convert.split_policy import SplitPolicy, apply_split_policy
 from ucp.converters.dispatch import plan_deepspeed
 from ucp.format.folder import tensor_key
 from ucp.format.index import FORMAT_NAME
 from ucp.format.safetensors_stream import StreamingWriter
 from ucp.format.splits import to_split_major
+from ucp.plan.assemble import assemble, materialize
+from ucp.plan.balance import plan_bins
+from ucp.plan.index_builder import WrittenFile
 
 TINY = [TinySpec(stage=0), TinySpec(stage=1), TinySpec(stage=2), TinySpec(stage=3),
         TinySpec(stage=1, dtype="bf16", world_size=3), TinySpec(stage=3, dtype="bf16", world_size=3),

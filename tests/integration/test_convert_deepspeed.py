@@ -19,7 +19,7 @@ from support.checkpoints import (
     trained_state,
 )
 from support.fp16 import needs_cpu_fp16
-from ucp.convert.plan import BUFFER, FROZEN, TRAINABLE
+from ucp.plan.plan import BUFFER, FROZEN, TRAINABLE
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 SPECS = [
@@ -124,8 +124,8 @@ def test_negative_control_wrong_fragment_order_is_caught(tiny_checkpoint, ds_uni
     """Joining the ZeRO fragments in the wrong rank order must fail the same comparison."""
     import dataclasses
 
-    from ucp.convert.assemble import materialize_tensor
     from ucp.converters.dispatch import plan_deepspeed
+    from ucp.plan.assemble import materialize_tensor
 
     spec = SPECS[4]
     plan = plan_deepspeed(tiny_checkpoint(spec))

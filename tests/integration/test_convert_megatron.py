@@ -32,11 +32,11 @@ from support.parallel import (
 )
 from support.train_megatron import FFN, HEAD_DIM, HIDDEN, KV_HEADS, PADDED_VOCAB, VOCAB
 from ucp.convert import convert
-from ucp.convert.assemble import assemble
 from ucp.converters.deepspeed_lists import list_layout
 from ucp.converters.dispatch import plan_deepspeed
 from ucp.errors import AmbiguousPatternError, CheckpointNotFoundError, CorruptCheckpointError
 from ucp.patterns import Pattern
+from ucp.plan.assemble import assemble
 
 MEGATRON = Family.of("megatron", "train_megatron.py", 4, {
     "z1-fp32": {"stage": 1},

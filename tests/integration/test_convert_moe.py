@@ -27,13 +27,13 @@ from support.parallel import (
     trainable_count,
 )
 from ucp.convert import convert
-from ucp.convert.assemble import assemble
-from ucp.convert.plan import StateSource
-from ucp.convert.primitives import ReplicaMismatchError
 from ucp.converters.deepspeed_slices import load_dict, read_slice
 from ucp.converters.deepspeed_zero0 import zero0_slice
 from ucp.converters.tag_folder import model_files, optim_files
 from ucp.patterns import FragmentInfo, Pattern, PatternSpec
+from ucp.plan.assemble import assemble
+from ucp.plan.plan import StateSource
+from ucp.plan.primitives import ReplicaMismatchError
 
 RUNS = [name for name, _ in MOE.runs]
 STATES = ("fp32", "exp_avg", "exp_avg_sq")

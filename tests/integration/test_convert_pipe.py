@@ -28,11 +28,11 @@ from support.parallel import (
     trainable_count,
 )
 from ucp.convert import convert
-from ucp.convert.assemble import assemble
-from ucp.convert.primitives import ReplicaMismatchError
 from ucp.converters.dispatch import plan_deepspeed
 from ucp.errors import AmbiguousPatternError
 from ucp.patterns import Pattern
+from ucp.plan.assemble import assemble
+from ucp.plan.primitives import ReplicaMismatchError
 
 RUNS = [name for name, _ in PIPE.runs]
 TIED = "tied_modules.embed.weight"

@@ -17,7 +17,6 @@ from support.checkpoints import TinySpec
 from support.llama_tp_runs import build_sources
 from test_load_hook_tp import TRAIN
 from ucp.convert import convert
-from ucp.convert.plan import ConversionPlan, Fragment, ParamPlan, Piece, StateSource
 from ucp.deepspeed import LoadStats, hook
 from ucp.deepspeed.flat_runs import FlatRun, flat_runs, run_reads
 from ucp.deepspeed.load_source import AtomicSource, PlannedSource, box_numel
@@ -27,6 +26,7 @@ from ucp.format.byte_ranges import ByteRange
 from ucp.format.fileio import tensor_bytes
 from ucp.format.safetensors_stream import TORCH_DTYPES
 from ucp.patterns import FragmentInfo, Pattern, PatternSpec
+from ucp.plan.plan import ConversionPlan, Fragment, ParamPlan, Piece, StateSource
 
 SOURCES = ["z2-fp32-dp2", "z3-bf16-dp3", "autotp2-z1"]  # ZeRO partitions; bf16 frozen fragments; TP shards
 

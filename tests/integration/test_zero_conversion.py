@@ -35,8 +35,8 @@ from support.llama_tp_runs import build_sources, load_stats, losses, resume
 from test_load_hook_tp import RESUME, SAVED_AT, TRAIN
 from test_source_checksums import unloaded_bytes
 from ucp.convert import convert
-from ucp.convert.plan import BUFFER
 from ucp.format.safetensors_stream import TORCH_DTYPES
+from ucp.plan.plan import BUFFER
 
 CASES = [  # (saved at, loaded at)
     (TinySpec(stage=2), TinySpec(stage=2, world_size=1)),                               # DP 2 -> 1

@@ -14,11 +14,10 @@ SOURCES = {"ucp": "ucp", "converters": "ucp.converters", "patterns": "ucp.patter
 # docs/ARCHITECTURE.md, "Direction of imports": lowest first. A module may import modules of its own
 # layer or of lower ones; a module belongs to the layer of its longest matching prefix.
 LAYERS = (
-    ("ucp.errors", "ucp.version", "ucp.sizes"),
+    ("ucp.errors", "ucp.version", "ucp.sizes", "ucp.progress"),
     ("ucp.patterns",),
     ("ucp.format",),
-    ("ucp.convert.plan", "ucp.convert.primitives", "ucp.convert.assemble", "ucp.convert.balance",
-     "ucp.convert.index_builder"),
+    ("ucp.plan",),
     ("ucp.converters",),
     ("ucp.convert", "ucp.checkpoint"),
     ("ucp.hmp",),
@@ -120,7 +119,7 @@ def test_the_checks_see_a_cycle_and_a_wrong_direction():
     edges = {"ucp.format.a": {"ucp.convert.driver"}, "ucp.convert.driver": {"ucp.format.a"}}
     assert cycles(edges) == [["ucp.convert.driver", "ucp.format.a"]]
     assert layer_of("ucp.format.a") < layer_of("ucp.convert.driver")
-    assert layer_of("ucp.convert.plan") < layer_of("ucp.converters.deepspeed_zero") < layer_of("ucp.convert.driver")
+    assert layer_of("ucp.plan.plan") < layer_of("ucp.converters.deepspeed_zero") < layer_of("ucp.convert.driver")
 
 
 @pytest.mark.parametrize("module", sorted(modules()))

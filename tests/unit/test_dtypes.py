@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from ucp.convert.primitives import ReplicaMismatchError, union
 from ucp.format.dtypes import as_values, cast, from_torch, to_torch
 from ucp.patterns.types import Pattern, PatternSpec
+from ucp.plan.primitives import ReplicaMismatchError, union
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from ucp.convert.deepspeed_format import _save_optimizer_state
-from ucp.convert.plan import ConversionPlan
 from ucp.errors import CorruptCheckpointError
+from ucp.plan.plan import ConversionPlan
 
 GROUPS = [{"lr": 0.1, "params": [0]}]
 

@@ -12,7 +12,7 @@ def imported(modules: str, heavy: tuple[str, ...]) -> list[str]:
 
 
 def test_import_ucp_pulls_in_neither_ray_nor_deepspeed():
-    assert imported("ucp, ucp.checkpoint, ucp.convert, ucp.convert.driver, ucp.patterns, ucp.convert.primitives, "
+    assert imported("ucp, ucp.checkpoint, ucp.convert, ucp.convert.driver, ucp.patterns, ucp.plan.primitives, "
                     "ucp.converters.dispatch, ucp.format.index, ucp.hmp.slice_load", ("ray", "deepspeed")) == []
 
 

@@ -1,4 +1,4 @@
-"""Round trips and error cases for Extract / Union / StripPad (ucp.convert.primitives).
+"""Round trips and error cases for Extract / Union / StripPad (ucp.plan.primitives).
 
 Every property test builds the shards of a random tensor the way a framework lays them out
 (ZeRO-1/2, ZeRO-3, TP dim shards with uneven widths and vocab padding, fused sub-parameters,
@@ -19,9 +19,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ucp.convert.primitives import ReplicaMismatchError, strip_pad, union
 from ucp.errors import AmbiguousPatternError, UcpError
 from ucp.patterns import FragmentInfo, Hints, Pattern, PatternSpec, recognize
+from ucp.plan.primitives import ReplicaMismatchError, strip_pad, union
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 NEG_SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])

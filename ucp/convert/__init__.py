@@ -1,9 +1,8 @@
-"""Conversion of a sharded checkpoint into the atomic format: the plan types converters produce, the
-primitives (Extract, Union, StripPad), the MapReduce driver, its executors and manifests, and the
-`--format deepspeed` writer (docs/ARCHITECTURE.md).
+"""Conversion of a sharded checkpoint into the atomic format: the MapReduce driver over the plan model
+(`ucp.plan`), its executors and manifests, and the `--format deepspeed` writer (docs/ARCHITECTURE.md).
 
-`ucp.convert.convert(input_dir, output_dir, ...)` is the entry point; it is imported on first use so
-that converters, which import only the plan types, never pull in the driver.
+`ucp.convert.convert(input_dir, output_dir, ...)` is the entry point; it is imported on first use so that
+importing an executor (the DeepSpeed hook's, export's) never pulls in the driver and every converter.
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ stored dtype (`state_runs`). Those are copied block by block, a few blocks in fl
 (reads, CRC-32 and writes release the GIL), each block into its place in the file, whose layout
 the header fixes in advance. Row-parallel TP shards (joined along dim 1, `row_parts`) are read
 whole and copied into their columns of the output on the same threads. Any other state (averaged
-partials, --strict replicas, split-major storage) is assembled in memory (`ucp.convert.assemble`) and
+partials, --strict replicas, split-major storage) is assembled in memory (`ucp.plan.assemble`) and
 written the same way.
 
 Every byte read is CRC'd once: where a block is copied as is, each CRC of the block's pieces
@@ -31,8 +31,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ucp.convert.assemble import assemble, read_fragment
-from ucp.convert.plan import ParamPlan, StateSource
 from ucp.format.crc import chunk_bounds, crc32, join_segments
 from ucp.format.dtypes import NUMPY_DTYPES, cast
 from ucp.format.fileio import open_regular, read_exactly, tensor_bytes
@@ -40,6 +38,8 @@ from ucp.format.index import DTYPE_SIZES
 from ucp.format.safetensors_stream import StoredTensor, TensorSlot, encode_header
 from ucp.format.splits import to_split_major
 from ucp.patterns.types import Pattern, PatternSpec
+from ucp.plan.assemble import assemble, read_fragment
+from ucp.plan.plan import ParamPlan, StateSource
 
 BLOCK_BYTES = 8 << 20  # a block: the bytes one thread copies as one task
 # A block moves through a buffer this large, a piece at a time: read, CRC'd and written while the

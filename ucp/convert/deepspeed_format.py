@@ -21,15 +21,15 @@ from typing import Any
 
 import torch
 
-from ucp.convert.assemble import materialize_tensor
-from ucp.convert.balance import plan_bins
 from ucp.convert.deepspeed_keys import UNIVERSAL_CHECKPOINT_INFO, DeclaredPatterns, declared_patterns, universal_keys
 from ucp.convert.executor import Executor, Report
-from ucp.convert.plan import BUFFER_STATE, TRAINABLE, WEIGHT_STATE, ConversionPlan, ParamPlan
 from ucp.convert.result import ConvertResult
 from ucp.converters.deepspeed_slices import load_dict
 from ucp.converters.torch_zip import Device, DtypeName, LazyTensor, Opaque, read_tensor
 from ucp.errors import CorruptCheckpointError, OutputExistsError, UnsupportedLayoutError
+from ucp.plan.assemble import materialize_tensor
+from ucp.plan.balance import plan_bins
+from ucp.plan.plan import BUFFER_STATE, TRAINABLE, WEIGHT_STATE, ConversionPlan, ParamPlan
 
 _EXPERT_FILE = re.compile(r"^layer_\d+_expert_\d+_.*model_states\.pt$")
 # DeepSpeed's key names (deepspeed.checkpoint.constants), spelled out so that planning needs no deepspeed.

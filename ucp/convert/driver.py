@@ -25,10 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ucp.convert.balance import plan_bins
 from ucp.convert.bin_copy import BinFile, SourceSegment, copy_states, write_array
 from ucp.convert.executor import Executor, LocalExecutor, Report, ShuffleExecutor
-from ucp.convert.index_builder import WrittenFile, build_index, records_of
 from ucp.convert.manifest import (
     MANIFEST_SUFFIX,
     BinCheck,
@@ -39,7 +37,6 @@ from ucp.convert.manifest import (
     write_manifest,
 )
 from ucp.convert.object_input import staged_source
-from ucp.convert.plan import ConversionPlan, ParamPlan, StateSource
 from ucp.convert.result import ConvertResult
 from ucp.convert.source_check import check_sources
 from ucp.convert.split_policy import SplitPolicy, apply_split_policy
@@ -62,6 +59,9 @@ from ucp.format.index import FORMAT_NAME, ExtraFile, stored_shape
 from ucp.format.locations import Location, ObjectPath, location
 from ucp.format.safetensors_stream import StoredTensor, TensorSlot
 from ucp.format.splits import to_split_major
+from ucp.plan.balance import plan_bins
+from ucp.plan.index_builder import WrittenFile, build_index, records_of
+from ucp.plan.plan import ConversionPlan, ParamPlan, StateSource
 
 logger = logging.getLogger("ucp.convert")
 

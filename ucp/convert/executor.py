@@ -16,9 +16,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
-from tqdm import tqdm
-
 from ucp.format.fileio import drop_inherited_locks
+from ucp.progress import progress_bar
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -47,12 +46,6 @@ class ShuffleExecutor(Executor, Protocol):
 
 def default_workers() -> int:
     return max(1, min(8, os.cpu_count() or 1))
-
-
-def progress_bar(total_bytes: int, desc: str, enabled: bool) -> tqdm:
-    # disable=None lets tqdm hide itself when stderr is not a terminal (CI logs, pipes).
-    return tqdm(total=total_bytes, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
-                disable=None if enabled else True, dynamic_ncols=True)
 
 
 _progress_queue: multiprocessing.queues.Queue[int] | None = None  # set in each pool worker by _init_worker

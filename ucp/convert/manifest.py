@@ -16,12 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ucp.convert.executor import Report
-from ucp.convert.index_builder import WrittenFile
 from ucp.format.crc import crc32
 from ucp.format.fileio import read_regular
 from ucp.format.folder import DATA_PREFIX, PARTIAL_SUFFIX, fsync_dir
 from ucp.format.index import Index, header_problems
 from ucp.format.safetensors_stream import StoredTensor
+from ucp.plan.index_builder import WrittenFile
 
 MANIFEST_SUFFIX = ".json"
 _CHUNK = 16 << 20

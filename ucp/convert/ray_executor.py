@@ -37,15 +37,15 @@ import numpy as np
 import ray
 from ray.exceptions import RayError, RayTaskError
 
-from ucp.convert.assemble import assemble
 from ucp.convert.driver import WriteBin, WrittenBin, stream_bin
 from ucp.convert.executor import Report, default_workers
-from ucp.convert.plan import Fragment, Piece
 from ucp.errors import UcpError
 from ucp.format.crc import crc32
 from ucp.format.dtypes import NUMPY_DTYPES
 from ucp.format.fileio import pread_into
 from ucp.format.index import DTYPE_SIZES
+from ucp.plan.assemble import assemble
+from ucp.plan.plan import Fragment, Piece
 from ucp.sizes import human_bytes
 
 T = TypeVar("T")
@@ -328,11 +328,11 @@ def ucp_package_copy(folder: str) -> str:
     """
     import importlib
 
-    import ucp
-
     root = os.path.join(folder, "ucp")
     skip = shutil.ignore_patterns("__pycache__", "*.pyc")
-    shutil.copytree(ucp.__path__[0], root, ignore=skip)
+    # The package folder itself: this module is ucp/convert/ray_executor.py (no import of the top-level package,
+    # which sits above every layer).
+    shutil.copytree(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), root, ignore=skip)
     for name in _SUBPACKAGES:
         module = importlib.import_module(f"ucp.{name}")
         shutil.copytree(module.__path__[0], os.path.join(root, name), ignore=skip, dirs_exist_ok=True)

@@ -23,11 +23,11 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from ucp.convert.plan import ConversionPlan, StateSource
 from ucp.converters.torch_zip import ZipEntry, storage_entries
 from ucp.errors import CorruptCheckpointError
 from ucp.format.crc import crc32, crc32_combine
 from ucp.format.fileio import ReadCounter, open_regular
+from ucp.plan.plan import ConversionPlan, StateSource
 
 SourceSegment = tuple[str, int, int, int]  # (path, begin, end, crc32) of bytes read from a rank file
 SMALL_ENTRY_BYTES = 64 << 10  # entries this small are checked whether or not a state reads them

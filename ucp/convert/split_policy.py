@@ -8,8 +8,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ucp.convert.plan import ConversionPlan
 from ucp.errors import UcpError
+from ucp.plan.plan import ConversionPlan
 
 # Megatron-style partition dims of Hugging Face Llama / Qwen2 / Mistral parameter names: column-parallel
 # and vocab-parallel weights (and their biases) along dim 0, row-parallel weights along dim 1. First match wins;

@@ -14,9 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ucp.convert.driver import WriteBin, stream_bin
-from ucp.convert.index_builder import build_index, records_of
 from ucp.convert.manifest import remove_manifests
-from ucp.convert.plan import TRAINABLE, ConversionPlan, ParamPlan, StateSource
 from ucp.convert.split_policy import SplitPolicy, apply_split_policy
 from ucp.errors import OutputExistsError, UcpError
 from ucp.format.crc import CHUNK_BYTES
@@ -24,6 +22,8 @@ from ucp.format.dtypes import from_torch
 from ucp.format.fileio import writing_alone
 from ucp.format.folder import commit_index, data_file_name, fsync_dir
 from ucp.patterns.types import Pattern, PatternSpec
+from ucp.plan.index_builder import build_index, records_of
+from ucp.plan.plan import TRAINABLE, ConversionPlan, ParamPlan, StateSource
 
 if TYPE_CHECKING:
     import torch

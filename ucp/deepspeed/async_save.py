@@ -43,8 +43,6 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import torch
 import torch.distributed as dist
 
-from ucp.convert.balance import TARGET_FILE_BYTES
-from ucp.convert.index_builder import ParamRecord, WrittenFile, build_index
 from ucp.deepspeed.autotp import tp_size, with_tensor_parallel
 from ucp.deepspeed.memory_files import MemoryEvery
 from ucp.deepspeed.save_files import SaveFiles, WrittenPiece, arrange_files, bytes_to_send, plan_parts, whole_crcs
@@ -64,6 +62,8 @@ from ucp.format.optimizer import optimizer_record
 from ucp.format.safetensors_stream import TORCH_DTYPES, StoredTensor, TensorSlot
 from ucp.format.storage import is_file
 from ucp.patterns import PatternSpec
+from ucp.plan.balance import TARGET_FILE_BYTES
+from ucp.plan.index_builder import ParamRecord, WrittenFile, build_index
 
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine

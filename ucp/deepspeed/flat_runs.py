@@ -1,15 +1,15 @@
 """The ZeRO partition of a state planned from a DeepSpeed checkpoint, as runs of its source files.
 
-A planned state (`ucp.convert.plan.StateSource`) whose fragments tile its flattened tensor lets a
+A planned state (`ucp.plan.plan.StateSource`) whose fragments tile its flattened tensor lets a
 rank read just its partition's bytes from the rank files, as it would from a converted checkpoint.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ucp.convert.plan import Piece, StateSource
 from ucp.format.byte_ranges import ByteRange
 from ucp.patterns.types import Pattern
+from ucp.plan.plan import Piece, StateSource
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ where storage allows.
   module) serves any run of wanted elements from just the overlapping bytes of the rank files
   (`ucp.deepspeed.flat_runs.run_reads`), cast to the state's dtype as `ucp convert` would; a TP box reads
   the rows that cover it. Any other state (TP shards, pipeline-tied copies, experts' replicas) is
-  materialised whole by one rank of the group from its fragments' bytes (`ucp.convert.assemble.assemble`:
+  materialised whole by one rank of the group from its fragments' bytes (`ucp.plan.assemble.assemble`:
   Union, taking rank 0's copy of a replicated state as `ucp convert` does, then StripPad) and broadcast, so it
   is shared even when each rank wants a part of it.
 
@@ -41,8 +41,6 @@ import torch
 import torch.distributed as dist
 
 from ucp.checkpoint import AtomicCheckpoint, PlannedCheckpoint
-from ucp.convert.assemble import assemble
-from ucp.convert.plan import ConversionPlan, Piece, StateSource
 from ucp.convert.source_check import SMALL_ENTRY_BYTES, EntryParts, OpenEntry, check_entry, close_entries
 from ucp.deepspeed.exchange import owner_of, to_owners
 from ucp.deepspeed.flat_runs import FlatRun, flat_runs, run_reads
@@ -56,6 +54,8 @@ from ucp.format.dtypes import NUMPY_DTYPES, to_torch
 from ucp.format.fileio import ReadCounter, tensor_bytes
 from ucp.format.index import StoredState
 from ucp.format.safetensors_stream import TORCH_DTYPES
+from ucp.plan.assemble import assemble
+from ucp.plan.plan import ConversionPlan, Piece, StateSource
 
 Key = tuple[str, str]
 
@@ -328,7 +328,7 @@ class PlannedSource:
                 stored = raw.view(TORCH_DTYPES[runs[0].piece.dtype])
                 values[key] = self._from_span(stored.to(self.dtype(key)), key, t)
                 continue
-            state = self._state(key)  # Union and StripPad, as `ucp convert` would (ucp.convert.assemble)
+            state = self._state(key)  # Union and StripPad, as `ucp convert` would (ucp.plan.assemble)
             arrays = [raw.numpy().view(NUMPY_DTYPES[f.piece.dtype]).reshape(f.info.shape)
                       for raw, f in zip(parts, state.fragments)]
             full = to_torch(assemble(state, arrays, name=key[0]), state.dtype)

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from ucp.convert.plan import BUFFER_STATE, WEIGHT_STATE
 from ucp.converters.deepspeed_declared import affine_params, declared_layout
 from ucp.deepspeed.autotp import UNIVERSAL_CHECKPOINT_INFO, tp_size
 from ucp.deepspeed.moe_target import checkpoint_name, local_expert_tensors
@@ -24,6 +23,7 @@ from ucp.deepspeed.save_plan import Holding, full_box
 from ucp.deepspeed.targets import Target
 from ucp.errors import UnsupportedLayoutError
 from ucp.patterns import Hints, Pattern
+from ucp.plan.plan import BUFFER_STATE, WEIGHT_STATE
 
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine

@@ -37,8 +37,6 @@ from torch.futures import Future
 from tqdm import tqdm
 
 from ucp.checkpoint import STEP_STATE, Checkpoint, open_checkpoint
-from ucp.convert.executor import progress_bar
-from ucp.convert.plan import BUFFER, BUFFER_STATE, TRAINABLE, WEIGHT_STATE
 from ucp.errors import ExportError, UcpError
 from ucp.export.hf import DTYPES
 from ucp.export.model_config import find_config, model_keys
@@ -46,6 +44,8 @@ from ucp.export.optimizer import default_target, export_groups
 from ucp.export.staging import staged_output
 from ucp.format.locations import Location, location
 from ucp.format.safetensors_stream import TORCH_DTYPES
+from ucp.plan.plan import BUFFER, BUFFER_STATE, TRAINABLE, WEIGHT_STATE
+from ucp.progress import progress_bar
 
 METADATA_NAME = ".metadata"  # what DCP's FileSystemReader opens first; an s3:// export uploads it last
 

@@ -5,7 +5,7 @@ import heapq
 import math
 from collections.abc import Sequence
 
-from ucp.convert.plan import ConversionPlan, ParamPlan
+from ucp.plan.plan import ConversionPlan, ParamPlan
 
 # A data file grows to about this size before conversion opens another, so output stays a few
 # large files whatever the worker count.

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ucp.convert.plan import ConversionPlan, ParamPlan
 from ucp.errors import UcpError
 from ucp.format.crc import CHUNK_BYTES
 from ucp.format.folder import tensor_key
 from ucp.format.index import FORMAT_VERSION, DataFile, ExtraFile, Index, ParamEntry, RunRecord, StoredState
 from ucp.format.safetensors_stream import StoredTensor
 from ucp.patterns.types import PatternSpec
+from ucp.plan.plan import ConversionPlan, ParamPlan
 
 
 @dataclass(frozen=True)

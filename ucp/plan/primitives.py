@@ -1,6 +1,6 @@
 """The three primitives of Universal Checkpointing, as pure functions on tensors.
 
-Extract is the read of a fragment's bytes from a rank file (`ucp.convert.assemble.read_fragment`);
+Extract is the read of a fragment's bytes from a rank file (`ucp.plan.assemble.read_fragment`);
 here are Union, which merges the fragments of one state of one parameter according to its pattern,
 and StripPad, which drops ZeRO alignment and vocabulary padding. Nothing here touches the disk.
 
