@@ -40,6 +40,35 @@ AUTOTP_RUNS = {
 }
 
 
+def saved_equals_converted(run, tmp_path):
+    """The ucp save of `run` at SAVED_AT, checked: `verify` clean and equal to `ucp convert` of DeepSpeed's
+    checkpoint of the same step; negative control: the save of the last step fails the same comparison."""
+    saved = ucp.open_checkpoint(run / "ucp" / f"global_step{SAVED_AT}")
+    assert saved.verify() == []
+    converted = ucp.open_checkpoint(convert(run / "ckpt", tmp_path / "converted", workers=1, progress=False).output)
+    assert_same_checkpoint(saved, converted)
+    later = ucp.open_checkpoint(run / "ucp" / f"global_step{STEPS}")
+    assert later.verify() == []
+    with pytest.raises(AssertionError):
+        assert_same_checkpoint(later, converted)
+    return saved
+
+
+def saving_runs(layouts: dict, ckpt_root) -> dict:
+    """One run of each layout that saves with DeepSpeed at SAVED_AT and with ucp every SAVED_AT steps."""
+    return {name: resume_run(layout, ["--steps", STEPS, "--save-at", SAVED_AT, "--save-dir", "{run}/ckpt",
+                                      "--ucp-save", "{run}/ucp", "--losses-out", "{run}/losses.json"], ckpt_root)
+            for name, layout in layouts.items()}
+
+
+def resumes_the_losses(source, layout: Layout, ckpt_root) -> None:
+    """`source`'s ucp save at SAVED_AT, resumed under `layout`, continues `source`'s losses."""
+    run = resume_run(layout, ["--steps", STEPS - SAVED_AT, "--start-step", SAVED_AT, "--ucp-load",
+                              source / "ucp" / f"global_step{SAVED_AT}", "--losses-out", "{run}/losses.json"],
+                     ckpt_root)
+    assert losses(run) == pytest.approx(losses(source)[SAVED_AT:], rel=1e-6)
+
+
 @pytest.fixture(scope="module")
 def autotp(ckpt_root):
     """The runs' folders (one launch; the ucp code under test runs in it, so it is never cached)."""
@@ -48,17 +77,8 @@ def autotp(ckpt_root):
 
 @pytest.mark.parametrize("run", list(AUTOTP_RUNS))
 def test_autotp_saves_equal_converted_deepspeed_checkpoints(autotp, run, tmp_path):
-    saved = ucp.open_checkpoint(autotp / run / "ucp" / f"global_step{SAVED_AT}")
-    assert saved.verify() == []
+    saved = saved_equals_converted(autotp / run, tmp_path)
     assert (saved.source["tp"], saved.source["dp"]) == (2, 2)
-    converted = ucp.open_checkpoint(convert(autotp / run / "ckpt", tmp_path / "converted", workers=1,
-                                            progress=False).output)
-    assert_same_checkpoint(saved, converted)
-    # Negative control: the save of a later step fails the same comparison.
-    later = ucp.open_checkpoint(autotp / run / "ucp" / f"global_step{STEPS}")
-    assert later.verify() == []
-    with pytest.raises(AssertionError):
-        assert_same_checkpoint(later, converted)
 
 
 def test_an_autotp_save_resumes_without_tensor_parallelism(autotp, ckpt_root):
@@ -72,37 +92,23 @@ def test_an_autotp_save_resumes_without_tensor_parallelism(autotp, ckpt_root):
 
 PIPE_LAYOUTS = {"z1-pp2-dp2": Layout("resume_pipe.py", 4, ("--stages", "2", "--zero-stage", "1")),
                 "bf16-z0-pp2": Layout("resume_pipe.py", 2, ("--stages", "2", "--zero-stage", "0", "--dtype", "bf16"))}
-PIPE_SAVED_AT, PIPE_STEPS = 2, 4
 
 
 @pytest.fixture(scope="module")
 def pipe_runs(ckpt_root):
-    return {name: resume_run(layout, ["--steps", PIPE_STEPS, "--save-at", PIPE_SAVED_AT, "--save-dir", "{run}/ckpt",
-                                      "--ucp-save", "{run}/ucp", "--losses-out", "{run}/losses.json"], ckpt_root)
-            for name, layout in PIPE_LAYOUTS.items()}
+    return saving_runs(PIPE_LAYOUTS, ckpt_root)
 
 
 @pytest.mark.parametrize("name", list(PIPE_LAYOUTS))
 def test_pipeline_saves_equal_converted_deepspeed_checkpoints(pipe_runs, name, tmp_path):
-    run = pipe_runs[name]
-    saved = ucp.open_checkpoint(run / "ucp" / f"global_step{PIPE_SAVED_AT}")
-    assert saved.verify() == []
+    saved = saved_equals_converted(pipe_runs[name], tmp_path)
     assert saved.source["pp"] == 2
-    converted = ucp.open_checkpoint(convert(run / "ckpt", tmp_path / "converted", workers=1, progress=False).output)
-    assert_same_checkpoint(saved, converted)
     assert saved.index.params["tied_modules.embed.weight"].pattern["pattern"] == "replicate"
-    later = ucp.open_checkpoint(run / "ucp" / f"global_step{PIPE_STEPS}")
-    assert later.verify() == []
-    with pytest.raises(AssertionError):  # negative control: another step's save
-        assert_same_checkpoint(later, converted)
 
 
 def test_a_pipeline_save_resumes_on_one_stage(pipe_runs, ckpt_root):
     source = pipe_runs["z1-pp2-dp2"]
-    run = resume_run(Layout("resume_pipe.py", 2, ("--stages", "1", "--zero-stage", "1")),
-                     ["--steps", PIPE_STEPS - PIPE_SAVED_AT, "--start-step", PIPE_SAVED_AT, "--ucp-load",
-                      source / "ucp" / f"global_step{PIPE_SAVED_AT}", "--losses-out", "{run}/losses.json"], ckpt_root)
-    assert losses(run) == pytest.approx(losses(source)[PIPE_SAVED_AT:], rel=1e-6)
+    resumes_the_losses(source, Layout("resume_pipe.py", 2, ("--stages", "1", "--zero-stage", "1")), ckpt_root)
 
 
 MOE_LAYOUTS = {"ep2-z1": Layout("resume_moe.py", 2, ("--ep-size", "2", "--zero-stage", "1")),
@@ -111,28 +117,15 @@ MOE_LAYOUTS = {"ep2-z1": Layout("resume_moe.py", 2, ("--ep-size", "2", "--zero-s
 
 @pytest.fixture(scope="module")
 def moe_runs(ckpt_root):
-    return {name: resume_run(layout, ["--steps", PIPE_STEPS, "--save-at", PIPE_SAVED_AT, "--save-dir", "{run}/ckpt",
-                                      "--ucp-save", "{run}/ucp", "--losses-out", "{run}/losses.json"], ckpt_root)
-            for name, layout in MOE_LAYOUTS.items()}
+    return saving_runs(MOE_LAYOUTS, ckpt_root)
 
 
 @pytest.mark.parametrize("name", list(MOE_LAYOUTS))
 def test_moe_saves_equal_converted_deepspeed_checkpoints(moe_runs, name, tmp_path):
-    run = moe_runs[name]
-    saved = ucp.open_checkpoint(run / "ucp" / f"global_step{PIPE_SAVED_AT}")
-    assert saved.verify() == []
+    saved = saved_equals_converted(moe_runs[name], tmp_path)
     assert sum(".deepspeed_experts." in n for n in saved.names) == 4 * 3  # 4 experts of 3 tensors, global ids
-    converted = ucp.open_checkpoint(convert(run / "ckpt", tmp_path / "converted", workers=1, progress=False).output)
-    assert_same_checkpoint(saved, converted)
-    later = ucp.open_checkpoint(run / "ucp" / f"global_step{PIPE_STEPS}")
-    assert later.verify() == []
-    with pytest.raises(AssertionError):  # negative control: another step's save
-        assert_same_checkpoint(later, converted)
 
 
 def test_an_moe_save_resumes_at_another_ep_size(moe_runs, ckpt_root):
     source = moe_runs["ep2-z1"]
-    run = resume_run(Layout("resume_moe.py", 2, ("--ep-size", "1", "--zero-stage", "1")),
-                     ["--steps", PIPE_STEPS - PIPE_SAVED_AT, "--start-step", PIPE_SAVED_AT, "--ucp-load",
-                      source / "ucp" / f"global_step{PIPE_SAVED_AT}", "--losses-out", "{run}/losses.json"], ckpt_root)
-    assert losses(run) == pytest.approx(losses(source)[PIPE_SAVED_AT:], rel=1e-6)
+    resumes_the_losses(source, Layout("resume_moe.py", 2, ("--ep-size", "1", "--zero-stage", "1")), ckpt_root)
