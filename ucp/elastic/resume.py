@@ -28,7 +28,7 @@ import shutil
 
 from ucp.errors import CorruptCheckpointError, UcpError
 from ucp.format.fields import Fields
-from ucp.format.folder import INDEX_MAX_BYTES, INDEX_NAME, commit_latest, locked_for_removal, read_latest
+from ucp.format.folder import INDEX_NAME, commit_latest, index_max_bytes, locked_for_removal, read_latest
 from ucp.format.index import FORMAT_NAME, MAX_STEP
 from ucp.format.locations import Location, ObjectPath, location
 from ucp.format.storage import delete, delete_tree, is_file, list_folders, move_tree, read_json
@@ -53,7 +53,7 @@ def indexed_step(tag: Location) -> int:
     one its name says, written as a save writes it; else one `CorruptCheckpointError` naming the folder."""
     fix = "ucp passes over it (never loads or removes it): move it out of the folder, or restore it from a copy"
     index = tag / INDEX_NAME
-    raw = read_json(index, INDEX_MAX_BYTES, fix)
+    raw = read_json(index, index_max_bytes(), fix)
     if raw is None:
         raise CorruptCheckpointError(f"{index}: missing; {fix}")
     if not isinstance(raw, dict) or raw.get("format") != FORMAT_NAME:
