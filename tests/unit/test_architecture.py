@@ -14,7 +14,7 @@ SOURCES = {"ucp": "ucp", "converters": "ucp.converters", "patterns": "ucp.patter
 # docs/ARCHITECTURE.md, "Direction of imports": lowest first. A module may import modules of its own
 # layer or of lower ones; a module belongs to the layer of its longest matching prefix.
 LAYERS = (
-    ("ucp.errors", "ucp.version", "ucp.sizes", "ucp.progress"),
+    ("ucp.errors", "ucp.version", "ucp.sizes", "ucp.progress", "ucp.collectives"),
     ("ucp.patterns",),
     ("ucp.format",),
     ("ucp.plan",),

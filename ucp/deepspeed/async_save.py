@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import torch
 import torch.distributed as dist
 
+from ucp import collectives
 from ucp.deepspeed.autotp import tp_size, with_tensor_parallel
 from ucp.deepspeed.memory_files import MemoryEvery
 from ucp.deepspeed.save_files import SaveFiles, WrittenPiece, arrange_files, bytes_to_send, plan_parts, whole_crcs
@@ -132,7 +133,7 @@ class Saver:
         refuse_unsupported(engine)
         self.engine = engine
         self.target: Target = with_tensor_parallel(target_for(engine))
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.rank = collectives.rank()
         if not dist.is_initialized():
             self.ranks = [0]
         elif (tp_size(engine) > 1 or getattr(engine, "pipeline_parallelism", False)
@@ -334,7 +335,7 @@ class Saver:
                     sends[uploader] += object_save.read_ranges(staging, [(name, begin, end)])
             except Exception as exc:
                 error = f"rank {self.rank}: {type(exc).__name__}: {exc}"
-            got = object_save.to_peers([(error, mine) for mine in sends], self.group)
+            got = collectives.all_to_all_objects([(error, mine) for mine in sends], self.group)
             error = error or next((e for e, _ in got if e), None)  # every rank knows whether any failed
             if error is None and staging is not None:  # staged (no error) on every rank
                 opened: dict[str, str] | str = {}
@@ -381,25 +382,13 @@ class Saver:
 
     def _gather(self, report: T) -> list[T] | None:
         """Every rank's report, on rank 0 of the group; None on the others."""
-        if self.group is None:
-            return [report]
-        out: list[T] | None = [report] * len(self.ranks) if self.leader else None
-        dist.gather_object(report, out, dst=self.ranks[0], group=self.group)
-        return out
+        return collectives.gather_objects(report, self.ranks[0], self.group)
 
     def _all_gather(self, value: T) -> list[T]:
-        if self.group is None:
-            return [value]
-        out: list[T] = [value] * len(self.ranks)
-        dist.all_gather_object(out, value, group=self.group)
-        return out
+        return collectives.all_gather_objects(value, self.group)
 
     def _broadcast(self, outcome: B) -> B:
-        if self.group is None:
-            return outcome
-        box = [outcome]
-        dist.broadcast_object_list(box, src=self.ranks[0], group=self.group)
-        return box[0]
+        return collectives.broadcast_object(outcome, self.ranks[0], self.group)
 
 
 # -- what the index says besides tensors, taken at snapshot time on rank 0 --------------------------------

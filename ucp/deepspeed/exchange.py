@@ -20,9 +20,9 @@ import pickle
 from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar
 
-import torch
 import torch.distributed as dist
 
+from ucp import collectives
 from ucp.format.crc import crc32
 
 T = TypeVar("T")
@@ -51,35 +51,13 @@ def payloads(parts: Sequence[T], unit: Callable[[T], Unit], world: int) -> list[
 def to_owners(parts: Sequence[T], unit: Callable[[T], Unit]) -> tuple[list[T], int]:
     """Every rank's parts of the units this rank owns (a collective: all ranks call it), and how many bytes this
     rank sent and received for it. Without distributed, or on one rank, `parts` themselves."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if not collectives.initialized() or dist.get_world_size() == 1:
         return list(parts), 0
     world = dist.get_world_size()
-    device = _device()
     sent = payloads(parts, unit, world)
-    sizes = torch.tensor([len(p) for p in sent], dtype=torch.int64, device=device)
-    got = torch.empty(world, dtype=torch.int64, device=device)
-    dist.all_to_all_single(got, sizes)
-    got_sizes, sent_sizes = got.tolist(), sizes.tolist()
-    flat = b"".join(sent)
-    out = torch.frombuffer(bytearray(flat), dtype=torch.uint8) if flat else torch.empty(0, dtype=torch.uint8)
-    received = torch.empty(sum(got_sizes), dtype=torch.uint8, device=device)
-    dist.all_to_all_single(received, out.to(device), got_sizes, sent_sizes)
-    raw = received.cpu().numpy().tobytes()
+    received = collectives.all_to_all_bytes(sent, dist.group.WORLD)
     mine: list[T] = []
-    offset = 0
-    for size in got_sizes:
-        if size:
-            mine += pickle.loads(raw[offset:offset + size])  # records this job's ranks made, as all_gather_object's
-        offset += size
-    return mine, 2 * 8 * world + len(flat) + len(raw)
-
-
-def _device() -> torch.device:
-    """Where this job's collectives take tensors: the CPU under gloo (and a "cpu:gloo,..." mix), else the
-    accelerator DeepSpeed runs on (NCCL takes device tensors only)."""
-    backend = str(dist.get_backend())
-    if backend == "gloo" or "cpu:" in backend:
-        return torch.device("cpu")
-    from deepspeed.accelerator import get_accelerator
-
-    return torch.device(get_accelerator().current_device_name())
+    for raw in received:
+        if raw:
+            mine += pickle.loads(raw)  # records this job's ranks made, as all_gather_object's
+    return mine, 2 * 8 * world + sum(map(len, sent)) + sum(map(len, received))

@@ -104,7 +104,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from ucp import errors
+from ucp import collectives, errors
 from ucp.checkpoint import AtomicCheckpoint, Checkpoint, open_checkpoint
 from ucp.deepspeed.async_save import SaveEvery, SaveStats, save, saver_for, wait
 from ucp.deepspeed.autotp import with_tensor_parallel
@@ -298,7 +298,7 @@ def _place(engine: DeepSpeedEngine, target: Target, layout: Layout | dict[str, A
     if table is None:
         raise UnsupportedLayoutError("loading by a layout needs the model's parameter table: pass param_table= "
                                      "or give the module a `ucp_param_table` (a list of ucp.hmp.layout.ParamSpec)")
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank = collectives.rank()
     return place_by_layout(target, as_layout(layout), table, rank)
 
 
@@ -466,7 +466,7 @@ def _states_of(t: TargetTensor, state_names: list[str]) -> list[str]:
 
 def _load_tensors(source: Source, target: Target, state_names: list[str], bypass: bool, check_first: bool,
                   keep_bytes: int, stats: LoadStats) -> None:
-    me = dist.get_rank() if dist.is_initialized() else 0
+    me = collectives.rank()
     groups = _dp_groups(target)
     owners = _shared_owners(source, target, state_names, groups) if bypass else {}
     fresh = target.prepare_states(state_names)

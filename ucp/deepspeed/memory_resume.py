@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ucp import collectives
 from ucp.deepspeed.memory_files import MemoryEvery, checked_folder, node_key, read_copies, refuse_untrusted
 from ucp.deepspeed.memory_manifest import Manifest, write_manifest
 from ucp.elastic.memory_plan import BASE, Fill, NodeCopy, choose, fills, nodes_of
@@ -39,11 +40,11 @@ def memory_resume_point(config: MemoryEvery, newer_than: int, fallback: str) -> 
     """This rank's node copy of the newest memory checkpoint newer than step `newer_than` that the nodes hold
     completely, filled from the peers; None when there is none (`fallback` says what loads instead)."""
     folder, problem = checked_folder(config, create=False)
-    initialized = dist.is_available() and dist.is_initialized()
-    rank = dist.get_rank() if initialized else 0
+    initialized = collectives.initialized()
+    rank = collectives.rank()
     group = _gloo_group() if initialized else None
     copies_here = read_copies(folder, config.job) if problem is None else {}
-    gathered = _all_gather((node_key(folder), copies_here, problem), initialized, group)
+    gathered = collectives.all_gather_objects((node_key(folder), copies_here, problem), group)
     refuse_untrusted([p for _, _, p in gathered])
     nodes = nodes_of([key for key, _, _ in gathered])
     manifests: list[dict[str, Manifest]] = [gathered[node[0]][1] for node in nodes]
@@ -62,7 +63,7 @@ def memory_resume_point(config: MemoryEvery, newer_than: int, fallback: str) -> 
     mine = next(i for i, node in enumerate(nodes) if rank in node)
     tag_dir = folder / tag
     problem = _unreadable(tag_dir, manifests[mine][tag]) if any(f.src == mine for f in plan) else None
-    problems = [p for p in _all_gather(problem if rank == nodes[mine][0] else None, initialized, group) if p]
+    problems = [p for p in collectives.all_gather_objects(problem if rank == nodes[mine][0] else None, group) if p]
     if problems:  # found before any transfer starts: no rank waits for bytes that will not come
         if rank == 0:
             logger.warning("ucp: memory checkpoint %s cannot be filled from its peers (%s); %s", tag, problems[0],
@@ -165,12 +166,5 @@ def _commit_fill(tag_dir: Path, own: Manifest | None, received: list[Fill], mani
 
 def _gloo_group() -> Any:
     """The world as a gloo group (the default one when it is gloo): the transfers are host bytes."""
-    return None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+    return dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
 
-
-def _all_gather(value: Any, initialized: bool, group: Any) -> list[Any]:
-    if not initialized:
-        return [value]
-    out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, value, group=group)
-    return out

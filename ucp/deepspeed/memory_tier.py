@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ucp import collectives
 from ucp.deepspeed.async_save import Prepared, RankReport, Saver, index_of
 from ucp.deepspeed.autotp import tp_size
 from ucp.deepspeed.memory_files import MemoryEvery, checked_folder, node_key, refuse_untrusted, remove_copies
@@ -60,7 +61,7 @@ class MemoryTier:
         # and the two writers' collectives never interleave.
         self.job = BackgroundSave()
         self.group = dist.new_group(saver.ranks, backend="gloo") if saver.group is not None else None
-        gathered = _all_gather((node_key(folder), problem), self.group)
+        gathered = collectives.all_gather_objects((node_key(folder), problem), self.group)
         refuse_untrusted([problem for _, problem in gathered])
         self.dir = folder
         self.nodes = [[saver.ranks[i] for i in node] for node in nodes_of([key for key, _ in gathered])]
@@ -97,24 +98,20 @@ class MemoryTier:
         error = self._exchange(saver, prepared, tag_dir, runs)
         if error is not None and report[1] is None:
             report = (None, f"rank {saver.rank}: {error}")
-        gathered = _gather(report, saver.ranks[0], self.group)
-        reports = gathered if saver.leader else None
-        box: list[Any] = [None]
+        reports: list[RankReport] | None = collectives.gather_objects(report, saver.ranks[0], self.group)
+        built: tuple[Index | None, str | None] = (None, None)
         if reports is not None and meta is not None:
             try:
-                index = index_of(prepared, tag_dir, reports, meta)
-                box = [(index, None)]
+                built = (index_of(prepared, tag_dir, reports, meta), None)
             except Exception as exc:
-                box = [(None, str(exc) if isinstance(exc, SaveError) else f"{tag_dir}: {type(exc).__name__}: {exc}")]
-        if self.group is not None:
-            dist.broadcast_object_list(box, src=saver.ranks[0], group=self.group)
-        index, failure = box[0]
-        if failure is None and self.leader:
+                built = (None, str(exc) if isinstance(exc, SaveError) else f"{tag_dir}: {type(exc).__name__}: {exc}")
+        index, failure = collectives.broadcast_object(built, saver.ranks[0], self.group)
+        if failure is None and self.leader and index is not None:
             try:
                 self._commit(prepared, tag, index, runs)
             except Exception as exc:
                 failure = f"{tag_dir}: {type(exc).__name__}: {exc}"
-        failures = [f for f in _all_gather(failure, self.group) if f is not None]
+        failures = [f for f in collectives.all_gather_objects(failure, self.group) if f is not None]
         if failures:
             raise SaveError(f"memory save {tag} failed: {failures[0]}; the node's previous memory checkpoint "
                             "stays its newest")
@@ -124,7 +121,7 @@ class MemoryTier:
         """Every rank's snapshot runs (they change only when the buffer does)."""
         if self._runs is None or self._runs[0] is not prepared:
             mine = [(r.file, r.begin, r.end, r.offset) for r in prepared.buffer.runs]
-            self._runs = (prepared, _all_gather(mine, self.group))
+            self._runs = (prepared, collectives.all_gather_objects(mine, self.group))
             self._received = None
         return self._runs[1]
 
@@ -177,19 +174,3 @@ def _write_runs(tag_dir: Path, runs: Runs, data: memoryview) -> None:
         cursor += end - begin
     write_ranges(parts, sync=True)
 
-
-def _gather(value: RankReport, dst: int, group: Any) -> list[RankReport]:
-    """Every rank's report on rank `dst` (a list of Nones elsewhere)."""
-    if group is None:
-        return [value]
-    out: list[RankReport] = [(None, None)] * dist.get_world_size(group)
-    dist.gather_object(value, out if dist.get_rank() == dst else None, dst=dst, group=group)
-    return out
-
-
-def _all_gather(value: Any, group: Any) -> list[Any]:
-    if group is None:
-        return [value]
-    out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, value, group=group)
-    return out

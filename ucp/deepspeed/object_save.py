@@ -22,15 +22,11 @@ committed.
 from __future__ import annotations
 
 import os
-import pickle
 import shutil
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
-
-import torch
-import torch.distributed as dist
 
 from ucp.deepspeed.save_files import Part, SaveFile
 from ucp.deepspeed.save_writer import partial_path
@@ -60,25 +56,6 @@ def staging_dir() -> Path:
 def remove_staging(staging: Path | None) -> None:
     if staging is not None:
         shutil.rmtree(staging, ignore_errors=True)
-
-
-def to_peers(payloads: Sequence[Any], group: Any) -> list[Any]:
-    """Send `payloads[i]` to the group's i-th rank (a collective over `group`); what each rank sent this one,
-    in group order. Without a group (one rank), `payloads` themselves."""
-    if group is None:
-        return list(payloads)
-    sent = [pickle.dumps(p) for p in payloads]
-    sizes = torch.tensor([len(s) for s in sent], dtype=torch.int64)
-    got = torch.empty_like(sizes)
-    dist.all_to_all_single(got, sizes, group=group)
-    flat = torch.frombuffer(bytearray(b"".join(sent)), dtype=torch.uint8)
-    received = torch.empty(int(got.sum()), dtype=torch.uint8)
-    dist.all_to_all_single(received, flat, got.tolist(), sizes.tolist(), group=group)
-    raw, out, offset = received.numpy().tobytes(), [], 0
-    for size in got.tolist():
-        out.append(pickle.loads(raw[offset:offset + size]))  # records this job's ranks made, as gather_object's
-        offset += size
-    return out
 
 
 def read_ranges(staging: Path, ranges: Sequence[tuple[str, int, int]]) -> list[tuple[str, int, bytes]]:
