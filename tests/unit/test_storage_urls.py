@@ -61,6 +61,7 @@ def test_s3_urls_are_object_paths(url, bucket, key):
     assert place == ObjectPath("s3", bucket, key)
     assert str(place / "ucp_index.json") == f"s3://{bucket}/{key + '/' if key else ''}ucp_index.json"
     assert place.name == key.rsplit("/", 1)[-1] and (place / "checkpoint-3").name == "checkpoint-3"  # as Path.name
+    assert (place / "checkpoint-3").parent == place and place.parent == ObjectPath("s3", bucket, key.rpartition("/")[0])
     assert not hasattr(place, "__fspath__")  # never opened as a local file by mistake
 
 

@@ -31,7 +31,7 @@ from ucp.format.fields import Fields
 from ucp.format.folder import INDEX_NAME, commit_latest, index_max_bytes, locked_for_removal, read_latest
 from ucp.format.index import FORMAT_NAME, MAX_STEP
 from ucp.format.locations import Location, ObjectPath, location
-from ucp.format.storage import delete, delete_tree, is_file, list_folders, move_tree, read_json
+from ucp.format.storage import delete, delete_tree, is_file, list_folders, list_names, move_tree, read_json
 
 logger = logging.getLogger("ucp.elastic")
 
@@ -60,7 +60,7 @@ def indexed_step(tag: Location) -> int:
         raise CorruptCheckpointError(f"{index}: not a {FORMAT_NAME} index; {fix}")
     training = Fields("index", raw, index, fix).get("training", (dict,))
     step = Fields("index.training", training, index, fix).count("global_steps", limit=MAX_STEP)
-    if _name(tag) != f"global_step{step}":
+    if tag.name != f"global_step{step}":
         raise CorruptCheckpointError(f"{tag}: its index records step {step}, not the step its name says (a save "
                                      f"names it global_step{step}); {fix}")
     return step
@@ -87,22 +87,14 @@ def set_aside(failed: list[Location], loaded: Location) -> list[Location]:
     and point `latest` at `loaded`. Returns the new names."""
     moved: list[Location] = []
     for tag in failed:
-        if isinstance(tag, ObjectPath):
-            parent, name = _object_parent(tag), _name(tag)
-            taken = set(list_folders(parent))
-            target_name, n = name + ".damaged", 1
-            while target_name in taken:
-                target_name, n = f"{name}.damaged{n}", n + 1
-            move_tree(tag, parent / target_name, last=INDEX_NAME)
-            moved.append(parent / target_name)
-            continue
-        target = tag.with_name(tag.name + ".damaged")
-        n = 1
-        while target.exists():
-            target, n = tag.with_name(f"{tag.name}.damaged{n}"), n + 1
-        tag.rename(target)
-        moved.append(target)
-    commit_latest(_parent(loaded), _name(loaded))
+        parent = tag.parent
+        taken = set(list_names(parent)) | set(list_folders(parent))
+        target_name, n = tag.name + ".damaged", 1
+        while target_name in taken:
+            target_name, n = f"{tag.name}.damaged{n}", n + 1
+        move_tree(tag, parent / target_name, last=INDEX_NAME)
+        moved.append(parent / target_name)
+    commit_latest(loaded.parent, loaded.name)
     return moved
 
 
@@ -120,7 +112,7 @@ def prune(save_dir: str | os.PathLike[str] | ObjectPath, keep: int) -> list[Loca
                                  if tag_step(tag) < newest and not is_file(tag / INDEX_NAME)]
     removed: list[Location] = []
     for tag in doomed:
-        if _name(tag) == latest:
+        if tag.name == latest:
             continue
         if isinstance(tag, ObjectPath):  # no readers' locks in an object store: uncommit, then delete
             delete(tag / INDEX_NAME)
@@ -141,21 +133,9 @@ def _tags(save_dir: Location) -> list[Location]:
     return [save_dir / name for name in list_folders(save_dir) if _STEP_TAG.fullmatch(name) is not None]
 
 
-def _name(tag: Location) -> str:
-    return tag.key.rpartition("/")[2] if isinstance(tag, ObjectPath) else tag.name
-
-
-def _parent(tag: Location) -> Location:
-    return _object_parent(tag) if isinstance(tag, ObjectPath) else tag.parent
-
-
-def _object_parent(tag: ObjectPath) -> ObjectPath:
-    return ObjectPath(tag.scheme, tag.bucket, tag.key.rpartition("/")[0])
-
-
 def tag_step(tag: Location) -> int:
     """The step a tag folder `global_step<N>` names; -1 for any other name."""
-    match = _STEP_TAG.fullmatch(_name(tag))
+    match = _STEP_TAG.fullmatch(tag.name)
     return int(match.group(1)) if match is not None else -1
 
 

@@ -26,6 +26,11 @@ class ObjectPath:
         """The last part of the key, as `Path.name` ("" for the bucket's root)."""
         return self.key.rsplit("/", 1)[-1]
 
+    @property
+    def parent(self) -> ObjectPath:
+        """The prefix one level up, as `Path.parent` (the bucket's root is its own parent)."""
+        return ObjectPath(self.scheme, self.bucket, self.key.rpartition("/")[0])
+
     def __truediv__(self, name: str) -> ObjectPath:
         return ObjectPath(self.scheme, self.bucket, f"{self.key}/{name}" if self.key else str(name))
 

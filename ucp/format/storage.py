@@ -205,9 +205,15 @@ def delete_tree(folder: ObjectPath) -> None:
     store.remove_folder(folder)
 
 
-def move_tree(source: ObjectPath, target: ObjectPath, last: str) -> None:
-    """Copy every object under prefix `source` to the same names under `target` (object `last`, the one that
-    commits, after the others), then delete `source`'s objects, `last` first. An object store has no rename."""
+def move_tree(source: Location, target: Location, last: str) -> None:
+    """Move folder `source` to `target`. A local folder is renamed (atomic); an object store has no rename:
+    every object under prefix `source` is copied to the same names under `target` (object `last`, the one that
+    commits, after the others), then `source`'s objects are deleted, `last` first."""
+    if not isinstance(source, ObjectPath) or not isinstance(target, ObjectPath):
+        if isinstance(source, ObjectPath) or isinstance(target, ObjectPath):
+            raise ValueError(f"cannot move {source} to {target}: one is local, the other in object storage")
+        source.rename(target)
+        return
     store = _store(source)
     names = sorted(store.list_tree(source), key=lambda n: n == last)
     for name in names:
