@@ -56,38 +56,36 @@ def is_ucp_file(name: str) -> bool:
     return name == INDEX_NAME or name.startswith(DATA_PREFIX) or name.startswith(INDEX_NAME)
 
 
+def write_whole(path: Location, data: bytes, durable: bool = True) -> None:
+    """Write file `path` so that a reader sees its old bytes or the new ones, never a part: in an object store
+    one PUT (so an index or `latest` commits by being written after every object it names: docs/FORMAT.md,
+    "Object storage"); locally a temporary file renamed over it, with `durable` fsynced first and the folder
+    after."""
+    if isinstance(path, ObjectPath):
+        put_bytes(path, data)
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + PARTIAL_SUFFIX)
+    with open(tmp, "wb") as f:
+        f.write(data)
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+    if durable:
+        fsync_dir(path.parent)
+
+
 def commit_index(directory: str | os.PathLike[str] | ObjectPath, index: Index) -> Location:
-    """Write the index atomically: temp file, fsync, rename, fsync the directory; in an object store, one PUT
-    (call it once every data object is written)."""
-    directory = location(directory)
-    if isinstance(directory, ObjectPath):
-        put_bytes(directory / INDEX_NAME, (json.dumps(index_json(index), indent=1, sort_keys=False) + "\n").encode())
-        return directory / INDEX_NAME
-    final = directory / INDEX_NAME
-    tmp = directory / (INDEX_NAME + PARTIAL_SUFFIX)
-    with open(tmp, "w") as f:
-        json.dump(index_json(index), f, indent=1, sort_keys=False)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
-    fsync_dir(directory)
+    """Write the index whole and durably (`write_whole`); call it once every data file is written."""
+    final = location(directory) / INDEX_NAME
+    write_whole(final, (json.dumps(index_json(index), indent=1, sort_keys=False) + "\n").encode())
     return final
 
 
 def commit_latest(save_dir: str | os.PathLike[str] | ObjectPath, tag: str) -> None:
     """Point `<save_dir>/latest` at `tag` atomically; call only once that tag's index is committed."""
-    save_dir = location(save_dir)
-    if isinstance(save_dir, ObjectPath):
-        put_bytes(save_dir / LATEST_NAME, tag.encode())
-        return
-    tmp = save_dir / (LATEST_NAME + PARTIAL_SUFFIX)
-    with open(tmp, "w") as f:
-        f.write(tag)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, save_dir / LATEST_NAME)
-    fsync_dir(save_dir)
+    write_whole(location(save_dir) / LATEST_NAME, tag.encode())
 
 
 def latest_checkpoint(save_dir: str | os.PathLike[str] | ObjectPath) -> Location | None:
