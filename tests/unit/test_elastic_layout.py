@@ -1,10 +1,10 @@
-"""The layout an elastic job takes at each start (ucp.elastic.layout): most ranks used, then the cost model's step
-time, then the smaller T*P; never one the batch or the memory cannot take."""
+"""The layout an elastic job takes at each start (ucp.elastic.layout_choice): most ranks used, then the cost
+model's step time, then the smaller T*P; never one the batch or the memory cannot take."""
 from __future__ import annotations
 
 import pytest
 
-from ucp.elastic.layout import Choice, RankLayout, allowed_sizes, choose_layout, cost_model_step_time
+from ucp.elastic.layout_choice import Choice, RankLayout, allowed_sizes, choose_layout, cost_model_step_time
 from ucp.errors import ConfigError
 from ucp.hmp.model_shapes import ModelConfig
 
@@ -76,3 +76,23 @@ def test_no_possible_layout_is_one_line():
         choose_layout(1, (2,), (1,), 8, 2)
     with pytest.raises(ConfigError, match="smaller than the 8 ranks"):
         choose_layout(8, (1,), (1,), 4, 2)
+
+
+def test_bad_cost_model_keys_are_one_line():
+    from ucp.elastic.ranks import _step_time
+
+    for key, value in (("gpu_memory", 0), ("gpu_memory", "80"), ("seq_len", -1), ("model", 7)):
+        with pytest.raises(ConfigError, match=f'"{key}"'):
+            _step_time({"global_batch": 8, "micro_batch": 2, key: value}, {}, None)
+    assert _step_time({"global_batch": 8, "micro_batch": 2}, {}, object()) is None   # no shape: no cost model
+
+
+def test_autotp_size_is_set_for_the_layout():
+    pytest.importorskip("deepspeed")
+    from ucp.deepspeed.elastic import with_layout_keys
+
+    config = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "tensor_parallel": {"autotp_size": 4}}
+    two = with_layout_keys(config, RankLayout.of(Choice(2, 1, 2, 4), 0), autotp=True)
+    assert two["tensor_parallel"] == {"autotp_size": 2} and "train_batch_size" not in two
+    assert "tensor_parallel" not in with_layout_keys(config, RankLayout.of(Choice(1, 1, 3, 3), 0), autotp=True)
+    assert with_layout_keys(config, RankLayout.of(Choice(2, 1, 2, 4), 0), autotp=False) == config   # mpu, pipeline

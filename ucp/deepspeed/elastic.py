@@ -5,7 +5,7 @@
 
 * `with_batch_keys` sets DeepSpeed's three batch keys from `"elastic"` for this start's data-parallel degree
   (DeepSpeed refuses a train_batch_size that is not micro x accumulation x DP), and `with_layout_keys`
-  AutoTP's size for its tensor-parallel degree (the layout: `ucp.elastic.layout`).
+  AutoTP's size for its tensor-parallel degree (the layout: `ucp.elastic.layout_choice`).
 * `resume_auto` loads the newest committed checkpoint of the save folder that passes its checks, falling
   back to older ones with a warning naming both (the newer ones are set aside as `<tag>.damaged`), or
   starts fresh; every rank takes the same decision. With the memory tier, a newer memory checkpoint of this
@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from ucp.deepspeed.memory_files import MemoryEvery
 from ucp.deepspeed.memory_resume import memory_resume_point
-from ucp.elastic.layout import RankLayout
+from ucp.elastic.layout_choice import RankLayout
 from ucp.elastic.restart import Progress, ProgressRecorder, RestartReport, read_progress
 from ucp.elastic.resume import candidates, set_aside, tag_step
 from ucp.elastic.shares import BATCH_KEYS, ElasticBatch
@@ -68,13 +68,16 @@ def uses_autotp(initialize_kwargs: dict) -> bool:
 
 def with_layout_keys(config: dict, place: RankLayout, autotp: bool) -> dict:
     """`config` with AutoTP's `"tensor_parallel": {"autotp_size": T}` for this start's layout (none at T = 1), where
-    `autotp`; a size the config gave otherwise is replaced, and said."""
+    `autotp`; a size the config gave otherwise is replaced, and said. Comes after `with_batch_keys`."""
     if not autotp:
         return config
     given = config.get("tensor_parallel")
     out = {k: v for k, v in config.items() if k != "tensor_parallel"}
     if place.tp > 1:
         out["tensor_parallel"] = {**(given if isinstance(given, dict) else {}), "autotp_size": place.tp}
+        # DeepSpeed checks train_batch_size against the whole world before AutoTP divides it by T: leave it out
+        # (the engine derives it; StepBook keeps global_samples at B per step whatever it is).
+        out.pop("train_batch_size", None)
     if isinstance(given, dict) and given.get("autotp_size", 1) not in (1, place.tp) and _rank() == 0:
         logger.warning('ucp: "elastic" sets AutoTP\'s autotp_size to %d for this layout (the config said %s)',
                        place.tp, given["autotp_size"])

@@ -29,7 +29,7 @@ committed, and runs at exit too; see `ucp.deepspeed.async_save`). The `"ucp"` co
   uneven shares where B does not divide (`ucp.elastic.shares`); pair it with
   `ucp.elastic.ElasticBatchSampler`, which continues one global sample order from the checkpoint.
   With `"tensor_parallel"` / `"pipeline_parallel"` (sizes the job may use) each start takes one
-  T x P x D layout (`ucp.elastic.layout`; `ucp.elastic.layout()` returns it, spares wait in
+  T x P x D layout (`ucp.elastic.layout_choice`; `ucp.elastic.layout()` returns it, spares wait in
   `ucp.elastic.spare_loop`): B is shared over the D data-parallel ranks, and an AutoTP engine (no `mpu`,
   not a `PipelineModule`) gets `"tensor_parallel": {"autotp_size": T}`.
 * `bypass` (bool, default true): redundancy-bypassing read. Each rank reads its own ZeRO

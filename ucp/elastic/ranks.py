@@ -1,7 +1,7 @@
 """This process's place in an elastic 3D job: `layout(config)` once per start, then `spare_loop()`.
 
     ucp.elastic.init_distributed()
-    place = ucp.elastic.layout(config)     # the same T x P x D on every rank (ucp.elastic.layout)
+    place = ucp.elastic.layout(config)     # the same T x P x D on every rank (ucp.elastic.layout_choice)
     ucp.elastic.spare_loop()               # a spare waits here until the next restart; training ranks go on
     model = build_model(tp=place.tp, pp=place.pp)
     engine, *_ = ucp.deepspeed.initialize(model=model, config=config, ...)
@@ -25,7 +25,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from ucp.elastic.layout import Choice, RankLayout, StepTime, allowed_sizes, choose_layout, cost_model_step_time
+from ucp.elastic.layout_choice import Choice, RankLayout, StepTime, allowed_sizes, choose_layout, cost_model_step_time
 from ucp.elastic.shares import ElasticBatch
 from ucp.errors import ConfigError
 
@@ -135,6 +135,13 @@ def _step_time(section: dict[str, Any], config: dict[str, Any], module: Any) -> 
     """The cost model's estimate where the model's shape is known (`"model"` or the module's HF config), else None."""
     from ucp.hmp.model_shapes import ModelConfig, load_model_config
 
+    for key, fix in (("gpu_memory", "GiB per rank, e.g. 80"), ("seq_len", "tokens per sample, e.g. 4096")):
+        value = section.get(key, 1)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+            raise ConfigError(f'"ucp": {{"elastic": {{"{key}": {value!r}}}}}: must be a positive number: {fix}')
+    if "model" in section and not isinstance(section["model"], (str, os.PathLike)):
+        raise ConfigError(f'"ucp": {{"elastic": {{"model": {section["model"]!r}}}}}: must be the path of the model\'s '
+                          'Hugging Face config.json, as `ucp plan --model` takes')
     if "model" in section:
         model = load_model_config(section["model"])
     elif hasattr(getattr(module, "config", None), "to_dict"):
