@@ -12,7 +12,8 @@ The DeepSpeed side (`ucp.deepspeed.initialize` with `"ucp": {"elastic": ..., "lo
 uses these; the launcher adapters sit above it: torchrun's elastic agent needs none (a script restarts as it
 is), Ray Train's is `ucp.elastic.ray_train`.
 """
-from ucp.elastic.ranks import RankLayout, layout, spare_loop
+from ucp.elastic.layout_choice import RankLayout
+from ucp.elastic.ranks import layout, spare_loop
 from ucp.elastic.rendezvous import init_distributed
 from ucp.elastic.restart import RestartReport
 from ucp.elastic.sampler import ElasticBatchSampler
