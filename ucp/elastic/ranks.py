@@ -20,6 +20,7 @@ import logging
 import os
 import sys
 import time
+from datetime import timedelta
 from typing import Any, NoReturn
 
 import torch
@@ -33,6 +34,7 @@ logger = logging.getLogger("ucp.elastic")
 GIB = 1 << 30
 _RELEASED = "ucp/elastic/spares_released"   # in the job's store: set by training rank 0 when the run ends cleanly
 _POLL_S = 0.5
+_ACK_TIMEOUT = timedelta(seconds=30)
 
 _chosen: RankLayout | None = None
 _chosen_for: tuple[str, object] | None = None   # the section it was chosen for, and the default group then
@@ -84,7 +86,9 @@ def release_spares() -> None:
     if _chosen is not None and _chosen.rank == 0 and _chosen.choice.spares and _store is not None:
         try:
             _store.set(_RELEASED, "1")
-        except (RuntimeError, dist.DistError):  # the store is gone already: the spares see that instead
+            # rank 0 hosts the store: it stays until every spare has read the news (or 30 s, for one that is gone)
+            _store.wait([f"{_RELEASED}/{r}" for r in range(_chosen.choice.training, _chosen.world)], _ACK_TIMEOUT)
+        except (RuntimeError, dist.DistError):  # the store is gone already, or a spare did not answer
             pass
 
 
@@ -121,6 +125,8 @@ def _wait_as_spare(place: RankLayout) -> NoReturn:
     while True:
         try:
             if _store is None or _store.check([_RELEASED]):
+                if _store is not None:
+                    _store.set(f"{_RELEASED}/{place.rank}", "1")
                 break
         except (RuntimeError, dist.DistError):  # training rank 0, which hosts the store, has ended
             break
