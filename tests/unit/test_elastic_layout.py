@@ -83,8 +83,16 @@ def test_bad_cost_model_keys_are_one_line():
 
     for key, value in (("gpu_memory", 0), ("gpu_memory", "80"), ("seq_len", -1), ("model", 7)):
         with pytest.raises(ConfigError, match=f'"{key}"'):
-            _step_time({"global_batch": 8, "micro_batch": 2, key: value}, {}, None)
-    assert _step_time({"global_batch": 8, "micro_batch": 2}, {}, object()) is None   # no shape: no cost model
+            _step_time({"global_batch": 8, "micro_batch": 2, "tensor_parallel": 2, key: value}, {}, None)
+    assert _step_time({"global_batch": 8, "micro_batch": 2, "tensor_parallel": 2}, {}, object()) is None   # no shape
+    hf = type("HF", (), {"config": type("C", (), {"to_dict": lambda self: {"n_embd": 16}})()})()   # not Llama-shaped
+    assert _step_time({"global_batch": 8, "micro_batch": 2, "tensor_parallel": 2}, {}, hf) is None
+    # data parallelism only: no cost model, whatever the module (one layout, as before)
+    llama = type("HF", (), {"config": type("C", (), {"to_dict": lambda self: {
+        "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "vocab_size": 37}})()})()
+    assert _step_time({"global_batch": 8, "micro_batch": 2}, {}, llama) is None
+    assert _step_time({"global_batch": 8, "micro_batch": 2, "tensor_parallel": [2, 1]}, {}, llama) is not None
 
 
 def test_autotp_size_is_set_for_the_layout():

@@ -26,7 +26,15 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from ucp.elastic.layout_choice import Choice, RankLayout, StepTime, allowed_sizes, choose_layout, cost_model_step_time
+from ucp.elastic.layout_choice import (
+    SIZE_KEYS,
+    Choice,
+    RankLayout,
+    StepTime,
+    allowed_sizes,
+    choose_layout,
+    cost_model_step_time,
+)
 from ucp.elastic.shares import ElasticBatch
 from ucp.errors import ConfigError
 
@@ -138,8 +146,9 @@ def _wait_as_spare(place: RankLayout) -> NoReturn:
 
 
 def _step_time(section: dict[str, Any], config: dict[str, Any], module: Any) -> StepTime | None:
-    """The cost model's estimate where the model's shape is known (`"model"` or the module's HF config), else None."""
-    from ucp.hmp.model_shapes import ModelConfig, load_model_config
+    """The cost model's estimate where the section lists model-parallel sizes and the model's shape is known
+    (`"model"`, or the module's Hugging Face config of a shape `ucp plan` reads), else None."""
+    from ucp.hmp.model_shapes import ModelConfig, ModelConfigError, load_model_config
 
     for key, fix in (("gpu_memory", "GiB per rank, e.g. 80"), ("seq_len", "tokens per sample, e.g. 4096")):
         value = section.get(key, 1)
@@ -148,10 +157,15 @@ def _step_time(section: dict[str, Any], config: dict[str, Any], module: Any) -> 
     if "model" in section and not isinstance(section["model"], (str, os.PathLike)):
         raise ConfigError(f'"ucp": {{"elastic": {{"model": {section["model"]!r}}}}}: must be the path of the model\'s '
                           'Hugging Face config.json, as `ucp plan --model` takes')
+    if not any(key in section for key in SIZE_KEYS):
+        return None   # data parallelism only: one layout, as before layouts were chosen
     if "model" in section:
         model = load_model_config(section["model"])
     elif hasattr(getattr(module, "config", None), "to_dict"):
-        model = ModelConfig.from_hf(module.config.to_dict(), name=type(module).__name__)
+        try:
+            model = ModelConfig.from_hf(module.config.to_dict(), name=type(module).__name__)
+        except ModelConfigError:   # not a Llama/Qwen2/Mistral-shaped config: no estimate, the next rule decides
+            return None
     else:
         return None
     gpu_memory = section.get("gpu_memory") or _smallest_memory_gib()
