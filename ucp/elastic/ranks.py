@@ -67,8 +67,8 @@ def layout(config: dict[str, Any] | None = None, module: Any = None) -> RankLayo
         raise ConfigError('ucp.elastic.layout(config): the config has no "ucp": {"elastic": {...}} section')
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
-    step_time = _step_time(section, config, module)
     ElasticBatch.from_config(section, 1)   # the batch keys are there, and no unknown key
+    step_time = _step_time(section, config, module)
     sizes = allowed_sizes(section, "tensor_parallel"), allowed_sizes(section, "pipeline_parallel")
     choice = choose_layout(world, *sizes, section["global_batch"], section["micro_batch"], step_time)
     _chosen = RankLayout.of(choice, rank)
