@@ -3,8 +3,9 @@
 `ucp.deepspeed.initialize` calls these for the `"elastic"` section and `"load": "auto"` (see
 `ucp.elastic` for the parts that know no engine):
 
-* `with_batch_keys` sets DeepSpeed's three batch keys from `"elastic"` for the current world size
-  (DeepSpeed refuses a train_batch_size that is not micro x accumulation x world).
+* `with_batch_keys` sets DeepSpeed's three batch keys from `"elastic"` for this start's data-parallel degree
+  (DeepSpeed refuses a train_batch_size that is not micro x accumulation x DP), and `with_layout_keys`
+  AutoTP's size for its tensor-parallel degree (the layout: `ucp.elastic.layout_choice`).
 * `resume_auto` loads the newest committed checkpoint of the save folder that passes its checks, falling
   back to older ones with a warning naming both (the newer ones are set aside as `<tag>.damaged`), or
   starts fresh; every rank takes the same decision. With the memory tier, a newer memory checkpoint of this
@@ -26,10 +27,11 @@ import torch.distributed as dist
 
 from ucp.deepspeed.memory_files import MemoryEvery
 from ucp.deepspeed.memory_resume import memory_resume_point
+from ucp.elastic.layout_choice import RankLayout
 from ucp.elastic.restart import Progress, ProgressRecorder, RestartReport, read_progress
 from ucp.elastic.resume import candidates, set_aside, tag_step
 from ucp.elastic.shares import BATCH_KEYS, ElasticBatch
-from ucp.errors import CheckpointMismatchError, ConfigError, CorruptCheckpointError, UnsupportedLayoutError
+from ucp.errors import CheckpointMismatchError, ConfigError, CorruptCheckpointError
 from ucp.format.locations import Location, location
 
 logger = logging.getLogger("ucp.elastic")
@@ -56,16 +58,39 @@ def with_batch_keys(config: dict, batch: ElasticBatch) -> dict:
     return {**config, **keys}
 
 
+def uses_autotp(initialize_kwargs: dict) -> bool:
+    """Whether `deepspeed.initialize` with these arguments splits the model by AutoTP: no Megatron-style `mpu` and
+    no `PipelineModule` (those carry their own tensor-parallel layout, which the script builds from `layout()`)."""
+    from deepspeed.pipe import PipelineModule
+
+    return initialize_kwargs.get("mpu") is None and not isinstance(initialize_kwargs.get("model"), PipelineModule)
+
+
+def with_layout_keys(config: dict, place: RankLayout, autotp: bool) -> dict:
+    """`config` with AutoTP's `"tensor_parallel": {"autotp_size": T}` for this start's layout (none at T = 1), where
+    `autotp`; a size the config gave otherwise is replaced, and said. Comes after `with_batch_keys`."""
+    if not autotp:
+        return config
+    given = config.get("tensor_parallel")
+    out = {k: v for k, v in config.items() if k != "tensor_parallel"}
+    if place.tp > 1:
+        out["tensor_parallel"] = {**(given if isinstance(given, dict) else {}), "autotp_size": place.tp}
+        # DeepSpeed checks train_batch_size against the whole world before AutoTP divides it by T: leave it out
+        # (the engine derives it; StepBook keeps global_samples at B per step whatever it is).
+        out.pop("train_batch_size", None)
+    if isinstance(given, dict) and given.get("autotp_size", 1) not in (1, place.tp) and _rank() == 0:
+        logger.warning('ucp: "elastic" sets AutoTP\'s autotp_size to %d for this layout (the config said %s)',
+                       place.tp, given["autotp_size"])
+    return out
+
+
 def check_engine(engine, batch: ElasticBatch) -> None:
-    """Elastic batches share samples over data-parallel ranks only."""
-    if getattr(engine, "mp_world_size", 1) > 1 or getattr(engine, "pipeline_parallelism", False):
-        raise UnsupportedLayoutError('"ucp": {"elastic": ...} shares the global batch over data-parallel ranks; '
-                                     "this engine uses tensor or pipeline parallelism too: drop \"elastic\" and set "
-                                     "DeepSpeed's batch keys yourself")
+    """The engine runs the data-parallel degree the batch was shared for."""
     if engine.dp_world_size != batch.world:
         raise ConfigError(f'"ucp": {{"elastic": ...}}: the engine runs {engine.dp_world_size} data-parallel ranks, '
-                          f"but WORLD_SIZE said {batch.world}; call deepspeed.init_distributed() before "
-                          "ucp.deepspeed.initialize")
+                          f"but the layout ucp chose has {batch.world}; call ucp.elastic.init_distributed() (or "
+                          "deepspeed.init_distributed()) before ucp.deepspeed.initialize, and build the model for "
+                          "ucp.elastic.layout()")
 
 
 @dataclass(frozen=True)

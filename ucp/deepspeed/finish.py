@@ -25,6 +25,7 @@ from typing import NoReturn
 import torch.distributed as dist
 
 from ucp.deepspeed.async_save import wait_all
+from ucp.elastic.ranks import release_spares
 
 logger = logging.getLogger("ucp.save")
 
@@ -39,6 +40,8 @@ def finish(exit_code: int | None = 0) -> NoReturn:
     exit_code = exit_code or 0
     if wait_all() and exit_code == 0:
         exit_code = 1
+    if exit_code == 0:
+        release_spares()   # the run ended: spares of an elastic 3D layout exit 0 too (ucp.elastic.ranks)
     if dist.is_available() and dist.is_initialized():
         try:
             dist.barrier()

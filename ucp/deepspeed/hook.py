@@ -28,6 +28,10 @@ committed, and runs at exit too; see `ucp.deepspeed.async_save`). The `"ucp"` co
   current world size so that every optimizer step sees the same B samples at any world size, in
   uneven shares where B does not divide (`ucp.elastic.shares`); pair it with
   `ucp.elastic.ElasticBatchSampler`, which continues one global sample order from the checkpoint.
+  With `"tensor_parallel"` / `"pipeline_parallel"` (sizes the job may use) each start takes one
+  T x P x D layout (`ucp.elastic.layout_choice`; `ucp.elastic.layout()` returns it, spares wait in
+  `ucp.elastic.spare_loop`): B is shared over the D data-parallel ranks, and an AutoTP engine (no `mpu`,
+  not a `PipelineModule`) gets `"tensor_parallel": {"autotp_size": T}`.
 * `bypass` (bool, default true): redundancy-bypassing read. Each rank reads its own ZeRO
   partitions straight from storage, and every tensor that all ranks of the data-parallel group
   need whole (ZeRO-0 models, frozen parameters, buffers) is read by one rank, chosen to balance
@@ -113,14 +117,17 @@ from ucp.deepspeed.elastic import (
     StepBook,
     check_engine,
     resume_auto,
+    uses_autotp,
     with_batch_keys,
-    world_size,
+    with_layout_keys,
 )
 from ucp.deepspeed.load_source import Source, box_numel, source_for
 from ucp.deepspeed.memory_tier import MemoryTier
 from ucp.deepspeed.placement import as_layout, place_by_layout
 from ucp.deepspeed.readers import assign_readers
 from ucp.deepspeed.targets import OPTIMIZER_STATES, Target, TargetTensor, module_aliases, target_for
+from ucp.elastic.ranks import layout as elastic_layout
+from ucp.elastic.ranks import spare_loop
 from ucp.elastic.rendezvous import warn_shared_rendezvous_store
 from ucp.elastic.shares import ElasticBatch
 from ucp.errors import CheckpointMismatchError, ConfigError, CorruptCheckpointError, UcpError, UnsupportedLayoutError
@@ -184,10 +191,16 @@ def initialize(*args: Any, **kwargs: Any) -> Any:
             raise ConfigError('"ucp": {"load": "auto"} resumes from the save folder: '
                               'add "save": {"dir": ..., "every": ...}')
         auto_dir = save_every.dir
-    batch = ElasticBatch.from_config(options["elastic"], world_size()) if "elastic" in options else None
+    place = batch = None
+    if "elastic" in options:  # this start's T x P x D (the same on every rank); a spare waits in spare_loop
+        place = elastic_layout(config, kwargs.get("model"))
+        spare_loop()
+        batch = ElasticBatch.from_config(options["elastic"], place.dp)
     if options and isinstance(config, dict):  # options come from a dict config's "ucp" section
         ds_config = without_ucp(config)
-        kwargs = {**kwargs, config_key: with_batch_keys(ds_config, batch) if batch else ds_config}
+        if batch is not None and place is not None:
+            ds_config = with_layout_keys(with_batch_keys(ds_config, batch), place, uses_autotp(kwargs))
+        kwargs = {**kwargs, config_key: ds_config}
         if args and getattr(args[0], "deepspeed_config", None):
             args = (copy.copy(args[0]), *args[1:])
             args[0].deepspeed_config = None
@@ -196,6 +209,7 @@ def initialize(*args: Any, **kwargs: Any) -> Any:
     if batch is not None:
         check_engine(engine, batch)
         engine.ucp_elastic = batch
+        engine.ucp_layout = place
     resumed = None
     if auto_dir is not None:
         warn_shared_rendezvous_store()

@@ -3,6 +3,8 @@
 * `ElasticBatch` (`shares`): a fixed global batch shared by any number of ranks, uneven where it must be.
 * `ElasticBatchSampler` (`sampler`): one global sample order, continued from the checkpoint at any world size.
 * `candidates` / `prune` (`resume`): which checkpoints `"load": "auto"` tries, and what `"keep"` removes.
+* `layout` / `spare_loop` (`ranks`): the tensor x pipeline x data-parallel layout of this start, chosen by
+  `layout_choice`, and where this rank sits in it; ranks beyond it wait as spares.
 * `init_distributed` (`rendezvous`): the process group, with a store of its own at each torchrun restart.
 * `RestartReport` (`restart`): what a restart cost, from the last step before the fault to the first after it.
 
@@ -10,9 +12,12 @@ The DeepSpeed side (`ucp.deepspeed.initialize` with `"ucp": {"elastic": ..., "lo
 uses these; the launcher adapters sit above it: torchrun's elastic agent needs none (a script restarts as it
 is), Ray Train's is `ucp.elastic.ray_train`.
 """
+from ucp.elastic.layout_choice import RankLayout
+from ucp.elastic.ranks import layout, spare_loop
 from ucp.elastic.rendezvous import init_distributed
 from ucp.elastic.restart import RestartReport
 from ucp.elastic.sampler import ElasticBatchSampler
 from ucp.elastic.shares import ElasticBatch
 
-__all__ = ["ElasticBatch", "ElasticBatchSampler", "RestartReport", "init_distributed"]
+__all__ = ["ElasticBatch", "ElasticBatchSampler", "RankLayout", "RestartReport", "init_distributed", "layout",
+           "spare_loop"]

@@ -9,8 +9,10 @@
 The stream is the dataset's epochs one after the other, each a permutation drawn from `seed + epoch`
 (`torch.randperm`, the same on every machine), and global batch t is positions [t * B, (t + 1) * B) of
 it: a batch that starts near an epoch's end takes the next epoch's first samples, so no sample is
-dropped and the cut does not depend on the world size. Each rank yields its share of each global batch
-(`ucp.elastic.shares`) as the engine's A micro-batches, so every rank runs the same number per step.
+dropped and the cut does not depend on the world size. Each rank yields its data-parallel rank's share of
+each global batch (`ucp.elastic.shares`) as the engine's A micro-batches, so every rank runs the same number
+per step; the tensor-parallel ranks of a replica get the same samples, and a pipeline engine takes them as
+`engine.train_batch(iter(loader))`.
 
 The sampler starts right after the samples the engine has consumed (`engine.global_samples`, which a
 ucp load restores from the checkpoint, whatever world size saved it) and then keeps its own position,
@@ -43,7 +45,8 @@ class ElasticBatchSampler(torch.utils.data.Sampler[list[int]]):
         self.size = len(dataset)
         if self.size == 0:
             raise ConfigError("ElasticBatchSampler: the dataset is empty")
-        self.rank = int(engine.global_rank)  # data-parallel only (ucp.deepspeed.elastic.check_engine): the dp rank
+        place = getattr(engine, "ucp_layout", None)  # every TP rank (pipeline stage) of a replica takes its samples
+        self.rank = int(place.dp_rank) if place is not None else int(engine.global_rank)
         self.shuffle = shuffle
         self.seed = seed
         self.position = int(engine.global_samples)  # the next sample of the stream to train on

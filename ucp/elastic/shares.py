@@ -20,6 +20,9 @@ from dataclasses import dataclass
 from ucp.errors import ConfigError
 
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+# The "elastic" section: the batch, then the layouts the job may take and the cost model's inputs
+# (ucp.elastic.layout_choice).
+SECTION_KEYS = ("global_batch", "micro_batch", "tensor_parallel", "pipeline_parallel", "model", "gpu_memory", "seq_len")
 
 
 @dataclass(frozen=True)
@@ -78,14 +81,14 @@ class ElasticBatch:
 
     @classmethod
     def from_config(cls, section: object, world: int) -> ElasticBatch:
-        """The `"elastic"` section of the `"ucp"` config, for a run on `world` ranks."""
+        """The `"elastic"` section of the `"ucp"` config, for a run on `world` data-parallel ranks."""
         if not isinstance(section, dict) or "global_batch" not in section or "micro_batch" not in section:
             raise ConfigError(f'"ucp": {{"elastic": {section!r}}}: needs "global_batch" (samples per optimizer step, '
                               'the same at every world size) and "micro_batch" (the most samples per forward pass), '
                               'e.g. {"global_batch": 256, "micro_batch": 4}')
-        unknown = sorted(set(section) - {"global_batch", "micro_batch"})
+        unknown = sorted(set(section) - set(SECTION_KEYS))
         if unknown:
-            raise ConfigError(f'"ucp": {{"elastic": ...}}: unknown key {unknown[0]!r}; known: "global_batch", '
-                              '"micro_batch"')
+            raise ConfigError(f'"ucp": {{"elastic": ...}}: unknown key {unknown[0]!r}; known: '
+                              + ", ".join(f'"{k}"' for k in SECTION_KEYS))
         return cls(section["global_batch"], section["micro_batch"], world)
 

@@ -1,0 +1,111 @@
+"""Elastic AutoTP training under torchrun's own agents: the layout follows the ranks (T=2 x D=2 on 4, T=1 x D=3 on
+3, back to T=2 x D=2 on 4), a rank the layout cannot use waits as a spare, and every step's loss is the
+uninterrupted run's (issue #28, items 2-4)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from support.elastic_agents import ElasticJob, reached, read_losses
+from support.launch import run_torchrun
+from support.processes import wait_for
+
+pytestmark = pytest.mark.slow
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "elastic" / "torchrun" / "train_3d.py"
+STEPS = 8
+# fp32, no dropout, the same global batch of 8: layouts sum the same gradients in another order (TP splits the
+# matmuls, DP the batch), so losses agree to rounding (~1e-7 relative a step, compounding over a few Adam steps).
+RTOL = 1e-6
+
+
+def by_step(records: list[dict]) -> dict[int, list[dict]]:
+    out: dict[int, list[dict]] = {}
+    for r in records:
+        out.setdefault(r["step"], []).append(r)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> tuple[dict[int, float], Path]:
+    """The uninterrupted 4-rank run (T=2 x D=2) and its DeepSpeed checkpoints of every step (for the negative
+    control): ucp chooses the layout and shares the batch, DeepSpeed saves (the loss does not depend on who saves)."""
+    tmp = tmp_path_factory.mktemp("reference3d")
+    losses = tmp / "losses.jsonl"
+    run_torchrun(EXAMPLE, ["--save-dir", tmp / "ds", "--steps", STEPS, "--stock", "--losses-out", losses], 4,
+                 tmp / "log")
+    records = read_losses(losses)
+    assert {(r["tp"], r["dp"]) for r in records} == {(2, 2)}
+    return {s: v[0]["loss"] for s, v in by_step(records).items()}, tmp / "ds"
+
+
+def assert_same_run(records: list[dict], reference: dict[int, float], steps: range) -> None:
+    got = by_step(records)
+    assert sorted(got) == list(steps), f"steps logged: {sorted(got)}"
+    for step, rows in got.items():
+        for r in rows:  # a step redone after a restart is the same step again
+            assert r["loss"] == pytest.approx(reference[step], rel=RTOL), (r, reference[step])
+
+
+def test_lose_a_node_then_get_it_back_the_layout_follows(tmp_path, reference):
+    """4 ranks take T=2 x D=2: both use all 4, and the cost model (the tiny Llama's step is all gradient all-reduce,
+    which TP halves) prefers T=2. On 3 ranks T=1 x D=3 wins by the first rule: it uses all 3 ranks, T=2 x D=1 two."""
+    losses = tmp_path / "losses.jsonl"
+    job = ElasticJob(EXAMPLE, ["--save-dir", tmp_path / "ckpt", "--steps", STEPS, "--every", 1, "--keep", 2,
+                               "--losses-out", losses], tmp_path / "agents")
+    try:
+        for _ in range(4):
+            job.start_agent()
+        wait_for(reached(losses, 2, world=4), 300, "step 2 on 4 ranks")
+        job.lose_node(3)                                            # a node is gone: 3 ranks go on, at T=1 x D=3
+        wait_for(reached(losses, 5, world=3), 300, "step 5 on 3 ranks")
+        job.join_while_paused()                                     # hardware back: T=2 x D=2 at the next restart
+        codes = job.wait(timeout=600)
+    except BaseException:
+        job.stop()
+        print(job.logs())
+        raise
+    assert set(codes.values()) == {0}, job.logs()
+    records = read_losses(losses)
+    assert {(r["world"], r["tp"], r["dp"]) for r in records} == {(4, 2, 2), (3, 1, 3)}
+    assert records[-1]["world"] == 4 and records[-1]["step"] == STEPS
+    assert_same_run(records, reference[0], range(1, STEPS + 1))
+    segments: list[list[int]] = []   # the steps of each start, in order
+    for r in records:
+        if not segments or r["pid"] != segments[-1][0]:
+            segments.append([r["pid"]])
+        segments[-1].append(r["step"])
+    assert len(segments) >= 3, "the job restarted at least twice"
+    for before, after in zip(segments, segments[1:]):
+        assert after[1] >= before[-1], f"steps redone > every (1): {before[1:]} then {after[1:]}"
+    logs = job.logs(tail=None)
+    assert "ucp: 3 ranks: tensor_parallel 1 x pipeline_parallel 1 x data_parallel 3" in logs
+
+
+def test_a_rank_the_layout_cannot_use_waits_as_a_spare(tmp_path, reference):
+    """"tensor_parallel": 2 on 3 ranks: T=2 x D=1 trains on ranks 0-1 with the whole global batch (the same losses),
+    rank 2 joins no group, says so in one line, and exits 0 when the run ends."""
+    losses = tmp_path / "losses.jsonl"
+    run_torchrun(EXAMPLE, ["--save-dir", tmp_path / "ckpt", "--steps", 3, "--tp", 2, "--losses-out", losses], 3,
+                 tmp_path / "log")
+    records = read_losses(losses)
+    assert {(r["world"], r["tp"], r["dp"]) for r in records} == {(3, 2, 1)}
+    assert_same_run(records, reference[0], range(1, 4))
+    log = (tmp_path / "log").read_text()
+    assert log.count("is a spare") == 1 and "rank 2 of 3 is a spare" in log
+
+
+def test_without_ucp_a_resume_at_another_layout_is_not_the_run(tmp_path, reference):
+    """Negative control: DeepSpeed's own load_checkpoint of the reference's T=2 x D=2 step-3 checkpoint on 3 ranks
+    (T=1 x D=3, the same global batch and sample order) does not continue the uninterrupted run."""
+    losses, log = tmp_path / "losses.jsonl", tmp_path / "log"
+    try:
+        run_torchrun(EXAMPLE, ["--save-dir", reference[1], "--steps", 5, "--stock", "--load-tag", "global_step3",
+                               "--losses-out", losses], 3, log)
+    except RuntimeError:
+        assert "load_checkpoint" in log.read_text(), "the stock resume failed, but not in DeepSpeed's load"
+        return
+    got = by_step(read_losses(losses))
+    assert sorted(got) == [4, 5]
+    assert any(got[s][0]["loss"] != pytest.approx(reference[0][s], rel=1e-3) for s in (4, 5))

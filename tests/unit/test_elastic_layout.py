@@ -1,0 +1,106 @@
+"""The layout an elastic job takes at each start (ucp.elastic.layout_choice): most ranks used, then the cost
+model's step time, then the smaller T*P; never one the batch or the memory cannot take."""
+from __future__ import annotations
+
+import pytest
+
+from ucp.elastic.layout_choice import Choice, RankLayout, allowed_sizes, choose_layout, cost_model_step_time
+from ucp.errors import ConfigError
+from ucp.hmp.model_shapes import ModelConfig
+
+# tests/support/train_llama_tp.py's tiny Llama, and a 7B one
+TINY = ModelConfig("tiny", hidden_size=16, intermediate_size=24, num_layers=2, num_heads=4, num_kv_heads=2,
+                   vocab_size=37)
+LLAMA7B = ModelConfig("llama7b", hidden_size=4096, intermediate_size=11008, num_layers=32, num_heads=32,
+                      num_kv_heads=32, vocab_size=32000)
+
+
+def test_sizes_from_the_config():
+    assert allowed_sizes({"tensor_parallel": [2, 4, 2]}, "tensor_parallel") == (4, 2)
+    assert allowed_sizes({"tensor_parallel": 2}, "tensor_parallel") == (2,)
+    assert allowed_sizes({}, "pipeline_parallel") == (1,)
+    for bad in (0, [], [2, 0], "2", True, [1.5]):
+        with pytest.raises(ConfigError, match='"tensor_parallel"'):
+            allowed_sizes({"tensor_parallel": bad}, "tensor_parallel")
+
+
+def test_most_ranks_used_first():
+    assert choose_layout(3, (2, 1), (1,), 8, 2) == Choice(1, 1, 3, 3)      # T=1 x D=3 uses all 3; T=2 x D=1 two
+    assert choose_layout(6, (4, 2), (1,), 8, 2) == Choice(2, 1, 3, 6)      # T=4 leaves 2 of 6 out
+    assert choose_layout(8, (4, 2), (2, 1), 8, 2).training == 8
+
+
+def test_without_a_model_shape_the_smaller_tp_times_pp_wins_a_tie():
+    assert choose_layout(4, (2, 1), (1,), 8, 2) == Choice(1, 1, 4, 4)
+    assert choose_layout(8, (4, 2), (2, 1), 8, 2) == Choice(2, 1, 4, 8)    # 2x1 before 4x1 and 2x2 (then smaller P)
+
+
+def test_the_cost_model_breaks_ties():
+    """The tiny Llama at 6 tokens a sample: its step is all gradient all-reduce, which TP=2 halves (each replica
+    holds half the weights) and D=2 shortens, so on 4 ranks T=2 x D=2 beats T=1 x D=4; on 3 ranks T=1 x D=3 still
+    wins, as it uses all 3 ranks."""
+    tiny = cost_model_step_time(TINY, 8.0, 8, 2, 6, 1)
+    assert tiny(2, 1, 2) < tiny(1, 1, 4)
+    assert choose_layout(4, (2, 1), (1,), 8, 2, tiny) == Choice(2, 1, 2, 4)
+    assert choose_layout(3, (2, 1), (1,), 8, 2, tiny) == Choice(1, 1, 3, 3)
+    # Negative control: at 4096 tokens a sample compute dominates, and TP's overhead makes T=1 x D=4 faster.
+    long = cost_model_step_time(TINY, 8.0, 8, 2, 4096, 1)
+    assert choose_layout(4, (2, 1), (1,), 8, 2, long) == Choice(1, 1, 4, 4)
+
+
+def test_a_layout_that_does_not_fit_memory_is_never_chosen():
+    """7B on 40 GiB ranks: T=1 needs ~100 GiB a rank; T=4 fits, though T=1 x D=8 would use as many ranks."""
+    fits = cost_model_step_time(LLAMA7B, 40.0, 64, 1, 2048, 1)
+    assert fits(1, 1, 8) is None and fits(4, 1, 2) is not None
+    assert choose_layout(8, (4, 1), (1,), 64, 1, fits) == Choice(4, 1, 2, 8)
+    assert choose_layout(7, (4, 1), (1,), 64, 1, fits) == Choice(4, 1, 1, 7)   # 3 spares rather than T=1
+    with pytest.raises(ConfigError, match="does not fit the ranks' memory"):
+        choose_layout(8, (1,), (1,), 64, 1, fits)
+    assert cost_model_step_time(TINY, 8.0, 8, 2, 6, 1)(4, 1, 1) is None   # 2 KV heads cannot be split in 4
+    assert cost_model_step_time(TINY, 8.0, 8, 2, 6, 1)(1, 4, 1) is None   # 4 stages for 2 layers
+
+
+def test_spares_and_coordinates():
+    choice = choose_layout(3, (2,), (1,), 8, 2)
+    assert choice == Choice(2, 1, 1, 3) and choice.spares == 1
+    assert RankLayout.of(choice, 2).role == "spare" and RankLayout.of(choice, 2).dp_rank is None
+    assert [RankLayout.of(choice, r).role for r in range(2)] == ["train", "train"]
+    # Megatron's order: TP fastest, then DP, then PP
+    big = Choice(2, 2, 2, 8)
+    coords = [(p.tp_rank, p.dp_rank, p.pp_rank) for p in (RankLayout.of(big, r) for r in range(8))]
+    assert coords == [(0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0), (0, 0, 1), (1, 0, 1), (0, 1, 1), (1, 1, 1)]
+
+
+def test_no_possible_layout_is_one_line():
+    with pytest.raises(ConfigError, match=r"can train on 1 ranks \(T=2 x P=1 needs 2 ranks\)"):
+        choose_layout(1, (2,), (1,), 8, 2)
+    with pytest.raises(ConfigError, match="smaller than the 8 ranks"):
+        choose_layout(8, (1,), (1,), 4, 2)
+
+
+def test_bad_cost_model_keys_are_one_line():
+    from ucp.elastic.ranks import _step_time
+
+    for key, value in (("gpu_memory", 0), ("gpu_memory", "80"), ("seq_len", -1), ("model", 7)):
+        with pytest.raises(ConfigError, match=f'"{key}"'):
+            _step_time({"global_batch": 8, "micro_batch": 2, "tensor_parallel": 2, key: value}, {}, None)
+    assert _step_time({"global_batch": 8, "micro_batch": 2, "tensor_parallel": 2}, {}, object()) is None   # no shape
+    hf = type("HF", (), {"config": type("C", (), {"to_dict": lambda self: {"n_embd": 16}})()})()   # not Llama-shaped
+    assert _step_time({"global_batch": 8, "micro_batch": 2, "tensor_parallel": 2}, {}, hf) is None
+    # data parallelism only: no cost model, whatever the module (one layout, as before)
+    llama = type("HF", (), {"config": type("C", (), {"to_dict": lambda self: {
+        "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "vocab_size": 37}})()})()
+    assert _step_time({"global_batch": 8, "micro_batch": 2}, {}, llama) is None
+    assert _step_time({"global_batch": 8, "micro_batch": 2, "tensor_parallel": [2, 1]}, {}, llama) is not None
+
+
+def test_autotp_size_is_set_for_the_layout():
+    pytest.importorskip("deepspeed")
+    from ucp.deepspeed.elastic import with_layout_keys
+
+    config = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "tensor_parallel": {"autotp_size": 4}}
+    two = with_layout_keys(config, RankLayout.of(Choice(2, 1, 2, 4), 0), autotp=True)
+    assert two["tensor_parallel"] == {"autotp_size": 2} and "train_batch_size" not in two
+    assert "tensor_parallel" not in with_layout_keys(config, RankLayout.of(Choice(1, 1, 3, 3), 0), autotp=True)
+    assert with_layout_keys(config, RankLayout.of(Choice(2, 1, 2, 4), 0), autotp=False) == config   # mpu, pipeline

@@ -1,0 +1,189 @@
+"""This process's place in an elastic 3D job: `layout(config)` once per start, then `spare_loop()`.
+
+    ucp.elastic.init_distributed()
+    place = ucp.elastic.layout(config)     # the same T x P x D on every rank (ucp.elastic.layout_choice)
+    ucp.elastic.spare_loop()               # a spare waits here until the next restart; training ranks go on
+    model = build_model(tp=place.tp, pp=place.pp)
+    engine, *_ = ucp.deepspeed.initialize(model=model, config=config, ...)
+
+With spares, the training ranks (0 .. D*T*P - 1) take a process group of their own as the default one, so that
+DeepSpeed, which builds its groups from the default group, sees only them; a spare joins no group. A spare waits
+until training rank 0 says the run ended cleanly (`release_spares`, called by `ucp.deepspeed.finish` and at exit)
+and then exits 0; at any restart before that (a node lost or joining) torchrun's agent ends it with the others, and
+the next start counts it as a rank like any other. (Spares do not hold the memory tier's peer copies.)
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import sys
+import time
+from datetime import timedelta
+from typing import Any, NoReturn
+
+import torch
+import torch.distributed as dist
+
+from ucp.elastic.layout_choice import (
+    SIZE_KEYS,
+    Choice,
+    RankLayout,
+    StepTime,
+    allowed_sizes,
+    choose_layout,
+    cost_model_step_time,
+)
+from ucp.elastic.shares import ElasticBatch
+from ucp.errors import ConfigError
+
+logger = logging.getLogger("ucp.elastic")
+GIB = 1 << 30
+_RELEASED = "ucp/elastic/spares_released"   # in the job's store: set by training rank 0 when the run ends cleanly
+_POLL_S = 0.5
+_ACK_TIMEOUT = timedelta(seconds=30)
+
+_chosen: RankLayout | None = None
+_chosen_for: tuple[str, object] | None = None   # the section it was chosen for, and the default group then
+_store: dist.Store | None = None
+
+
+def layout(config: dict[str, Any] | None = None, module: Any = None) -> RankLayout:
+    """This start's layout and this rank's place in it.
+
+    With a DeepSpeed `config` (its `"ucp": {"elastic": ...}` section), chosen on the first call of the start and
+    applied to the process groups (module docstring); `module` gives the model's shape to the cost model when it
+    has a Hugging Face config. Without arguments, the layout chosen before (by `layout(config)` or by
+    `ucp.deepspeed.initialize`)."""
+    global _chosen, _chosen_for
+    if _chosen is not None and (config is None or _chosen_for == (_key(config), _group())):
+        return _chosen
+    if config is None:
+        raise ConfigError('ucp.elastic.layout(): no layout chosen yet; pass the DeepSpeed config with its '
+                          '"ucp": {"elastic": ...} section, or call it after ucp.deepspeed.initialize')
+    section = config.get("ucp", {}).get("elastic") if isinstance(config.get("ucp"), dict) else None
+    if not isinstance(section, dict):
+        raise ConfigError('ucp.elastic.layout(config): the config has no "ucp": {"elastic": {...}} section')
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    ElasticBatch.from_config(section, 1)   # the batch keys are there, and no unknown key
+    step_time = _step_time(section, config, module)
+    sizes = allowed_sizes(section, "tensor_parallel"), allowed_sizes(section, "pipeline_parallel")
+    choice = choose_layout(world, *sizes, section["global_batch"], section["micro_batch"], step_time)
+    _chosen = RankLayout.of(choice, rank)
+    if rank == 0:
+        logger.warning("ucp: %d ranks: tensor_parallel %d x pipeline_parallel %d x data_parallel %d%s", world,
+                       choice.tp, choice.pp, choice.dp, f", {choice.spares} spare(s)" if choice.spares else "")
+    if choice.spares and dist.is_initialized():
+        _leave_spares_out(choice, rank)
+    _chosen_for = (_key(config), _group())
+    return _chosen
+
+
+def spare_loop() -> None:
+    """On a spare: log one line and wait until the run ends (then exit 0) or torchrun restarts it; on a training
+    rank (or before any layout was chosen): return at once."""
+    if _chosen is None or _chosen.role != "spare":
+        return
+    _wait_as_spare(_chosen)
+
+
+def release_spares() -> None:
+    """On training rank 0 of a job with spares: tell them the run ended cleanly, so that they exit 0 too."""
+    if _chosen is not None and _chosen.rank == 0 and _chosen.choice.spares and _store is not None:
+        try:
+            _store.set(_RELEASED, "1")
+            # rank 0 hosts the store: it stays until every spare has read the news (or 30 s, for one that is gone)
+            _store.wait([f"{_RELEASED}/{r}" for r in range(_chosen.choice.training, _chosen.world)], _ACK_TIMEOUT)
+        except (RuntimeError, dist.DistError):  # the store is gone already, or a spare did not answer
+            pass
+
+
+def _key(config: dict[str, Any]) -> str:
+    section = config.get("ucp") if isinstance(config, dict) else None
+    return json.dumps(section.get("elastic") if isinstance(section, dict) else None, sort_keys=True, default=str)
+
+
+def _group() -> object:
+    """The default process group now (a later start in the same process has another)."""
+    return dist.group.WORLD if dist.is_initialized() else None
+
+
+def _leave_spares_out(choice: Choice, rank: int) -> None:
+    """The training ranks take a default process group of their own; the spares keep only the store."""
+    global _store
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    _store = _get_default_store()
+    backend = dist.get_backend()
+    dist.barrier()   # every rank has its choice before the group goes away
+    dist.destroy_process_group()
+    if rank < choice.training:
+        dist.init_process_group(backend, store=dist.PrefixStore(f"ucp/train{choice.training}", _store), rank=rank,
+                                world_size=choice.training)
+        os.environ["WORLD_SIZE"] = str(choice.training)   # DeepSpeed reads it next to the group
+        atexit.register(release_spares)
+
+
+def _wait_as_spare(place: RankLayout) -> NoReturn:
+    logger.warning("ucp: rank %d of %d is a spare (layout tensor_parallel %d x pipeline_parallel %d x data_parallel "
+                   "%d uses %d ranks): it waits for the next restart", place.rank, place.world, place.tp, place.pp,
+                   place.dp, place.choice.training)
+    while True:
+        try:
+            if _store is None or _store.check([_RELEASED]):
+                if _store is not None:
+                    _store.set(f"{_RELEASED}/{place.rank}", "1")
+                break
+        except (RuntimeError, dist.DistError):  # training rank 0, which hosts the store, has ended
+            break
+        time.sleep(_POLL_S)
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(0)   # no process group to tear down; nothing of the training to finalize
+
+
+def _step_time(section: dict[str, Any], config: dict[str, Any], module: Any) -> StepTime | None:
+    """The cost model's estimate where the section lists model-parallel sizes and the model's shape is known
+    (`"model"`, or the module's Hugging Face config of a shape `ucp plan` reads), else None."""
+    from ucp.hmp.model_shapes import ModelConfig, ModelConfigError, load_model_config
+
+    for key, fix in (("gpu_memory", "GiB per rank, e.g. 80"), ("seq_len", "tokens per sample, e.g. 4096")):
+        value = section.get(key, 1)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+            raise ConfigError(f'"ucp": {{"elastic": {{"{key}": {value!r}}}}}: must be a positive number: {fix}')
+    if "model" in section and not isinstance(section["model"], (str, os.PathLike)):
+        raise ConfigError(f'"ucp": {{"elastic": {{"model": {section["model"]!r}}}}}: must be the path of the model\'s '
+                          'Hugging Face config.json, as `ucp plan --model` takes')
+    if not any(key in section for key in SIZE_KEYS):
+        return None   # data parallelism only: one layout, as before layouts were chosen
+    if "model" in section:
+        model = load_model_config(section["model"])
+    elif hasattr(getattr(module, "config", None), "to_dict"):
+        try:
+            model = ModelConfig.from_hf(module.config.to_dict(), name=type(module).__name__)
+        except ModelConfigError:   # not a Llama/Qwen2/Mistral-shaped config: no estimate, the next rule decides
+            return None
+    else:
+        return None
+    gpu_memory = section.get("gpu_memory") or _smallest_memory_gib()
+    stage = int(config.get("zero_optimization", {}).get("stage", 0))
+    return cost_model_step_time(model, float(gpu_memory), section["global_batch"], section["micro_batch"],
+                                int(section.get("seq_len", 4096)), stage)
+
+
+def _smallest_memory_gib() -> float:
+    """The accelerator's memory (host memory shared by the node's ranks on CPU), the smallest over all ranks, so
+    that every rank takes the same choice."""
+    if torch.cuda.is_available():
+        mine = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / GIB
+    else:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        mine = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB / local
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = torch.tensor([mine], dtype=torch.float64)
+        dist.all_reduce(box, op=dist.ReduceOp.MIN)
+        mine = float(box.item())
+    return mine
