@@ -28,6 +28,11 @@ skipping, callbacks). For this call only, three of its resume steps are done by 
 * RNG states saved at another world size are not loaded, since they cannot be mapped to other
   ranks; a warning says so once.
 
+`"auto"` (`resume_from_checkpoint="auto"`, or `"ucp": {"load": "auto"}`) is the one command for the first start
+and every restart: the newest complete `checkpoint-N` of `output_dir`, or a fresh start (`ucp.elastic.hf_trainer`,
+`ucp.elastic.trainer_folders`); `"ucp": {"elastic": {"global_batch": B, "micro_batch": m}}` (or `elastic=`) keeps
+B samples per optimizer step in one global order at any world size.
+
 A `"ucp"` section in the Trainer's DeepSpeed config is read here: its load options (`bypass`,
 `strict`, `load_optimizer_states`, ...) apply, and its `"load"` is the checkpoint when
 `resume_from_checkpoint` is not given. DeepSpeed itself ignores the section, so once this module is
@@ -187,6 +192,10 @@ def trainer_folder(path: str | os.PathLike[str] | ObjectPath | Literal[True],
 
 
 def _no_trainer_state(folder: Location) -> CheckpointNotFoundError:
+    if isinstance(folder, Path) and CHECKPOINT_RE.search(folder.name):
+        return CheckpointNotFoundError(
+            f"{folder}: no {TRAINER_STATE}, which the Trainer writes last, so the save that wrote it did not finish; "
+            "pass an earlier checkpoint-N, or resume_from_checkpoint=\"auto\" (the newest complete one)")
     return CheckpointNotFoundError(
         f"{folder}: no {TRAINER_STATE}, which holds the Trainer's step, epoch and data position; pass the "
         "checkpoint-N folder the Trainer wrote, or a ucp conversion of it (ucp convert --input checkpoint-N)")
