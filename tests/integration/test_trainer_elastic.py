@@ -77,19 +77,22 @@ def test_trainer_killed_in_save_shrinks_and_grows_unattended(tmp_path, reference
         for r in redone:  # a step redone after a restart is the same step again
             assert r["loss"] == pytest.approx(expected[step]["loss"], rel=RTOL), (step, r, expected[step])
             assert r["lr"] == expected[step]["lr"] and r["epoch"] == expected[step]["epoch"], (step, r)
-    # save_total_limit=2 kept the newest two; the damaged folder is left for a person, outside the rotation
+    # save_total_limit=2 kept the newest two; damaged folders are left for a person, outside the rotation (a
+    # restart for the node that joins may cut another save short: it is set aside the same way)
     kept = sorted(p.name for p in out.iterdir() if not p.name.startswith("."))  # not ucp's readers' lock files
-    assert kept == ["checkpoint-10", "checkpoint-8", f"damaged-checkpoint-{DIE_IN_SAVE}"]
+    assert [n for n in kept if not n.startswith("damaged-")] == ["checkpoint-10", "checkpoint-8"]
+    assert f"damaged-checkpoint-{DIE_IN_SAVE}" in kept
 
 
 def test_negative_control_the_trainers_own_batches_do_not_continue_the_run(tmp_path, reference):
-    """Without "elastic", a resume on another world size (1 rank, the same 5 samples per step in the Trainer's
-    own batch and sampler) loads the same state but trains on other samples: step 9 is another step."""
+    """Without "elastic", a resume on 2 ranks with the Trainer's own batches (2 per device: 4 per step) and its
+    sampler loads the same state but trains on other samples: step 9 is another step. (On 1 rank with 5 per
+    device the Trainer's epoch-0 order happens to be the global order's, seeded alike: no control there.)"""
     expected, reference_out = reference
     log = tmp_path / "log.jsonl"
-    run_torchrun(SCRIPT, ["--max-steps", STEPS, "--save-steps", SAVE_STEPS, "--per-device", 5,
+    run_torchrun(SCRIPT, ["--max-steps", STEPS, "--save-steps", SAVE_STEPS, "--per-device", 2,
                           "--resume", reference_out / "checkpoint-8", "--output-dir", tmp_path / "out",
-                          "--log-out", log], 1, tmp_path / "train.log")
+                          "--log-out", log], 2, tmp_path / "train.log")
     got = by_step(read_losses(log))
     assert sorted(got) == [9, 10]
     assert got[9][0]["lr"] == expected[9]["lr"]  # the schedule continues: only the data differ
