@@ -83,6 +83,12 @@ class CheckpointMismatchError(UcpError):
     """The checkpoint does not fit the model or optimizer it is being loaded into (the DeepSpeed hook,
     `ucp.hmp.load_slices`)."""
 
+    @classmethod
+    def shape(cls, name: str, saved: object, model: object, checkpoint: object) -> CheckpointMismatchError:
+        """Parameter `name` has shape `saved` in `checkpoint` and `model` in the model: named with the likely cause."""
+        return cls(f"{name}: the checkpoint holds shape {saved}, the model {model} ({checkpoint}); was it saved from "
+                   "another model or configuration (sizes, vocabulary, tied weights)? Build the model it trained")
+
 
 class RendezvousError(UcpError):
     """The ranks of a job could not meet: no store of this rendezvous round was announced in time

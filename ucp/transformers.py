@@ -28,6 +28,11 @@ skipping, callbacks). For this call only, three of its resume steps are done by 
 * RNG states saved at another world size are not loaded, since they cannot be mapped to other
   ranks; a warning says so once.
 
+`"auto"` (`resume_from_checkpoint="auto"`, or `"ucp": {"load": "auto"}`) is the one command for the first start
+and every restart: the newest complete `checkpoint-N` of `output_dir`, or a fresh start (`ucp.elastic.hf_trainer`,
+`ucp.elastic.trainer_folders`); `"ucp": {"elastic": {"global_batch": B, "micro_batch": m}}` (or `elastic=`) keeps
+B samples per optimizer step in one global order at any world size.
+
 A `"ucp"` section in the Trainer's DeepSpeed config is read here: its load options (`bypass`,
 `strict`, `load_optimizer_states`, ...) apply, and its `"load"` is the checkpoint when
 `resume_from_checkpoint` is not given. DeepSpeed itself ignores the section, so once this module is
@@ -51,9 +56,11 @@ from typing import Literal, TypeVar
 
 from ucp.checkpoint import AtomicCheckpoint, refuse_deepspeed_objects, saved_world_size
 from ucp.converters.trainer_folders import CHECKPOINT_RE, checkpoint_folders
-from ucp.deepspeed.config import load_options, ucp_options
+from ucp.deepspeed.config import AUTO, load_options, ucp_options
+from ucp.elastic.hf_trainer import auto_checkpoint, elastic_batches
+from ucp.elastic.trainer_folders import missing_files
 from ucp.errors import CheckpointNotFoundError, ConfigError
-from ucp.format.folder import INDEX_NAME, LATEST_NAME, latest_checkpoint
+from ucp.format.folder import INDEX_NAME, latest_checkpoint
 from ucp.format.locations import Location, ObjectPath, location
 from ucp.format.storage import is_file, list_folders, list_names
 
@@ -66,27 +73,54 @@ logger = logging.getLogger("ucp.transformers")
 _through_ucp = contextvars.ContextVar("ucp_transformers_train", default=False)
 
 
-def train(trainer, resume_from_checkpoint: str | os.PathLike | bool | None = None, **kwargs):
-    """`trainer.train(resume_from_checkpoint=..., **kwargs)`, resuming through ucp at any layout."""
+def train(trainer, resume_from_checkpoint: str | os.PathLike | bool | None = None, elastic: dict | None = None,
+          **kwargs):
+    """`trainer.train(resume_from_checkpoint=..., **kwargs)`, resuming through ucp at any layout.
+
+    `resume_from_checkpoint="auto"`: the newest complete `checkpoint-N` of `output_dir`, or a fresh start (module
+    docstring). `elastic={"global_batch": B, "micro_batch": m}` (or the config's `"ucp": {"elastic": ...}`): B
+    samples per optimizer step at this world size, in one global sample order (`ucp.elastic.hf_trainer`)."""
     token = _through_ucp.set(True)
     try:
-        return _train(trainer, resume_from_checkpoint, **kwargs)
+        return _train(trainer, resume_from_checkpoint, elastic, **kwargs)
     finally:
         _through_ucp.reset(token)
 
 
-def _train(trainer, resume_from_checkpoint, **kwargs):
+def _train(trainer, resume_from_checkpoint, elastic, **kwargs):
     options = _trainer_options(trainer)
     if resume_from_checkpoint is None or resume_from_checkpoint is False:
         resume_from_checkpoint = options.get("load")
-    if resume_from_checkpoint is None:
-        return trainer.train(**kwargs)
-    if not getattr(trainer, "is_deepspeed_enabled", False):
+    if elastic is None:
+        elastic = options.get("elastic")
+    if resume_from_checkpoint is not None and not getattr(trainer, "is_deepspeed_enabled", False):
         raise ConfigError("ucp.transformers.train resumes DeepSpeed runs, and this Trainer has no DeepSpeed config; "
                           "pass TrainingArguments(deepspeed=...) as in the run that saved the checkpoint")
-    folder = trainer_folder(resume_from_checkpoint, trainer.args.output_dir)
-    with _trainer_files(folder) as local, _resuming_through_ucp(trainer, folder, options):
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_section_hidden(trainer))
+        if elastic is not None:
+            stack.enter_context(elastic_batches(trainer, elastic))
+        if isinstance(resume_from_checkpoint, str) and resume_from_checkpoint == AUTO:
+            resume_from_checkpoint = auto_checkpoint(trainer)
+        if resume_from_checkpoint is None:
+            return trainer.train(**kwargs)
+        folder = trainer_folder(resume_from_checkpoint, trainer.args.output_dir)
+        local = stack.enter_context(_trainer_files(folder))
+        stack.enter_context(_resuming_through_ucp(trainer, folder, options))
         return trainer.train(resume_from_checkpoint=str(local), **kwargs)
+
+
+@contextlib.contextmanager
+def _section_hidden(trainer):
+    """Within the block, the DeepSpeed config has no `"ucp"` section, read already: Accelerate refuses a config
+    with an "auto" left that it cannot fill, `"load": "auto"` included."""
+    config = _deepspeed_config(trainer)
+    section = config.pop("ucp", None) if config is not None else None
+    try:
+        yield
+    finally:
+        if section is not None:
+            config["ucp"] = section
 
 
 def _checked_train(stock_train):
@@ -158,6 +192,10 @@ def trainer_folder(path: str | os.PathLike[str] | ObjectPath | Literal[True],
 
 
 def _no_trainer_state(folder: Location) -> CheckpointNotFoundError:
+    if isinstance(folder, Path) and CHECKPOINT_RE.search(folder.name):
+        return CheckpointNotFoundError(
+            f"{folder}: no {TRAINER_STATE}, which the Trainer writes last, so the save that wrote it did not finish; "
+            "pass an earlier checkpoint-N, or resume_from_checkpoint=\"auto\" (the newest complete one)")
     return CheckpointNotFoundError(
         f"{folder}: no {TRAINER_STATE}, which holds the Trainer's step, epoch and data position; pass the "
         "checkpoint-N folder the Trainer wrote, or a ucp conversion of it (ucp convert --input checkpoint-N)")
@@ -214,7 +252,7 @@ def _trainer_files(folder: Location) -> Iterator[Path]:
 def last_complete(output_dir: str | os.PathLike) -> Path:
     """The last `checkpoint-N` of `output_dir` (transformers' `get_last_checkpoint`), which must be complete;
     an incomplete one (a save that did not finish) is refused, naming the last complete one."""
-    return _last_complete(Path(output_dir), checkpoint_folders(output_dir), _incomplete, "save")
+    return _last_complete(Path(output_dir), checkpoint_folders(output_dir), missing_files, "save")
 
 
 def _last_complete(root: Location, folders: list[Folder], incomplete: Callable[[Folder], str | None],
@@ -231,22 +269,6 @@ def _last_complete(root: Location, folders: list[Folder], incomplete: Callable[[
     fix = (f"the last complete one is {earlier.name}: pass resume_from_checkpoint='{earlier}'" if earlier is not None
            else "no earlier checkpoint-N is complete either")
     raise CheckpointNotFoundError(f"{last}: {missing}, so the {writer} that wrote it did not finish; {fix}")
-
-
-def _incomplete(folder: Path) -> str | None:
-    """What a `checkpoint-N` folder lacks to be resumed from, or None when it has it all."""
-    if not (folder / TRAINER_STATE).is_file():
-        return f"it has no {TRAINER_STATE}"
-    if (folder / INDEX_NAME).is_file():
-        return None
-    latest = folder / LATEST_NAME
-    if not latest.is_file():
-        return f"it has no '{LATEST_NAME}' file"
-    tag = latest.read_text(errors="replace").strip()
-    tag_folder = folder / tag
-    if not tag or tag_folder.parent != folder or not tag_folder.is_dir():
-        return f"its '{LATEST_NAME}' names {tag!r}, which it does not hold"
-    return None
 
 
 def _trainer_options(trainer) -> dict:

@@ -91,7 +91,7 @@ def accelerate_source(root: Path) -> Path:
     return folder
 
 
-def accelerate_resume(state: Path, world: int, stage: int, root: Path, checkpoint: Path | None = None,
+def accelerate_resume(state: Path, world: int, stage: int, root: Path, checkpoint: Path | str | None = None,
                       check: bool = True, save_dir: Path | None = None) -> Path:
     """Resume from Accelerate's `state` folder through ``ucp.accelerate.load_state``; the run's folder.
     With ``check=False`` a failing run is not an error: the caller reads ``train.log``. With ``save_dir``

@@ -19,6 +19,11 @@ from object storage and is refused, naming the conversion to run.
 The prepared DataLoaders keep the sample order of the run that saved (`ucp.accelerate.data_order`:
 where Accelerate's order comes from, and which samplers ucp gives it back to); a sampler whose order
 cannot be carried to this number of processes is refused, naming the fix, before anything is loaded.
+`checkpoint="auto"` makes `input_dir` a save folder of `save_state` folders (`checkpoint_N`): the newest complete
+one is loaded (`ucp.accelerate.state_folders`; newer incomplete ones are moved aside with a warning naming them
+and the one used), or nothing when there is none, and one line on the main process says which; the folder
+loaded is returned (None: a fresh start). The data order then carries to the new size as above.
+
 Importing this module makes `Accelerator.prepare` record what each DataLoader's order is drawn from,
 so import it before `prepare`.
 """
@@ -33,7 +38,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ucp.accelerate import data_order
-from ucp.deepspeed.config import load_options, ucp_options
+from ucp.deepspeed.config import AUTO, load_options, ucp_options
 from ucp.errors import CheckpointNotFoundError, ConfigError
 from ucp.format.locations import Location, ObjectPath, local_only, location
 
@@ -41,7 +46,7 @@ logger = logging.getLogger("ucp.accelerate")
 
 
 def load_state(accelerator, input_dir: str | os.PathLike, checkpoint: str | os.PathLike | None = None,
-               **load_model_func_kwargs) -> None:
+               **load_model_func_kwargs) -> Location | None:
     """Restore `accelerator`'s prepared objects from `input_dir` (written by `accelerator.save_state`).
 
     `checkpoint` overrides where the engine's state is read from (e.g. a ucp conversion of the
@@ -58,6 +63,11 @@ def load_state(accelerator, input_dir: str | os.PathLike, checkpoint: str | os.P
     if accelerator.distributed_type != DistributedType.DEEPSPEED:
         raise ConfigError("ucp.accelerate.load_state resumes DeepSpeed runs; this Accelerator has no DeepSpeed "
                           "plugin, so use accelerator.load_state")
+    if isinstance(checkpoint, str) and checkpoint == AUTO:
+        found = _auto_folder(accelerator, input_dir)
+        if found is None:
+            return None
+        input_dir, checkpoint = found, None
     options = load_options(ucp_options(accelerator.state.deepspeed_plugin.deepspeed_config))
     source = engine_source(input_dir, checkpoint)
     alone = checkpoint is None and source is not None
@@ -89,6 +99,32 @@ def load_state(accelerator, input_dir: str | os.PathLike, checkpoint: str | os.P
     elif alone and accelerator.is_main_process:
         logger.warning("%s: a ucp checkpoint holds no RNG states (accelerator.save_state keeps them beside the "
                        "engine's files); this run keeps its own", input_dir)
+    return location(input_dir)
+
+
+def _auto_folder(accelerator, save_dir: str | os.PathLike) -> Path | None:
+    """The newest complete `save_state` folder of `save_dir`, the same on every process, or None to start fresh;
+    the main process moves newer incomplete ones aside and says what the run does."""
+    from ucp.accelerate.state_folders import newest_complete, set_aside
+
+    local_only(save_dir, 'ucp.accelerate.load_state(..., checkpoint="auto")\'s save folder')
+    chosen: list[str | None] = [None]
+    if accelerator.is_main_process:
+        folder, passed = newest_complete(save_dir)
+        chosen[0] = None if folder is None else str(folder)
+        moved = set_aside([f for f, _ in passed]) if folder is not None else []
+        for (skipped, why), new in zip(passed, moved + [None] * len(passed)):
+            logger.warning("ucp: %s is incomplete (%s): %s%s", skipped, why,
+                           f"resuming from {folder.name} instead" if folder is not None else "no complete one",
+                           f"; moved to {new}" if new is not None else "")
+        logger.warning("ucp: %s", f"resuming from {folder} on {accelerator.num_processes} processes"
+                       if folder is not None else f"no complete save_state folder in {save_dir}: starting fresh")
+    if accelerator.num_processes > 1:
+        import torch.distributed as dist
+
+        dist.broadcast_object_list(chosen, src=0)
+    accelerator.wait_for_everyone()  # the moves are done before any process saves
+    return None if chosen[0] is None else Path(chosen[0])
 
 
 def engine_source(input_dir: str | os.PathLike | ObjectPath,

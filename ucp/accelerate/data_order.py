@@ -36,9 +36,8 @@ import torch
 from ucp.errors import ConfigError
 
 logger = logging.getLogger("ucp.accelerate")
-SEEDABLE_FIX = ("prepare the DataLoader with accelerate.DataLoaderConfiguration(use_seedable_sampler=True) "
-                "(Accelerator(dataloader_config=...)) in the run that saves and in the run that resumes, "
-                "whose order is the same at any number of processes")
+SEEDABLE_FIX = ("Accelerator(dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True)) when saving "
+                "and resuming (same order at any size)")
 _RECORD = "_ucp_prepared_order"
 
 
@@ -104,9 +103,8 @@ def keep_order(dataloaders: list, saved: int, world: int) -> None:
             continue  # the user's generator, or the one Accelerate seeds at prepare on both sides
         if saved == 1:
             raise ConfigError(
-                f"{name}: on the 1 process that saved the state, it drew each epoch's order from the global torch "
-                f"RNG as the epoch began, and accelerator.save_state keeps no state of that draw, so ucp cannot give "
-                f"the {world} processes of this run the same sample order; {SEEDABLE_FIX}")
+                f"{name}: the 1-process run that saved this state drew its shuffled order from an RNG state "
+                f"save_state does not keep, so {world} processes cannot continue it. Fix: {SEEDABLE_FIX}.")
         sampler.generator = _generator_of_prepare(record)
 
 

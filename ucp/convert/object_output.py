@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ucp.convert.result import ConvertResult
-from ucp.errors import OutputExistsError
+from ucp.errors import OutputExistsError, UcpError
 from ucp.format.folder import INDEX_NAME, commit_index, is_ucp_file, read_index
 from ucp.format.index import Index
 from ucp.format.locations import ObjectPath
@@ -32,7 +32,10 @@ def convert_to_object_store(output: ObjectPath, fingerprint: str,
         return ConvertResult(output, len(done.params), tuple(done.files), 0, already_done=True)
     with tempfile.TemporaryDirectory(prefix="ucp-staging-", dir=os.environ.get("UCP_STAGING_DIR")) as staging:
         folder = Path(staging) / "checkpoint"
-        local = write_local(folder)
+        try:
+            local = write_local(folder)
+        except UcpError as exc:  # name the URL the user gave, not the staging folder it never heard of
+            raise type(exc)(str(exc).replace(str(folder), str(output))) from None
         upload(folder, output, read_index(folder))
     return ConvertResult(output, local.params, local.files, local.bytes_written,
                          files_written=local.files_written, redone=local.redone)

@@ -332,7 +332,7 @@ def _check(ckpt: Checkpoint, target: Target, engine: DeepSpeedEngine, load_optim
             raise CheckpointMismatchError(_missing(ckpt, t.name, t.kind))
         saved = ckpt.info(t.name)  # a tied alias the model keeps untied gets its source's weight and states
         if saved.shape != t.shape:
-            raise CheckpointMismatchError(f"{t.name}: the checkpoint holds shape {saved.shape}, the model {t.shape}")
+            raise CheckpointMismatchError.shape(t.name, saved.shape, t.shape, getattr(ckpt, "path", "the checkpoint"))
         if t.kind == "param" and load_optimizer_states and saved.kind != "param":
             raise CheckpointMismatchError(f"{t.name}: trainable in the model but {saved.kind} in the "
                                           "checkpoint, which has no optimizer state for it; pass "

@@ -18,6 +18,11 @@ The sampler starts right after the samples the engine has consumed (`engine.glob
 ucp load restores from the checkpoint, whatever world size saved it) and then keeps its own position,
 so a DataLoader's workers may prefetch ahead of the engine. One `iter()` runs to the end of the epoch
 its first batch starts in; the next `iter()` goes on from there, as a DataLoader's epochs do.
+
+`StepBatchSampler` cuts the same stream for a loop that counts its own epochs and skips the batches of a
+resumed epoch itself (the Hugging Face Trainer): epoch e is global batches [e * S, (e + 1) * S) with S =
+max(len(dataset) // B, 1), so an epoch is the same S optimizer steps at every world size, and the loop's
+own skipping of (steps done in this epoch) x A micro-batches lands on the step it resumes at.
 """
 from __future__ import annotations
 
@@ -47,10 +52,8 @@ class ElasticBatchSampler(torch.utils.data.Sampler[list[int]]):
             raise ConfigError("ElasticBatchSampler: the dataset is empty")
         place = getattr(engine, "ucp_layout", None)  # every TP rank (pipeline stage) of a replica takes its samples
         self.rank = int(place.dp_rank) if place is not None else int(engine.global_rank)
-        self.shuffle = shuffle
-        self.seed = seed
+        self.stream = SampleStream(self.size, shuffle, seed)
         self.position = int(engine.global_samples)  # the next sample of the stream to train on
-        self._orders: dict[int, torch.Tensor] = {}
 
     def loss_weight(self, samples: int) -> float:
         """The factor for the mean loss of a micro-batch of `samples` samples, so that each step's gradient
@@ -66,7 +69,7 @@ class ElasticBatchSampler(torch.utils.data.Sampler[list[int]]):
         for start in self._steps():
             first = start + offset
             for size in self.batch.micro_sizes(self.rank):
-                yield self._indices(first, size)
+                yield self.stream.indices(first, size)
                 first += size
             self.position = start + self.batch.global_batch
 
@@ -75,7 +78,44 @@ class ElasticBatchSampler(torch.utils.data.Sampler[list[int]]):
         end = (self.position // self.size + 1) * self.size
         return range(self.position, end, self.batch.global_batch)
 
-    def _indices(self, first: int, count: int) -> list[int]:
+
+class StepBatchSampler(torch.utils.data.Sampler[list[int]]):
+    """This rank's micro-batches of the global batches of epoch `set_epoch(e)`: [e * S, (e + 1) * S) (module
+    docstring). For a loop that skips a resumed epoch's first batches itself, as the Hugging Face Trainer does."""
+
+    def __init__(self, size: int, batch: ElasticBatch, rank: int, shuffle: bool = True, seed: int = 0):
+        if size == 0:
+            raise ConfigError("StepBatchSampler: the dataset is empty")
+        self.batch, self.rank = batch, rank
+        self.stream = SampleStream(size, shuffle, seed)
+        self.steps_per_epoch = max(size // batch.global_batch, 1)
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch * self.batch.accumulation
+
+    def __iter__(self) -> Iterator[list[int]]:
+        offset = self.batch.offset(self.rank)
+        first_step = self.epoch * self.steps_per_epoch
+        for step in range(first_step, first_step + self.steps_per_epoch):
+            first = step * self.batch.global_batch + offset
+            for size in self.batch.micro_sizes(self.rank):
+                yield self.stream.indices(first, size)
+                first += size
+
+
+class SampleStream:
+    """The dataset's epochs one after the other, each a permutation drawn from `seed + epoch` (or in order)."""
+
+    def __init__(self, size: int, shuffle: bool, seed: int):
+        self.size, self.shuffle, self.seed = size, shuffle, seed
+        self._orders: dict[int, torch.Tensor] = {}
+
+    def indices(self, first: int, count: int) -> list[int]:
+        """The dataset indices at stream positions [first, first + count)."""
         out = []
         for position in range(first, first + count):
             epoch, i = divmod(position, self.size)
@@ -84,7 +124,7 @@ class ElasticBatchSampler(torch.utils.data.Sampler[list[int]]):
 
     def _order(self, epoch: int) -> torch.Tensor:
         if epoch not in self._orders:
-            if len(self._orders) > 2:  # positions only grow: the oldest epoch is done with
+            if len(self._orders) > 2:  # positions mostly grow: the oldest epoch is done with
                 self._orders.pop(min(self._orders))
             if self.shuffle:
                 generator = torch.Generator().manual_seed(self.seed + epoch)

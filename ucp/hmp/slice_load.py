@@ -91,7 +91,7 @@ def _check(ckpt: AtomicCheckpoint, table: list[ParamSpec], states: Sequence[str]
                                           "saved from another model?")
         saved = params[spec.name].shape
         if saved != spec.shape:
-            raise CheckpointMismatchError(f"{spec.name}: the checkpoint holds shape {saved}, the model {spec.shape}")
+            raise CheckpointMismatchError.shape(spec.name, saved, spec.shape, ckpt.path)
         missing = [s for s in states if s not in params[spec.name].states]
         if missing:
             raise CheckpointMismatchError(f"{spec.name}: the checkpoint has no state '{missing[0]}' (has "

@@ -1,0 +1,157 @@
+"""The Hugging Face Trainer under torchrun's elastic agents, restarted unattended by one command (issue #29).
+
+`train_hf_elastic.py` is the user's script: `ucp.transformers.train(trainer)` with `"ucp": {"load": "auto",
+"elastic": {"global_batch": 5, "micro_batch": 2}}` (ZeRO-2, tiny tied Llama, `save_total_limit=2`). Three agents
+run it; rank 1 is SIGKILLed inside the save of checkpoint-4 (the agents restart it at 3 ranks, from checkpoint-2);
+then a node is lost after checkpoint-6 (2 ranks go on) and a node joins again (3 ranks finish). Every logged loss
+and learning rate must be the uninterrupted 3-rank run's, step by step. 5 samples do not divide by 2 or 3 ranks:
+the shares are uneven (2/2/1 on 3 ranks, 3/2 in two micro-batches on 2).
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from support.elastic_agents import ElasticJob, reached, read_losses
+from support.hf_runs import SAVE_STEP, accelerate_resume, accelerate_source, losses
+from support.launch import run_torchrun
+from support.processes import wait_for
+from ucp.elastic.trainer_folders import newest_complete
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = Path(__file__).resolve().parents[1] / "support" / "train_hf_elastic.py"
+STEPS, SAVE_STEPS, DIE_IN_SAVE = 10, 2, 4
+ARGS = ["--max-steps", STEPS, "--save-steps", SAVE_STEPS, "--save-total-limit", 2, "--global-batch", 5]
+# fp32, no dropout: other world sizes sum the same gradients in another order, ~1e-7 apart per step.
+RTOL = 1e-6
+
+
+def by_step(records: list[dict]) -> dict[int, list[dict]]:
+    out: dict[int, list[dict]] = {}
+    for r in records:
+        out.setdefault(r["step"], []).append(r)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> tuple[dict[int, dict], Path]:
+    """The uninterrupted 3-rank run: its record of each step, and its output_dir."""
+    tmp = tmp_path_factory.mktemp("trainer-reference")
+    log = tmp / "log.jsonl"
+    run_torchrun(SCRIPT, [*ARGS, "--output-dir", tmp / "out", "--log-out", log], 3, tmp / "train.log")
+    return {s: rs[0] for s, rs in by_step(read_losses(log)).items()}, tmp / "out"
+
+
+def test_trainer_killed_in_save_shrinks_and_grows_unattended(tmp_path, reference):
+    expected, _ = reference
+    log, out = tmp_path / "log.jsonl", tmp_path / "out"
+    job = ElasticJob(SCRIPT, [*ARGS, "--output-dir", out, "--log-out", log, "--step-sleep", 0.5,
+                              "--die-in-save", DIE_IN_SAVE, "--die-marker", tmp_path / "died"],
+                     tmp_path / "agents", nodes="1:3")
+    try:
+        for _ in range(3):
+            job.start_agent()
+        wait_for(reached(log, 7, world=3), 600, "step 7 on 3 ranks, after the restart from checkpoint-2")
+        job.lose_node(2)                                      # a node is gone after checkpoint-6: 2 ranks go on
+        wait_for(reached(log, 8, world=2), 600, "step 8 on 2 ranks")
+        job.join_while_paused()                               # a node is back: 3 ranks at the next restart
+        codes = job.wait(timeout=600)
+    except BaseException:
+        job.stop()
+        print(job.logs())
+        raise
+    assert set(codes.values()) == {0}, job.logs()
+    logs = job.logs(tail=None)
+    assert (tmp_path / "died").is_file()
+    assert (f"{out}/checkpoint-{DIE_IN_SAVE} is incomplete (it has no trainer_state.json): resuming from "
+            f"checkpoint-{DIE_IN_SAVE - SAVE_STEPS} instead; set aside as damaged-checkpoint-{DIE_IN_SAVE}") in logs
+    assert f"resuming from {out}/checkpoint-6 on 2 ranks" in logs
+    records = read_losses(log)
+    assert {r["world"] for r in records if r["step"] > 7} >= {2, 3}
+    got = by_step(records)
+    assert sorted(got) == sorted(expected) == list(range(1, STEPS + 1))
+    for step, redone in got.items():
+        for r in redone:  # a step redone after a restart is the same step again
+            assert r["loss"] == pytest.approx(expected[step]["loss"], rel=RTOL), (step, r, expected[step])
+            assert r["lr"] == expected[step]["lr"] and r["epoch"] == expected[step]["epoch"], (step, r)
+    # save_total_limit=2 kept the newest two; damaged folders are left for a person, outside the rotation (a
+    # restart for the node that joins may cut another save short: it is set aside the same way)
+    kept = sorted(p.name for p in out.iterdir() if not p.name.startswith("."))  # not ucp's readers' lock files
+    assert [n for n in kept if not n.startswith("damaged-")] == ["checkpoint-10", "checkpoint-8"]
+    assert f"damaged-checkpoint-{DIE_IN_SAVE}" in kept
+
+
+def test_negative_control_the_trainers_own_batches_do_not_continue_the_run(tmp_path, reference):
+    """Without "elastic", a resume on 2 ranks with the Trainer's own batches (2 per device: 4 per step) and its
+    sampler loads the same state but trains on other samples: step 9 is another step. (On 1 rank with 5 per
+    device the Trainer's epoch-0 order happens to be the global order's, seeded alike: no control there.)"""
+    expected, reference_out = reference
+    log = tmp_path / "log.jsonl"
+    run_torchrun(SCRIPT, ["--max-steps", STEPS, "--save-steps", SAVE_STEPS, "--per-device", 2,
+                          "--resume", reference_out / "checkpoint-8", "--output-dir", tmp_path / "out",
+                          "--log-out", log], 2, tmp_path / "train.log")
+    got = by_step(read_losses(log))
+    assert sorted(got) == [9, 10]
+    assert got[9][0]["lr"] == expected[9]["lr"]  # the schedule continues: only the data differ
+    assert got[9][0]["loss"] != pytest.approx(expected[9]["loss"], rel=1e-3)
+
+
+@pytest.fixture(scope="module")
+def accelerate_save_dir(ckpt_root, tmp_path_factory):
+    """A save folder as Accelerate's automatic naming fills it: checkpoint_3 (the 2-process ZeRO-2 state saved
+    at step 3) and checkpoint_4, a save cut short (rank 1's RNG file, written last, missing); and the source."""
+    source = accelerate_source(ckpt_root)
+    save_dir = tmp_path_factory.mktemp("accelerate") / "checkpoints"
+    shutil.copytree(source / "state", save_dir / "checkpoint_3")
+    shutil.copytree(source / "state", save_dir / "checkpoint_4")
+    (save_dir / "checkpoint_4" / "random_states_1.pkl").unlink()
+    return save_dir, source
+
+
+def test_accelerate_auto_resumes_the_newest_complete_state_at_another_size(accelerate_save_dir, ckpt_root):
+    save_dir, source = accelerate_save_dir
+    run = accelerate_resume(save_dir, 1, 2, ckpt_root, checkpoint="auto")
+    log = (run / "train.log").read_text()
+    assert (f"ucp: {save_dir}/checkpoint_4 is incomplete (it has no random_states_1.pkl, which save_state writes "
+            f"last): resuming from checkpoint_3 instead; moved to {save_dir}.damaged/checkpoint_4") in log
+    resumed = losses(run / "losses.json")
+    assert resumed["first_step"] == SAVE_STEP + 1
+    assert resumed["losses"] == pytest.approx(losses(source / "losses.json")["losses"][SAVE_STEP:], rel=RTOL)
+    assert sorted(p.name for p in save_dir.iterdir()) == ["checkpoint_3"]
+
+
+def test_negative_control_accelerate_auto_with_no_complete_state_starts_fresh(ckpt_root, tmp_path):
+    save_dir = tmp_path / "checkpoints"
+    shutil.copytree(accelerate_source(ckpt_root) / "state", save_dir / "checkpoint_4")
+    (save_dir / "checkpoint_4" / "random_states_0.pkl").unlink()
+    run = accelerate_resume(save_dir, 1, 2, ckpt_root, checkpoint="auto")
+    assert f"ucp: no complete save_state folder in {save_dir}: starting fresh" in (run / "train.log").read_text()
+    fresh = losses(run / "losses.json")
+    expected = losses(accelerate_source(ckpt_root) / "losses.json")["losses"]
+    assert fresh["first_step"] == 1  # the check the resume passes fails: a fresh start is not the run continued
+    assert fresh["losses"][:2] != pytest.approx(expected[SAVE_STEP:], rel=1e-3)
+
+
+def test_auto_checks_each_checkpoint_it_would_take(trainer_run, tmp_path):
+    """The Trainer's real checkpoint-3, copied as checkpoint-3..6, each newer one damaged another way: "auto"
+    takes checkpoint-3 and names why each newer one is passed over (the undamaged copy is the control)."""
+    source = trainer_run("llama") / "out" / "checkpoint-3"
+    out = tmp_path / "out"
+    for n in (3, 4, 5, 6):
+        shutil.copytree(source, out / f"checkpoint-{n}")
+    (out / "checkpoint-4" / "trainer_state.json").write_text(
+        (source / "trainer_state.json").read_text().replace('"global_step": 3', '"global_step": 4'))
+    optim = sorted((out / "checkpoint-4" / "global_step3").glob("*optim_states.pt"))[-1]
+    optim.write_bytes(optim.read_bytes()[:100])                      # a rank file cut short
+    (out / "checkpoint-5" / "trainer_state.json").write_text("{")      # cut mid-write
+    (out / "checkpoint-6" / "latest").unlink()                         # DeepSpeed's save not finished
+    folder, passed = newest_complete(out)
+    assert folder == out / "checkpoint-3"
+    assert [(p.name, why.split(" (")[0]) for p, why in passed] == [
+        ("checkpoint-6", "it has no 'latest' file"),
+        ("checkpoint-5", "its trainer_state.json does not read as JSON"),
+        ("checkpoint-4", "its DeepSpeed state does not open")]
+    assert newest_complete(tmp_path / "absent") == (None, [])
