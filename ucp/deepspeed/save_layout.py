@@ -45,9 +45,6 @@ def refuse_unsupported(engine: DeepSpeedEngine) -> None:
         raise UnsupportedLayoutError("ucp.deepspeed.save saves PipelineModule engines with tensor parallelism (a "
                                      "Megatron-style mpu) under ZeRO stage 1 only, the checkpoints `ucp convert` "
                                      "reads of them; set \"zero_optimization\": {\"stage\": 1}")
-    if getattr(engine, "has_moe_layers", False) and engine.zero_optimization_stage() == 0:
-        raise UnsupportedLayoutError("ucp.deepspeed.save does not save MoE engines (expert parallelism) without ZeRO "
-                                     "(ZeRO-0) yet" + _INSTEAD)
     if not pipeline and tp_size(engine) == 1 and getattr(engine, "mp_world_size", 1) > 1:
         raise UnsupportedLayoutError("ucp.deepspeed.save does not save engines with a Megatron-style mpu (tensor "
                                      "parallelism outside AutoTP) yet" + _INSTEAD)
@@ -76,6 +73,12 @@ def holdings(target: Target, rank: int, moments: Sequence[str]) -> list[Holding]
     elif getattr(engine, "pipeline_parallelism", False):
         outer = engine.stage_id
     experts = local_expert_tensors(engine.module)
+    if experts and engine.zero_optimization_stage() == 0:
+        from deepspeed.utils import groups
+
+        # Without ZeRO each EP rank's copy is read from its own optimizer file (expp_rank_E): a dense tensor is a
+        # Replicate of the EP ranks' copies, as `ucp convert` reads it.
+        outer = groups._get_expert_parallel_rank(groups._get_max_expert_size_name())
     # `ucp convert` numbers an expert's ZeRO fragments by the rank's data-parallel rank (its optimizer file),
     # not by its place in the expert-data-parallel group that partitions it.
     by_dp_rank = bool(experts)
