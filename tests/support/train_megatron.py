@@ -5,7 +5,9 @@ Launched with ``torchrun --nproc_per_node 4 tests/support/train_megatron.py --ru
 trains several configurations ({stage, dtype, save_dir, dump_state}) one after another in one launch.
 A run may also set ``steps``, ``save_after`` (save with DeepSpeed after that many steps and go on
 training, instead of saving at the end), ``ucp_save`` (a folder: ``ucp.deepspeed.save`` asynchronously
-at ``save_after``, alongside DeepSpeed's own save, and again after the last step), ``save_bytes_out``
+at ``save_after``, alongside DeepSpeed's own save, and again after the last step; with ``ucp_every``
+through the ``"ucp": {"save": {"dir", "every"}}`` config instead, which saves every that many steps),
+``save_bytes_out``
 (what each rank's ucp save at ``save_after`` writes, and what it holds, bytes by rank, JSON),
 ``losses_out`` (every step's loss, JSON) and ``refusal_out`` (try one ucp save right after
 ``deepspeed.initialize`` and write the error it raises there, instead of training).
@@ -403,8 +405,15 @@ def train_one(run: dict, steps: int) -> None:
     from gather import dump_states, local_state
 
     model = build()
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()),
-                                           config=ds_config(run))
+    config, every = ds_config(run), run.get("ucp_every")
+    if every:  # ucp saves every `every` steps (train_batch is wrapped), explicit calls below are skipped
+        config["ucp"] = {"save": {"dir": run["ucp_save"], "every": every}}
+        engine, _, _, _ = ucp.deepspeed.initialize(model=model, model_parameters=list(model.parameters()),
+                                                   config=config)
+        engine.ucp_client_state = dict(CLIENT_STATE)
+    else:
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config)
+    explicit = run.get("ucp_save") and not every
     if run.get("refusal_out"):
         refuse(engine, run["refusal_out"])
         return
@@ -412,13 +421,14 @@ def train_one(run: dict, steps: int) -> None:
     for step in range(run.get("steps", steps)):
         losses.append(float(engine.train_batch(iter(batches(step)))))
         if step + 1 == save_after:
-            if run.get("ucp_save"):  # asynchronous, overlapping DeepSpeed's own save of the same step
+            if explicit:  # asynchronous, overlapping DeepSpeed's own save of the same step
                 stats = ucp.deepspeed.save(engine, run["ucp_save"], client_state=CLIENT_STATE)
                 if run.get("save_bytes_out"):
                     write_bytes(run["save_bytes_out"], stats.bytes, model)
             engine.save_checkpoint(run["save_dir"], client_state=CLIENT_STATE)
-    if run.get("ucp_save"):  # the last step too: another step's checkpoint, for negative controls
+    if explicit:  # the last step too: another step's checkpoint, for negative controls
         ucp.deepspeed.save(engine, run["ucp_save"], client_state=CLIENT_STATE)
+    if run.get("ucp_save"):
         ucp.deepspeed.wait(engine)
     if run.get("losses_out") and dist.get_rank() == 0:
         with open(run["losses_out"], "w") as f:
