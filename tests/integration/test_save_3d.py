@@ -15,8 +15,10 @@ weight is written by the first stage's ranks only, each stage writes its own lay
 comparisons and negative control; the ZeRO-1 save resumes on 1 stage x DP=2 and continues the losses.
 
 MoE: train_moe.py's model (4 experts) at ep_size 2 on 2 ranks, ZeRO-1 and ZeRO-2: each rank writes its own
-experts under their global ids, the dense tensors each rank its ZeRO run. The same comparisons and negative
-control; the ZeRO-1 save resumes at ep_size 1 and continues the losses.
+experts under their global ids, the dense tensors each rank its ZeRO run; and without ZeRO (ZeRO-0), where the
+dense tensors are copies on both EP ranks (Replicate, as `ucp convert` reads each EP rank's optimizer file), each
+written whole by one rank. The same comparisons and negative control; the ZeRO-1 save resumes at ep_size 1
+and continues the losses.
 """
 from __future__ import annotations
 
@@ -112,7 +114,8 @@ def test_a_pipeline_save_resumes_on_one_stage(pipe_runs, ckpt_root):
 
 
 MOE_LAYOUTS = {"ep2-z1": Layout("resume_moe.py", 2, ("--ep-size", "2", "--zero-stage", "1")),
-               "ep2-z2": Layout("resume_moe.py", 2, ("--ep-size", "2", "--zero-stage", "2"))}
+               "ep2-z2": Layout("resume_moe.py", 2, ("--ep-size", "2", "--zero-stage", "2")),
+               "ep2-z0": Layout("resume_moe.py", 2, ("--ep-size", "2", "--zero-stage", "0"))}
 
 
 @pytest.fixture(scope="module")

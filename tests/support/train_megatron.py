@@ -3,6 +3,14 @@
 
 Launched with ``torchrun --nproc_per_node 4 tests/support/train_megatron.py --runs JSON``; ``--runs``
 trains several configurations ({stage, dtype, save_dir, dump_state}) one after another in one launch.
+A run may also set ``steps``, ``save_after`` (save with DeepSpeed after that many steps and go on
+training, instead of saving at the end), ``ucp_save`` (a folder: ``ucp.deepspeed.save`` asynchronously
+at ``save_after``, alongside DeepSpeed's own save, and again after the last step; with ``ucp_every``
+through the ``"ucp": {"save": {"dir", "every"}}`` config instead, which saves every that many steps),
+``save_bytes_out``
+(what each rank's ucp save at ``save_after`` writes, and what it holds, bytes by rank, JSON),
+``losses_out`` (every step's loss, JSON) and ``refusal_out`` (try one ucp save right after
+``deepspeed.initialize`` and write the error it raises there, instead of training).
 A run's ``dump_state`` path gets every rank's fp32 master and Adam moments of its own TP shard at save
 time (see support/gather.py), with its stage and TP rank, for the tests to consolidate by hand.
 
@@ -359,23 +367,83 @@ def batches(step: int):
             for m in range(ACCUMULATION)]
 
 
+CLIENT_STATE = {"client_marker": 23}
+
+
+def write_bytes(path: str, written: int, model) -> None:
+    """Every rank's bytes of its ucp save, and of every state it holds (fp32 master and two Adam moments of each
+    parameter, its buffers), on rank 0."""
+    held = sum(p.numel() * 4 * 3 for p in model.parameters()) + sum(b.numel() * b.element_size()
+                                                                    for b in model.buffers())
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, {"written": written, "held": held})
+    if dist.get_rank() == 0:
+        with open(path, "w") as f:
+            json.dump(every, f)
+
+
+def refuse(engine, path: str) -> None:
+    import ucp.deepspeed
+    from ucp.errors import UcpError
+
+    try:
+        ucp.deepspeed.save(engine, path + ".d")
+        message = None
+    except UcpError as e:
+        message = str(e)
+    if dist.get_rank() == 0:
+        with open(path, "w") as f:
+            json.dump(message, f)
+    dist.barrier()
+    engine.destroy()
+
+
 def train_one(run: dict, steps: int) -> None:
     import deepspeed
 
+    import ucp.deepspeed
     from gather import dump_states, local_state
 
     model = build()
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()),
-                                           config=ds_config(run))
-    for step in range(steps):
-        engine.train_batch(iter(batches(step)))
+    config, every = ds_config(run), run.get("ucp_every")
+    if every:  # ucp saves every `every` steps (train_batch is wrapped), explicit calls below are skipped
+        config["ucp"] = {"save": {"dir": run["ucp_save"], "every": every}}
+        engine, _, _, _ = ucp.deepspeed.initialize(model=model, model_parameters=list(model.parameters()),
+                                                   config=config)
+        engine.ucp_client_state = dict(CLIENT_STATE)
+    else:
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config)
+    explicit = run.get("ucp_save") and not every
+    if run.get("refusal_out"):
+        refuse(engine, run["refusal_out"])
+        return
+    save_after, losses = run.get("save_after"), []
+    for step in range(run.get("steps", steps)):
+        losses.append(float(engine.train_batch(iter(batches(step)))))
+        if step + 1 == save_after:
+            if explicit:  # asynchronous, overlapping DeepSpeed's own save of the same step
+                stats = ucp.deepspeed.save(engine, run["ucp_save"], client_state=CLIENT_STATE)
+                if run.get("save_bytes_out"):
+                    write_bytes(run["save_bytes_out"], stats.bytes, model)
+            engine.save_checkpoint(run["save_dir"], client_state=CLIENT_STATE)
+    if explicit:  # the last step too: another step's checkpoint, for negative controls
+        ucp.deepspeed.save(engine, run["ucp_save"], client_state=CLIENT_STATE)
+    if run.get("ucp_save"):
+        ucp.deepspeed.wait(engine)
+    if run.get("losses_out") and dist.get_rank() == 0:
+        with open(run["losses_out"], "w") as f:
+            json.dump(losses, f)
+    if save_after is not None:
+        dist.barrier()
+        engine.destroy()
+        return
     if run.get("dump_state"):
         dump_states(run["dump_state"], {"stage": MPU.get_pipe_parallel_rank(),
                                         "tp_rank": MPU.get_tensor_model_parallel_rank(),
                                         "dp_rank": MPU.get_data_parallel_rank(),
                                         "params": local_state(engine, model.named_parameters())},
                     {"global_steps": engine.global_steps})
-    engine.save_checkpoint(run["save_dir"], client_state={"client_marker": 23})
+    engine.save_checkpoint(run["save_dir"], client_state=CLIENT_STATE)
     dist.barrier()
     engine.destroy()
 

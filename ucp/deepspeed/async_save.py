@@ -47,8 +47,15 @@ from ucp import collectives
 from ucp.deepspeed.autotp import tp_size, with_tensor_parallel
 from ucp.deepspeed.memory_files import MemoryEvery
 from ucp.deepspeed.save_files import SaveFiles, WrittenPiece, arrange_files, bytes_to_send, plan_parts, whole_crcs
-from ucp.deepspeed.save_layout import holdings, pattern_inputs, refuse_unsupported
-from ucp.deepspeed.save_plan import Holding, box_runs, full_box, pattern_of, tensors, writers
+from ucp.deepspeed.save_layout import (
+    average_partials,
+    holdings,
+    mpu_tp_size,
+    pattern_inputs,
+    placed,
+    refuse_unsupported,
+)
+from ucp.deepspeed.save_plan import Holding, box_runs, pattern_of, tensors, writers
 from ucp.deepspeed.save_plan import entries as save_entries
 from ucp.deepspeed.save_writer import BackgroundSave, SavePiece, SnapshotBuffer, partial_path, write_pieces
 from ucp.deepspeed.targets import Target, TargetTensor, Zero3Target, module_aliases, target_for
@@ -133,6 +140,7 @@ class Saver:
         refuse_unsupported(engine)
         self.engine = engine
         self.target: Target = with_tensor_parallel(target_for(engine))
+        self.before_snapshot = average_partials(engine, self.target)  # collectives every snapshot needs first
         self.rank = collectives.rank()
         if not dist.is_initialized():
             self.ranks = [0]
@@ -212,6 +220,7 @@ class Saver:
             tag_dir.mkdir(parents=True, exist_ok=True)
         prepared = self._prepare(tier)
         with torch.no_grad():
+            self.before_snapshot()
             for c in prepared.copies:
                 prepared.buffer.fill_pieces(c.first, c.stop, c.source())
         event: torch.cuda.Event | None = None
@@ -239,7 +248,7 @@ class Saver:
         if known is not None and known.moments == moments:
             return known
         self._prepared.pop(tier, None)  # free the old buffer before allocating the new one
-        every = self._every_holding(moments)
+        every = placed(self.engine, self._every_holding(moments))
         model = tensors(every)
         entries = save_entries(model)
         slots = [TensorSlot(tensor_key(h.name, s), dtype, h.shape) for h, s, dtype in entries]
@@ -249,15 +258,20 @@ class Saver:
             element_bytes[h.name] = element_bytes.get(h.name, 0) + TORCH_DTYPES[dtype].itemsize
         mine = writers(every, element_bytes)
         local = {t.name: t for t in self.target.tensors}
+        own: dict[str, list[Holding]] = {}  # this rank's holdings: a box each (several for a fused TP shard)
+        for held in every:
+            if held.rank == self.rank:
+                own.setdefault(held.name, []).append(held)
         pieces, runs = [], []
         for h, state, dtype in entries:
             if (h.name, self.rank) not in mine:
                 continue
             t, key = local[h.name], tensor_key(h.name, state)
-            for first, offset, numel in box_runs(t.shape, t.box or full_box(t.shape), t.start, t.numel):
-                span = files.piece(key, first, numel, TORCH_DTYPES[dtype].itemsize)
-                pieces.append(SavePiece(key, span.file, span.begin, span.end, dtype, first))
-                runs.append((t, state, offset, numel))
+            for part in own[h.name]:
+                for first, offset, numel in box_runs(part.shape, part.box, part.start, part.numel):
+                    span = files.piece(key, first, numel, TORCH_DTYPES[dtype].itemsize)
+                    pieces.append(SavePiece(key, span.file, span.begin, span.end, dtype, first))
+                    runs.append((t, state, part.view_offset + offset, numel))
         buffer = SnapshotBuffer(pieces, pin=torch.device(self.engine.device).type == "cuda")
         of_piece = {(p.key, p.start): run for p, run in zip(pieces, runs)}
         patterns = {}
@@ -412,13 +426,14 @@ def _metadata(saver: Saver, prepared: Prepared, tag: str, tag_dir: Location,
     if precision == "fp16" and scaler is not None:
         training["loss_scaler"] = loss_scale.record_live(scaler)
     stages = engine.num_stages if getattr(engine, "pipeline_parallelism", False) else 1
+    tp = tp_size(engine) * mpu_tp_size(engine)  # AutoTP's or a Megatron-style mpu's (never both)
     import deepspeed
 
     return {
         "params": params,
         "source": {"framework": "deepspeed", "ds_version": deepspeed.__version__,
                    "zero_stage": engine.zero_optimization_stage(),
-                   "dp": len(saver.ranks) // (tp_size(engine) * stages), "tp": tp_size(engine), "pp": stages,
+                   "dp": len(saver.ranks) // (tp * stages), "tp": tp, "pp": stages,
                    "precision": precision, "tag": tag, "path": str(tag_dir), "writer": "ucp.deepspeed.save"},
         "training": training,
         "optimizer": optimizer_record(config.get("optimizer"), groups, list(prepared.moments), engine.optimizer_name()),

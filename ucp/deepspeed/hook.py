@@ -21,7 +21,7 @@ committed, and runs at exit too; see `ucp.deepspeed.async_save`). The `"ucp"` co
   being read). A save that finds the previous one still writing waits for it, with a warning.
   Client state for these saves is
   `engine.ucp_client_state` (a dict) when set. Data parallelism (ZeRO 0-3), AutoTP, PipelineModule
-  (ZeRO-0/1) and MoE (ZeRO-1/2); not a Megatron-style mpu yet. With
+  (ZeRO-0/1; with a Megatron-style mpu, ZeRO-1) and MoE (ZeRO 0-2); not an mpu without a pipeline yet. With
   `"memory": {"every": k, "replicas": r, "dir": ...}` it also saves every k steps into each node's host
   memory, with copies on r other nodes, which `"auto"` prefers when newer (`ucp.deepspeed.memory_tier`).
 * `elastic` (dict): `{"global_batch": B, "micro_batch": m}` sets DeepSpeed's batch keys for the

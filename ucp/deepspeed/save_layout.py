@@ -5,12 +5,17 @@
 `pattern_inputs` says from which holdings and hints each pattern is recognized, as `ucp convert`
 reads the engine's `save_checkpoint` (under AutoTP the TP pattern the engine's own
 `universal_checkpoint_info` declares, read with the converter's reader), so a save and a conversion
-see one layout. `refuse_unsupported` names the families the saver does not serve yet, in one line,
+see one layout. Under a Megatron-style `mpu` in a `PipelineModule` a holding is the rank's TP shard
+(`Shard`), which `placed` cuts into the boxes it fills (`ucp.deepspeed.mpu_plan`), and a tensor the model
+declares "to average" is snapshotted as the mean of its TP copies (`average_partials`), the value `ucp
+convert` records. `refuse_unsupported` names the families the saver does not serve yet, in one line,
 before anything is allocated.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import dataclasses
+import typing
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -19,11 +24,13 @@ import torch.distributed as dist
 from ucp.converters.deepspeed_declared import affine_params, declared_layout
 from ucp.deepspeed.autotp import UNIVERSAL_CHECKPOINT_INFO, tp_size
 from ucp.deepspeed.moe_target import checkpoint_name, local_expert_tensors
-from ucp.deepspeed.save_plan import Holding, full_box
-from ucp.deepspeed.targets import Target
+from ucp.deepspeed.mpu_plan import place_shards, tp_layout
+from ucp.deepspeed.save_plan import Holding, Shard, full_box
+from ucp.deepspeed.targets import Target, TargetTensor
 from ucp.errors import UnsupportedLayoutError
-from ucp.patterns import Hints, Pattern
+from ucp.patterns import Hints, Pattern, PatternSpec
 from ucp.plan.plan import BUFFER_STATE, WEIGHT_STATE
+from ucp.plan.primitives import union
 
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
@@ -34,28 +41,44 @@ _INSTEAD = "; use engine.save_checkpoint and `ucp convert` instead"
 def refuse_unsupported(engine: DeepSpeedEngine) -> None:
     """Raise `UnsupportedLayoutError` naming the parallelism family of `engine` that saves do not serve yet."""
     pipeline = getattr(engine, "pipeline_parallelism", False)
-    if pipeline and engine.grid.get_slice_parallel_world_size() > 1:
-        raise UnsupportedLayoutError("ucp.deepspeed.save does not save PipelineModule engines with tensor "
-                                     "parallelism (a Megatron-style mpu) yet" + _INSTEAD)
-    if getattr(engine, "has_moe_layers", False) and engine.zero_optimization_stage() == 0:
-        raise UnsupportedLayoutError("ucp.deepspeed.save does not save MoE engines (expert parallelism) without ZeRO "
-                                     "(ZeRO-0) yet" + _INSTEAD)
+    if mpu_tp_size(engine) > 1 and engine.zero_optimization_stage() != 1:
+        raise UnsupportedLayoutError("ucp.deepspeed.save saves PipelineModule engines with tensor parallelism (a "
+                                     "Megatron-style mpu) under ZeRO stage 1 only, the checkpoints `ucp convert` "
+                                     "reads of them; set \"zero_optimization\": {\"stage\": 1}")
     if not pipeline and tp_size(engine) == 1 and getattr(engine, "mp_world_size", 1) > 1:
         raise UnsupportedLayoutError("ucp.deepspeed.save does not save engines with a Megatron-style mpu (tensor "
                                      "parallelism outside AutoTP) yet" + _INSTEAD)
 
 
+def mpu_tp_size(engine: DeepSpeedEngine) -> int:
+    """The TP degree of a `PipelineModule` engine's Megatron-style mpu (its grid's slice); 1 without one."""
+    if not getattr(engine, "pipeline_parallelism", False):
+        return 1
+    return int(engine.grid.get_slice_parallel_world_size())
+
+
 def holdings(target: Target, rank: int, moments: Sequence[str]) -> list[Holding]:
-    """One `Holding` per tensor of `target` on global rank `rank`, whose optimizer holds `moments`."""
+    """One `Holding` per tensor of `target` on global rank `rank`, whose optimizer holds `moments`: under a
+    Megatron-style mpu, of the rank's TP shard, until `placed` cuts it into the boxes it fills."""
     engine = target.engine
     outer = 0
-    if tp_size(engine) > 1:
+    tp = mpu_tp_size(engine)
+    tp_rank = engine.grid.get_slice_parallel_rank() if tp > 1 else 0
+    if tp > 1:
+        outer = engine.stage_id * tp + tp_rank  # the model-parallel rank, stage-major (DeepSpeed's mp_rank)
+    elif tp_size(engine) > 1:
         from deepspeed.utils import groups
 
         outer = groups.get_tensor_model_parallel_rank()
     elif getattr(engine, "pipeline_parallelism", False):
         outer = engine.stage_id
     experts = local_expert_tensors(engine.module)
+    if experts and engine.zero_optimization_stage() == 0:
+        from deepspeed.utils import groups
+
+        # Without ZeRO each EP rank's copy is read from its own optimizer file (expp_rank_E): a dense tensor is a
+        # Replicate of the EP ranks' copies, as `ucp convert` reads it.
+        outer = groups._get_expert_parallel_rank(groups._get_max_expert_size_name())
     # `ucp convert` numbers an expert's ZeRO fragments by the rank's data-parallel rank (its optimizer file),
     # not by its place in the expert-data-parallel group that partitions it.
     by_dp_rank = bool(experts)
@@ -71,10 +94,50 @@ def holdings(target: Target, rank: int, moments: Sequence[str]) -> list[Holding]
             states = ((WEIGHT_STATE, "float32"),)
         else:
             states = ((BUFFER_STATE, _dtype(t.view(BUFFER_STATE))),)
+        shard = Shard(tp_rank, engine.stage_id, tuple(t.shape), t.start, t.numel) if tp > 1 else None
         out.append(Holding(t.name, rank, t.box if t.box is not None else full_box(t.shape), t.start, t.numel,
                            t.whole, outer, inner, t.kind, tuple(t.shape), states,
-                           t.group if t.kind == "param" else None, model_dtypes.get(t.name, "float32")))
+                           t.group if t.kind == "param" else None, model_dtypes.get(t.name, "float32"), shard=shard))
     return out
+
+
+def placed(engine: DeepSpeedEngine, every: Sequence[Holding]) -> list[Holding]:
+    """Every rank's holdings, with each Megatron TP shard cut into the boxes of the full tensor it fills."""
+    if mpu_tp_size(engine) == 1:
+        return list(every)
+    return place_shards(every, getattr(engine.module, UNIVERSAL_CHECKPOINT_INFO, None))
+
+
+def average_partials(engine: DeepSpeedEngine, target: Target) -> Callable[[], None]:
+    """Make each tensor the module declares "to average" (Megatron's `parameter_to_average_patterns`: TP copies
+    that drift apart) read, at snapshot time, as the mean of its TP copies, computed as `ucp convert` does;
+    returns what the snapshot calls first on every rank (a collective over the TP group). Nothing to do
+    without a Megatron-style mpu."""
+    tp = mpu_tp_size(engine)
+    info = getattr(engine.module, UNIVERSAL_CHECKPOINT_INFO, None)
+    partial = [t for t in target.tensors if t.kind == "param"
+               and tp_layout(t.name, [t.shape] * tp, info, True)[1].pattern is Pattern.PARTIAL] if tp > 1 else []
+    if not partial:
+        return lambda: None
+    means: dict[tuple[str, str], torch.Tensor] = {}
+    group = engine.grid.get_slice_parallel_group()
+
+    def mean_view(t: TargetTensor) -> Callable[[str], torch.Tensor]:
+        return lambda state: means[(t.name, state)]
+
+    def refresh() -> None:
+        states = (WEIGHT_STATE, *target.state_names())
+        for t in partial:
+            for state in states:
+                mine = t.view(state).detach().contiguous()
+                copies = [torch.empty_like(mine) for _ in range(tp)]
+                dist.all_gather(copies, mine, group=group)
+                mean = union(PatternSpec(Pattern.PARTIAL, tuple(mine.shape)), copies)
+                means[(t.name, state)] = typing.cast(torch.Tensor, mean)  # torch pieces give a torch mean
+
+    averaged = {t.name: dataclasses.replace(t, view=mean_view(t)) for t in partial}
+    target.tensors = [averaged.get(t.name, t) for t in target.tensors]
+    return refresh
 
 
 def _dtype(t: torch.Tensor) -> str:
@@ -89,6 +152,8 @@ def pattern_inputs(engine: DeepSpeedEngine, every: Iterable[Holding]) -> dict[st
     held: dict[str, list[Holding]] = {}
     for h in every:
         held.setdefault(h.name, []).append(h)
+    if mpu_tp_size(engine) > 1:
+        return _shard_inputs(engine, held)
     hints = declared_hints(engine, held)
     out = {}
     for name, hs in held.items():
@@ -98,6 +163,28 @@ def pattern_inputs(engine: DeepSpeedEngine, every: Iterable[Holding]) -> dict[st
         elif getattr(engine, "pipeline_parallelism", False) and len(stages) > 1:
             hints[name] = Hints(pattern=Pattern.REPLICATE)
         out[name] = (hs, hints[name])
+    return out
+
+
+def _shard_inputs(engine: DeepSpeedEngine, held: dict[str, list[Holding]]
+                  ) -> dict[str, tuple[list[Holding], Hints | None]]:
+    """As `ucp convert` reads a Megatron-DeepSpeed checkpoint: each tensor from its first stage's TP shards (a
+    tied module's later copies are not read), one outer piece per TP rank, each partitioned by ZeRO, under what
+    the module's pattern lists declare."""
+    info = getattr(engine.module, UNIVERSAL_CHECKPOINT_INFO, None)
+    out: dict[str, tuple[list[Holding], Hints | None]] = {}
+    for name, hs in held.items():
+        first = min(h.shard.stage for h in hs if h.shard is not None)
+        shards: dict[int, Holding] = {}
+        for h in hs:
+            if h.shard is not None and h.shard.stage == first:
+                shards.setdefault(h.rank, h)
+        pieces = [dataclasses.replace(h, box=full_box(h.shard.shape), start=h.shard.start, numel=h.shard.numel,
+                                      outer=h.shard.tp_rank, view_offset=0)
+                  for h in shards.values() if h.shard is not None]
+        shapes = {p.outer: tuple(p.box[d][1] for d in range(len(p.box))) for p in pieces}
+        _, hints = tp_layout(name, [shapes[r] for r in sorted(shapes)], info, hs[0].kind == "param")
+        out[name] = (pieces, hints)
     return out
 
 

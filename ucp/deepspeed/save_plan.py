@@ -26,6 +26,18 @@ from ucp.patterns.recognize import FragmentInfo, recognize_outer
 
 
 @dataclass(frozen=True)
+class Shard:
+    """A Megatron-style TP shard as a rank's module holds it, and DeepSpeed's checkpoint records it: the pattern is
+    read from these (as `ucp convert` reads it), the elements are written from the boxes the shard's pieces fill."""
+
+    tp_rank: int
+    stage: int
+    shape: tuple[int, ...]
+    start: int    # the rank's ZeRO run of the flattened shard
+    numel: int
+
+
+@dataclass(frozen=True)
 class Holding:
     """What global rank `rank` holds of tensor `name`: elements [start, start + numel) of its box, flattened;
     and what the tensor is, which a rank that does not hold it (another pipeline stage) learns from here."""
@@ -36,13 +48,15 @@ class Holding:
     start: int
     numel: int
     whole: bool       # holds every element of the box, as the other ranks sharing the box do
-    outer: int        # the outer piece's rank (TP rank, pipeline stage; 0 without model parallelism)
+    outer: int        # the outer piece's rank (TP rank, pipeline stage, stage x T + TP rank under an mpu; else 0)
     inner: int        # the rank among the ranks sharing the box (its DP rank)
     kind: str = "param"                          # "param", "frozen" or "buffer"
     shape: tuple[int, ...] = ()                  # of the full tensor
     states: tuple[tuple[str, str], ...] = ()     # (state, stored dtype) in state order
     group: int | None = None                     # optimizer param group (trainable tensors)
     model_dtype: str = "float32"
+    view_offset: int = 0                         # where these elements start in the rank's live run of the tensor
+    shard: Shard | None = None                   # the Megatron TP shard these elements are a piece of
 
 
 def tensors(holdings: Iterable[Holding]) -> list[Holding]:
