@@ -15,6 +15,10 @@ index; each node commits its copy in the disk order: data files renamed, then th
 older memory checkpoints. So a node holds at most two: the one being written and the last committed.
 
 `ucp.deepspeed.memory_resume` restores from these copies at any world size.
+
+Every engine the saver serves has a memory tier: under AutoTP, a pipeline or MoE the saving group is the whole
+job and the pieces are each rank's share of the full tensors (`ucp.deepspeed.save_plan`), so a memory
+checkpoint is the one the disk save of the same step writes, and loads at any layout.
 """
 from __future__ import annotations
 
