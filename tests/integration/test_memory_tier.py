@@ -4,10 +4,8 @@ tier; a node that lost its memory fetches the checkpoint from its peer; with no 
 run falls back to the disk tier with a warning."""
 from __future__ import annotations
 
-import json
 import re
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -15,6 +13,7 @@ import pytest
 import ucp
 from support.elastic_agents import ElasticJob, reached, read_losses
 from support.launch import run_torchrun
+from support.memory_runs import copy_of, manifest
 from support.processes import wait_for
 
 pytestmark = pytest.mark.slow
@@ -79,11 +78,6 @@ def assert_same_losses(records: list[dict], reference: dict[int, float]) -> None
         assert r["loss"] == pytest.approx(reference[r["step"]], rel=RTOL), (r, reference[r["step"]])
 
 
-def manifest(node: Path) -> dict:
-    tag = (node / "latest").read_text()
-    return json.loads((node / tag / "ucp_memory.json").read_text())
-
-
 def test_lose_a_node_resume_from_the_peer_copy_newer_than_disk(tmp_path, reference):
     losses = tmp_path / "losses.jsonl"
     job = ElasticJob(EXAMPLE, job_args(tmp_path, STEPS), tmp_path / "agents", nodes="1:2", nproc=2)
@@ -116,19 +110,6 @@ def test_lose_a_node_resume_from_the_peer_copy_newer_than_disk(tmp_path, referen
     last_at_4 = max(i for i, r in enumerate(records) if r["world"] == 4)
     assert records[last_at_4 + 1]["step"] == step + 1 and records[last_at_4 + 1]["world"] == 2  # right after it
     assert_same_losses(records, reference)
-
-
-def copy_of(run: Path, tmp_path: Path) -> Path:
-    """A copy of `run` at `tmp_path`. A memory checkpoint belongs to the job of the save folder its manifest
-    names, so the copies' manifests are pointed at the copied save folder, as a job saving there writes them."""
-    subprocess.run(["cp", "-a", f"{run}/.", str(tmp_path)], check=True)
-    for old in tmp_path.glob("agents*"):
-        shutil.rmtree(old)
-    for manifest in tmp_path.glob("node*/global_step*/ucp_memory.json"):
-        moved = json.loads(manifest.read_text())
-        assert moved["job"] == str(run / "ckpt"), moved["job"]
-        manifest.write_text(json.dumps({**moved, "job": str(tmp_path / "ckpt")}))
-    return tmp_path
 
 
 def test_a_node_that_lost_its_memory_fetches_the_checkpoint_from_its_peer(six_steps, tmp_path, reference):

@@ -19,6 +19,10 @@ experts under their global ids, the dense tensors each rank its ZeRO run; and wi
 dense tensors are copies on both EP ranks (Replicate, as `ucp convert` reads each EP rank's optimizer file), each
 written whole by one rank. The same comparisons and negative control; the ZeRO-1 save resumes at ep_size 1
 and continues the losses.
+
+The pipeline and MoE runs also keep the host-memory tier (`"memory": {"every": 2, "replicas": 1}`, 2 simulated
+nodes: the first and second half of the ranks, each a memory folder of its own): each node's copy of the
+last step is the disk save of that step, its own ranks' pieces and its peer's.
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ import pytest
 import ucp
 from support.atomic import assert_same_checkpoint
 from support.llama_tp_runs import losses, resume
+from support.memory_runs import manifest
 from support.resume_3d import Layout, resume_run
 from ucp.convert import convert
 
@@ -59,8 +64,24 @@ def saved_equals_converted(run, tmp_path):
 def saving_runs(layouts: dict, ckpt_root) -> dict:
     """One run of each layout that saves with DeepSpeed at SAVED_AT and with ucp every SAVED_AT steps."""
     return {name: resume_run(layout, ["--steps", STEPS, "--save-at", SAVED_AT, "--save-dir", "{run}/ckpt",
-                                      "--ucp-save", "{run}/ucp", "--losses-out", "{run}/losses.json"], ckpt_root)
+                                      "--ucp-save", "{run}/ucp", "--ucp-memory", "{run}/memory",
+                                      "--losses-out", "{run}/losses.json"], ckpt_root)
             for name, layout in layouts.items()}
+
+
+def memory_equals_saved(run) -> None:
+    """The memory tier of `run` (2 simulated nodes, each with a peer copy of the other's pieces): each node's
+    copy of the last step holds every saving rank's pieces and equals the disk save of the same step, every
+    state of every tensor; negative control: the disk save of an earlier step fails the same comparison."""
+    saved = ucp.open_checkpoint(run / "ucp" / f"global_step{STEPS}")
+    ranks = saved.source["dp"] * saved.source["tp"] * saved.source["pp"]
+    for node in ("node0", "node1"):
+        copy = ucp.open_checkpoint(run / "memory" / node / f"global_step{STEPS}")
+        assert sorted(map(int, manifest(run / "memory" / node)["holds"])) == list(range(ranks))  # own + peer's
+        assert copy.verify() == []
+        assert_same_checkpoint(copy, saved)
+    with pytest.raises(AssertionError):
+        assert_same_checkpoint(copy, ucp.open_checkpoint(run / "ucp" / f"global_step{SAVED_AT}"))
 
 
 def resumes_the_losses(source, layout: Layout, ckpt_root) -> None:
@@ -123,10 +144,20 @@ def moe_runs(ckpt_root):
     return saving_runs(MOE_LAYOUTS, ckpt_root)
 
 
+@pytest.mark.parametrize("name", list(PIPE_LAYOUTS))
+def test_pipeline_memory_saves_equal_the_disk_saves(pipe_runs, name):
+    memory_equals_saved(pipe_runs[name])
+
+
 @pytest.mark.parametrize("name", list(MOE_LAYOUTS))
 def test_moe_saves_equal_converted_deepspeed_checkpoints(moe_runs, name, tmp_path):
     saved = saved_equals_converted(moe_runs[name], tmp_path)
     assert sum(".deepspeed_experts." in n for n in saved.names) == 4 * 3  # 4 experts of 3 tensors, global ids
+
+
+@pytest.mark.parametrize("name", list(MOE_LAYOUTS))
+def test_moe_memory_saves_equal_the_disk_saves(moe_runs, name):
+    memory_equals_saved(moe_runs[name])
 
 
 def test_an_moe_save_resumes_at_another_ep_size(moe_runs, ckpt_root):

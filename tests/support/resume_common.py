@@ -2,6 +2,7 @@
 test, written by rank 0 (every rank's ucp load statistics, ucp.deepspeed.LoadStats, and the losses)."""
 import argparse
 import json
+import os
 
 import torch.distributed as dist
 
@@ -17,7 +18,17 @@ def resume_arguments() -> argparse.ArgumentParser:
     p.add_argument("--ucp-load", default=None)
     p.add_argument("--ucp-stats-out", default=None, help="rank 0 writes every rank's ucp load statistics (JSON)")
     p.add_argument("--losses-out", required=True)
+    p.add_argument("--ucp-memory", default=None, help="with --ucp-save, also save into the host-memory tier every "
+                   "--save-at steps, 2 simulated nodes (BASE/node0, BASE/node1), each with a peer copy of the other")
     return p
+
+
+def memory_tier(base: str, every: int) -> dict:
+    """The `"memory"` section of `"ucp": {"save": ...}` for 2 simulated nodes: the first half of the ranks
+    make node 0 (memory folder `base`/node0), the rest node 1."""
+    node = dist.get_rank() // max(1, dist.get_world_size() // 2)
+    os.environ["UCP_TEST_NODE"] = os.path.join(base, f"node{node}")
+    return {"every": every, "replicas": 1, "dir": "$UCP_TEST_NODE"}
 
 
 def write_stats(engine, path: str) -> None:

@@ -17,14 +17,15 @@ of a step is the mean over ranks of their losses.
   then refuses the checkpoint (no rank claims experts 2-3): rank 0 writes the error to
   ``--strict-error-out``, and the run loads again with ``strict=False`` and goes on.
 * ``--ucp-save D``: with ``--save-at K``, also save with ``ucp.deepspeed.save`` into D after K steps
-  (asynchronously, alongside DeepSpeed's own save), and again after the last step.
+  (asynchronously, alongside DeepSpeed's own save), and again after the last step; ``--ucp-memory BASE``
+  adds the host-memory tier every K steps (``resume_common.memory_tier``: 2 simulated nodes under BASE).
 """
 import argparse
 import os
 
 import torch
 
-from resume_common import resume_arguments, write_losses_and_close, write_stats
+from resume_common import memory_tier, resume_arguments, write_losses_and_close, write_stats
 from train_moe import EXPERTS, MoEModel, _ep_rank, ds_config, train_step
 
 CLIENT_STATE = {"client_marker": 13}
@@ -88,6 +89,11 @@ def main(argv=None):
             raise RuntimeError("client state not restored by ucp")
         if args.ucp_stats_out:
             write_stats(engine, args.ucp_stats_out)
+    elif args.ucp_memory:  # the memory tier saves through the config; ucp_save's own saves stay explicit
+        config["ucp"] = {"save": {"dir": args.ucp_save, "every": 10**9,
+                                  "memory": memory_tier(args.ucp_memory, args.save_at)}}
+        engine, *_ = ucp.deepspeed.initialize(model=model, model_parameters=groups, config=config)
+        engine.ucp_client_state = dict(CLIENT_STATE)
     else:
         engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
     if args.experts_out:

@@ -11,7 +11,8 @@ degree); a lower DP degree accumulates more micro-batches, so runs at any layout
   the later steps are those of the uninterrupted run.
 * ``--ucp-save D``: with ``--save-at K``, also save with ucp into D every K steps, through the
   ``"ucp": {"save": {"dir": D, "every": K}}`` config (asynchronously; the save after K steps lands
-  beside DeepSpeed's own).
+  beside DeepSpeed's own); ``--ucp-memory BASE`` adds the host-memory tier at the same steps
+  (``resume_common.memory_tier``: 2 simulated nodes under BASE).
 * ``--ucp-load P``: resume from the ucp checkpoint P through ``ucp.deepspeed.initialize``.
 * ``--reset-tied-on-last-stage`` (negative control): after loading, the last stage's copy of the
   tied embedding gets its initial value back, as a loader that fills only the first stage's copy
@@ -27,7 +28,7 @@ import os
 
 import torch
 
-from resume_common import resume_arguments, write_losses_and_close, write_stats
+from resume_common import memory_tier, resume_arguments, write_losses_and_close, write_stats
 from train_pipe import DIM, MICRO_BATCH, SEQ, VOCAB, Block, TiedEmbedding, ds_config, loss_fn
 
 TIED = "tied_modules.embed.weight"
@@ -117,6 +118,8 @@ def main(argv=None):
             write_stats(engine, args.ucp_stats_out)
     elif args.ucp_save:
         config["ucp"] = {"save": {"dir": args.ucp_save, "every": args.save_at}}
+        if args.ucp_memory:
+            config["ucp"]["save"]["memory"] = memory_tier(args.ucp_memory, args.save_at)
         engine, *_ = ucp.deepspeed.initialize(model=model, model_parameters=params, config=config)
         engine.ucp_client_state = dict(CLIENT_STATE)
     else:

@@ -15,6 +15,10 @@ index; each node commits its copy in the disk order: data files renamed, then th
 older memory checkpoints. So a node holds at most two: the one being written and the last committed.
 
 `ucp.deepspeed.memory_resume` restores from these copies at any world size.
+
+Every engine the saver serves has a memory tier: under AutoTP, a pipeline or MoE the saving group is the whole
+job and the pieces are each rank's share of the full tensors (`ucp.deepspeed.save_plan`), so a memory
+checkpoint is the one the disk save of the same step writes, and loads at any layout.
 """
 from __future__ import annotations
 
@@ -28,12 +32,11 @@ import torch.distributed as dist
 
 from ucp import collectives
 from ucp.deepspeed.async_save import Prepared, RankReport, Saver, index_of
-from ucp.deepspeed.autotp import tp_size
 from ucp.deepspeed.memory_files import MemoryEvery, checked_folder, node_key, refuse_untrusted, remove_copies
 from ucp.deepspeed.memory_manifest import Manifest, write_manifest
 from ucp.deepspeed.save_writer import BackgroundSave, partial_path, write_pieces
 from ucp.elastic.memory_plan import held_by, nodes_of, peer_pairs
-from ucp.errors import SaveError, UnsupportedLayoutError
+from ucp.errors import SaveError
 from ucp.format.fileio import tensor_bytes
 from ucp.format.folder import commit_index, commit_latest, fsync_dir
 from ucp.format.index import Index
@@ -48,12 +51,6 @@ class MemoryTier:
     """A saver's memory tier: its nodes and peers, fixed when training starts (collectively)."""
 
     def __init__(self, saver: Saver, config: MemoryEvery, step: int):
-        engine = saver.engine
-        if (tp_size(engine) > 1 or getattr(engine, "pipeline_parallelism", False)
-                or getattr(engine, "has_moe_layers", False)):
-            raise UnsupportedLayoutError('"ucp": {"save": {"memory": ...}}: the host-memory tier serves data '
-                                         "parallelism (ZeRO 0-3) only, this engine uses AutoTP, pipeline or expert "
-                                         'parallelism; drop "memory" (the disk saves serve all three)')
         self.config = config
         folder, problem = checked_folder(config, create=True)
         self.last_step: int | None = step
