@@ -12,8 +12,9 @@ The ucp save must equal `ucp convert` of DeepSpeed's checkpoint: names, shapes, 
 state of every tensor `torch.equal` (`support.atomic.assert_same_checkpoint`), `verify` clean; negative control:
 the last step's save fails the same comparison. Every byte is written once: the ranks' writes add up to the
 checkpoint's bytes, fewer than what they hold (the tied embedding on both stages, replicated tensors on
-both TP ranks). ZeRO-0 is refused in one line: `ucp convert` does not read those checkpoints, so nothing
-could show what a save should write.
+both TP ranks). The bf16 run also keeps the host-memory tier on 2 simulated nodes: each node's copy of the
+last step is the disk save of that step. ZeRO-0 is refused in one line: `ucp convert` does not read those
+checkpoints, so nothing could show what a save should write.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ import ucp
 from support.atomic import assert_same_checkpoint
 from support.checkpoints import SUPPORT_DIR
 from support.launch import run_torchrun
+from support.memory_runs import memory_equals_saved
 from ucp.convert import convert
 
 SAVED_AT, STEPS = 2, 4
@@ -34,9 +36,10 @@ SAVING = {"steps": STEPS, "save_after": SAVED_AT, "save_dir": "ckpt", "ucp_save"
           "losses_out": "losses.json", "save_bytes_out": "bytes.json"}
 RUNS = {"z1-fp32": {"stage": 1, **SAVING},
         # through the config's "save": {"every": 2} (train_batch wrapped), with client state
-        "z1-bf16-every": {"stage": 1, "dtype": "bf16", **SAVING, "ucp_every": SAVED_AT, "save_bytes_out": None}}
+        "z1-bf16-every": {"stage": 1, "dtype": "bf16", **SAVING, "ucp_every": SAVED_AT, "save_bytes_out": None,
+                          "ucp_memory": "memory"}}
 REFUSED = {"z0-fp32": {"stage": 0, "refusal_out": "refusal.json"}}
-OUTPUTS = ("save_dir", "ucp_save", "losses_out", "save_bytes_out", "refusal_out")
+OUTPUTS = ("save_dir", "ucp_save", "losses_out", "save_bytes_out", "refusal_out", "ucp_memory")
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +75,11 @@ def test_megatron_saves_equal_converted_deepspeed_checkpoints(megatron, run, tmp
     assert later.verify() == []
     with pytest.raises(AssertionError):  # negative control: another step's save
         assert_same_checkpoint(later, converted)
+
+
+@pytest.mark.parametrize("run", [name for name, options in RUNS.items() if options.get("ucp_memory")])
+def test_megatron_memory_saves_equal_the_disk_saves(megatron, run):
+    memory_equals_saved(megatron / run, STEPS, SAVED_AT)
 
 
 @pytest.mark.parametrize("run", [name for name, options in RUNS.items() if options.get("save_bytes_out")])

@@ -6,8 +6,8 @@ trains several configurations ({stage, dtype, save_dir, dump_state}) one after a
 A run may also set ``steps``, ``save_after`` (save with DeepSpeed after that many steps and go on
 training, instead of saving at the end), ``ucp_save`` (a folder: ``ucp.deepspeed.save`` asynchronously
 at ``save_after``, alongside DeepSpeed's own save, and again after the last step; with ``ucp_every``
-through the ``"ucp": {"save": {"dir", "every"}}`` config instead, which saves every that many steps),
-``save_bytes_out``
+through the ``"ucp": {"save": {"dir", "every"}}`` config instead, which saves every that many steps, and
+with ``ucp_memory`` (a folder) keeps the host-memory tier there too, 2 simulated nodes), ``save_bytes_out``
 (what each rank's ucp save at ``save_after`` writes, and what it holds, bytes by rank, JSON),
 ``losses_out`` (every step's loss, JSON) and ``refusal_out`` (try one ucp save right after
 ``deepspeed.initialize`` and write the error it raises there, instead of training).
@@ -408,6 +408,10 @@ def train_one(run: dict, steps: int) -> None:
     config, every = ds_config(run), run.get("ucp_every")
     if every:  # ucp saves every `every` steps (train_batch is wrapped), explicit calls below are skipped
         config["ucp"] = {"save": {"dir": run["ucp_save"], "every": every}}
+        if run.get("ucp_memory"):  # the host-memory tier too, 2 simulated nodes (resume_common.memory_tier)
+            from resume_common import memory_tier
+
+            config["ucp"]["save"]["memory"] = memory_tier(run["ucp_memory"], every)
         engine, _, _, _ = ucp.deepspeed.initialize(model=model, model_parameters=list(model.parameters()),
                                                    config=config)
         engine.ucp_client_state = dict(CLIENT_STATE)
