@@ -7,7 +7,9 @@ Split i is held by exactly one rank of each replica, the TP rank of the stage th
 parameter's layer and covers split i; those ranks, and only those, reduce split i. Consecutive
 splits held by the same ranks form one piece. A tensor every TP rank holds whole (norms,
 row-parallel biases) is one piece reduced among all its holders, each weighted by 1/TP of its
-replica's weight, so the sum stays one replica-weighted copy.
+replica's weight, so the sum stays one replica-weighted copy; that needs its gradient to be the same on
+every TP rank of a replica, which Megatron's TP operators (all-reduce of the input gradient before a
+column-parallel layer) make it.
 
 Weights: replica r computed the mean gradient g_r over its n_r of the step's B samples;
 sum_r (n_r / B) g_r is the mean over all B samples, the gradient a homogeneous data-parallel step
