@@ -2,7 +2,7 @@
 
 One TP=2 replica and one TP=1 replica (3 ranks; the cost model gives them 5 and 3 of each global
 batch of 8) must train the losses and the parameters of the same model trained in one process, and
-so must plain data parallelism on 2 ranks (4 and 4). Negative control: the same HMP run with the
+so must TP sizes 2, 2, 1 on 5 ranks (3, 3 and 2 samples) and plain data parallelism on 2 ranks (4 and 4). Negative control: the same HMP run with the
 replicas' gradients averaged without their sample weights (what a plain DP all-reduce does) diverges.
 """
 from __future__ import annotations
@@ -24,6 +24,7 @@ RUNS = {  # name: (--tp-sizes, ranks, extra flags)
     "single": ("1", 1, []),
     "dp": ("1,1", 2, []),
     "hmp": ("2,1", 3, []),
+    "hmp3": ("2,2,1", 5, []),   # the TP1 rank reduces with two TP2 replicas: groups (0, 2, 4) and (1, 3, 4)
     "unweighted": ("2,1", 3, ["--sync", "unweighted"]),
 }
 # fp32 throughout. The runs differ only in the order of sums: TP's partial sums in the row-parallel layers,
@@ -71,7 +72,7 @@ def _relative_gap(losses: list[float], reference: list[float]) -> float:
     return max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
 
 
-@pytest.mark.parametrize("name", ["hmp", "dp"])
+@pytest.mark.parametrize("name", ["hmp", "hmp3", "dp"])
 def test_hmp_trains_the_losses_of_the_homogeneous_run(runs, name):
     reference = _losses(runs["single"])
     assert reference[-1] < reference[0] / 2  # it does train
@@ -80,18 +81,18 @@ def test_hmp_trains_the_losses_of_the_homogeneous_run(runs, name):
     assert _relative_gap(_losses(runs["unweighted"]), reference) > 1e-3
 
 
-@pytest.mark.parametrize("name", ["hmp", "dp"])
+@pytest.mark.parametrize("name", ["hmp", "hmp3", "dp"])
 def test_hmp_parameters_equal_the_homogeneous_run(runs, name):
     [reference] = _replicas(runs["single"])
     replicas = _replicas(runs[name])
-    assert len(replicas) == 2
+    assert len(replicas) == len(RUNS[name][0].split(","))
     for replica in replicas:
         assert set(replica) == set(reference)
         for pname, want in reference.items():
             gap = (replica[pname] - want).abs().max().item()
             assert gap <= PARAM_TOL * want.abs().max().item(), (name, pname, gap)
     # Every member of a sum receives the same sum, so the replicas stay bit for bit the same model.
-    assert all(torch.equal(replicas[0][p], replicas[1][p]) for p in reference)
+    assert all(torch.equal(replicas[0][p], other[p]) for other in replicas[1:] for p in reference)
     control = _replicas(runs["unweighted"])[0]
     assert max((control[p] - reference[p]).abs().max().item() for p in reference) > 1e-3
 
