@@ -27,7 +27,7 @@ from tp_model import Config, TPModel, init_weights, param_table
 
 from ucp.elastic import ElasticBatch, ElasticBatchSampler, init_distributed, speed_shares
 from ucp.errors import ConfigError, UcpError
-from ucp.hmp.grad_sync import GradSync
+from ucp.hmp.grad_sync import IN_PLACE_ELEMENTS, GradSync
 from ucp.hmp.layout import Layout, Replica, Stage
 from ucp.hmp.strategy import CostModel, replica_speeds
 
@@ -97,7 +97,8 @@ def main(args: argparse.Namespace) -> None:
     table = param_table(cfg)
     # --sync unweighted / off: negative controls, a plain average of unequal shares or no sync at all
     sync = None if args.sync == "off" else GradSync(
-        layout, table, model.named_slices(), shares if args.sync == "weighted" else (1,) * len(shares))
+        layout, table, model.named_slices(), shares if args.sync == "weighted" else (1,) * len(shares),
+        in_place_elements=args.in_place_elements)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     dataset = Sequences(cfg)
     batch = ElasticBatch(args.global_batch, max(shares), len(shares), shares)  # one micro-batch per replica and step
@@ -145,6 +146,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--params-out", help="every rank writes its parameter slices here after training (rank<r>.pt)")
     p.add_argument("--sync", choices=("weighted", "unweighted", "off"), default="weighted",
                    help="the gradient sync across replicas; unweighted and off are negative controls")
+    p.add_argument("--in-place-elements", type=int, default=IN_PLACE_ELEMENTS,
+                   help="the sync reduces gradient pieces cut along dim 0 of at least this many elements in place")
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: one GPU per rank, NCCL")

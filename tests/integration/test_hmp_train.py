@@ -2,8 +2,9 @@
 
 One TP=2 replica and one TP=1 replica (3 ranks; the cost model gives them 5 and 3 of each global
 batch of 8) must train the losses and the parameters of the same model trained in one process, and
-so must TP sizes 2, 2, 1 on 5 ranks (3, 3 and 2 samples) and plain data parallelism on 2 ranks (4 and 4). Negative control: the same HMP run with the
-replicas' gradients averaged without their sample weights (what a plain DP all-reduce does) diverges.
+so must TP sizes 2, 2, 1 on 5 ranks (3, 3 and 2 samples) and plain data parallelism on 2 ranks (4 and
+4). Negative control: the same HMP run with the replicas' gradients averaged without their sample
+weights (what a plain DP all-reduce does) diverges.
 """
 from __future__ import annotations
 
@@ -24,7 +25,9 @@ RUNS = {  # name: (--tp-sizes, ranks, extra flags)
     "single": ("1", 1, []),
     "dp": ("1,1", 2, []),
     "hmp": ("2,1", 3, []),
-    "hmp3": ("2,2,1", 5, []),   # the TP1 rank reduces with two TP2 replicas: groups (0, 2, 4) and (1, 3, 4)
+    # the TP1 rank reduces with two TP2 replicas, in groups (0, 2, 4) and (1, 3, 4); pieces cut along dim 0
+    # reduced in place (the tiny model's pieces are all below the default size, so "hmp" packs them all)
+    "hmp3": ("2,2,1", 5, ["--in-place-elements", "1"]),
     "unweighted": ("2,1", 3, ["--sync", "unweighted"]),
 }
 # fp32 throughout. The runs differ only in the order of sums: TP's partial sums in the row-parallel layers,

@@ -8,7 +8,7 @@
         optimizer.step(); optimizer.zero_grad()
 
 Its process groups are created once, by every rank in the same order (torch.distributed's rule);
-each call is one all-reduce per group this rank is in, over one flat buffer of its pieces.
+each call starts all its all-reduces at once: large pieces in place, the others of a group in one flat buffer.
 """
 from __future__ import annotations
 
@@ -21,12 +21,15 @@ from ucp.errors import UnsupportedLayoutError
 from ucp.hmp.layout import Layout, ParamSpec
 from ucp.hmp.sync_plan import Bucket, Piece, rank_buckets, sync_groups
 
+IN_PLACE_ELEMENTS = 1 << 18  # default: pieces at least this large (1 MiB of fp32) are reduced without a copy
+
 
 class GradSync:
     """Reduce every gradient of this rank's parameters across replicas by splits, weighted by samples."""
 
     def __init__(self, layout: Layout, table: Iterable[ParamSpec], params: Mapping[str, torch.nn.Parameter],
-                 samples: Sequence[int]):
+                 samples: Sequence[int], in_place_elements: int = IN_PLACE_ELEMENTS):
+        self.in_place_elements = in_place_elements
         self.layout, self.table = layout, list(table)
         self.rank = dist.get_rank()
         # dist.new_group must be called by every rank for every group, in the same order.
@@ -45,14 +48,37 @@ class GradSync:
         self.buckets = rank_buckets(self.layout, self.table, self.rank, samples)
 
     def __call__(self) -> None:
+        # Every group's all-reduces are started before any is waited on: a rank in several groups (the TP=1
+        # rank beside a TP=2 replica) reduces in all of them at once. Large pieces cut along dim 0 (or whole)
+        # are reduced in place, without copies; the rest of a group's pieces share one flat buffer. The choice
+        # depends on the plan alone, so every member issues the same all-reduces in the same order.
+        started = []
         for bucket in self.buckets:
-            views = [self._view(piece) for piece in bucket.pieces]
-            flat = torch.cat([v.reshape(-1) * piece.weight for v, piece in zip(views, bucket.pieces)])
-            dist.all_reduce(flat, group=self.groups[bucket.group])
+            group = self.groups[bucket.group]
+            packed = []
+            for piece in bucket.pieces:
+                view = self._view(piece)
+                view.mul_(piece.weight)
+                if self._in_place(piece, view):
+                    buffer = view if view.is_contiguous() else view.contiguous()
+                    started.append(([view], buffer, dist.all_reduce(buffer, group=group, async_op=True)))
+                else:
+                    packed.append(view)
+            if packed:
+                flat = torch.cat([v.reshape(-1) for v in packed])
+                started.append((packed, flat, dist.all_reduce(flat, group=group, async_op=True)))
+        for views, buffer, work in started:
+            work.wait()
+            if len(views) == 1 and views[0] is buffer:
+                continue
             start = 0
             for view in views:
-                view.copy_(flat[start:start + view.numel()].view_as(view))
+                view.copy_(buffer.reshape(-1)[start:start + view.numel()].view_as(view))
                 start += view.numel()
+
+    def _in_place(self, piece: Piece, view: torch.Tensor) -> bool:
+        """Whether `piece` is reduced in place: whole or cut along dim 0 (contiguous on every member), and large."""
+        return (piece.dim is None or piece.dim == 0) and view.numel() >= self.in_place_elements
 
     def _view(self, piece: Piece) -> torch.Tensor:
         param = self.params[piece.name]
