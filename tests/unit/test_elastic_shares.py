@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ucp.elastic import ElasticBatch, ElasticBatchSampler
+from ucp.elastic import ElasticBatch, ElasticBatchSampler, speed_shares
 from ucp.errors import ConfigError
 
 
@@ -113,3 +113,37 @@ def test_len_is_what_the_next_iteration_yields():
 def test_an_engine_without_elastic_batches_is_refused():
     with pytest.raises(ConfigError, match='"elastic"'):
         ElasticBatchSampler(range(8), SimpleNamespace(global_rank=0, global_samples=0))
+
+
+def test_speed_shares_cut_the_batch_by_speed_one_sample_each_at_least():
+    assert speed_shares(8, [2 / 1.05, 1]) == (5, 3)
+    assert speed_shares(12, [1, 1, 1]) == (4, 4, 4)
+    assert speed_shares(3, [100, 1, 1]) == (1, 1, 1)
+    assert speed_shares(10, [3, 1]) == (7, 3)   # 1 + 8 * 3/4 and 1 + 8 * 1/4
+    with pytest.raises(ConfigError, match="smaller than the 3 replicas"):
+        speed_shares(2, [1, 1, 1])
+    with pytest.raises(ConfigError, match=r"speeds \[1, 0\]: need one positive, finite speed per replica"):
+        speed_shares(8, [1, 0])
+
+
+@given(st.integers(1, 300), st.lists(st.floats(0.01, 100), min_size=1, max_size=12))
+def test_speed_shares_cover_the_batch_and_follow_the_speeds(b, speeds):
+    if b < len(speeds):
+        return
+    shares = speed_shares(b, speeds)
+    assert sum(shares) == b and min(shares) >= 1
+    rest = b - len(speeds)
+    for n, s in zip(shares, speeds):  # within one sample of the exact part of the rest
+        assert abs(n - 1 - rest * s / sum(speeds)) < 1
+
+
+def test_replicas_with_uneven_shares_draw_the_homogeneous_global_batches():
+    reference = global_batches(23, 10, 10, 1, steps=7)
+    batch = ElasticBatch(10, 6, 2, shares=(6, 4))
+    samplers = [ElasticBatchSampler.for_replica(range(23), batch, r) for r in range(2)]
+    streams = [iter(_epochs(s)) for s in samplers]
+    assert [next(streams[0]) + next(streams[1]) for _ in range(7)] == reference
+    assert [len(s) for s in (next(streams[0]), next(streams[1]))] == [6, 4]
+    with pytest.raises(ConfigError, match=r"shares \[6, 3\]: need one positive share per rank \(2\) summing to the "
+                                          "global batch 10"):
+        ElasticBatch(10, 6, 2, shares=(6, 3))

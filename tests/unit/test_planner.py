@@ -11,7 +11,18 @@ import pytest
 
 from ucp.hmp.layout import Layout, Replica, Stage
 from ucp.hmp.model_shapes import ModelConfig, ModelConfigError, load_model_config
-from ucp.hmp.strategy import CostModel, PlanError, StagePlan, Workload, _powers_of_two, deal, estimate, search, tp_sizes
+from ucp.hmp.strategy import (
+    CostModel,
+    PlanError,
+    StagePlan,
+    Workload,
+    _powers_of_two,
+    deal,
+    estimate,
+    replica_speeds,
+    search,
+    tp_sizes,
+)
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "models"
 TINY = ModelConfig("tiny", hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4, num_kv_heads=4,
@@ -199,3 +210,11 @@ def test_bad_inputs_are_named_errors(tmp_path):
         search(TINY, 0, CostModel(gpu_memory_gib=80))
     with pytest.raises(PlanError, match="not a multiple of the micro-batch size"):
         search(TINY, 2, CostModel(gpu_memory_gib=80), Workload(global_batch=5, micro_batch_size=2))
+
+
+def test_replica_speeds_follow_tp_efficiency_and_the_slowest_stage():
+    layout = Layout(4, (Replica((Stage((0, 4), (0, 1)),), 1), Replica((Stage((0, 4), (2,)),), 1),
+                        Replica((Stage((0, 3), (3, 4)), Stage((3, 4), (5,))), 1)))
+    speeds = replica_speeds(layout, CostModel(80.0, tp_overhead=0.05))
+    assert speeds == pytest.approx((2 / 1.05 / 4, 1 / 4, 2 / 1.05 / 3))
+    assert replica_speeds(layout, CostModel(80.0, tp_overhead=0.0))[:2] == (0.5, 0.25)

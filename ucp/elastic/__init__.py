@@ -1,6 +1,7 @@
 """Elastic training: the same run at whatever world size is left, resumed unattended.
 
-* `ElasticBatch` (`shares`): a fixed global batch shared by any number of ranks, uneven where it must be.
+* `ElasticBatch` (`shares`): a fixed global batch shared by any number of ranks, uneven where it must be;
+  `speed_shares` cuts it by replica speed (heterogeneous model parallelism).
 * `ElasticBatchSampler` (`sampler`): one global sample order, continued from the checkpoint at any world size.
 * `candidates` / `prune` (`resume`): which checkpoints `"load": "auto"` tries, and what `"keep"` removes.
 * `layout` / `spare_loop` (`ranks`): the tensor x pipeline x data-parallel layout of this start, chosen by
@@ -17,7 +18,7 @@ from ucp.elastic.ranks import layout, spare_loop
 from ucp.elastic.rendezvous import init_distributed
 from ucp.elastic.restart import RestartReport
 from ucp.elastic.sampler import ElasticBatchSampler
-from ucp.elastic.shares import ElasticBatch
+from ucp.elastic.shares import ElasticBatch, speed_shares
 
 __all__ = ["ElasticBatch", "ElasticBatchSampler", "RankLayout", "RestartReport", "init_distributed", "layout",
-           "spare_loop"]
+           "spare_loop", "speed_shares"]

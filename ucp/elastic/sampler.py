@@ -46,14 +46,28 @@ class ElasticBatchSampler(torch.utils.data.Sampler[list[int]]):
         if not isinstance(batch, ElasticBatch):
             raise ConfigError('ElasticBatchSampler needs an engine built by ucp.deepspeed.initialize with '
                               '"ucp": {"elastic": {"global_batch": B, "micro_batch": m}} in its config')
+        place = getattr(engine, "ucp_layout", None)  # every TP rank (pipeline stage) of a replica takes its samples
+        rank = int(place.dp_rank) if place is not None else int(engine.global_rank)
+        self._start(dataset, batch, rank, int(engine.global_samples), shuffle, seed)
+
+    @classmethod
+    def for_replica(cls, dataset: Sized, batch: ElasticBatch, replica: int, consumed: int = 0, shuffle: bool = True,
+                    seed: int = 0) -> ElasticBatchSampler:
+        """Replica `replica`'s micro-batches under heterogeneous model parallelism, without an engine: `batch`
+        has one share per replica (`speed_shares`), every rank of the replica draws the same samples, and the
+        stream starts after `consumed` samples."""
+        sampler = cls.__new__(cls)
+        sampler._start(dataset, batch, replica, consumed, shuffle, seed)
+        return sampler
+
+    def _start(self, dataset: Sized, batch: ElasticBatch, rank: int, position: int, shuffle: bool, seed: int) -> None:
         self.batch = batch
         self.size = len(dataset)
         if self.size == 0:
             raise ConfigError("ElasticBatchSampler: the dataset is empty")
-        place = getattr(engine, "ucp_layout", None)  # every TP rank (pipeline stage) of a replica takes its samples
-        self.rank = int(place.dp_rank) if place is not None else int(engine.global_rank)
+        self.rank = rank
         self.stream = SampleStream(self.size, shuffle, seed)
-        self.position = int(engine.global_samples)  # the next sample of the stream to train on
+        self.position = position  # the next sample of the stream to train on
 
     def loss_weight(self, samples: int) -> float:
         """The factor for the mean loss of a micro-batch of `samples` samples, so that each step's gradient

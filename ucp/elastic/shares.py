@@ -11,10 +11,17 @@ The gradient stays the mean over the B samples: DeepSpeed divides each micro-bat
 averages gradients over the W ranks, so a micro-batch of k samples whose loss is their mean is
 weighted by k * W * A / B (`loss_weight`). With equal shares (B = W * A * m) every weight is 1.0.
 
+Under heterogeneous model parallelism the ranks here are replicas, and faster replicas take more:
+`speed_shares(B, speeds)` cuts B in proportion to each replica's speed, and `ElasticBatch(..., shares=...)`
+serves those shares in the same global order (the sync of `ucp.hmp.grad_sync` weights each replica by
+its share, so the step's gradient stays the mean over the B samples).
+
 Pure: no torch, no DeepSpeed.
 """
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ucp.errors import ConfigError
@@ -27,11 +34,13 @@ SECTION_KEYS = ("global_batch", "micro_batch", "tensor_parallel", "pipeline_para
 
 @dataclass(frozen=True)
 class ElasticBatch:
-    """`global_batch` samples per optimizer step, in micro-batches of at most `micro_batch`, over `world` ranks."""
+    """`global_batch` samples per optimizer step, in micro-batches of at most `micro_batch`, over `world` ranks;
+    `shares` (one per rank, summing to `global_batch`) replaces the equal cut when given."""
 
     global_batch: int
     micro_batch: int
     world: int
+    shares: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for key in ("global_batch", "micro_batch", "world"):
@@ -43,7 +52,11 @@ class ElasticBatch:
             raise ConfigError(f'"ucp": {{"elastic": {{"global_batch": {self.global_batch}}}}} is smaller than the '
                               f"{self.world} ranks of this run: every rank needs at least one sample per step; "
                               "raise global_batch or run on fewer ranks")
-        smallest = self.global_batch // self.world
+        if self.shares is not None and (len(self.shares) != self.world or sum(self.shares) != self.global_batch
+                                        or min(self.shares) < 1):
+            raise ConfigError(f"shares {list(self.shares)}: need one positive share per rank ({self.world}) summing "
+                              f"to the global batch {self.global_batch}")
+        smallest = self.global_batch // self.world if self.shares is None else min(self.shares)
         if smallest < self.accumulation:
             raise ConfigError(
                 f'"ucp": {{"elastic": {{"global_batch": {self.global_batch}, "micro_batch": {self.micro_batch}}}}} on '
@@ -53,15 +66,19 @@ class ElasticBatch:
     @property
     def accumulation(self) -> int:
         """A: micro-batches per optimizer step, the same on every rank."""
-        largest = -(-self.global_batch // self.world)
+        largest = -(-self.global_batch // self.world) if self.shares is None else max(self.shares)
         return -(-largest // self.micro_batch)
 
     def share(self, rank: int) -> int:
         """Samples rank `rank` takes of each global batch."""
+        if self.shares is not None:
+            return self.shares[rank]
         return self.global_batch // self.world + (rank < self.global_batch % self.world)
 
     def offset(self, rank: int) -> int:
         """Where rank `rank`'s share starts within the global batch."""
+        if self.shares is not None:
+            return sum(self.shares[:rank])
         return rank * (self.global_batch // self.world) + min(rank, self.global_batch % self.world)
 
     def micro_sizes(self, rank: int) -> list[int]:
@@ -92,3 +109,23 @@ class ElasticBatch:
                               + ", ".join(f'"{k}"' for k in SECTION_KEYS))
         return cls(section["global_batch"], section["micro_batch"], world)
 
+
+
+def speed_shares(global_batch: int, speeds: Sequence[float]) -> tuple[int, ...]:
+    """`global_batch` samples cut by `speeds` (one per replica): one sample each, the rest in proportion.
+
+    Largest remainder: each replica takes the floor of its exact part of the rest, then the replicas
+    with the largest remainders (first ones on ties) take one more.
+    """
+    if not speeds or any(not (0 < s < math.inf) for s in speeds):
+        raise ConfigError(f"speeds {list(speeds)}: need one positive, finite speed per replica")
+    if global_batch < len(speeds):
+        raise ConfigError(f"global batch {global_batch} is smaller than the {len(speeds)} replicas: every replica "
+                          "needs at least one sample per step; raise the global batch")
+    spare = global_batch - len(speeds)  # one sample each first, the rest by speed
+    exact = [spare * s / sum(speeds) for s in speeds]
+    shares = [1 + math.floor(e) for e in exact]
+    by_remainder = sorted(range(len(speeds)), key=lambda i: (-(exact[i] - math.floor(exact[i])), i))
+    for i in by_remainder[:global_batch - sum(shares)]:
+        shares[i] += 1
+    return tuple(shares)

@@ -472,3 +472,16 @@ def _nothing_fits(model: ModelConfig, gpus: int, cost: CostModel, work: Workload
             f"gradients and optimizer states before sharding) on {gpus} GPUs of {cost.gpu_memory_gib:g} GiB with "
             f"micro-batches of {work.micro_batch_size} x {work.seq_len} tokens; add GPUs, use GPUs with more memory, "
             "or shorten --seq-len")
+
+
+def replica_speeds(layout: Layout, cost: CostModel) -> tuple[float, ...]:
+    """Each replica's relative throughput under the cost model's TP efficiency, for cutting a global batch.
+
+    A TP group of t GPUs runs a layer t / (1 + tp_overhead * (t - 1)) times as fast as one GPU; a
+    replica runs at the speed of its slowest stage per layer. Embedding and head costs are left
+    out: `estimate` scores a full model.
+    """
+    def speed(tp: int, layers: int) -> float:
+        return tp / (1 + cost.tp_overhead * (tp - 1)) / layers
+
+    return tuple(min(speed(s.tp, s.layers[1] - s.layers[0]) for s in r.stages) for r in layout.replicas)

@@ -1,0 +1,163 @@
+"""Train on replicas of unequal tensor-parallel size (heterogeneous model parallelism), CPU/gloo or GPU.
+
+    torchrun --nproc-per-node 3 examples/hmp/train.py --tp-sizes 2,1 --steps 20 --global-batch 16 \\
+        --losses-out /tmp/hmp.jsonl
+
+`--tp-sizes 2,1` is one replica of TP 2 (ranks 0-1) and one of TP 1 (rank 2); `1,1` is plain data
+parallelism, `1` one process. Each replica takes a share of every global batch in proportion to its
+speed (`ucp.hmp.strategy.replica_speeds`, or `--speeds`), drawn from one global sample order
+(`ucp.elastic.ElasticBatchSampler.for_replica`), so any TP sizes train on the same samples per step;
+after each backward `ucp.hmp.grad_sync.GradSync` reduces every gradient across replicas by splits,
+weighted by the samples each replica computed, so each step is the homogeneous data-parallel step over
+the same global batch, and so are the losses. Rank 0 appends {"step": t, "loss": global mean loss} per
+optimizer step to `--losses-out`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from tp_model import Config, TPModel, init_weights, param_table
+
+from ucp.elastic import ElasticBatch, ElasticBatchSampler, init_distributed, speed_shares
+from ucp.errors import ConfigError, UcpError
+from ucp.hmp.grad_sync import IN_PLACE_ELEMENTS, GradSync
+from ucp.hmp.layout import Layout, Replica, Stage
+from ucp.hmp.strategy import CostModel, replica_speeds
+
+SEQ = 8          # tokens per sample
+SAMPLES = 96     # samples in the synthetic dataset (one epoch)
+
+
+class Sequences(torch.utils.data.Dataset):
+    """Learnable token sequences: each next token is (5 * token + 3) mod vocab, from a seeded first token."""
+
+    def __init__(self, cfg: Config, seed: int = 1):
+        first = torch.randint(0, cfg.vocab, (SAMPLES, 1), generator=torch.Generator().manual_seed(seed))
+        rows = [first]
+        for _ in range(SEQ):
+            rows.append((rows[-1] * 5 + 3) % cfg.vocab)
+        self.tokens = torch.cat(rows, dim=1)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.tokens[i]
+
+
+def layout_of(tp_sizes: list[int], shares: tuple[int, ...], layers: int) -> Layout:
+    """One single-stage replica per TP size, ranks in order."""
+    replicas, rank = [], 0
+    for tp, share in zip(tp_sizes, shares):
+        replicas.append(Replica((Stage((0, layers), tuple(range(rank, rank + tp))),), share))
+        rank += tp
+    return Layout(layers, tuple(replicas))
+
+
+def parse_sizes(text: str, what: str, kind=int) -> list:
+    try:
+        values = [kind(v) for v in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"{what} {text!r}: expected numbers separated by commas, e.g. 2,1") from None
+    if not values or min(values) <= 0:
+        raise ConfigError(f"{what} {text!r}: every entry must be positive")
+    return values
+
+
+def main(args: argparse.Namespace) -> None:
+    if args.save_dir:
+        raise ConfigError("--save-dir: saving a checkpoint from a heterogeneous layout is not supported yet "
+                          "(issue #30, item 3); train without --save-dir")
+    tp_sizes = parse_sizes(args.tp_sizes, "--tp-sizes")
+    init_distributed("gloo" if args.device == "cpu" else "nccl")
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if sum(tp_sizes) != world:
+        raise ConfigError(f"--tp-sizes {args.tp_sizes} adds up to {sum(tp_sizes)} ranks, but torchrun started "
+                          f"{world}; pass --nproc-per-node {sum(tp_sizes)}")
+    cfg = Config()
+    probe = layout_of(tp_sizes, (1,) * len(tp_sizes), cfg.layers)
+    speeds = parse_sizes(args.speeds, "--speeds", float) if args.speeds else replica_speeds(probe, CostModel(80.0))
+    if len(speeds) != len(tp_sizes):
+        raise ConfigError(f"--speeds {args.speeds}: one speed per replica ({len(tp_sizes)})")
+    shares = speed_shares(args.global_batch, speeds)
+    layout = layout_of(tp_sizes, shares, cfg.layers)
+    where = layout.placement(rank)
+    tp_ranks = layout.replicas[where.replica].stages[0].ranks
+    tp_groups = {r.stages[0].ranks: dist.new_group(list(r.stages[0].ranks)) for r in layout.replicas}  # all ranks
+    model = TPModel(layout, rank, cfg, tp_groups[tp_ranks], init_weights(cfg, args.seed)).to(args.device)
+    table = param_table(cfg)
+    # --sync unweighted / off: negative controls, a plain average of unequal shares or no sync at all
+    sync = None if args.sync == "off" else GradSync(
+        layout, table, model.named_slices(), shares if args.sync == "weighted" else (1,) * len(shares),
+        in_place_elements=args.in_place_elements)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    dataset = Sequences(cfg)
+    batch = ElasticBatch(args.global_batch, max(shares), len(shares), shares)  # one micro-batch per replica and step
+    sampler = ElasticBatchSampler.for_replica(dataset, batch, where.replica, shuffle=True, seed=args.seed)
+    first = tp_ranks[0] == rank
+    step = 0
+    while step < args.steps:
+        for indices in sampler:
+            tokens = torch.stack([dataset[i] for i in indices]).to(args.device)
+            logits = model(tokens[:, :-1])
+            loss = F.cross_entropy(logits.reshape(-1, cfg.vocab), tokens[:, 1:].reshape(-1))  # mean over the share
+            loss.backward()
+            if sync is not None:
+                sync()
+            optimizer.step()
+            optimizer.zero_grad()
+            step += 1
+            # the global mean loss: each replica's mean, weighted by its share, from its first rank
+            total = torch.tensor([loss.item() * len(indices) / args.global_batch if first else 0.0],
+                                 dtype=torch.float64, device=args.device)
+            dist.all_reduce(total)
+            if rank == 0 and args.losses_out:
+                with open(args.losses_out, "a") as f:
+                    f.write(json.dumps({"step": step, "loss": total.item()}) + "\n")
+            if step == args.steps:
+                break
+    if args.params_out:
+        out = Path(args.params_out)
+        out.mkdir(parents=True, exist_ok=True)
+        torch.save({"replica": where.replica, "boxes": model.boxes, "shapes": {s.name: s.shape for s in table},
+                    "params": {n: p.detach().cpu() for n, p in model.named_slices().items()}},
+                   out / f"rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tp-sizes", required=True, help="one replica per entry, its TP size: 2,1 (1,1 is plain DP)")
+    p.add_argument("--steps", type=int, default=10, help="optimizer steps")
+    p.add_argument("--global-batch", type=int, default=16, help="samples per optimizer step, over all replicas")
+    p.add_argument("--losses-out", help='rank 0 appends {"step": t, "loss": global mean loss} per step (JSON lines)')
+    p.add_argument("--save-dir", help="where to save checkpoints (not supported from HMP layouts yet: refused)")
+    p.add_argument("--speeds", help="relative replica speeds, e.g. 2,1 (default: the cost model's)")
+    p.add_argument("--params-out", help="every rank writes its parameter slices here after training (rank<r>.pt)")
+    p.add_argument("--sync", choices=("weighted", "unweighted", "off"), default="weighted",
+                   help="the gradient sync across replicas; unweighted and off are negative controls")
+    p.add_argument("--in-place-elements", type=int, default=IN_PLACE_ELEMENTS,
+                   help="the sync reduces gradient pieces cut along dim 0 of at least this many elements in place")
+    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: one GPU per rank, NCCL")
+    return p
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        main(parser().parse_args())
+    except UcpError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
