@@ -304,8 +304,8 @@ def recover_phase(job: Job, called: float) -> None:
             load_s, checkpoint_step = restart.load_s, restart.checkpoint_step
         if job.dlrover:
             job.save("dlrover_disk" if step == 1 else "dlrover")
-            if step == 1:
-                job.checkpointer.wait_latest_checkpoint(timeout=600)
+            if step == 1:  # not checkpointer.wait_latest_checkpoint: it opens DLRover's tracer before it exists
+                job.wait_dlrover_tracer()
         if job.rank == 0:
             now = time.time()
             if first and checkpoint_step > 0:

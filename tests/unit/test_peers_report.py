@@ -80,3 +80,9 @@ def test_table_judges_the_targets():
     slower = [saved("ucp", [0.9] * 3, [4.0] * 3), *SAVES[1:]]
     assert "memory save: **MISS**" in peers.markdown(peers.summarize(slower, SAME, NEW), {
         "machine": "m", "model": "m", "ranks": "r", "versions": "v", "load_15min": 1.0})
+
+
+def test_new_size_takes_the_faster_peer_path_that_ran():
+    loaded = {**NEW, "dlrover": {**NEW["dlrover"], "load_checkpoint": recovered(30.0, 2, 1)}}
+    assert peers.summarize(SAVES, SAME, loaded)["dlrover"]["recovery_new_size_s"] == 30.0
+    assert peers.summarize(SAVES, SAME, NEW)["dlrover"]["recovery_new_size_s"] == 40.0  # refused: the universal path
