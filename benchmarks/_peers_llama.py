@@ -143,6 +143,7 @@ class Job:
         self.ids = torch.randint(0, MODELS[args.model]["vocab_size"], (1, SEQ_LEN), generator=g)
         self.save_began = 0.0
         self.ucp_stats = None
+        self.skipped = 0
 
     def step(self) -> float:
         began = time.perf_counter()
@@ -171,8 +172,11 @@ class Job:
         else:
             from dlrover.trainer.torch.flash_checkpoint.checkpointer import StorageType
 
+            engine = self.checkpointer._async_save_engine
             self.checkpointer.save_checkpoint(self.args.save_dir, tag=step, storage_type=(
                 StorageType.DISK if tool == "dlrover_disk" else StorageType.MEMORY))
+            if (engine.latest_step if tool == "dlrover_disk" else engine._cached_step) != step:
+                self.skipped += 1  # DLRover skips a save while its agent still persists the previous one
         return time.perf_counter() - began
 
     def durable(self, tool: str) -> float | None:
@@ -190,7 +194,10 @@ class Job:
         return time.perf_counter() - self.save_began
 
     def wait_dlrover_tracer(self) -> None:
-        tracer, want = Path(self.args.save_dir) / DLROVER_TRACER, str(self.engine.global_steps)
+        """Until DLRover's agent has persisted the last save it accepted: a save that finds the agent still writing
+        the previous one is skipped (`save_to_storage` returns False and keeps `latest_step`)."""
+        tracer = Path(self.args.save_dir) / DLROVER_TRACER
+        want = str(self.checkpointer._async_save_engine.latest_step)
         while not (tracer.is_file() and tracer.read_text().strip() == want):
             time.sleep(0.01)
 
@@ -268,6 +275,7 @@ def measure_saves(job: Job, tool: str) -> dict:
         job.committed(tool)
         return times
 
+    job.skipped = 0
     every1, every4 = every(1, args.every1), every(4, args.every4)
     rss = job.gather([peak_rss(), peak_rss(os.getppid())])
     # dlrover: each rank's own segment, summed; the others: one folder every rank sees (the node's, the disk's)
@@ -275,7 +283,7 @@ def measure_saves(job: Job, tool: str) -> dict:
     return {"tool": tool, "world": job.world, "params": job.n_params, "plain_s": plain, "blocked_s": blocked,
             "durable_s": durable, "committed_s": committed, "every1_s": every1, "every4_s": every4,
             "bytes_per_save": int(saved), "peak_rss_per_rank": [int(r[0]) for r in rss],
-            "launcher_peak_rss": int(rss[0][1])}
+            "launcher_peak_rss": int(rss[0][1]), "skipped_saves": int(job.slowest(job.skipped))}
 
 
 def save_phase(job: Job) -> None:

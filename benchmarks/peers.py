@@ -155,10 +155,15 @@ def memory_folder() -> Path:
     return Path(tempfile.mkdtemp(prefix="ucp-peers-", dir="/dev/shm"))
 
 
-def run_saves(args: argparse.Namespace, world: int, work: Path) -> list[dict]:
+FAMILIES = {"torchrun": ["ucp", "ucp_memory", "deepspeed"], "dlrover": ["dlrover", "dlrover_disk"]}
+
+
+def run_saves(args: argparse.Namespace, world: int, work: Path, families: tuple[str, ...] = tuple(FAMILIES)
+              ) -> list[dict]:
     """Each family's save measurements on `world` ranks: one record per tool."""
     out = []
-    for family, tools in (("torchrun", ["ucp", "ucp_memory", "deepspeed"]), ("dlrover", ["dlrover", "dlrover_disk"])):
+    for family in families:
+        tools = FAMILIES[family]
         folder = fresh(work / f"save-{family}-{world}")
         memory = memory_folder()
         recs = folder / "records.jsonl"

@@ -86,3 +86,12 @@ def test_new_size_takes_the_faster_peer_path_that_ran():
     loaded = {**NEW, "dlrover": {**NEW["dlrover"], "load_checkpoint": recovered(30.0, 2, 1)}}
     assert peers.summarize(SAVES, SAME, loaded)["dlrover"]["recovery_new_size_s"] == 30.0
     assert peers.summarize(SAVES, SAME, NEW)["dlrover"]["recovery_new_size_s"] == 40.0  # refused: the universal path
+
+
+def test_worker_refuses_tools_of_two_launchers_in_one_job():
+    import _peers_llama
+
+    common = ["--phase", "save", "--save-dir", "x", "--records", "r"]
+    assert _peers_llama.parse(["--tools", "ucp", "ucp_memory", "deepspeed", *common]).tools[-1] == "deepspeed"
+    with pytest.raises(SystemExit):  # ucp runs under torchrun, DLRover under dlrover-run
+        _peers_llama.parse(["--tools", "ucp", "dlrover", *common])
