@@ -94,11 +94,7 @@ class Launch:
         if family == "dlrover":
             port = free_port()
             self.job = job = f"peers-{port}"
-            self.master = subprocess.Popen(
-                [sys.executable, "-u", "-m", "dlrover.python.master.main", "--port", str(port), "--node_num", "1",
-                 "--job_name", job, "--platform", "local"], env=env(), stdout=open(log.with_suffix(".master.log"),
-                                                                                    "w"),
-                stderr=subprocess.STDOUT, start_new_session=True)
+            self.master, port = dlrover_master(port, job, log.with_suffix(".master.log"))
             extra = {"DLROVER_MASTER_ADDR": f"127.0.0.1:{port}", "ELASTIC_JOB_NAME": job}
             cmd = [str(Path(sys.executable).parent / "dlrover-run"), "--nnodes=1", f"--nproc_per_node={nproc}",
                    f"--max-restarts={max_restarts}"]
@@ -145,6 +141,20 @@ class Launch:
                 segment.unlink(missing_ok=True)
 
 
+def dlrover_master(port: int, job: str, log: Path) -> tuple[subprocess.Popen, int]:
+    """DLRover's master for one job, serving on `port` (another port when that one was taken meanwhile)."""
+    for _ in range(3):
+        master = subprocess.Popen([sys.executable, "-u", "-m", "dlrover.python.master.main", "--port", str(port),
+                                   "--node_num", "1", "--job_name", job, "--platform", "local"], env=env(),
+                                  stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+        wait_until(lambda: master.poll() is not None or "grpc server started" in log.read_text().lower(), 300,
+                   "DLRover's master")
+        if master.poll() is None:
+            return master, port
+        port = free_port()  # its port was taken between free_port() and the bind
+    raise SystemExit(f"{log}: DLRover's master did not start")
+
+
 def fresh(folder: Path) -> Path:
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
@@ -179,10 +189,13 @@ def run_saves(args: argparse.Namespace, world: int, work: Path, families: tuple[
     return out
 
 
-def run_same_size(args: argparse.Namespace, world: int, work: Path) -> dict:
+def run_same_size(args: argparse.Namespace, world: int, work: Path, families: tuple[str, ...] = tuple(FAMILIES)
+                  ) -> dict:
     """Kill worker 1 after step K; each launcher restarts the workers, which load from memory."""
     out = {}
     for family, tool in (("torchrun", "ucp"), ("dlrover", "dlrover")):
+        if family not in families:
+            continue
         folder = fresh(work / f"same-{family}-{world}")
         memory = memory_folder()
         recs = folder / "records.jsonl"
