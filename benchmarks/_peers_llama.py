@@ -62,15 +62,19 @@ def folder_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.exists() else 0
 
 
-def accept_torch_save_keywords(checkpointer) -> None:
-    """DLRover 0.6.1 puts its agent's `save(state_dict, path)` in place of `torch.save` while DeepSpeed saves, and
-    DeepSpeed 0.19's TorchCheckpointEngine calls `torch.save(state_dict, path, _use_new_zipfile_serialization=...)`:
-    without this shim every save fails with "TypeError: AsyncCheckpointAgent.save() got an unexpected keyword
-    argument '_use_new_zipfile_serialization'". It drops the keyword (DLRover keeps the state dict in memory,
-    whatever the format) and changes nothing else."""
+def accept_torch_keywords(checkpointer) -> None:
+    """DLRover 0.6.1 puts its agent's `save(state_dict, path)` and `load(path, map_location)` in place of
+    `torch.save` and `torch.load` while DeepSpeed saves and loads, and DeepSpeed 0.19's TorchCheckpointEngine calls
+    `torch.save(state_dict, path, _use_new_zipfile_serialization=...)` and `torch.load(path, map_location=...,
+    weights_only=False)`: without this shim every save fails with "TypeError: AsyncCheckpointAgent.save() got an
+    unexpected keyword argument '_use_new_zipfile_serialization'" and every load with "TypeError:
+    AsyncCheckpointAgent.load() got an unexpected keyword argument 'weights_only'". It drops those keywords (DLRover
+    keeps state dicts in memory, whatever the format, and its own reads pass no weights_only) and changes nothing
+    else."""
     agent = checkpointer._ckpt_agent
-    save = agent.save
+    save, load = agent.save, agent.load
     agent.save = lambda state_dict, path, **keywords: save(state_dict, path)
+    agent.load = lambda path, map_location=None, **keywords: load(path, map_location=map_location)
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -128,7 +132,7 @@ class Job:
                 config["checkpoint"] = {"load_universal": True}
             self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
             self.checkpointer = DeepSpeedCheckpointer(self.engine, args.save_dir)
-            accept_torch_save_keywords(self.checkpointer)
+            accept_torch_keywords(self.checkpointer)
         else:
             import ucp.deepspeed
 

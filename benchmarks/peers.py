@@ -13,8 +13,8 @@ The ~112M-parameter benchmark Llama (`--quick`: the 19.8M one, 2 ranks only), Ze
   `StorageType.MEMORY` (dlrover) and `StorageType.DISK` (dlrover_disk), under `dlrover-run`, whose agent holds
   the shared memory and persists it. dlrover-run's own local master (`--standalone`) does not start under torch
   2.13, so the benchmark starts DLRover's master itself (`python -m dlrover.python.master.main --platform local`)
-  and points dlrover-run at it, as for a multi-node job; DLRover 0.6.1's save also needs a one-line shim for
-  DeepSpeed 0.19 (`_peers_llama.accept_torch_save_keywords`). Both are in the report.
+  and points dlrover-run at it, as for a multi-node job; DLRover 0.6.1's save and load also need a shim for
+  DeepSpeed 0.19 (`_peers_llama.accept_torch_keywords`). Both are in the report.
 
 Measured:
 
