@@ -43,6 +43,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import shutil
 import statistics
 import subprocess
@@ -209,14 +210,28 @@ def run_same_size(args: argparse.Namespace, world: int, work: Path, families: tu
             if job.failed():
                 raise SystemExit(f"{job.log}: the job failed (exit {job.proc.returncode})")
             fault = job.kill_worker()
-            job.wait()
+            try:
+                job.wait()
+                after = None
+            except SystemExit:  # the restart is measured at its first step; a failure after it is reported
+                after = first_error(job.log)
         finally:
             job.stop()
             shutil.rmtree(memory, ignore_errors=True)
         restart = next((r["restart"] for r in records(recs) if "restart" in r), None)
         out["ucp_memory" if tool == "ucp" else tool] = split(restart, fault, world, world)
+        if after is not None:
+            out["ucp_memory" if tool == "ucp" else tool]["failed_after"] = after
         shutil.rmtree(folder / "ckpt", ignore_errors=True)
     return out
+
+
+def first_error(log: Path) -> str:
+    """The first exception a worker raised, from its launcher's log: `[rankN]: KeyError: 'model_states'`."""
+    for line in log.read_text(errors="replace").splitlines():
+        if re.match(r"\[rank\d+\]: \w+(Error|Exception): ", line):
+            return line
+    return f"{log}: the job failed after the restart"
 
 
 def split(restart: dict | None, fault: float, old: int, new: int) -> dict:
