@@ -283,6 +283,7 @@ def run_new_size(args: argparse.Namespace, world: int, work: Path) -> dict:
     resized = next((r["resized"] for r in records(recs) if "resized" in r), None)
     universal = split(resized, job.began, world, world - 1)
     universal["convert_s"] = convert_s
+    universal["checkpoint_step"] = int(tag) if tag.isdigit() else tag  # DLRover's last disk save: its memory is gone
     if "total_s" in universal:
         universal["total_s"] += convert_s
     out["dlrover"] = {"load_checkpoint": {"refused": refused} if refused else split(loaded, direct.began, world,
@@ -424,7 +425,7 @@ def targets(result: dict) -> list[str]:
         if value is None or bound is None:
             return f"{name}: not measured"
         ok = value <= factor * bound
-        return f"{name}: **{'PASS' if ok else 'MISS'}** ({value:.2f} vs {factor:g} × {bound:.2f})"
+        return f"{name}: **{'PASS' if ok else 'MISS'}** ({value:.2f} vs {factor:.3g} × {bound:.2f})"
 
     blocked = max((b for b in (u["blocked_s"], um["blocked_s"]) if b is not None), default=None)
     return [judge("ucp blocked per save ≤ DLRover's memory save", blocked, d["blocked_s"], 1),
