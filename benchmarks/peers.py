@@ -35,7 +35,8 @@ Measured:
 
 `--json-out` writes `{tool: {"blocked_s", "durable_s", "overhead_every1", "recovery_same_size_s",
 "recovery_new_size_s", ..., "why": {key: reason}}}` for ucp, ucp_memory, dlrover, dlrover_disk, deepspeed; null
-where a tool cannot do a thing. DCP async save (FSDP2) is not run: see "why" and benchmarks/README.md (Peers).
+where a tool cannot do a thing. PyTorch DCP's async save on an FSDP2 job is not run yet (benchmarks/README.md,
+Peers).
 """
 from __future__ import annotations
 
@@ -64,8 +65,6 @@ KEYS = ("blocked_s", "durable_s", "overhead_every1", "recovery_same_size_s", "re
 MEMORY_ONLY = "saves to host memory only; nothing is on disk until another save writes it"
 NOT_A_RECOVERY_TIER = "recovery is measured from memory (ucp_memory, dlrover), as the issue asks"
 NO_RESTORE = "DeepSpeed alone restarts nothing and has no memory tier: its restart is a new job from disk"
-DCP_WHY = ("not run: DCP's async save is for an FSDP2 job (torch.distributed.checkpoint), not for the DeepSpeed "
-           "engine measured here; an equivalent FSDP2 job is not part of this benchmark yet")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
