@@ -26,7 +26,11 @@ MODEL = dict(
 # A larger one of the same family, for benchmarks/load.py --model 359m (memory flat in model size): hidden 1024,
 # 16 query heads / 4 KV heads of 64, FFN 2816, 26 layers -> 358.7M params.
 MODELS = {"112m": MODEL, "359m": dict(MODEL, hidden_size=1024, intermediate_size=2816, num_hidden_layers=26,
-                                       num_attention_heads=16, num_key_value_heads=4)}
+                                       num_attention_heads=16, num_key_value_heads=4),
+          # A smaller one for quick runs (benchmarks/peers.py --quick): vocab 8000, hidden 512, 8 query heads / 4 KV
+          # heads of 64, FFN 1376, 4 layers -> 19.8M params.
+          "20m": dict(MODEL, vocab_size=8000, hidden_size=512, intermediate_size=1376, num_hidden_layers=4,
+                      num_attention_heads=8, num_key_value_heads=4)}
 SEQ_LEN = 64
 MICRO_BATCH = 1
 SEED = 1234

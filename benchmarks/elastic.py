@@ -283,22 +283,13 @@ def torchrun(args: list[str], nproc: int, log: Path) -> None:
 
 def stock_path(every: int, work: Path) -> dict:
     """save_checkpoint at step `every` on 4 ranks, ds_to_universal, then load_universal on 3, 2 and 4 ranks."""
-    import deepspeed
-
     out = work / "stock"
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     torchrun(["--mode", "stock", "--save-dir", str(out / "ds"), "--steps", str(every), "--every", str(every),
               "--records", str(out / "train.jsonl")], 4, out / "train.log")
     tag = (out / "ds" / "latest").read_text().strip()
-    script = Path(deepspeed.__file__).parent / "checkpoint" / "ds_to_universal.py"
-    began = time.perf_counter()
-    subprocess.run([sys.executable, str(script), "--input_folder", str(out / "ds" / tag), "--output_folder",
-                    str(out / "universal" / tag), "--num_extract_workers", "2", "--num_merge_workers", "2",
-                    # a plain model carries no universal_checkpoint_info; DeepSpeed's converter then needs this
-                    "--inject_missing_state"],
-                   check=True, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    convert_s = time.perf_counter() - began
+    convert_s = to_universal(out / "ds" / tag, out / "universal" / tag)
     loads = {}
     for world in (3, 2, 4):
         recs = out / f"load{world}.jsonl"
@@ -307,6 +298,20 @@ def stock_path(every: int, work: Path) -> dict:
                   str(out / "universal" / tag)], world, out / f"load{world}.log")
         loads[str(world)] = next(r["load_universal_s"] for r in records(recs) if "load_universal_s" in r)
     return {"convert_s": convert_s, "load_s": loads}
+
+
+def to_universal(tag_folder: Path, output: Path) -> float:
+    """DeepSpeed's `ds_to_universal.py` on one checkpoint tag folder, 2 workers each way; its seconds."""
+    import deepspeed
+
+    script = Path(deepspeed.__file__).parent / "checkpoint" / "ds_to_universal.py"
+    began = time.perf_counter()
+    subprocess.run([sys.executable, str(script), "--input_folder", str(tag_folder), "--output_folder", str(output),
+                    "--num_extract_workers", "2", "--num_merge_workers", "2",
+                    # a plain model carries no universal_checkpoint_info; DeepSpeed's converter then needs this
+                    "--inject_missing_state"],
+                   check=True, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return time.perf_counter() - began
 
 
 def markdown(results: dict) -> str:

@@ -1,0 +1,471 @@
+#!/usr/bin/env python
+"""Benchmark: ucp side by side with the tools people would pick instead, on the same DeepSpeed job (issue #31).
+
+    python benchmarks/peers.py [--quick] [--json-out FILE] [--markdown-out FILE] [--work DIR]
+
+The ~112M-parameter benchmark Llama (`--quick`: the 19.8M one, 2 ranks only), ZeRO-1 fp32, on CPU ranks
+(`benchmarks/_peers_llama.py`), each tool under its own launcher and through its own API:
+
+* ucp: `ucp.deepspeed.save` (asynchronous, to disk) and the memory tier (`"save": {"memory": ...}`), restarts by
+  torchrun with `"load": "auto"`; DeepSpeed: `engine.save_checkpoint`. One torchrun job per world size holds
+  the three, one after the other on the same engine.
+* DLRover (pip `dlrover`): Flash Checkpoint's DeepSpeed API, `DeepSpeedCheckpointer.save_checkpoint` with
+  `StorageType.MEMORY` (dlrover) and `StorageType.DISK` (dlrover_disk), under `dlrover-run`, whose agent holds
+  the shared memory and persists it. dlrover-run's own local master (`--standalone`) does not start under torch
+  2.13, so the benchmark starts DLRover's master itself (`python -m dlrover.python.master.main --platform local`)
+  and points dlrover-run at it, as for a multi-node job; DLRover 0.6.1's save and load also need a shim for
+  DeepSpeed 0.19 (`_peers_llama.accept_torch_keywords`). Both are in the report.
+
+Measured:
+
+1. **Save**, per tool (slowest rank): *blocked*, the save call (training is held that long); *durable*, from the
+   call until the checkpoint is on disk and synced (ucp: fsynced, index committed; DeepSpeed and DLRover's agent
+   do not fsync their data, so theirs ends with `sync`); memory tiers have no durable time (null, with why);
+   *overhead*, the mean step time with a save after every step and after every 4th against plain steps; bytes
+   one save puts where it goes; peak RSS per rank (VmHWM, reset before each tool) and of the launcher.
+2. **Recovery at the same size**: memory saves after every step; after step K one worker is SIGKILLed; the
+   launcher restarts the workers, which load from memory. Fault → end of the first step after it, split as
+   benchmarks/elastic.py does: detection + relaunch (until the new worker's main), start-up, load, first step.
+3. **Recovery at a new size** (N → N−1 ranks): a job of N ranks trains K steps with memory saves and ends, and
+   a job of N−1 starts. ucp: `"load": "auto"` (from memory). DLRover: its `load_checkpoint` at the new size
+   (DeepSpeed refuses a ZeRO checkpoint of another data-parallel size; the refusal is recorded), then the path
+   DLRover documents for DeepSpeed at a new world size, DeepSpeed's universal checkpoint: `ds_to_universal.py` on
+   DLRover's disk checkpoint and a job with `"load_universal": true`. Relaunch → first step (no fault detection:
+   both jobs are started by the benchmark).
+
+`--json-out` writes `{tool: {"blocked_s", "durable_s", "overhead_every1", "recovery_same_size_s",
+"recovery_new_size_s", ..., "why": {key: reason}}}` for ucp, ucp_memory, dlrover, dlrover_disk, deepspeed; null
+where a tool cannot do a thing. PyTorch DCP's async save on an FSDP2 job is not run yet (benchmarks/README.md,
+Peers).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from elastic import env, free_port, kill_tree, records, to_universal, wait_until  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+WORKER = HERE / "_peers_llama.py"
+TOOLS = ("ucp", "ucp_memory", "dlrover", "dlrover_disk", "deepspeed")
+KEYS = ("blocked_s", "durable_s", "overhead_every1", "recovery_same_size_s", "recovery_new_size_s")
+MEMORY_ONLY = "saves to host memory only; nothing is on disk until another save writes it"
+NOT_A_RECOVERY_TIER = "recovery is measured from memory (ucp_memory, dlrover), as the issue asks"
+NO_RESTORE = "DeepSpeed alone restarts nothing and has no memory tier: its restart is a new job from disk"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="the 19.8M Llama on 2 ranks (new size: 2 -> 1), fewer steps")
+    p.add_argument("--json-out", help="write {tool: {blocked_s, durable_s, ...}} here")
+    p.add_argument("--markdown-out", help="write the table here")
+    p.add_argument("--work", help="working folder (default: a temporary one, removed)")
+    args = p.parse_args(argv)
+    args.model = "20m" if args.quick else "112m"
+    args.worlds = [2] if args.quick else [2, 4]
+    # saves: plain steps, saves one by one, steps with a save after each, steps with a save after every 4th
+    args.counts = ["--plain", "2", "--rounds", "2", "--every1", "3", "--every4", "4"] if args.quick else \
+        ["--plain", "3", "--rounds", "3", "--every1", "4", "--every4", "8"]
+    args.kill_after, args.steps = (3, 5) if args.quick else (4, 7)
+    return args
+
+
+class Launch:
+    """One job under a family's own launcher: torchrun (ucp, DeepSpeed) or dlrover-run (DLRover), which gets a
+    DLRover master of its own."""
+
+    def __init__(self, family: str, nproc: int, worker_args: list[str], log: Path, max_restarts: int = 0):
+        self.master: subprocess.Popen | None = None
+        self.job = ""
+        extra = {}
+        if family == "dlrover":
+            port = free_port()
+            self.job = job = f"peers-{port}"
+            self.master, port = dlrover_master(port, job, log.with_suffix(".master.log"))
+            extra = {"DLROVER_MASTER_ADDR": f"127.0.0.1:{port}", "ELASTIC_JOB_NAME": job}
+            cmd = [str(Path(sys.executable).parent / "dlrover-run"), "--nnodes=1", f"--nproc_per_node={nproc}",
+                   f"--max-restarts={max_restarts}"]
+        else:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                   f"--max-restarts={max_restarts}", "--monitor-interval=0.5"]
+        self.log = log
+        self.began = time.time()
+        with open(log, "w") as f:
+            self.proc = subprocess.Popen([*cmd, str(WORKER), *worker_args], env={**env(), **extra}, stdout=f,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+
+    def kill_worker(self, local_rank: int = 1) -> float:
+        def worker():
+            for p in psutil.Process(self.proc.pid).children(recursive=True):
+                try:
+                    if str(WORKER) in " ".join(p.cmdline()) and p.environ().get("LOCAL_RANK") == str(local_rank):
+                        return p
+                except psutil.Error:
+                    pass
+            return None
+
+        victim = wait_until(worker, 120, f"worker {local_rank}")
+        at = time.time()
+        victim.kill()
+        return at
+
+    def failed(self) -> bool:
+        return self.proc.poll() not in (None, 0)
+
+    def wait(self, timeout: float = 3600) -> None:
+        try:
+            code = self.proc.wait(timeout=timeout)
+        finally:
+            self.stop()
+        if code != 0:
+            raise SystemExit(f"{self.log}: the job failed (exit {code})")
+
+    def stop(self) -> None:
+        kill_tree(self.proc.pid)
+        if self.master is not None:
+            kill_tree(self.master.pid)
+            for segment in Path("/dev/shm").glob(f"{self.job}_ckpt_shm_*"):  # DLRover's agent leaves them behind
+                segment.unlink(missing_ok=True)
+
+
+def dlrover_master(port: int, job: str, log: Path) -> tuple[subprocess.Popen, int]:
+    """DLRover's master for one job, serving on `port` (another port when that one was taken meanwhile)."""
+    for _ in range(3):
+        master = subprocess.Popen([sys.executable, "-u", "-m", "dlrover.python.master.main", "--port", str(port),
+                                   "--node_num", "1", "--job_name", job, "--platform", "local"], env=env(),
+                                  stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+        wait_until(lambda: master.poll() is not None or "grpc server started" in log.read_text().lower(), 300,
+                   "DLRover's master")
+        if master.poll() is None:
+            return master, port
+        port = free_port()  # its port was taken between free_port() and the bind
+    raise SystemExit(f"{log}: DLRover's master did not start")
+
+
+def fresh(folder: Path) -> Path:
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    return folder
+
+
+def memory_folder() -> Path:
+    return Path(tempfile.mkdtemp(prefix="ucp-peers-", dir="/dev/shm"))
+
+
+FAMILIES = {"torchrun": ["ucp", "ucp_memory", "deepspeed"], "dlrover": ["dlrover", "dlrover_disk"]}
+
+
+def run_saves(args: argparse.Namespace, world: int, work: Path, families: tuple[str, ...] = tuple(FAMILIES)
+              ) -> list[dict]:
+    """Each family's save measurements on `world` ranks: one record per tool."""
+    out = []
+    for family in families:
+        tools = FAMILIES[family]
+        folder = fresh(work / f"save-{family}-{world}")
+        memory = memory_folder()
+        recs = folder / "records.jsonl"
+        print(f"saves on {world} ranks: {', '.join(tools)} ...", flush=True)
+        try:
+            Launch(family, world, ["--tools", *tools, "--phase", "save", "--model", args.model, "--save-dir",
+                                   str(folder / "ckpt"), "--memory-dir", str(memory), "--records", str(recs),
+                                   *args.counts], folder / "job.log").wait()
+        finally:
+            shutil.rmtree(memory, ignore_errors=True)
+        out += records(recs)
+        shutil.rmtree(folder / "ckpt", ignore_errors=True)
+    return out
+
+
+def run_same_size(args: argparse.Namespace, world: int, work: Path, families: tuple[str, ...] = tuple(FAMILIES)
+                  ) -> dict:
+    """Kill worker 1 after step K; each launcher restarts the workers, which load from memory."""
+    out = {}
+    for family, tool in (("torchrun", "ucp"), ("dlrover", "dlrover")):
+        if family not in families:
+            continue
+        folder = fresh(work / f"same-{family}-{world}")
+        memory = memory_folder()
+        recs = folder / "records.jsonl"
+        print(f"recovery at the same size ({world} ranks): {tool} ...", flush=True)
+        job = Launch(family, world, ["--tools", tool, "--phase", "recover", "--model", args.model, "--save-dir",
+                                     str(folder / "ckpt"), "--memory-dir", str(memory), "--records", str(recs),
+                                     "--steps", str(args.steps)], folder / "job.log", max_restarts=1)
+        try:
+            wait_until(lambda: job.failed() or any(r.get("step", 0) >= args.kill_after for r in records(recs)),
+                       3600, f"step {args.kill_after}")
+            if job.failed():
+                raise SystemExit(f"{job.log}: the job failed (exit {job.proc.returncode})")
+            fault = job.kill_worker()
+            try:
+                job.wait()
+                after = None
+            except SystemExit:  # the restart is measured at its first step; a failure after it is reported
+                after = first_error(job.log)
+        finally:
+            job.stop()
+            shutil.rmtree(memory, ignore_errors=True)
+        restart = next((r["restart"] for r in records(recs) if "restart" in r), None)
+        out["ucp_memory" if tool == "ucp" else tool] = split(restart, fault, world, world)
+        if after is not None:
+            out["ucp_memory" if tool == "ucp" else tool]["failed_after"] = after
+        shutil.rmtree(folder / "ckpt", ignore_errors=True)
+    return out
+
+
+def first_error(log: Path) -> str:
+    """The first exception a worker raised, from its launcher's log: `[rankN]: KeyError: 'model_states'`."""
+    for line in log.read_text(errors="replace").splitlines():
+        if re.match(r"\[rank\d+\]: \w+(Error|Exception): ", line):
+            return line
+    return f"{log}: the job failed after the restart"
+
+
+def split(restart: dict | None, fault: float, old: int, new: int) -> dict:
+    """A restart record, as benchmarks/elastic.py reports one: fault (or relaunch) -> first step, and its parts."""
+    if restart is None:
+        return {"failed": "no restart record: the restarted job did not load a checkpoint"}
+    return {"old_world": old, "new_world": new, "total_s": restart["first_step_at"] - fault,
+            "detection_s": restart["called"] - fault, "startup_s": restart["startup_s"], "load_s": restart["load_s"],
+            "first_step_s": restart["first_step_s"], "checkpoint_step": restart.get("checkpoint_step")}
+
+
+def run_new_size(args: argparse.Namespace, world: int, work: Path) -> dict:
+    """N ranks train and end; N-1 ranks start from what they left: ucp's "auto", DLRover's load and its
+    universal-checkpoint path."""
+    out: dict = {}
+    common = ["--model", args.model, "--steps", str(args.kill_after)]
+    # ucp
+    folder = fresh(work / f"new-ucp-{world}")
+    memory = memory_folder()
+    recs = folder / "records.jsonl"
+    ckpt = ["--save-dir", str(folder / "ckpt"), "--memory-dir", str(memory), "--records", str(recs)]
+    print(f"recovery at a new size ({world} -> {world - 1} ranks): ucp ...", flush=True)
+    try:
+        Launch("torchrun", world, ["--tools", "ucp", "--phase", "recover", *common, *ckpt], folder / "a.log").wait()
+        job = Launch("torchrun", world - 1, ["--tools", "ucp", "--phase", "recover", "--model", args.model,
+                                             "--steps", str(args.kill_after + 1), *ckpt], folder / "b.log")
+        job.wait()
+    finally:
+        shutil.rmtree(memory, ignore_errors=True)
+    restart = next((r["restart"] for r in records(recs) if "restart" in r), None)
+    out["ucp_memory"] = split(restart, job.began, world, world - 1)
+    # DLRover
+    folder = fresh(work / f"new-dlrover-{world}")
+    recs = folder / "records.jsonl"
+    ckpt = ["--save-dir", str(folder / "ckpt"), "--records", str(recs)]
+    print(f"recovery at a new size ({world} -> {world - 1} ranks): dlrover ...", flush=True)
+    Launch("dlrover", world, ["--tools", "dlrover", "--phase", "recover", *common, *ckpt], folder / "a.log").wait()
+    direct = Launch("dlrover", world - 1, ["--tools", "dlrover", "--phase", "resize", "--model", args.model,
+                                           "--save-dir", str(folder / "ckpt"), "--records", str(folder / "b.jsonl")],
+                    folder / "b.log")
+    direct.wait()
+    refused = next((r["refused"] for r in records(folder / "b.jsonl") if "refused" in r), None)
+    loaded = next((r["resized"] for r in records(folder / "b.jsonl") if "resized" in r), None)
+    tag = (folder / "ckpt" / "latest").read_text().strip()
+    convert_s = to_universal(folder / "ckpt" / tag, folder / "universal" / tag)
+    job = Launch("dlrover", world - 1, ["--tools", "dlrover", "--phase", "resize", "--model", args.model, *ckpt,
+                                        "--load-universal", str(folder / "universal" / tag)], folder / "c.log")
+    job.wait()
+    resized = next((r["resized"] for r in records(recs) if "resized" in r), None)
+    universal = split(resized, job.began, world, world - 1)
+    universal["convert_s"] = convert_s
+    universal["checkpoint_step"] = int(tag) if tag.isdigit() else tag  # DLRover's last disk save: its memory is gone
+    if "total_s" in universal:
+        universal["total_s"] += convert_s
+    out["dlrover"] = {"load_checkpoint": {"refused": refused} if refused else split(loaded, direct.began, world,
+                                                                                    world - 1),
+                      "universal": universal, "tag_converted": tag}
+    return out
+
+
+def summarize(saves: list[dict], same: dict, new: dict) -> dict:
+    """The JSON of --json-out from the measured records (pure): per tool the issue's keys, null with a reason
+    under "why" where the tool cannot do the thing, and the details."""
+    by_world: dict[str, dict[int, dict]] = {}
+    for r in saves:
+        by_world.setdefault(r["tool"], {})[r["world"]] = r
+    result = {}
+    for tool in TOOLS:
+        worlds = by_world.get(tool, {})
+        entry: dict = {key: None for key in KEYS}
+        why: dict[str, str] = {}
+        details = {}
+        for world, r in sorted(worlds.items()):
+            details[str(world)] = save_figures(r)
+        if details:
+            top = details[str(max(worlds))]
+            entry.update(blocked_s=top["blocked_s"], durable_s=top["durable_s"],
+                         overhead_every1=top["overhead_every1"], overhead_every4=top["overhead_every4"],
+                         bytes_per_save=top["bytes_per_save"], peak_rss_per_rank=top["peak_rss_per_rank"])
+        else:
+            why["blocked_s"] = why["overhead_every1"] = "not measured"
+        if tool in ("ucp_memory", "dlrover"):
+            why["durable_s"] = MEMORY_ONLY
+        recovery_tool = tool
+        if tool in ("ucp", "dlrover_disk"):
+            why["recovery_same_size_s"] = why["recovery_new_size_s"] = NOT_A_RECOVERY_TIER
+            recovery_tool = ""
+        if tool == "deepspeed":
+            why["recovery_same_size_s"] = why["recovery_new_size_s"] = NO_RESTORE
+            recovery_tool = ""
+        if recovery_tool:
+            s = same.get(recovery_tool)
+            if s and "total_s" in s:
+                entry["recovery_same_size_s"] = s["total_s"]
+            elif s:
+                why["recovery_same_size_s"] = s.get("failed", "not measured")
+            n = new.get(recovery_tool)
+            if tool == "ucp_memory" and n and "total_s" in n:
+                entry["recovery_new_size_s"] = n["total_s"]
+            elif tool == "dlrover" and n:
+                paths = [r["total_s"] for r in (n["load_checkpoint"], n["universal"]) if "total_s" in r]
+                entry["recovery_new_size_s"] = min(paths, default=None)  # the best peer path that ran
+                refused = n["load_checkpoint"].get("refused")
+                why["recovery_new_size_s"] = (
+                    "DLRover's load_checkpoint at the new size: " + (f"refused: {refused}" if refused else "loaded")
+                    + "; the other path, the one DLRover documents for DeepSpeed at a new world size: "
+                    "ds_to_universal.py on its disk checkpoint + a job with load_universal; the figure is the "
+                    "faster of those that ran")
+        entry["by_world"] = details
+        entry["recovery_same_size"] = same.get(recovery_tool) if recovery_tool else None
+        entry["recovery_new_size"] = new.get(recovery_tool) if recovery_tool else None
+        entry["why"] = {key: reason for key, reason in why.items() if entry.get(key) is None or "DLRover" in reason}
+        result[tool] = entry
+    return result
+
+
+def save_figures(r: dict) -> dict:
+    """One tool's save record -> medians and overheads (pure)."""
+    plain = statistics.mean(r["plain_s"])
+    durable = [d for d in r["durable_s"] if d is not None]
+    return {"blocked_s": statistics.median(r["blocked_s"]),
+            "durable_s": statistics.median(durable) if durable else None,
+            "committed_s": statistics.median(r["committed_s"]),
+            "plain_step_s": plain,
+            "overhead_every1": statistics.mean(r["every1_s"]) / plain - 1,
+            "overhead_every4": statistics.mean(r["every4_s"]) / plain - 1,
+            "bytes_per_save": r["bytes_per_save"], "peak_rss_per_rank": r["peak_rss_per_rank"],
+            "launcher_peak_rss": r["launcher_peak_rss"], "params": r["params"]}
+
+
+def seconds(value: float | None) -> str:
+    return "–" if value is None else f"{value:.2f} s"
+
+
+def ratio(a: float | None, b: float | None) -> str:
+    return "–" if a is None or b is None or b == 0 else f"{a / b:.2f}×"
+
+
+def markdown(result: dict, meta: dict) -> str:
+    """The table of benchmarks/README.md (Peers) from --json-out's result (pure)."""
+    lines = [f"{meta['machine']}; {meta['model']}, ZeRO-1 fp32, {meta['ranks']}; {meta['versions']}; 15-min load "
+             f"average at the end {meta['load_15min']:.1f}.", "",
+             "| tool | blocked per save | durable | overhead every 1 / every 4 | bytes per save | peak RSS per rank | "
+             "same-size recovery (memory) | new-size recovery |",
+             "|---|---|---|---|---|---|---|---|"]
+    for tool in TOOLS:
+        e = result[tool]
+        every = "–" if e["overhead_every1"] is None else f"{e['overhead_every1']:+.0%} / {e['overhead_every4']:+.0%}"
+        size = "–" if e.get("bytes_per_save") is None else f"{e['bytes_per_save'] / 1e6:.0f} MB"
+        rss = "–" if e.get("peak_rss_per_rank") is None else ", ".join(
+            f"{b / 2**30:.2f}" for b in e["peak_rss_per_rank"]) + " GiB"
+        lines.append(f"| {tool} | {seconds(e['blocked_s'])} | {seconds(e['durable_s'])} | {every} | {size} | {rss} | "
+                     f"{seconds(e['recovery_same_size_s'])} | {seconds(e['recovery_new_size_s'])} |")
+    lines += ["", "Recoveries (fault or relaunch → first step = detection + relaunch, start-up, load, first step):", ""]
+    for tool in ("ucp_memory", "dlrover"):
+        for kind in ("recovery_same_size", "recovery_new_size"):
+            r = result[tool][kind]
+            if r and tool == "dlrover" and kind == "recovery_new_size":
+                refused = r["load_checkpoint"].get("refused")
+                lines.append("* dlrover, new size: `load_checkpoint` "
+                             + (f"refused: `{refused}`" if refused else "loaded: " + parts(r["load_checkpoint"]))
+                             + f"; universal path: convert {r['universal'].get('convert_s', 0):.1f} s + "
+                             + parts(r["universal"]))
+            elif r:
+                lines.append(f"* {tool}, {kind.split('_', 1)[1].replace('_', ' ')}: " + parts(r))
+    u, d = result["ucp"], result["dlrover"]
+    um = result["ucp_memory"]
+    lines += ["", "Ratios ucp / peer: blocked, ucp async disk save / DLRover memory save "
+              f"{ratio(u['blocked_s'], d['blocked_s'])}, ucp memory tier / DLRover memory save "
+              f"{ratio(um['blocked_s'], d['blocked_s'])}; durable, ucp / DLRover disk "
+              f"{ratio(u['durable_s'], result['dlrover_disk']['durable_s'])}, ucp / DeepSpeed "
+              f"{ratio(u['durable_s'], result['deepspeed']['durable_s'])}; same-size recovery "
+              f"{ratio(um['recovery_same_size_s'], d['recovery_same_size_s'])}; new-size recovery "
+              f"{ratio(um['recovery_new_size_s'], d['recovery_new_size_s'])}."]
+    lines += ["", "Targets: " + "; ".join(targets(result))]
+    return "\n".join(lines)
+
+
+def parts(r: dict) -> str:
+    if "total_s" not in r:
+        return r.get("failed", "not measured")
+    return (f"{r['total_s']:.1f} s ({r['old_world']} → {r['new_world']} ranks; {r['detection_s']:.1f} + "
+            f"{r['startup_s']:.1f} + {r['load_s']:.2f} + {r['first_step_s']:.1f} s; step {r.get('checkpoint_step')})")
+
+
+def targets(result: dict) -> list[str]:
+    """The issue's targets, judged (pure)."""
+    u, um, d = result["ucp"], result["ucp_memory"], result["dlrover"]
+
+    def judge(name: str, value: float | None, bound: float | None, factor: float) -> str:
+        if value is None or bound is None:
+            return f"{name}: not measured"
+        ok = value <= factor * bound
+        return f"{name}: **{'PASS' if ok else 'MISS'}** ({value:.2f} vs {factor:.3g} × {bound:.2f})"
+
+    blocked = max((b for b in (u["blocked_s"], um["blocked_s"]) if b is not None), default=None)
+    return [judge("ucp blocked per save ≤ DLRover's memory save", blocked, d["blocked_s"], 1),
+            judge("new-size recovery ≤ ⅓ of the best peer path", um["recovery_new_size_s"],
+                  d["recovery_new_size_s"], 1 / 3),
+            judge("same-size recovery from memory ≤ 1.1× DLRover's", um["recovery_same_size_s"],
+                  d["recovery_same_size_s"], 1.1)]
+
+
+def versions() -> str:
+    from importlib.metadata import version
+
+    return ", ".join(f"{name} {version(name)}" for name in ("torch", "deepspeed", "dlrover", "ucp"))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    work = Path(args.work or tempfile.mkdtemp(prefix="ucp-peers-bench-"))
+    began = time.time()
+    saves: list[dict] = []
+    for world in args.worlds:
+        saves += run_saves(args, world, work)
+    top = max(args.worlds)
+    same = run_same_size(args, top, work)
+    new = run_new_size(args, top, work)
+    result = summarize(saves, same, new)
+    meta = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+                       f"{psutil.virtual_memory().total / 2**30:.0f} GiB",
+            "model": f"{saves[0]['params'] / 1e6:.1f}M-parameter Llama", "versions": versions(),
+            "ranks": " and ".join(str(w) for w in args.worlds) + " CPU ranks",
+            "load_15min": os.getloadavg()[2], "wall_s": time.time() - began}
+    text = markdown(result, meta)
+    print(text)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(result, indent=1))
+    if args.markdown_out:
+        Path(args.markdown_out).write_text(text + "\n")
+    if not args.work:
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"{meta['wall_s']:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
