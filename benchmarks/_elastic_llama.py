@@ -8,6 +8,10 @@ stock DeepSpeed path to a new world size, timed. Every rank runs this file (torc
     stock: deepspeed.initialize with the batch keys of this world size; --save-dir gets engine.save_checkpoint
            every K steps; --load-universal DIR loads DeepSpeed's universal checkpoint (ds_to_universal's output)
            with {"checkpoint": {"load_universal": true}}, timed, and trains one step.
+    --tp T (trace T of benchmarks/elastic.py): DeepSpeed's AutoTP. ucp: "elastic": {"tensor_parallel": [T, 1]}, the
+           model built after ucp.elastic.layout(); stock: {"tensor_parallel": {"autotp_size": T}}, the batch keys
+           of D = world // T. Eager attention (as tests/support/train_llama_tp.py). The saves' stalls are recorded:
+           ucp's snapshot (what training waits for), stock's engine.save_checkpoint call, the slowest rank's.
 """
 from __future__ import annotations
 
@@ -47,6 +51,15 @@ def append(path: str, record: dict) -> None:
         f.write(json.dumps(record) + "\n")
 
 
+def slowest(seconds: float) -> float:
+    """The largest of every rank's `seconds` (a collective)."""
+    import torch.distributed as dist
+
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--mode", choices=("ucp", "stock"), required=True)
@@ -58,6 +71,7 @@ def main() -> None:
     p.add_argument("--memory-every", type=int, help="ucp: the host-memory tier every K steps, one peer copy")
     p.add_argument("--memory-dir", help="ucp: each node's memory folder ($VARS expanded on each node)")
     p.add_argument("--load-universal", help="stock: DeepSpeed's universal checkpoint folder (its tag) to load")
+    p.add_argument("--tp", type=int, help="AutoTP: the tensor-parallel size (ucp: [T, 1] allowed; stock: exactly T)")
     args = p.parse_args()
 
     import torch.distributed as dist
@@ -65,13 +79,14 @@ def main() -> None:
 
     import ucp.deepspeed
     import ucp.elastic
+    from ucp.deepspeed.async_save import saver_for
     from ucp.elastic import ElasticBatchSampler
 
     called = time.time()
     ucp.elastic.init_distributed("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(SEED)
-    model = LlamaForCausalLM(LlamaConfig(**MODEL))
+    model = LlamaForCausalLM(LlamaConfig(**MODEL, **({"attn_implementation": "eager"} if args.tp else {})))
     config = {"zero_optimization": {"stage": 1}, "steps_per_print": 10 ** 9,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}}}
     if args.mode == "ucp":
@@ -79,8 +94,19 @@ def main() -> None:
                          "elastic": {"global_batch": args.global_batch, "micro_batch": 1}}
         if args.memory_every:
             config["ucp"]["save"]["memory"] = {"every": args.memory_every, "replicas": 1, "dir": args.memory_dir}
+        if args.tp:
+            config["ucp"]["elastic"].update(tensor_parallel=[args.tp, 1], seq_len=SEQ_LEN)
+            place = ucp.elastic.layout(config, model)
+            tp, dp_rank = place.tp, place.dp_rank
+            ucp.elastic.spare_loop()
+        else:
+            tp, dp_rank = 1, rank
     else:
-        config.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=args.global_batch // world)
+        tp = args.tp or 1
+        dp_rank = rank // tp  # AutoTP's groups are runs of T consecutive ranks
+        config.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=args.global_batch // (world // tp))
+        if args.tp:
+            config["tensor_parallel"] = {"autotp_size": args.tp}
         if args.load_universal:
             config["checkpoint"] = {"load_universal": True}
     engine, *_ = ucp.deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
@@ -98,7 +124,7 @@ def main() -> None:
         sampler = ElasticBatchSampler(dataset, engine, seed=SEED)
         loader, weight = torch.utils.data.DataLoader(dataset, batch_sampler=sampler), sampler.loss_weight
     else:
-        sampler = torch.utils.data.DistributedSampler(dataset, seed=SEED)
+        sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=world // tp, rank=dp_rank, seed=SEED)
         loader, weight = torch.utils.data.DataLoader(dataset, batch_size=1, sampler=sampler), None
     reported = False
     while engine.global_steps < args.steps:
@@ -109,11 +135,17 @@ def main() -> None:
             engine.step()
             if engine.global_steps == step:
                 continue
+            record = {"step": engine.global_steps, "time": time.time(), "world": world, "tp": tp,
+                      "loss": loss.item()}
             if args.mode == "stock" and engine.global_steps % args.every == 0:
+                began = time.perf_counter()
                 engine.save_checkpoint(args.save_dir)
+                if args.tp:
+                    record["save_stall_s"] = slowest(time.perf_counter() - began)
+            elif args.tp and engine.global_steps % args.every == 0:  # ucp saved inside engine.step
+                record["save_stall_s"] = slowest(saver_for(engine).stats.snapshot_s)
             if rank == 0:
-                append(args.records, {"step": engine.global_steps, "time": time.time(), "world": world,
-                                      "loss": loss.item()})
+                append(args.records, record)
                 restart = getattr(engine, "ucp_restart", None)
                 if restart is not None and not reported:
                     append(args.records, {"restart": asdict(restart), "initialize_called": called})

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Benchmark: elastic training under Elastor-style failure traces, against stock DeepSpeed's path to a new size.
 
-    python benchmarks/elastic.py [--steps 12] [--every 4] [--traces B C D E] [--markdown-out FILE]
+    python benchmarks/elastic.py [--steps 12] [--every 4] [--traces B C D E T] [--markdown-out FILE]
 
 The ~112M-parameter benchmark Llama (ZeRO-1, fp32, global batch 12, micro-batch 1) trains for --steps optimizer
 steps on 4 CPU ranks under torchrun's own elastic agents (each agent a "node"), with `"load": "auto"`,
@@ -17,6 +17,8 @@ Cases to 4 ranks on one machine:
     S  C saving to s3://             2 x 2: the save folder is s3://bench/S on moto's S3 server, started here
                                      on 127.0.0.1 (parts of 64 MiB: moto reads a whole object for each
                                      ranged GET, so fewer, larger requests; see benchmarks/README.md, Tiers)
+    T  3D: B with AutoTP             4 x 1, "elastic": {"tensor_parallel": [2, 1]}: T=2 x D=2 on 4 ranks; one
+                                     agent killed, the 3 left take T=1 x D=3 (ucp.elastic.layout)
 
 Reported per trace: total wall to finish, against the same run without failures; per event the time from the
 fault (the kill; for a join, the new agent's start) to the first step after it, split into detection and
@@ -28,8 +30,12 @@ local disk, from host memory and from s3://: the recovery times of the three tie
 
 Stock DeepSpeed's only path to a new world size, run by hand on the same model: `engine.save_checkpoint` ->
 `ds_to_universal.py` -> a new job with `{"checkpoint": {"load_universal": true}}`; its convert + load time is
-measured for 3 and 2 ranks. Targets: ucp's load on a restart <= 1/3 of stock's convert + load; steps redone
-<= every; with "every": 1, the saves slow training by at most 10% (same run without saves, in the same run).
+measured for 3 and 2 ranks. For trace T the stock job trains with AutoTP 2 on 4 ranks
+(`"tensor_parallel": {"autotp_size": 2}`) and loads on 3 ranks (T=1, the layout ucp takes there); the stall of
+each save under AutoTP, ucp's asynchronous one (its snapshot) against `engine.save_checkpoint`, is reported as a
+share of a step at the same layout (target <= 10% at every 4). Targets: ucp's load on a restart <= 1/3 of
+stock's convert + load; steps redone <= every; with "every": 1, the saves slow training by at most 10% (same run
+without saves, in the same run).
 """
 from __future__ import annotations
 
@@ -39,6 +45,7 @@ import os
 import platform
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -50,6 +57,7 @@ import psutil
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "_elastic_llama.py"
 NO_SAVES = 10 ** 9
+TP_TRACES = {"T": 2}  # trace: its AutoTP size (ucp allows [T, 1]; the stock path trains at exactly T)
 
 
 def env() -> dict:
@@ -157,6 +165,7 @@ TRACES = {
     "E": (1, 4, [(5, "worker", 1), (7, "node", 3), (10, "join", None)]),
     "M": (2, 2, [(6, "node", 1)]),
     "S": (2, 2, [(6, "node", 1)]),
+    "T": (1, 4, [(6, "node", 3)]),
 }
 MEMORY_TRACES = {"M"}
 S3_TRACES = {"S"}
@@ -198,6 +207,8 @@ def run_trace(name: str, steps: int, every: int, work: Path) -> dict:
     if name in MEMORY_TRACES:
         memory = Path(tempfile.mkdtemp(prefix="ucp-bench-", dir="/dev/shm"))
         args += ["--memory-every", "1", "--memory-dir", f"{memory}/node${NODE_ENV}"]
+    if name in TP_TRACES:
+        args += ["--tp", str(TP_TRACES[name])]
     agents = Agents(out, args, per_node, NODE_ENV if memory else None, client_env)
     began = time.time()
     faults = []
@@ -226,10 +237,7 @@ def run_trace(name: str, steps: int, every: int, work: Path) -> dict:
             server.stop()
     wall = time.time() - began
     restarts = [r for r in records(recs) if "restart" in r]
-    first_step_at = {}
-    for r in records(recs):
-        if "step" in r:
-            first_step_at.setdefault((r["world"], r["step"]), r["time"])
+    steps = [r for r in records(recs) if "step" in r]
     events_out = []
     for (kind, at), rec in zip(faults, restarts):
         report = rec["restart"]
@@ -241,8 +249,23 @@ def run_trace(name: str, steps: int, every: int, work: Path) -> dict:
                            "startup_s": report["startup_s"], "load_s": report["load_s"],
                            "first_step_s": report["first_step_s"], "steps_redone": report["steps_redone"],
                            "checkpoint_step": report["checkpoint_step"],
-                           "tier": tier(str(report["checkpoint"]), memory)})
-    return {"trace": name, "wall_s": wall, "events": events_out}
+                           "tier": tier(str(report["checkpoint"]), memory),
+                           "old_tp": next((r["tp"] for r in reversed(steps) if r["time"] < at), None),
+                           "new_tp": next((r["tp"] for r in steps if r["time"] > first - 1), None)})
+    out_ = {"trace": name, "wall_s": wall, "events": events_out}
+    if name in TP_TRACES:
+        out_["saves"] = save_stalls(steps, every, TP_TRACES[name])
+    return out_
+
+
+def save_stalls(steps: list[dict], every: int, tp: int) -> dict:
+    """The slowest rank's stall of each save made at tensor-parallel size `tp`, and the median step there (steps
+    after the first, neither a save step nor the one after it, nor a step right after a restart)."""
+    stalls = [r["save_stall_s"] for r in steps if r.get("tp") == tp and "save_stall_s" in r]
+    plain = [b["time"] - a["time"] for a, b in zip(steps, steps[1:])
+             if b["step"] == a["step"] + 1 and a["step"] > 1 and b.get("tp") == a.get("tp") == tp
+             and a["step"] % every and b["step"] % every]
+    return {"stall_s": stalls, "step_s": statistics.median(plain) if plain else None}
 
 
 def tier(checkpoint: str, memory: Path | None) -> str:
@@ -252,8 +275,10 @@ def tier(checkpoint: str, memory: Path | None) -> str:
     return "memory" if memory is not None and checkpoint.startswith(str(memory)) else "disk"
 
 
-def run_plain(every: int, steps: int, work: Path, tag: str, memory_every: int | None = None) -> dict:
-    """The same job without failures on 4 ranks (plain torchrun): wall, and the mean step time past the first."""
+def run_plain(every: int, steps: int, work: Path, tag: str, memory_every: int | None = None,
+              tp: int | None = None) -> dict:
+    """The same job without failures on 4 ranks (plain torchrun): wall, and the mean step time past the first; with
+    AutoTP `tp`, the saves' stalls too (`save_stalls`)."""
     out = work / tag
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
@@ -265,12 +290,16 @@ def run_plain(every: int, steps: int, work: Path, tag: str, memory_every: int | 
         memory = ["--memory-every", str(memory_every), "--memory-dir", str(folder)]
     try:
         torchrun(["--mode", "ucp", "--save-dir", str(out / "ckpt"), "--steps", str(steps), "--every", str(every),
-                  "--records", str(recs), *memory], 4, out / "log")
+                  "--records", str(recs), *memory, *(["--tp", str(tp)] if tp else [])], 4, out / "log")
     finally:
         if memory:
             shutil.rmtree(memory[-1], ignore_errors=True)
-    times = [r["time"] for r in records(recs) if "step" in r]
-    return {"wall_s": time.time() - began, "step_s": (times[-1] - times[1]) / (len(times) - 2)}
+    steps_done = [r for r in records(recs) if "step" in r]
+    times = [r["time"] for r in steps_done]
+    result = {"wall_s": time.time() - began, "step_s": (times[-1] - times[1]) / (len(times) - 2)}
+    if tp:
+        result["saves"] = save_stalls(steps_done, every, tp)
+    return result
 
 
 def torchrun(args: list[str], nproc: int, log: Path) -> None:
@@ -281,23 +310,29 @@ def torchrun(args: list[str], nproc: int, log: Path) -> None:
             raise SystemExit(f"failed; see {log}")
 
 
-def stock_path(every: int, work: Path) -> dict:
-    """save_checkpoint at step `every` on 4 ranks, ds_to_universal, then load_universal on 3, 2 and 4 ranks."""
-    out = work / "stock"
+def stock_path(every: int, work: Path, tp: int | None = None, worlds: tuple[int, ...] = (3, 2, 4),
+               steps: int | None = None) -> dict:
+    """save_checkpoint every `every` steps on 4 ranks (with AutoTP `tp`, if given) for `steps` (default `every`),
+    ds_to_universal of the last, then load_universal (no AutoTP) on each of `worlds`."""
+    out = work / ("stock" if tp is None else f"stock-tp{tp}")
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    torchrun(["--mode", "stock", "--save-dir", str(out / "ds"), "--steps", str(every), "--every", str(every),
-              "--records", str(out / "train.jsonl")], 4, out / "train.log")
+    autotp = ["--tp", str(tp)] if tp else []
+    torchrun(["--mode", "stock", "--save-dir", str(out / "ds"), "--steps", str(steps or every), "--every", str(every),
+              "--records", str(out / "train.jsonl"), *autotp], 4, out / "train.log")
     tag = (out / "ds" / "latest").read_text().strip()
     convert_s = to_universal(out / "ds" / tag, out / "universal" / tag)
     loads = {}
-    for world in (3, 2, 4):
+    for world in worlds:
         recs = out / f"load{world}.jsonl"
         torchrun(["--mode", "stock", "--save-dir", str(out / f"after{world}"), "--steps", str(every + 1),
                   "--every", str(NO_SAVES), "--records", str(recs), "--load-universal",
                   str(out / "universal" / tag)], world, out / f"load{world}.log")
         loads[str(world)] = next(r["load_universal_s"] for r in records(recs) if "load_universal_s" in r)
-    return {"convert_s": convert_s, "load_s": loads}
+    result = {"convert_s": convert_s, "load_s": loads}
+    if tp:
+        result["saves"] = save_stalls([r for r in records(out / "train.jsonl") if "step" in r], every, tp)
+    return result
 
 
 def to_universal(tag_folder: Path, output: Path) -> float:
@@ -323,12 +358,16 @@ def markdown(results: dict) -> str:
              "start-up | load (tier) | first step | steps redone | load vs stock convert+load |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for t in results["traces"]:
+        against = results.get("stock_tp") if t["trace"] in TP_TRACES else stock
         for i, e in enumerate(t["events"]):
-            vs_stock = (f"{e['load_s'] / (stock['convert_s'] + stock['load_s'][str(e['new_world'])]):.3f}" if stock
-                        else "–")
+            loaded = against and against["load_s"].get(str(e["new_world"]))
+            vs_stock = f"{e['load_s'] / (against['convert_s'] + loaded):.3f}" if loaded else "–"
+            ranks = f"{e['old_world']} → {e['new_world']}"
+            if t["trace"] in TP_TRACES:
+                ranks = f"{e['old_world']} (T{e['old_tp']}) → {e['new_world']} (T{e['new_tp']})"
             vs_plain = f"{t['wall_s'] / plain['every']['wall_s']:.2f}×" if plain else "–"
             head = f"{t['trace']} | {t['wall_s']:.0f} s | {vs_plain}" if i == 0 else " | | "
-            lines.append(f"| {head} | {e['event']} | {e['old_world']} → {e['new_world']} | "
+            lines.append(f"| {head} | {e['event']} | {ranks} | "
                          f"{e['fault_to_first_step_s']:.1f} s | {e['detection_s']:.1f} s | {e['startup_s']:.1f} s | "
                          f"{e['load_s']:.2f} s ({e.get('tier', 'disk')}, step {e['checkpoint_step']}) | "
                          f"{e['first_step_s']:.1f} s | {e['steps_redone']} | "
@@ -336,6 +375,20 @@ def markdown(results: dict) -> str:
     if stock:
         lines += ["", f"Stock path: ds_to_universal {stock['convert_s']:.1f} s; load_universal "
                   + ", ".join(f"{w} ranks {s:.1f} s" for w, s in stock["load_s"].items()) + "."]
+    stock_tp = results.get("stock_tp")
+    if stock_tp:
+        lines += ["", f"Stock path with AutoTP {max(TP_TRACES.values())} (trace T): ds_to_universal "
+                  f"{stock_tp['convert_s']:.1f} s; load_universal "
+                  + ", ".join(f"{w} ranks {s:.1f} s" for w, s in stock_tp["load_s"].items()) + "."]
+    if lines[-1].startswith("|") and ("plain_tp" in results or stock_tp):
+        lines.append("")  # the table ends here
+    for t in results["traces"]:
+        if "saves" in t and stock_tp:
+            lines.append(f"Save stall under AutoTP (slowest rank, every {results['every']}), trace {t['trace']}: "
+                         f"{stall_text(t['saves'], 'ucp async save')}; {stall_text(stock_tp['saves'], 'stock')}.")
+    if "plain_tp" in results:
+        lines.append(f"No failure at T=2 x D=2 ({2 * results['every'] + 1} steps; the first save also sets up the "
+                     f"snapshot buffer): {stall_text(results['plain_tp']['saves'], 'ucp async save')}.")
     if not plain:
         return "\n".join(lines)
     lines += ["", f"No failure, 4 ranks: every {results['every']}: {plain['every']['wall_s']:.0f} s "
@@ -349,11 +402,20 @@ def markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
+def stall_text(saves: dict, what: str) -> str:
+    """Each save's stall, and its share of a step at the same layout."""
+    step = saves["step_s"]
+    stalls = ", ".join(f"{s:.2f} s" + (f" ({s / step:.1%} of a step)" if step else "") for s in saves["stall_s"])
+    return f"{what} {stalls or 'none'}" + (f"; a step there {step:.2f} s" if step else "")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--every", type=int, default=4)
-    parser.add_argument("--traces", nargs="+", default=list(TRACES), choices=list(TRACES))
+    parser.add_argument("--traces", nargs="+", default=list(TRACES), choices=list(TRACES),
+                        help="B C D E M S: ZeRO-1 data parallel; T: AutoTP 2 (3D), against stock's AutoTP path "
+                             "(module docstring)")
     parser.add_argument("--memory", action="store_true",
                         help="also trace M (host-memory tier) and the cost of a memory save every step")
     parser.add_argument("--no-stock", action="store_true", help="skip the stock path (its column shows –)")
@@ -368,8 +430,15 @@ def main() -> None:
                "every": args.every}
     results["stock"] = None
     if not args.no_stock:
-        print("stock path (save, ds_to_universal, load_universal) ...", flush=True)
-        results["stock"] = stock_path(args.every, work)
+        if set(args.traces) - set(TP_TRACES):
+            print("stock path (save, ds_to_universal, load_universal) ...", flush=True)
+            results["stock"] = stock_path(args.every, work)
+        for name in sorted(set(args.traces) & set(TP_TRACES)):
+            print(f"stock path with AutoTP {TP_TRACES[name]} (trace {name}) ...", flush=True)
+            results["stock_tp"] = stock_path(args.every, work, tp=TP_TRACES[name], worlds=(3,))
+    for name in sorted(set(args.traces) & set(TP_TRACES)):  # a trace's saves at T=2 are its first: steady ones here
+        print(f"no failure with AutoTP {TP_TRACES[name]}: the saves' stalls ...", flush=True)
+        results["plain_tp"] = run_plain(args.every, 2 * args.every + 1, work, "plain-tp", tp=TP_TRACES[name])
     results["plain"] = {}
     if not args.no_plain:
         print("no failures: every K, every 1, no saves ...", flush=True)
