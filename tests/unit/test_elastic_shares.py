@@ -28,6 +28,21 @@ def test_equal_shares_weigh_every_micro_batch_one():
 
 
 @given(st.integers(1, 300), st.integers(1, 9), st.integers(1, 40))
+def test_a_pipeline_takes_only_full_micro_batches(b, m, w):
+    """A PipelineModule engine's loss_fn cannot take loss_weight: any batch with a weight other than 1.0 (an
+    uneven share or a short micro-batch) is refused for it in one line; a batch of full micro-batches is not."""
+    try:
+        batch = ElasticBatch(global_batch=b, micro_batch=m, world=w)
+    except ConfigError:
+        return
+    weights = {batch.loss_weight(size) for r in range(w) for size in batch.micro_sizes(r)}
+    problem = batch.pipeline_problem()
+    assert (problem is None) == (weights == {1.0}) == batch.even
+    if problem is not None:
+        assert "\n" not in problem and f'"global_batch": {b}' in problem and f"on {w} data-parallel ranks" in problem
+
+
+@given(st.integers(1, 300), st.integers(1, 9), st.integers(1, 40))
 def test_shares_cover_the_global_batch_once_with_the_same_accumulation_everywhere(b, m, w):
     try:
         batch = ElasticBatch(b, m, w)

@@ -31,7 +31,7 @@ from ucp.elastic.layout_choice import RankLayout
 from ucp.elastic.restart import Progress, ProgressRecorder, RestartReport, read_progress
 from ucp.elastic.resume import candidates, set_aside, tag_step
 from ucp.elastic.shares import BATCH_KEYS, ElasticBatch
-from ucp.errors import CheckpointMismatchError, ConfigError, CorruptCheckpointError
+from ucp.errors import CheckpointMismatchError, ConfigError, CorruptCheckpointError, UnsupportedLayoutError
 from ucp.format.locations import Location, location
 
 logger = logging.getLogger("ucp.elastic")
@@ -91,6 +91,9 @@ def check_engine(engine, batch: ElasticBatch) -> None:
                           f"but the layout ucp chose has {batch.world}; call ucp.elastic.init_distributed() (or "
                           "deepspeed.init_distributed()) before ucp.deepspeed.initialize, and build the model for "
                           "ucp.elastic.layout()")
+    problem = batch.pipeline_problem() if getattr(engine, "pipeline_parallelism", False) else None
+    if problem is not None:
+        raise UnsupportedLayoutError(problem)
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,21 @@ class ElasticBatch:
         largest = -(-self.global_batch // self.world) if self.shares is None else max(self.shares)
         return -(-largest // self.micro_batch)
 
+    @property
+    def even(self) -> bool:
+        """Every micro-batch of every rank holds the same number of samples, so every loss weight is 1.0."""
+        return self.shares is None and self.global_batch % (self.world * self.accumulation) == 0
+
+    def pipeline_problem(self) -> str | None:
+        """Why a pipeline engine cannot take this batch (None when it can): DeepSpeed's `PipelineEngine` runs
+        fixed-size micro-batches through its `loss_fn`, where `loss_weight` cannot reach."""
+        if self.even:
+            return None
+        return (f'"ucp": {{"elastic": {{"global_batch": {self.global_batch}, "micro_batch": {self.micro_batch}}}}} '
+                f"on {self.world} data-parallel ranks gives micro-batches of unequal size, which a PipelineModule "
+                "engine cannot weigh (its loss_fn takes no loss_weight); choose a global_batch that each layout's "
+                "data-parallel size cuts into equal micro-batches, e.g. a multiple of micro_batch x each such size")
+
     def share(self, rank: int) -> int:
         """Samples rank `rank` takes of each global batch."""
         if self.shares is not None:
@@ -108,7 +123,6 @@ class ElasticBatch:
             raise ConfigError(f'"ucp": {{"elastic": ...}}: unknown key {unknown[0]!r}; known: '
                               + ", ".join(f'"{k}"' for k in SECTION_KEYS))
         return cls(section["global_batch"], section["micro_batch"], world)
-
 
 
 def speed_shares(global_batch: int, speeds: Sequence[float]) -> tuple[int, ...]:
