@@ -14,7 +14,8 @@ the last step's save fails the same comparison. Every byte is written once: the 
 checkpoint's bytes, fewer than what they hold (the tied embedding on both stages, replicated tensors on
 both TP ranks). The bf16 run also keeps the host-memory tier on 2 simulated nodes: each node's copy of the
 last step is the disk save of that step. ZeRO-0 is refused in one line: `ucp convert` does not read those
-checkpoints, so nothing could show what a save should write.
+checkpoints, so nothing could show what a save should write. Loading into this layout is refused in one line too
+(not served yet).
 """
 from __future__ import annotations
 
@@ -38,7 +39,9 @@ RUNS = {"z1-fp32": {"stage": 1, **SAVING},
         # through the config's "save": {"every": 2} (train_batch wrapped), with client state
         "z1-bf16-every": {"stage": 1, "dtype": "bf16", **SAVING, "ucp_every": SAVED_AT, "save_bytes_out": None,
                           "ucp_memory": "memory"}}
-REFUSED = {"z0-fp32": {"stage": 0, "refusal_out": "refusal.json"}}
+REFUSED = {"z0-fp32": {"stage": 0, "refusal_out": "refusal.json"},
+           # loading into this layout (TP 2 under an mpu): the z1-fp32 run's save of SAVED_AT
+           "z1-load": {"stage": 1, "refusal_out": "refusal.json", "load_from": f"z1-fp32/ucp/global_step{SAVED_AT}"}}
 OUTPUTS = ("save_dir", "ucp_save", "losses_out", "save_bytes_out", "refusal_out", "ucp_memory")
 
 
@@ -50,7 +53,8 @@ def megatron(ckpt_root) -> Path:
     resolved = []
     for name, options in {**RUNS, **REFUSED}.items():
         (folder / name).mkdir()
-        resolved.append({**options, **{k: str(folder / name / options[k]) for k in OUTPUTS if options.get(k)}})
+        resolved.append({**options, **{k: str(folder / name / options[k]) for k in OUTPUTS if options.get(k)},
+                         **({"load_from": str(folder / options["load_from"])} if "load_from" in options else {})})
     run_torchrun(SUPPORT_DIR / "train_megatron.py", ["--runs", json.dumps(resolved)], 4, folder / "train.log",
                  timeout=900)
     return folder
@@ -91,6 +95,12 @@ def test_each_byte_is_written_once(megatron, run):
     # Negative control: every rank writing what it holds would write the tied and replicated tensors again.
     assert sum(r["held"] for r in ranks) > total
     assert all(r["written"] > 0 for r in ranks)  # each stage writes its own layers, each TP rank its shards
+
+
+def test_loading_into_an_mpu_pipeline_at_tp2_is_refused_in_one_line(megatron):
+    message = json.loads((megatron / "z1-load" / "refusal.json").read_text())
+    assert message is not None and "\n" not in message
+    assert f"z1-fp32/ucp/global_step{SAVED_AT}" in message and "mpu at TP 2" in message and "TP 1" in message
 
 
 def test_zero0_is_refused_in_one_line(megatron):

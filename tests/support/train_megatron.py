@@ -9,8 +9,9 @@ at ``save_after``, alongside DeepSpeed's own save, and again after the last step
 through the ``"ucp": {"save": {"dir", "every"}}`` config instead, which saves every that many steps, and
 with ``ucp_memory`` (a folder) keeps the host-memory tier there too, 2 simulated nodes), ``save_bytes_out``
 (what each rank's ucp save at ``save_after`` writes, and what it holds, bytes by rank, JSON),
-``losses_out`` (every step's loss, JSON) and ``refusal_out`` (try one ucp save right after
-``deepspeed.initialize`` and write the error it raises there, instead of training).
+``losses_out`` (every step's loss, JSON) and ``refusal_out`` (try one ucp save, or with ``load_from`` one
+ucp load of that checkpoint, right after ``deepspeed.initialize`` and write the error it raises there,
+instead of training).
 A run's ``dump_state`` path gets every rank's fp32 master and Adam moments of its own TP shard at save
 time (see support/gather.py), with its stage and TP rank, for the tests to consolidate by hand.
 
@@ -382,12 +383,16 @@ def write_bytes(path: str, written: int, model) -> None:
             json.dump(every, f)
 
 
-def refuse(engine, path: str) -> None:
+def refuse(engine, path: str, load_from: str | None) -> None:
+    """Try one ucp save (or, with `load_from`, one ucp load of that checkpoint) and write its refusal to `path`."""
     import ucp.deepspeed
     from ucp.errors import UcpError
 
     try:
-        ucp.deepspeed.save(engine, path + ".d")
+        if load_from:
+            ucp.deepspeed.load(engine, load_from)
+        else:
+            ucp.deepspeed.save(engine, path + ".d")
         message = None
     except UcpError as e:
         message = str(e)
@@ -419,7 +424,7 @@ def train_one(run: dict, steps: int) -> None:
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config)
     explicit = run.get("ucp_save") and not every
     if run.get("refusal_out"):
-        refuse(engine, run["refusal_out"])
+        refuse(engine, run["refusal_out"], run.get("load_from"))
         return
     save_after, losses = run.get("save_after"), []
     for step in range(run.get("steps", steps)):

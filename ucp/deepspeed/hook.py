@@ -125,6 +125,7 @@ from ucp.deepspeed.load_source import Source, box_numel, source_for
 from ucp.deepspeed.memory_tier import MemoryTier
 from ucp.deepspeed.placement import as_layout, place_by_layout
 from ucp.deepspeed.readers import assign_readers
+from ucp.deepspeed.save_layout import mpu_tp_size
 from ucp.deepspeed.targets import OPTIMIZER_STATES, Target, TargetTensor, module_aliases, target_for
 from ucp.elastic.ranks import layout as elastic_layout
 from ucp.elastic.ranks import spare_loop
@@ -273,6 +274,10 @@ def _load(engine: DeepSpeedEngine, path: Location, bypass: bool, load_optimizer_
         model_names = None
         if layout is not None:
             model_names = _place(engine, target, layout, param_table)
+        elif mpu_tp_size(engine) > 1:
+            raise UnsupportedLayoutError(f"ucp.deepspeed.load cannot load {path} into a PipelineModule engine with a "
+                                         f"Megatron-style mpu at TP {mpu_tp_size(engine)} yet; load it at TP 1, or "
+                                         "pass layout= with the model's parameter table")
         state_names, kept = _check(ckpt, target, engine, load_optimizer_states, strict, model_names)
         steps = _saved_steps(ckpt, target) if load_optimizer_states else {}
         if load_lr_scheduler_states:
