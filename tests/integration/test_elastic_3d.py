@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from support.elastic_agents import ElasticJob, reached, read_losses
+from support.elastic_agents import ElasticJob, assert_same_losses, by_step, reached, read_losses
 from support.launch import run_torchrun
 from support.processes import wait_for
 
@@ -18,13 +18,6 @@ STEPS = 8
 # fp32, no dropout, the same global batch of 8: layouts sum the same gradients in another order (TP splits the
 # matmuls, DP the batch), so losses agree to rounding (~1e-7 relative a step, compounding over a few Adam steps).
 RTOL = 1e-6
-
-
-def by_step(records: list[dict]) -> dict[int, list[dict]]:
-    out: dict[int, list[dict]] = {}
-    for r in records:
-        out.setdefault(r["step"], []).append(r)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +36,7 @@ def reference(tmp_path_factory) -> tuple[dict[int, float], Path]:
 def assert_same_run(records: list[dict], reference: dict[int, float], steps: range) -> None:
     got = by_step(records)
     assert sorted(got) == list(steps), f"steps logged: {sorted(got)}"
-    for step, rows in got.items():
-        for r in rows:  # a step redone after a restart is the same step again
-            assert r["loss"] == pytest.approx(reference[step], rel=RTOL), (r, reference[step])
+    assert_same_losses(records, reference, RTOL)
 
 
 def test_lose_a_node_then_get_it_back_the_layout_follows(tmp_path, reference):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from support.elastic_agents import reached, read_losses
+from support.elastic_agents import assert_same_losses, first_losses, reached, read_losses
 from support.launch import run_torchrun
 from support.processes import kill_tree, wait_for
 from support.ray_nodes import Nodes
@@ -20,18 +20,11 @@ STEPS = 12
 RTOL = 1e-6  # as in test_elastic_torchrun: other world sizes sum gradients in another order
 
 
-def by_step(records: list[dict]) -> dict[int, list[float]]:
-    out: dict[int, list[float]] = {}
-    for r in records:
-        out.setdefault(r["step"], []).append(r["loss"])
-    return out
-
-
 def test_lose_a_node_and_get_it_back(tmp_path, tmp_path_factory):
     reference = tmp_path / "reference.jsonl"   # the uninterrupted run: its losses do not depend on the world size
     run_torchrun(EXAMPLES / "torchrun" / "train.py", ["--save-dir", tmp_path / "ref", "--steps", STEPS,
                                                       "--losses-out", reference], 2, tmp_path / "reference.log")
-    expected = {s: v[0] for s, v in by_step(read_losses(reference)).items()}
+    expected = first_losses(reference)
 
     nodes = Nodes(tmp_path_factory.mktemp("r"))  # short: Ray's socket paths under it stay below 108 bytes
     losses, storage = tmp_path / "losses.jsonl", tmp_path / "storage"
@@ -56,9 +49,7 @@ def test_lose_a_node_and_get_it_back(tmp_path, tmp_path_factory):
     records = read_losses(losses)
     assert [r["world"] for r in records][0] == 3 and {r["world"] for r in records} == {2, 3}
     assert max(r["step"] for r in records) == STEPS
-    for step, values in by_step(records).items():
-        for loss in values:
-            assert loss == pytest.approx(expected[step], rel=RTOL), (step, loss, expected[step])
+    assert_same_losses(records, expected, RTOL)
     log = (tmp_path / "driver.log").read_text()
     assert f"checkpoint {storage}/ucp-elastic/ucp/global_step" in log   # Ray's own record of the last checkpoint
     assert "ucp: restart 3 -> 2 ranks" in log and "ucp: restart 2 -> 3 ranks" in log

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from support.elastic_agents import ElasticJob, reached, read_losses
+from support.elastic_agents import ElasticJob, assert_same_losses, by_step, first_losses, reached, read_losses
 from support.launch import run_torchrun
 from support.processes import wait_for
 
@@ -17,13 +17,6 @@ STEPS = 16
 # fp32, no dropout: runs at different world sizes sum the same gradients in another order, so losses agree to
 # rounding (~1e-7 relative per step, compounding over a few Adam steps), not to the bit.
 RTOL = 1e-6
-
-
-def by_step(records: list[dict]) -> dict[int, list[float]]:
-    out: dict[int, list[float]] = {}
-    for r in records:
-        out.setdefault(r["step"], []).append(r["loss"])
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +30,7 @@ def reference(tmp_path_factory):
             losses = tmp / "losses.jsonl"
             run_torchrun(EXAMPLE, ["--save-dir", tmp / "ckpt", "--steps", STEPS, "--stage", stage, "--global-batch",
                                    global_batch, "--losses-out", losses], 4, tmp / "log")
-            memo[stage, global_batch] = {s: v[0] for s, v in by_step(read_losses(losses)).items()}
+            memo[stage, global_batch] = first_losses(losses)
         return memo[stage, global_batch]
 
     return make
@@ -47,9 +40,7 @@ def assert_same_run(records: list[dict], reference: dict[int, float]) -> None:
     assert sorted(reference) == list(range(1, STEPS + 1))
     got = by_step(records)
     assert sorted(got) == sorted(reference), f"steps logged: {sorted(got)}"
-    for step, losses in got.items():
-        for loss in losses:  # a step redone after a restart is the same step again
-            assert loss == pytest.approx(reference[step], rel=RTOL), (step, loss, reference[step])
+    assert_same_losses(records, reference, RTOL)
 
 
 @pytest.mark.parametrize("stage, global_batch", [(1, 10), (3, 12)])
@@ -95,7 +86,6 @@ def test_without_elastic_batches_a_resume_at_another_size_is_another_run(tmp_pat
                  tmp_path / "log")
     run_torchrun(EXAMPLE, [*args, "--save-dir", tmp_path / "b", "--steps", 8, "--losses-out", resumed], 3,
                  tmp_path / "log")
-    uninterrupted = {s: v[0] for s, v in by_step(read_losses(whole)).items()}
-    got = by_step(read_losses(resumed))
-    assert all(got[s][0] == uninterrupted[s] for s in range(1, 5))
-    assert any(got[s][0] != pytest.approx(uninterrupted[s], rel=1e-3) for s in range(5, 9))
+    uninterrupted, got = first_losses(whole), first_losses(resumed)
+    assert all(got[s] == uninterrupted[s] for s in range(1, 5))
+    assert any(got[s] != pytest.approx(uninterrupted[s], rel=1e-3) for s in range(5, 9))

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from support.elastic_agents import ElasticJob, reached, read_losses
+from support.elastic_agents import ElasticJob, by_step, reached, read_losses
 from support.hf_runs import SAVE_STEP, accelerate_resume, accelerate_source, losses
 from support.launch import run_torchrun
 from support.processes import wait_for
@@ -27,13 +27,6 @@ STEPS, SAVE_STEPS, DIE_IN_SAVE = 10, 2, 4
 ARGS = ["--max-steps", STEPS, "--save-steps", SAVE_STEPS, "--save-total-limit", 2, "--global-batch", 5]
 # fp32, no dropout: other world sizes sum the same gradients in another order, ~1e-7 apart per step.
 RTOL = 1e-6
-
-
-def by_step(records: list[dict]) -> dict[int, list[dict]]:
-    out: dict[int, list[dict]] = {}
-    for r in records:
-        out.setdefault(r["step"], []).append(r)
-    return out
 
 
 @pytest.fixture(scope="module")

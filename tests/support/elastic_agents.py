@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import psutil
+import pytest
 
 from support.launch import ds_env, free_port
 from support.processes import kill_tree, wait_for
@@ -140,6 +141,27 @@ def read_losses(path: Path) -> list[dict]:
         except ValueError:  # a line being written
             pass
     return out
+
+
+def by_step(records: list[dict]) -> dict[int, list[dict]]:
+    """`records` by the step each is of, in the order logged (a step redone after a restart appears again)."""
+    out: dict[int, list[dict]] = {}
+    for r in records:
+        out.setdefault(r["step"], []).append(r)
+    return out
+
+
+def first_losses(path: Path) -> dict[int, float]:
+    """The loss of each step an uninterrupted run logged to `path`."""
+    return {step: rows[0]["loss"] for step, rows in by_step(read_losses(path)).items()}
+
+
+def assert_same_losses(records: list[dict], reference: dict[int, float], rtol: float) -> None:
+    """Every step `records` logged, redone ones included, has the reference run's loss within `rtol` (runs at
+    other world sizes or layouts sum the same gradients in another order: see each test's RTOL)."""
+    for step, rows in by_step(records).items():
+        for r in rows:  # a step redone after a restart is the same step again
+            assert r["loss"] == pytest.approx(reference[step], rel=rtol), (step, r, reference[step])
 
 
 def reached(path: Path, step: int, world: int | None = None):
