@@ -18,6 +18,7 @@ import zipfile
 from pathlib import Path
 
 from ucp.checkpoint import open_checkpoint
+from ucp.elastic.trainer_folders import first_complete
 from ucp.errors import UcpError
 
 NUMBERED = re.compile(r"(\d+)$")
@@ -45,13 +46,7 @@ def newest_complete(save_dir: str | os.PathLike[str]) -> tuple[Path | None, list
         return None, []
     numbered = sorted((int(m.group(1)), root / n) for n in os.listdir(root)
                       if (m := NUMBERED.search(n)) and (root / n).is_dir() and not (root / n).is_symlink())
-    passed: list[tuple[Path, str]] = []
-    for _, folder in reversed(numbered):
-        why = incomplete(folder)
-        if why is None:
-            return folder, passed
-        passed.append((folder, why))
-    return None, passed
+    return first_complete((folder for _, folder in reversed(numbered)), incomplete)
 
 
 def set_aside(folders: list[Path]) -> list[Path]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import zipfile
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from ucp.checkpoint import open_checkpoint
@@ -72,11 +73,18 @@ def incomplete(folder: Path) -> str | None:
 def newest_complete(output_dir: str | os.PathLike[str]) -> tuple[Path | None, list[tuple[Path, str]]]:
     """The newest complete `checkpoint-N` of `output_dir` (None: none is, or there is none), and each newer
     folder passed over with why."""
-    passed: list[tuple[Path, str]] = []
     root = Path(output_dir)
     if not root.is_dir():
-        return None, passed
-    for folder in reversed(checkpoint_folders(root)):
+        return None, []
+    return first_complete(reversed(checkpoint_folders(root)), incomplete)
+
+
+def first_complete(newest_first: Iterable[Path],
+                   incomplete: Callable[[Path], str | None]) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The first of `newest_first` that `incomplete` finds nothing wrong with (None: none), and each folder
+    before it passed over with why: what "auto" takes, for the Trainer's and for Accelerate's folders."""
+    passed: list[tuple[Path, str]] = []
+    for folder in newest_first:
         why = incomplete(folder)
         if why is None:
             return folder, passed
