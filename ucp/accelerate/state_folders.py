@@ -14,12 +14,9 @@ from __future__ import annotations
 
 import os
 import re
-import zipfile
 from pathlib import Path
 
-from ucp.checkpoint import open_checkpoint
-from ucp.elastic.trainer_folders import first_complete
-from ucp.errors import UcpError
+from ucp.elastic.trainer_folders import first_complete, opened_state
 
 NUMBERED = re.compile(r"(\d+)$")
 RNG_FILE = "random_states_{}.pkl"
@@ -27,10 +24,12 @@ RNG_FILE = "random_states_{}.pkl"
 
 def incomplete(folder: Path) -> str | None:
     """Why `folder` cannot be resumed from, or None."""
-    try:
-        source = open_checkpoint(folder).source
-        saved = int(source.get("dp", 1)) * int(source.get("tp", 1)) * int(source.get("pp", 1))
-    except (UcpError, OSError, ValueError, RuntimeError, EOFError, zipfile.BadZipFile) as exc:
+    ckpt, problem = opened_state(folder)
+    if ckpt is None:
+        return problem
+    try:  # the source's degrees are read, not computed: a bad one is a state that does not open
+        saved = int(ckpt.source.get("dp", 1)) * int(ckpt.source.get("tp", 1)) * int(ckpt.source.get("pp", 1))
+    except ValueError as exc:
         return f"its DeepSpeed state does not open ({exc})"
     missing = [RNG_FILE.format(i) for i in range(saved) if not (folder / RNG_FILE.format(i)).is_file()]
     if missing:

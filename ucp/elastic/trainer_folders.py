@@ -20,7 +20,7 @@ import zipfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from ucp.checkpoint import open_checkpoint
+from ucp.checkpoint import Checkpoint, open_checkpoint
 from ucp.converters.trainer_folders import CHECKPOINT_RE, checkpoint_folders
 from ucp.errors import UcpError
 from ucp.format.folder import INDEX_NAME, LATEST_NAME
@@ -63,11 +63,15 @@ def incomplete(folder: Path) -> str | None:
     step = state.get("global_step") if isinstance(state, dict) else None
     if match is not None and step != int(match.group(1)):
         return f"its {TRAINER_STATE} records step {step!r}, not {match.group(1)}"
+    return opened_state(folder)[1]
+
+
+def opened_state(folder: Path) -> tuple[Checkpoint | None, str | None]:
+    """The checkpoint in `folder` (DeepSpeed's plan of every rank file, or the ucp index), or why it does not open."""
     try:
-        open_checkpoint(folder)  # DeepSpeed's plan of every rank file, or the ucp index
+        return open_checkpoint(folder), None
     except (UcpError, OSError, ValueError, RuntimeError, EOFError, zipfile.BadZipFile) as exc:
-        return f"its DeepSpeed state does not open ({exc})"
-    return None
+        return None, f"its DeepSpeed state does not open ({exc})"
 
 
 def newest_complete(output_dir: str | os.PathLike[str]) -> tuple[Path | None, list[tuple[Path, str]]]:
