@@ -1,8 +1,9 @@
 """SIGKILL at random moments of `ucp convert`, `ucp export` and a training job's asynchronous saves.
-
 The moments are drawn from a seeded generator over the length of a clean run, so every run of the suite
-tries the same spread of them. Whatever the moment: no process is left behind, nothing half-written looks
-complete, and what is committed is whole (an export equal to a clean one; a `latest` that verifies and loads).
+tries the same spread of them; an export's moments are stratified (one in each equal slice of the run), so
+fewer kills still reach from start-up to past the commit. Whatever the moment: no process is left behind,
+nothing half-written looks complete, and what is committed is whole (an export equal to a clean one; a
+`latest` that verifies and loads).
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from ucp.format.folder import INDEX_NAME
 pytestmark = pytest.mark.slow
 
 CONVERT_KILLS = 6
-EXPORT_KILLS = 6
+EXPORT_KILLS = 4
 SAVE_KILLS = 3
 
 
@@ -80,6 +81,12 @@ def kill_tree(proc: subprocess.Popen) -> list[int]:
     return [p.pid for p in family]
 
 
+def stratified(rng: random.Random, i: int, n: int, low: float, high: float) -> float:
+    """A moment drawn from the i-th of n equal slices of [low, high]: n kills cover the whole range."""
+    width = (high - low) / n
+    return rng.uniform(low + i * width, low + (i + 1) * width)
+
+
 def files_of(folder: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
 
@@ -119,7 +126,7 @@ def test_an_export_killed_at_any_moment_leaves_nothing_that_looks_complete(llama
     for i in range(EXPORT_KILLS):
         out = tmp_path / f"out{i}"
         proc = subprocess.Popen(export_command(llama_ckpt, out, to))
-        time.sleep(rng.uniform(0.2, length * 1.2))  # from start-up to past a clean run's end
+        time.sleep(stratified(rng, i, EXPORT_KILLS, 0.2, length * 1.2))  # from start-up to past a clean run's end
         pids = kill_tree(proc)
         wait_for(lambda: all(gone(pid) for pid in pids), timeout=30, what="every process of the export to end")
         if out.is_dir() and any(out.iterdir()):  # committed before the kill: whole, equal to the clean export

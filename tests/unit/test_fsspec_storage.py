@@ -179,16 +179,16 @@ def test_writes_make_the_folders_a_file_system_needs_but_never_a_bucket(tmp_path
     """fsspec's local filesystem (under `local://`) wants a file's folder to exist, as HDFS does: a write makes it.
     Its URL's netloc plays a bucket's part: a missing one is refused, not created (gcsfs would create a bucket)."""
     from ucp.errors import StorageAccessError
-    from ucp.format.storage import put_bytes, read_small
+    from ucp.format.storage import read_small, write_whole
 
     target = location(f"local://{tmp_path}/new/sub/ucp_index.json")
-    put_bytes(target, b"{}")
+    write_whole(target, b"{}")
     assert (tmp_path / "new" / "sub" / "ucp_index.json").read_bytes() == b"{}" == read_small(target)
     monkeypatch.chdir(tmp_path)
     with pytest.raises(StorageAccessError, match="'nobucket' does not exist") as info:
-        put_bytes(location("local://nobucket/run1/latest"), b"x")
+        write_whole(location("local://nobucket/run1/latest"), b"x")
     assert "\n" not in str(info.value) and not (tmp_path / "nobucket").exists()
-    put_bytes(location("local://new/run1/latest"), b"x")  # control: an existing one takes the folders it needs
+    write_whole(location("local://new/run1/latest"), b"x")  # control: an existing one takes the folders it needs
     assert (tmp_path / "new" / "run1" / "latest").read_bytes() == b"x"
 
 
@@ -228,3 +228,52 @@ def test_an_unknown_protocol_is_refused_in_one_line(url):
     with pytest.raises(UnsupportedStorageError, match="no protocol fsspec knows") as info:
         location(url)
     assert "\n" not in str(info.value)
+
+
+def test_an_upload_shared_by_writers_is_one_whole_part_on_fsspec(tmp_path):
+    """The calls an asynchronous save uploads through (`storage.start_upload` ... `complete_upload`) are S3's
+    multipart upload there, and here one part per file written whole by its uploader: the save's code is the same
+    for both (`ucp.deepspeed.object_save`); a part that is not the whole file is refused, and an abort removes
+    what the upload wrote."""
+    from ucp.errors import StorageAccessError
+    from ucp.format import storage
+
+    folder = location(f"memory://uploads-{uuid.uuid4().hex}/run1/global_step1")
+    source = tmp_path / "data.bin"
+    source.write_bytes(bytes(range(256)) * 5)
+    assert storage.part_bytes(folder) is None
+    target = folder / "data-00000-of-00001.safetensors"
+    upload = storage.start_upload(target)
+    with pytest.raises(StorageAccessError, match="written whole"):
+        storage.upload_parts(source, target, upload, [(1, 0, 640), (2, 640, 1280)])
+    parts = storage.upload_parts(source, target, upload, [(1, 0, 1280)])
+    storage.complete_upload(target, upload, parts)
+    assert storage.read_small(target) == source.read_bytes()
+    storage.abort_upload(target, upload)
+    assert storage.read_small(target) is None
+
+
+def test_deletes_and_locks_take_any_location(tmp_path):
+    """`storage.delete`, `delete_tree` and the readers' locks work on a local folder and a prefix alike, so
+    retention (`"keep"`) asks no caller which it holds; a held shared lock keeps the exclusive one from a remover
+    (negative control: released, it is free), and an object store, which has no locks, is always free."""
+    from ucp.format import storage
+
+    local = tmp_path / "global_step1"
+    local.mkdir()
+    (local / "a").write_bytes(b"a")
+    prefix = location(f"memory://locks-{uuid.uuid4().hex}/run1/global_step1")
+    storage.write_whole(prefix / "a", b"a")
+    for folder in (local, prefix):
+        with storage.shared_lock(folder.parent / ".lock"):
+            with storage.exclusive_lock(folder.parent / ".lock") as free:
+                assert free is isinstance(folder, ObjectPath)
+        with storage.exclusive_lock(folder.parent / ".lock") as free:
+            assert free
+        storage.delete(folder / "a")
+        storage.delete(folder / "a")  # none there: no error
+        assert storage.read_small(folder / "a") is None
+        storage.write_whole(folder / "b", b"b")
+        storage.delete_tree(folder)
+        assert storage.list_names(folder) == []
+    assert not local.exists() and not (tmp_path / ".lock").exists()

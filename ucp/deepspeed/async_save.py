@@ -327,11 +327,11 @@ class Saver:
         """`_write` into an object store (`ucp.deepspeed.object_save`): stage, exchange the bytes of shared parts,
         upload each rank's parts, then rank 0 completes the uploads and writes the index object, then `latest`.
         On a store without S3's multipart uploads (another fsspec protocol) each file is one part, written whole
-        by its uploader. Every rank takes the same branch at each collective, whatever failed where."""
+        by its uploader (`storage.part_bytes`). Every rank takes the same branch at each collective, whatever
+        failed where."""
         from ucp.deepspeed import object_save
 
         tag_dir, files, me = save_dir / tag, prepared.files.files, self.ranks.index(self.rank)
-        multipart = object_save.multipart(save_dir)
         step = object_save.part_size(save_dir, files)
         staging, written, error = None, None, None
         uploads: dict[str, str] = {}
@@ -353,7 +353,7 @@ class Saver:
             error = error or next((e for e, _ in got if e), None)  # every rank knows whether any failed
             if error is None and staging is not None:  # staged (no error) on every rank
                 opened: dict[str, str] | str = {}
-                if self.leader and multipart:
+                if self.leader:
                     try:
                         opened = object_save.open_uploads(save_dir, tag_dir, files)
                     except Exception as exc:
@@ -365,8 +365,7 @@ class Saver:
                     uploads = dict(opened)
                     try:
                         object_save.write_ranges(staging, [piece for _, theirs in got for piece in theirs])
-                        etags = (object_save.upload_mine(staging, tag_dir, uploads, parts, me) if multipart else
-                                 object_save.write_mine(staging, tag_dir, parts, me))
+                        etags = object_save.upload_mine(staging, tag_dir, uploads, parts, me)
                     except Exception as exc:
                         error = f"rank {self.rank}: {type(exc).__name__}: {exc}"
             report: RankReport = (None, error) if error is not None or written is None else (

@@ -15,9 +15,11 @@ Other fsspec filesystems (`gs://`, `az://`, `hdfs://`, ...) have no multipart up
 share, so there each data file is one part: the rank that holds most of its bytes receives the others' bytes of
 it in the same all-to-all and writes the file whole. Under ZeRO-1/2 a file's bytes mostly come from one rank
 (each rank's partition is one run of every state), so little moves; under ZeRO-3 every tensor is spread over
-all ranks, and (N-1)/N of each file goes through the group before its write. A failed save leaves data
-objects but no index, so it is never taken for a checkpoint; `"keep"` removes them once a newer checkpoint is
-committed.
+all ranks, and (N-1)/N of each file goes through the group before its write. Both go through the same calls
+of the storage layer (`storage.start_upload`, `upload_parts`, `complete_upload`, `abort_upload`): only the part
+size differs (`storage.part_bytes`). A failed save aborts its uploads (a file written whole is deleted); what a
+writer killed outright leaves has no index, so it is never taken for a checkpoint, and `"keep"` removes it
+once a newer checkpoint is committed.
 """
 from __future__ import annotations
 
@@ -34,19 +36,10 @@ from ucp.format import storage
 from ucp.format.locations import ObjectPath
 
 
-def multipart(save_dir: ObjectPath) -> bool:
-    """Whether the ranks upload parts of a file to one S3 multipart upload (s3://), or each file is written whole
-    by one rank (any other fsspec protocol)."""
-    return save_dir.scheme == "s3"
-
-
 def part_size(save_dir: ObjectPath, files: Sequence[SaveFile]) -> int:
-    """The part size of `plan_parts`: S3's (`UCP_S3_PART_BYTES`), else the largest file (one part a file)."""
-    if multipart(save_dir):
-        from ucp.format.object_store import part_bytes
-
-        return part_bytes()
-    return max(f.size for f in files)
+    """The part size of `plan_parts`: the store's (S3's `UCP_S3_PART_BYTES`), else the largest file (one part a
+    file, `storage.part_bytes`)."""
+    return storage.part_bytes(save_dir) or max(f.size for f in files)
 
 
 def staging_dir() -> Path:
@@ -72,15 +65,13 @@ def write_ranges(staging: Path, pieces: Sequence[tuple[str, int, bytes]]) -> Non
 
 
 def open_uploads(save_dir: ObjectPath, tag_dir: ObjectPath, files: Sequence[SaveFile]) -> dict[str, str]:
-    """Abort what an earlier save killed outright left open under `save_dir`, then open one multipart upload
-    per data file of this save; {file: upload id}. On failure the ones opened are aborted."""
-    from ucp.format import object_store
-
-    object_store.abort_uploads(save_dir)
+    """Abort what an earlier save killed outright left open under `save_dir`, then open one upload per data file
+    of this save; {file: upload id}. On failure the ones opened are aborted."""
+    storage.abort_uploads(save_dir)
     uploads: dict[str, str] = {}
     try:
         for f in files:
-            uploads[f.name] = object_store.start_upload(tag_dir / f.name)
+            uploads[f.name] = storage.start_upload(tag_dir / f.name)
     except BaseException:
         abort(tag_dir, uploads)
         raise
@@ -90,33 +81,19 @@ def open_uploads(save_dir: ObjectPath, tag_dir: ObjectPath, files: Sequence[Save
 def upload_mine(staging: Path, tag_dir: ObjectPath, uploads: dict[str, str], parts: Sequence[Part], me: int
                 ) -> list[tuple[str, int, str]]:
     """Upload the parts this rank uploads from its staging copy, in parallel; (file, part number, ETag) each."""
-    from ucp.format import object_store
-
     done = []
     for name in sorted({p.file for p in parts if p.uploader == me}):
         mine = [(p.number, p.begin, p.end) for p in parts if p.file == name and p.uploader == me]
-        got = object_store.upload_parts(partial_path(staging, name), tag_dir / name, uploads[name], mine)
+        got = storage.upload_parts(partial_path(staging, name), tag_dir / name, uploads[name], mine)
         done += [(name, int(g["PartNumber"]), str(g["ETag"])) for g in got]
-    return done
-
-
-def write_mine(staging: Path, tag_dir: ObjectPath, parts: Sequence[Part], me: int) -> list[tuple[str, int, str]]:
-    """Write whole each file this rank is the uploader of (its only part), from its staging copy, which holds the
-    other ranks' bytes of it by now; (file, 1, "") each, as `upload_mine` reports parts."""
-    done = []
-    for part in parts:
-        if part.uploader == me:
-            storage.upload_file(partial_path(staging, part.file), tag_dir / part.file)
-            done.append((part.file, part.number, ""))
     return done
 
 
 def complete(tag_dir: ObjectPath, uploads: dict[str, str], etags: Sequence[tuple[str, int, str]],
              parts: Sequence[Part]) -> None:
-    """Check that the ranks reported every part of every file, then complete each file's multipart upload (none
-    open where files were written whole); the data objects appear."""
+    """Check that the ranks reported every part of every file, then complete each file's upload; the data
+    objects appear."""
     from ucp.errors import SaveError
-    from ucp.format import object_store  # boto3 only at its first request: none where files were written whole
 
     reported: dict[str, list[dict[str, Any]]] = {}
     for name, number, etag in etags:
@@ -127,18 +104,16 @@ def complete(tag_dir: ObjectPath, uploads: dict[str, str], etags: Sequence[tuple
             raise SaveError(f"{tag_dir / name}: the ranks uploaded parts {sorted(reported.get(name, []), key=str)}"
                             f" of {len(expected)}; every rank must save the same model")
     for name, upload in list(uploads.items()):
-        object_store.complete_upload(tag_dir / name, upload, reported[name])
+        storage.complete_upload(tag_dir / name, upload, reported[name])
         del uploads[name]  # completed: nothing left to abort
 
 
 def abort(tag_dir: ObjectPath, uploads: dict[str, str]) -> None:
     """Abort the uploads still open (best effort: the save's own error says what went wrong, and the next save
     aborts whatever is still open under the save folder)."""
-    from ucp.format import object_store
-
     for name, upload in uploads.items():
         try:
-            object_store.abort_upload(tag_dir / name, upload)
+            storage.abort_upload(tag_dir / name, upload)
         except Exception:  # noqa: BLE001, S110  # see the docstring
             pass
     uploads.clear()

@@ -24,10 +24,9 @@ from dataclasses import dataclass
 
 from ucp.errors import UcpError
 from ucp.format.fields import Fields
-from ucp.format.folder import write_whole
 from ucp.format.index import MAX_STEP
 from ucp.format.locations import Location, ObjectPath
-from ucp.format.storage import read_json
+from ucp.format.storage import read_json, write_whole
 
 PROGRESS_NAME = "ucp_progress.json"
 PROGRESS_MAX_BYTES = 4096  # three numbers

@@ -24,7 +24,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import shutil
 
 from ucp.errors import CorruptCheckpointError, UcpError
 from ucp.format.fields import Fields
@@ -114,17 +113,12 @@ def prune(save_dir: str | os.PathLike[str] | ObjectPath, keep: int) -> list[Loca
     for tag in doomed:
         if tag.name == latest:
             continue
-        if isinstance(tag, ObjectPath):  # no readers' locks in an object store: uncommit, then delete
-            delete(tag / INDEX_NAME)
-            delete_tree(tag)
-            removed.append(tag)
-            continue
-        with locked_for_removal(tag) as free:
+        with locked_for_removal(tag) as free:  # free at once in an object store, which has no readers' locks
             if not free:
                 logger.info("ucp: keeping %s: a reader holds it", tag)
                 continue
-            (tag / INDEX_NAME).unlink(missing_ok=True)
-            shutil.rmtree(tag, ignore_errors=True)
+            delete(tag / INDEX_NAME)  # uncommitted first
+            delete_tree(tag)
         removed.append(tag)
     return removed
 

@@ -9,7 +9,6 @@ one request, so a checkpoint is committed by the order its objects are written i
 """
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 from collections.abc import Iterator
@@ -24,11 +23,12 @@ from ucp.errors import (
 )
 from ucp.format.index import Index, index_json, parse_index
 from ucp.format.locations import Location, ObjectPath, local_only, location
-from ucp.format.storage import is_file, list_names, put_bytes, read_small
+from ucp.format.storage import PARTIAL_SUFFIX as PARTIAL_SUFFIX  # re-exported: the format's names live here
+from ucp.format.storage import exclusive_lock, is_file, list_names, read_small, shared_lock, write_whole
+from ucp.format.storage import fsync_dir as fsync_dir
 
 INDEX_NAME = "ucp_index.json"
 DATA_PREFIX = "data-"
-PARTIAL_SUFFIX = ".partial"
 LATEST_NAME = "latest"
 LATEST_MAX_BYTES = 4096  # a tag name; DeepSpeed writes e.g. "global_step1000"
 # The largest index read ($UCP_INDEX_MAX_BYTES): parsing costs about 7x its size in memory, so a hostile one is
@@ -54,26 +54,6 @@ def tensor_key(name: str, state: str) -> str:
 def is_ucp_file(name: str) -> bool:
     """Whether ucp itself writes files of this name into a checkpoint directory."""
     return name == INDEX_NAME or name.startswith(DATA_PREFIX) or name.startswith(INDEX_NAME)
-
-
-def write_whole(path: Location, data: bytes, durable: bool = True) -> None:
-    """Write file `path` so that a reader sees its old bytes or the new ones, never a part: in an object store
-    one PUT (so an index or `latest` commits by being written after every object it names: docs/FORMAT.md,
-    "Object storage"); locally a temporary file renamed over it, with `durable` fsynced first and the folder
-    after."""
-    if isinstance(path, ObjectPath):
-        put_bytes(path, data)
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + PARTIAL_SUFFIX)
-    with open(tmp, "wb") as f:
-        f.write(data)
-        if durable:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
-    if durable:
-        fsync_dir(path.parent)
 
 
 def commit_index(directory: str | os.PathLike[str] | ObjectPath, index: Index) -> Location:
@@ -141,7 +121,7 @@ def check_tag(tag: str) -> str:
     return tag
 
 
-def _lock_path(directory: Path) -> Path:
+def _lock_path(directory: Location) -> Location:
     """The lock file of a tag folder: beside it, so that reading never writes into a checkpoint."""
     return directory.parent / f".{directory.name}.lock"
 
@@ -152,50 +132,15 @@ def reading(directory: str | os.PathLike[str] | ObjectPath) -> Iterator[None]:
 
     Where the lock cannot be taken (a read-only folder, an object store, which has no locks), the read goes on
     without it."""
-    place = location(directory)
-    if isinstance(place, ObjectPath):
+    with shared_lock(_lock_path(location(directory))):
         yield
-        return
-    try:
-        fd = os.open(_lock_path(place), os.O_RDONLY | os.O_CREAT, 0o644)
-    except OSError:
-        yield
-        return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH)
-        yield
-    finally:
-        os.close(fd)
 
 
 @contextmanager
-def locked_for_removal(directory: str | os.PathLike[str]) -> Iterator[bool]:
+def locked_for_removal(directory: Location) -> Iterator[bool]:
     """Whether no reader holds `directory` (`reading`); while True, none can start until the block ends."""
-    lock = _lock_path(Path(directory))
-    try:
-        fd = os.open(lock, os.O_RDONLY | os.O_CREAT, 0o644)
-    except OSError:
-        yield True
-        return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        yield False
-        return
-    try:
-        yield True
-        lock.unlink(missing_ok=True)
-    finally:
-        os.close(fd)
-
-
-def fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    with exclusive_lock(_lock_path(directory)) as free:
+        yield free
 
 
 def index_max_bytes() -> int:

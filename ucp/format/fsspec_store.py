@@ -311,6 +311,36 @@ def copy(source: ObjectPath, target: ObjectPath) -> None:
     _writing(target, f"copying {source} to it", lambda fs, p: fs.copy(_fs(source)[1], p))
 
 
+def part_bytes() -> None:
+    """None: an fsspec filesystem has no upload several writers share (S3's multipart is `object_store`'s), so a
+    file goes up whole, as the one part of its upload."""
+    return None
+
+
+def start_upload(path: ObjectPath) -> str:
+    """"": nothing to open; the one part's upload writes the file (`upload_parts`)."""
+    return ""
+
+
+def upload_parts(source: Path, path: ObjectPath, upload: str, parts: Sequence[tuple[int, int, int]]
+                 ) -> list[dict[str, Any]]:
+    """Write `source` whole to `path`: the one part (1, 0, its size) a file has here (`part_bytes`)."""
+    nbytes = source.stat().st_size
+    if list(parts) != [(1, 0, nbytes)]:
+        raise StorageAccessError(f"{path}: written whole here, as part (1, 0, {nbytes}); got parts {list(parts)}")
+    upload_file(source, path)
+    return [{"PartNumber": 1, "ETag": ""}]
+
+
+def complete_upload(path: ObjectPath, upload: str, parts: Sequence[dict[str, Any]]) -> None:
+    """Nothing to complete: the file was written whole by its part's upload."""
+
+
+def abort_upload(path: ObjectPath, upload: str) -> None:
+    """Remove what the upload wrote, if anything."""
+    delete(path)
+
+
 def abort_uploads(prefix: ObjectPath) -> int:
     """0: a filesystem's uploads are its own; none is left open under `prefix` for ucp to abort."""
     return 0

@@ -7,24 +7,35 @@ take the local fast path (`fileio`: positional reads into the caller's buffer, n
 the URL's scheme (`_store`): `object_store` for s3:// (which alone imports boto3, on first use), `fsspec_store` for
 every other protocol (which alone imports fsspec). The interface is small: ranged reads into a
 caller's buffer, the size of a file, whole small files, list, delete, writes at offsets into local files
-(`write_ranges`: the host-memory tier's copies in /dev/shm, staging copies), and writes that commit by order
-(`put_bytes` for the index and `latest`, written last; `upload_file` for data, multipart when large).
+(`write_ranges`: the host-memory tier's copies in /dev/shm, staging copies), writes that commit by order
+(`write_whole` for the index and `latest`, written last; `upload_file` for data, multipart when large), uploads
+several writers fill by parts (`start_upload` ... `complete_upload`), and readers' locks (`shared_lock`; an object
+store has none). Callers never ask which kind of location they hold.
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
-from collections.abc import Sequence
+import shutil
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError
 from ucp.format.fileio import ReadCounter, open_regular, read_exactly, read_regular, write_exactly
 from ucp.format.locations import Location, ObjectPath
 
+PARTIAL_SUFFIX = ".partial"  # a file being written under its final name plus this, renamed when whole
+
 
 class Store(Protocol):
-    """What a backend module gives for `ObjectPath`s (`object_store`, `fsspec_store`); errors are one line."""
+    """What a backend module gives for `ObjectPath`s (`object_store`, `fsspec_store`); errors are one line.
+
+    Uploads several writers share: a file goes up in parts of `part_bytes()` (None: one part, the whole file),
+    each (number, begin, end) of a local copy by whichever writer holds it, into an upload `start_upload` opened;
+    the object appears at `complete_upload`, and `abort_upload` leaves nothing of it behind."""
 
     def size(self, path: ObjectPath) -> int | None: ...
     def read_object(self, path: ObjectPath, limit: int | None = None) -> bytes | None: ...
@@ -39,6 +50,12 @@ class Store(Protocol):
     def delete(self, path: ObjectPath) -> None: ...
     def remove_folder(self, folder: ObjectPath) -> None: ...
     def copy(self, source: ObjectPath, target: ObjectPath) -> None: ...
+    def part_bytes(self) -> int | None: ...
+    def start_upload(self, path: ObjectPath) -> str: ...
+    def upload_parts(self, source: Path, path: ObjectPath, upload: str, parts: Sequence[tuple[int, int, int]]
+                     ) -> list[dict[str, Any]]: ...
+    def complete_upload(self, path: ObjectPath, upload: str, parts: Sequence[dict[str, Any]]) -> None: ...
+    def abort_upload(self, path: ObjectPath, upload: str) -> None: ...
 
 
 def _store(path: ObjectPath) -> Store:
@@ -119,7 +136,7 @@ def read_ranges(reads: Sequence[tuple[Location, int, memoryview]], counter: Read
 def write_ranges(writes: Sequence[tuple[Path, int, bytes | memoryview]], sync: bool = False) -> None:
     """Write each (local file, offset, bytes) in place, creating a missing file (sparse: a node's memory copy, a
     staging copy of data files being uploaded); then fsync each file when `sync`. Object storage takes no
-    writes at offsets: it is written by whole objects and multipart uploads (`upload_file`, `put_bytes`)."""
+    writes at offsets: it is written by whole objects and multipart uploads (`upload_file`, `write_whole`)."""
     fds: dict[Path, int] = {}
     try:
         for path, offset, data in writes:
@@ -167,10 +184,32 @@ def list_names(folder: Location) -> list[str]:
     return os.listdir(folder) if folder.is_dir() else []
 
 
-def put_bytes(path: ObjectPath, data: bytes) -> None:
-    """Write the object `path` in one request: visible whole or not at all, so the index and `latest` commit by
-    being written after every object they name (docs/FORMAT.md, "Object storage")."""
-    _store(path).put_bytes(path, data)
+def write_whole(path: Location, data: bytes, durable: bool = True) -> None:
+    """Write file `path` so that a reader sees its old bytes or the new ones, never a part: in an object store
+    one PUT (so an index or `latest` commits by being written after every object it names: docs/FORMAT.md,
+    "Object storage"); locally a temporary file renamed over it, with `durable` fsynced first and the folder
+    after."""
+    if isinstance(path, ObjectPath):
+        _store(path).put_bytes(path, data)
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + PARTIAL_SUFFIX)
+    with open(tmp, "wb") as f:
+        f.write(data)
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+    if durable:
+        fsync_dir(path.parent)
+
+
+def fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def upload_file(source: Path, path: ObjectPath) -> None:
@@ -183,8 +222,40 @@ def abort_uploads(prefix: ObjectPath) -> int:
     return _store(prefix).abort_uploads(prefix)
 
 
-def delete(path: ObjectPath) -> None:
-    _store(path).delete(path)
+def delete(path: Location) -> None:
+    """Delete file `path`; none there is no error."""
+    if isinstance(path, ObjectPath):
+        _store(path).delete(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def part_bytes(folder: ObjectPath) -> int | None:
+    """The size of the parts of an upload several writers share under `folder` (S3's multipart), or None where a
+    file goes up whole, as one part (`Store`)."""
+    return _store(folder).part_bytes()
+
+
+def start_upload(path: ObjectPath) -> str:
+    """Open an upload of `path` that writers fill by parts; its id (`Store`)."""
+    return _store(path).start_upload(path)
+
+
+def upload_parts(source: Path, path: ObjectPath, upload: str, parts: Sequence[tuple[int, int, int]]
+                 ) -> list[dict[str, Any]]:
+    """Upload each (part number, begin, end) of local file `source` as that part of `upload`, in parallel; each
+    part's {"PartNumber", "ETag"} for `complete_upload`."""
+    return _store(path).upload_parts(source, path, upload, parts)
+
+
+def complete_upload(path: ObjectPath, upload: str, parts: Sequence[dict[str, Any]]) -> None:
+    """Complete `upload` from every writer's reported parts: the object `path` appears."""
+    _store(path).complete_upload(path, upload, parts)
+
+
+def abort_upload(path: ObjectPath, upload: str) -> None:
+    """Abort `upload`: nothing of it is left behind."""
+    _store(path).abort_upload(path, upload)
 
 
 def list_folders(folder: Location) -> list[str]:
@@ -197,8 +268,12 @@ def list_folders(folder: Location) -> list[str]:
     return [p.name for p in folder.iterdir() if p.is_dir() and not p.is_symlink()]
 
 
-def delete_tree(folder: ObjectPath) -> None:
-    """Delete every object under prefix `folder`, then the folder itself where the storage keeps folders."""
+def delete_tree(folder: Location) -> None:
+    """Delete every file under `folder` (every object under the prefix), then the folder itself where the
+    storage keeps folders; best effort locally (what cannot be removed stays, as `rm -rf` leaves it)."""
+    if not isinstance(folder, ObjectPath):
+        shutil.rmtree(folder, ignore_errors=True)
+        return
     store = _store(folder)
     for name in store.list_tree(folder):
         store.delete(folder / name)
@@ -221,3 +296,45 @@ def move_tree(source: Location, target: Location, last: str) -> None:
     for name in reversed(names):
         store.delete(source / name)
     store.remove_folder(source)
+
+
+@contextmanager
+def shared_lock(lock: Location) -> Iterator[None]:
+    """Hold a shared lock on file `lock` (made if missing) while the block runs. Where none can be taken (an
+    object store has no locks; a read-only folder) the block runs without it."""
+    if isinstance(lock, ObjectPath) or (fd := _open_lock(lock)) is None:
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def exclusive_lock(lock: Location) -> Iterator[bool]:
+    """Whether no `shared_lock` holds `lock` (asked without waiting); while True none can start until the block
+    ends, and the lock file is removed then. True where there are no locks (an object store) or none can be
+    taken."""
+    if isinstance(lock, ObjectPath) or (fd := _open_lock(lock)) is None:
+        yield True
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        yield False
+        return
+    try:
+        yield True
+        lock.unlink(missing_ok=True)
+    finally:
+        os.close(fd)
+
+
+def _open_lock(lock: Path) -> int | None:
+    try:
+        return os.open(lock, os.O_RDONLY | os.O_CREAT, 0o644)
+    except OSError:
+        return None
