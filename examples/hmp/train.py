@@ -161,6 +161,8 @@ def train_deepspeed(args: argparse.Namespace, layout: Layout, shares: tuple[int,
     engine, _, _, _ = ucp.deepspeed.initialize(model=model, optimizer=optimizer, config=config, mpu=mpu)
     where = layout.placement(rank)
     dataset = Sequences(cfg)
+    if args.sync != "off":
+        batch = engine.ucp_hmp.batch  # the "hmp" section's, as ucp.deepspeed.initialize read it
     sampler = ElasticBatchSampler.for_replica(dataset, batch, where.replica, shuffle=True, seed=args.seed)
     first = mpu.tp_ranks[0] == rank
     summed = 0.0

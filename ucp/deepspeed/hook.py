@@ -65,6 +65,9 @@ committed, and runs at exit too; see `ucp.deepspeed.async_save`). The `"ucp"` co
   describe. Each rank's module holds the slices the layout gives it (shapes of those slices) and
   exposes the whole model's `ucp_param_table`; every rank reads exactly its slices
   (`ucp.deepspeed.placement`).
+* `hmp` (dict): `{"global_batch": B, "micro_batch": m, "shares": [...]}` with a `layout`: train on it. Each
+  engine gets one replica's batch keys, and the gradient sync across replicas of unequal TP size runs
+  inside `engine.step` (`ucp.deepspeed.hmp_sync`; `engine.ucp_hmp.batch` serves the sampler and loss weights).
 
 Loading is layer by layer: a rank holds its own shard plus one batch of a layer's states at a time
 (`BATCH_BYTES`, or one state larger than that; with `check_first`, plus up to `check_keep_bytes` of what
