@@ -111,15 +111,23 @@ class TPModel(torch.nn.Module):
         if len(layout.replicas[where.replica].stages) != 1:
             raise ValueError("TPModel runs one pipeline stage per replica")
         self.cfg, self.group, self.tp = cfg, group, where.tp_size
-        self.boxes = {n: s.box for n, s in layout.rank_slices(rank, param_table(cfg)).items()}
-        self.weights = torch.nn.ParameterDict()
-        for name, box in self.boxes.items():
-            piece = weights[name][tuple(slice(a, b) for a, b in box)]
-            self.weights[name.replace(".", "/")] = torch.nn.Parameter(piece.clone())
+        self.ucp_param_table = param_table(cfg)  # the whole model's, for ucp.deepspeed
+        self.boxes = {n: s.box for n, s in layout.rank_slices(rank, self.ucp_param_table).items()}
+        for name, box in self.boxes.items():  # nested modules, so each parameter has the full model's name
+            *path, leaf = name.split(".")
+            owner: torch.nn.Module = self
+            for part in path:
+                if not hasattr(owner, part):
+                    owner.add_module(part, torch.nn.Module())
+                owner = getattr(owner, part)
+            param = torch.nn.Parameter(weights[name][tuple(slice(a, b) for a, b in box)].clone())
+            # Megatron's mark of a TP-cut tensor: DeepSpeed counts the others in its norms on TP rank 0 only
+            param.tensor_model_parallel = self.tp > 1 and tuple(box) != tuple((0, n) for n in weights[name].shape)
+            owner.register_parameter(leaf, param)
 
     def named_slices(self) -> dict[str, torch.nn.Parameter]:
         """The parameters by the full model's names (what `GradSync` and the param table call them)."""
-        return {name.replace("/", "."): p for name, p in self.weights.items()}
+        return dict(self.named_parameters())
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """The full vocabulary's logits, on every rank of the TP group."""

@@ -11,6 +11,11 @@ after each backward `ucp.hmp.grad_sync.GradSync` reduces every gradient across r
 weighted by the samples each replica computed, so each step is the homogeneous data-parallel step over
 the same global batch, and so are the losses. Rank 0 appends {"step": t, "loss": global mean loss} per
 optimizer step to `--losses-out`.
+
+With `--deepspeed` every rank runs a DeepSpeed engine (`--zero 0|1`, `--bf16`) built by
+`ucp.deepspeed.initialize` with `"ucp": {"layout": ..., "hmp": {"global_batch", "micro_batch", "shares"}}`:
+the sync then runs inside `engine.step` (`ucp.deepspeed.hmp_sync`), and the loop is DeepSpeed's own,
+`engine.backward(loss * sampler.loss_weight(n)); engine.step()`.
 """
 from __future__ import annotations
 
@@ -79,7 +84,7 @@ def main(args: argparse.Namespace) -> None:
     init_distributed("gloo" if args.device == "cpu" else "nccl")
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     if sum(tp_sizes) != world:
         raise ConfigError(f"--tp-sizes {args.tp_sizes} adds up to {sum(tp_sizes)} ranks, but torchrun started "
                           f"{world}; pass --nproc-per-node {sum(tp_sizes)}")
@@ -90,6 +95,17 @@ def main(args: argparse.Namespace) -> None:
         raise ConfigError(f"--speeds {args.speeds}: one speed per replica ({len(tp_sizes)})")
     shares = speed_shares(args.global_batch, speeds)
     layout = layout_of(tp_sizes, shares, cfg.layers)
+    if args.deepspeed:
+        train_deepspeed(args, layout, shares, cfg)
+    else:
+        train_plain(args, layout, shares, cfg)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def train_plain(args: argparse.Namespace, layout: Layout, shares: tuple[int, ...], cfg: Config) -> None:
+    """Plain AdamW, with `GradSync` called between backward and step."""
+    rank = dist.get_rank()
     where = layout.placement(rank)
     tp_ranks = layout.replicas[where.replica].stages[0].ranks
     tp_groups = {r.stages[0].ranks: dist.new_group(list(r.stages[0].ranks)) for r in layout.replicas}  # all ranks
@@ -116,23 +132,76 @@ def main(args: argparse.Namespace) -> None:
             optimizer.step()
             optimizer.zero_grad()
             step += 1
-            # the global mean loss: each replica's mean, weighted by its share, from its first rank
-            total = torch.tensor([loss.item() * len(indices) / args.global_batch if first else 0.0],
-                                 dtype=torch.float64, device=args.device)
-            dist.all_reduce(total)
-            if rank == 0 and args.losses_out:
-                with open(args.losses_out, "a") as f:
-                    f.write(json.dumps({"step": step, "loss": total.item()}) + "\n")
+            write_loss(args, step, loss.item() * len(indices) if first else 0.0)
             if step == args.steps:
                 break
-    if args.params_out:
-        out = Path(args.params_out)
-        out.mkdir(parents=True, exist_ok=True)
-        torch.save({"replica": where.replica, "boxes": model.boxes, "shapes": {s.name: s.shape for s in table},
-                    "params": {n: p.detach().cpu() for n, p in model.named_slices().items()}},
-                   out / f"rank{rank}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+    write_params(args, model, where.replica)
+
+
+def train_deepspeed(args: argparse.Namespace, layout: Layout, shares: tuple[int, ...], cfg: Config) -> None:
+    """A DeepSpeed engine per rank; `ucp.deepspeed.initialize` installs the sync inside `engine.step`."""
+    import ucp.deepspeed
+    from ucp.deepspeed.hmp_sync import RankAloneMpu, hmp_batch, replica_batch_keys
+
+    rank = dist.get_rank()
+    mpu = RankAloneMpu.for_layout(layout)  # every rank: every TP group, then every rank's group of one
+    model = TPModel(layout, rank, cfg, mpu.tp_group, init_weights(cfg, args.seed)).to(args.device)
+    hmp = {"global_batch": args.global_batch, "micro_batch": max(shares), "shares": list(shares)}
+    config: dict = {"zero_optimization": {"stage": args.zero}, "steps_per_print": 10**9,
+                    "gradient_clipping": 0.0,  # as the plain loop (DeepSpeed 0.19.8 clips to 1.0 by default)
+                    "ucp": {"layout": layout.to_json(), "hmp": hmp}}
+    if args.bf16:
+        config["bf16"] = {"enabled": True}
+        if args.zero == 1:  # DeepSpeed's BF16_Optimizer: fp32 gradients, which the sync reduces
+            config["data_types"] = {"grad_accum_dtype": "fp32"}
+    batch = hmp_batch(hmp, layout)
+    if args.sync == "off":  # negative control: the same engines without the sync
+        config = replica_batch_keys({**config, "ucp": {"layout": layout.to_json()}}, batch)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)  # the plain loop's
+    engine, _, _, _ = ucp.deepspeed.initialize(model=model, optimizer=optimizer, config=config, mpu=mpu)
+    where = layout.placement(rank)
+    dataset = Sequences(cfg)
+    if args.sync != "off":
+        batch = engine.ucp_hmp.batch  # the "hmp" section's, as ucp.deepspeed.initialize read it
+    sampler = ElasticBatchSampler.for_replica(dataset, batch, where.replica, shuffle=True, seed=args.seed)
+    first = mpu.tp_ranks[0] == rank
+    summed = 0.0
+    while engine.global_steps < args.steps:
+        for indices in sampler:
+            tokens = torch.stack([dataset[i] for i in indices]).to(args.device)
+            logits = engine(tokens[:, :-1]).float()
+            loss = F.cross_entropy(logits.reshape(-1, cfg.vocab), tokens[:, 1:].reshape(-1))  # mean over the batch
+            # "unweighted": negative control, every micro-batch's mean loss as it is, whatever its size
+            engine.backward(loss * (1.0 if args.sync == "unweighted" else sampler.loss_weight(len(indices))))
+            summed += loss.item() * len(indices) if first else 0.0
+            before = engine.global_steps
+            engine.step()
+            if engine.global_steps != before:
+                write_loss(args, engine.global_steps, summed)
+                summed = 0.0
+            if engine.global_steps == args.steps:
+                break
+    write_params(args, model, where.replica)
+
+
+def write_loss(args: argparse.Namespace, step: int, summed: float) -> None:
+    """Rank 0 appends the step's global mean loss: the sum over every replica's samples (from its first rank)."""
+    total = torch.tensor([summed / args.global_batch], dtype=torch.float64, device=args.device)
+    dist.all_reduce(total)
+    if dist.get_rank() == 0 and args.losses_out:
+        with open(args.losses_out, "a") as f:
+            f.write(json.dumps({"step": step, "loss": total.item()}) + "\n")
+
+
+def write_params(args: argparse.Namespace, model: TPModel, replica: int) -> None:
+    """With --params-out, every rank writes its parameter slices (fp32) and their boxes."""
+    if not args.params_out:
+        return
+    out = Path(args.params_out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save({"replica": replica, "boxes": model.boxes, "shapes": {s.name: s.shape for s in model.ucp_param_table},
+                "params": {n: p.detach().float().cpu() for n, p in model.named_slices().items()}},
+               out / f"rank{dist.get_rank()}.pt")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -148,6 +217,9 @@ def parser() -> argparse.ArgumentParser:
                    help="the gradient sync across replicas; unweighted and off are negative controls")
     p.add_argument("--in-place-elements", type=int, default=IN_PLACE_ELEMENTS,
                    help="the sync reduces gradient pieces cut along dim 0 of at least this many elements in place")
+    p.add_argument("--deepspeed", action="store_true", help="a DeepSpeed engine per rank, the sync inside engine.step")
+    p.add_argument("--zero", type=int, choices=(0, 1), default=0, help="with --deepspeed: the ZeRO stage")
+    p.add_argument("--bf16", action="store_true", help="with --deepspeed: bf16 (ZeRO-1: fp32 gradient accumulation)")
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: one GPU per rank, NCCL")

@@ -23,7 +23,7 @@ LOAD_OPTIONS: dict[str, tuple[type, ...]] = {
     "layout": (dict, str, os.PathLike),
     "check_keep_bytes": (int,),
 }
-KNOWN_KEYS = ("load", "save", "elastic", *LOAD_OPTIONS)
+KNOWN_KEYS = ("load", "save", "elastic", "hmp", *LOAD_OPTIONS)
 
 
 def ucp_options(config: dict | None) -> dict:

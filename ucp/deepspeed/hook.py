@@ -65,6 +65,9 @@ committed, and runs at exit too; see `ucp.deepspeed.async_save`). The `"ucp"` co
   describe. Each rank's module holds the slices the layout gives it (shapes of those slices) and
   exposes the whole model's `ucp_param_table`; every rank reads exactly its slices
   (`ucp.deepspeed.placement`).
+* `hmp` (dict): `{"global_batch": B, "micro_batch": m, "shares": [...]}` with a `layout`: train on it. Each
+  engine gets one replica's batch keys, and the gradient sync across replicas of unequal TP size runs
+  inside `engine.step` (`ucp.deepspeed.hmp_sync`; `engine.ucp_hmp.batch` serves the sampler and loss weights).
 
 Loading is layer by layer: a rank holds its own shard plus one batch of a layer's states at a time
 (`BATCH_BYTES`, or one state larger than that; with `check_first`, plus up to `check_keep_bytes` of what
@@ -121,6 +124,7 @@ from ucp.deepspeed.elastic import (
     with_batch_keys,
     with_layout_keys,
 )
+from ucp.deepspeed.hmp_sync import hmp_batch, install_sync, replica_batch_keys
 from ucp.deepspeed.load_source import Source, box_numel, source_for
 from ucp.deepspeed.memory_tier import MemoryTier
 from ucp.deepspeed.placement import as_layout, place_by_layout
@@ -192,7 +196,9 @@ def initialize(*args: Any, **kwargs: Any) -> Any:
             raise ConfigError('"ucp": {"load": "auto"} resumes from the save folder: '
                               'add "save": {"dir": ..., "every": ...}')
         auto_dir = save_every.dir
-    place = batch = None
+    place = batch = hmp = None
+    if "hmp" in options:  # heterogeneous model parallelism: the gradient sync between backward and step
+        hmp = _hmp_batch(options)
     if "elastic" in options:  # this start's T x P x D (the same on every rank); a spare waits in spare_loop
         place = elastic_layout(config, kwargs.get("model"))
         spare_loop()
@@ -201,6 +207,8 @@ def initialize(*args: Any, **kwargs: Any) -> Any:
         ds_config = without_ucp(config)
         if batch is not None and place is not None:
             ds_config = with_layout_keys(with_batch_keys(ds_config, batch), place, uses_autotp(kwargs))
+        if hmp is not None:
+            ds_config = replica_batch_keys(ds_config, hmp)
         kwargs = {**kwargs, config_key: ds_config}
         if args and getattr(args[0], "deepspeed_config", None):
             args = (copy.copy(args[0]), *args[1:])
@@ -211,6 +219,8 @@ def initialize(*args: Any, **kwargs: Any) -> Any:
         check_engine(engine, batch)
         engine.ucp_elastic = batch
         engine.ucp_layout = place
+    if hmp is not None:
+        install_sync(engine, as_layout(options["layout"]), hmp)
     resumed = None
     if auto_dir is not None:
         warn_shared_rendezvous_store()
@@ -226,6 +236,18 @@ def initialize(*args: Any, **kwargs: Any) -> Any:
             saver.memory = MemoryTier(saver, save_every.memory, engine.global_steps)
         save_every.install(engine)
     return result
+
+
+def _hmp_batch(options: dict[str, Any]) -> ElasticBatch:
+    """The `"hmp"` section's batch, after refusing what does not go with it."""
+    if "layout" not in options:
+        raise ConfigError('"ucp": {"hmp": ...} trains on an explicit layout: add "layout" (the JSON that '
+                          "`Layout.to_json()` or `ucp plan --json` writes)")
+    for key in ("elastic", "save"):
+        if key in options:
+            raise ConfigError(f'"ucp": {{"hmp": ...}} with "{key}" is not supported yet (issue #30); '
+                              f'train without "{key}"')
+    return hmp_batch(options["hmp"], as_layout(options["layout"]))
 
 
 def load(engine: DeepSpeedEngine, path: str | os.PathLike[str], *, bypass: bool = True,

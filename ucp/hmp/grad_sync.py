@@ -47,7 +47,9 @@ class GradSync:
         """New per-replica sample counts (weights); the groups stay as they are."""
         self.buckets = rank_buckets(self.layout, self.table, self.rank, samples)
 
-    def __call__(self) -> None:
+    def __call__(self, grads: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Reduce the parameters' `.grad` in place, or with `grads` (by name, each of its parameter's shape:
+        the gradient an optimizer wrapper steps on, e.g. DeepSpeed's fp32 copy) those tensors instead."""
         # Every group's all-reduces are started before any is waited on: a rank in several groups (the TP=1
         # rank beside a TP=2 replica) reduces in all of them at once. Large pieces cut along dim 0 (or whole)
         # are reduced in place, without copies; the rest of a group's pieces share one flat buffer. The choice
@@ -57,7 +59,7 @@ class GradSync:
             group = self.groups[bucket.group]
             packed = []
             for piece in bucket.pieces:
-                view = self._view(piece)
+                view = self._view(piece, grads)
                 view.mul_(piece.weight)
                 if self._in_place(piece, view):
                     buffer = view if view.is_contiguous() else view.contiguous()
@@ -80,10 +82,14 @@ class GradSync:
         """Whether `piece` is reduced in place: whole or cut along dim 0 (contiguous on every member), and large."""
         return (piece.dim is None or piece.dim == 0) and view.numel() >= self.in_place_elements
 
-    def _view(self, piece: Piece) -> torch.Tensor:
-        param = self.params[piece.name]
-        if param.grad is None:  # a parameter this replica's loss did not reach still joins the sum, as zeros
-            param.grad = torch.zeros_like(param)
+    def _view(self, piece: Piece, grads: Mapping[str, torch.Tensor] | None) -> torch.Tensor:
+        if grads is not None:
+            grad = grads[piece.name]
+        else:
+            param = self.params[piece.name]
+            if param.grad is None:  # a parameter this replica's loss did not reach still joins the sum, as zeros
+                param.grad = torch.zeros_like(param)
+            grad = param.grad
         if piece.dim is None:
-            return param.grad
-        return param.grad.narrow(piece.dim, piece.lo, piece.hi - piece.lo)
+            return grad
+        return grad.narrow(piece.dim, piece.lo, piece.hi - piece.lo)

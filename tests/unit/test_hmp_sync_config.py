@@ -1,0 +1,54 @@
+"""The `"hmp"` key of the `"ucp"` config section (ucp.deepspeed.hmp_sync): its batch, the engine's batch keys,
+and one-line refusals of what does not go with it. The sync itself is run by tests/integration/test_hmp_train.py."""
+from __future__ import annotations
+
+import pytest
+
+from ucp.deepspeed.config import ucp_options
+from ucp.deepspeed.hmp_sync import hmp_batch, replica_batch_keys
+from ucp.deepspeed.hook import _hmp_batch
+from ucp.errors import ConfigError
+from ucp.hmp.layout import Layout, Replica, Stage
+
+LAYOUT = Layout(2, (Replica((Stage((0, 2), (0, 1)),), 1), Replica((Stage((0, 2), (2,)),), 1)))  # TP 2 + TP 1
+
+
+def test_the_section_is_a_known_key():
+    assert ucp_options({"ucp": {"layout": LAYOUT.to_json(), "hmp": {"global_batch": 8, "micro_batch": 5}}})["hmp"]
+
+
+def test_batch_keys_are_one_replica_s():
+    batch = hmp_batch({"global_batch": 8, "micro_batch": 2, "shares": [5, 3]}, LAYOUT)
+    assert (batch.world, batch.accumulation, batch.micro_sizes(0), batch.micro_sizes(1)) == (2, 3, [2, 2, 1], [1, 1, 1])
+    # loss weights k * R * A / B: a replica's gradient is R / B times its samples' sum, whatever its share
+    assert [batch.loss_weight(k) for k in (2, 1)] == [1.5, 0.75]
+    keys = replica_batch_keys({"train_batch_size": 16, "gradient_accumulation_steps": 7, "bf16": {}}, batch)
+    assert keys == {"bf16": {}, "train_batch_size": 6, "train_micro_batch_size_per_gpu": 2,
+                    "gradient_accumulation_steps": 3}
+    # Without shares, the global batch is cut as evenly as it goes.
+    assert hmp_batch({"global_batch": 9, "micro_batch": 5}, LAYOUT).micro_sizes(0) == [5]
+
+
+@pytest.mark.parametrize("section, message", [
+    ({"global_batch": 8}, 'needs "global_batch" and "micro_batch"'),
+    ({"global_batch": 8, "micro_batch": 5, "share": [5, 3]}, "unknown key 'share'"),
+    ({"global_batch": 8, "micro_batch": 5, "shares": "5,3"}, "must be a list of sample counts"),
+    ({"global_batch": 8, "micro_batch": 5, "shares": [5, 2]}, "need one positive share per rank (2) summing to"),
+])
+def test_bad_sections_are_refused_in_one_line(section, message):
+    with pytest.raises(ConfigError) as caught:
+        hmp_batch(section, LAYOUT)
+    assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"hmp": {"global_batch": 8, "micro_batch": 5}}, 'trains on an explicit layout: add "layout"'),
+    ({"hmp": {"global_batch": 8, "micro_batch": 5}, "layout": LAYOUT.to_json(), "save": {"dir": "/x", "every": 1}},
+     'with "save" is not supported yet'),
+])
+def test_what_does_not_go_with_hmp_is_refused(options, message):
+    with pytest.raises(ConfigError) as caught:
+        _hmp_batch(options)
+    assert message in str(caught.value)
+    # Control: the same section with its layout and nothing else is taken.
+    assert _hmp_batch({"hmp": options["hmp"], "layout": LAYOUT.to_json()}).global_batch == 8
