@@ -185,6 +185,55 @@ def test_negative_control_accelerate_auto_with_no_complete_state_starts_fresh(ck
     assert fresh["losses"][:2] != pytest.approx(expected[SAVE_STEP:], rel=1e-3)
 
 
+ACCELERATE_SCRIPT = SCRIPT.with_name("train_accelerate_elastic.py")
+ACCELERATE_ARGS = ["--steps", 8, "--save-every", 2]
+
+
+@pytest.fixture(scope="module")
+def accelerate_reference(tmp_path_factory) -> dict[int, dict]:
+    """The uninterrupted 2-process run of the Accelerate loop: its record of each step."""
+    tmp = tmp_path_factory.mktemp("accelerate-reference")
+    run_torchrun(ACCELERATE_SCRIPT, [*ACCELERATE_ARGS, "--project-dir", tmp / "project", "--log-out",
+                                     tmp / "log.jsonl"], 2, tmp / "train.log")
+    return {s: rs[0] for s, rs in by_step(read_losses(tmp / "log.jsonl")).items()}
+
+
+def test_accelerate_loop_loses_a_node_and_grows_back_unattended(tmp_path, accelerate_reference):
+    """Two agents run the loop; one is lost after checkpoint_1 (step 4) and 1 process goes on from the newest
+    complete save, then an agent joins and 2 processes finish: every step trains the samples, loss and learning
+    rate of the uninterrupted 2-process run (the seedable sampler's order, continued at each size)."""
+    log = tmp_path / "log.jsonl"
+    job = ElasticJob(ACCELERATE_SCRIPT, [*ACCELERATE_ARGS, "--project-dir", tmp_path / "project", "--log-out", log,
+                                         "--step-sleep", 0.5], tmp_path / "agents", nodes="1:2")
+    try:
+        for _ in range(2):
+            job.start_agent()
+        wait_for(reached(log, 5, world=2), 600, "step 5 on 2 processes, after checkpoint_1")
+        job.lose_node(1)
+        wait_for(reached(log, 6, world=1), 600, "step 6 on 1 process")
+        job.join_while_paused()
+        codes = job.wait(timeout=600)
+    except BaseException:
+        job.stop()
+        print(job.logs())
+        raise
+    assert set(codes.values()) == {0}, job.logs()
+    logs = job.logs(tail=None)
+    assert f"ucp: resuming from {tmp_path}/project/checkpoints/checkpoint_" in logs and " on 1 processes" in logs
+    records = read_losses(log)
+    assert [r["world"] for r in records][-1] == 2 and 1 in {r["world"] for r in records}
+    got = by_step(records)
+    assert sorted(got) == sorted(accelerate_reference) == list(range(1, 9))
+    for step, redone in got.items():
+        for r in redone:  # a step redone after a restart is the same step again
+            want = accelerate_reference[step]
+            assert r["samples"] == want["samples"] and r["lr"] == want["lr"], (step, r, want)
+            assert r["loss"] == pytest.approx(want["loss"], rel=RTOL), (step, r, want)
+    # control: the check tells another step's samples and loss apart
+    assert got[6][0]["samples"] != accelerate_reference[5]["samples"]
+    assert got[6][0]["loss"] != pytest.approx(accelerate_reference[5]["loss"], rel=RTOL)
+
+
 def test_auto_checks_each_checkpoint_it_would_take(trainer_run, tmp_path):
     """The Trainer's real checkpoint-3, copied as checkpoint-3..6, each newer one damaged another way: "auto"
     takes checkpoint-3 and names why each newer one is passed over (the undamaged copy is the control)."""
