@@ -229,6 +229,11 @@ def test_accelerate_loop_loses_a_node_and_grows_back_unattended(tmp_path, accele
             want = accelerate_reference[step]
             assert r["samples"] == want["samples"] and r["lr"] == want["lr"], (step, r, want)
             assert r["loss"] == pytest.approx(want["loss"], rel=RTOL), (step, r, want)
+    # "auto" numbered the saves after the folder resumed from: checkpoint_2 and _3 (steps 6 and 8), the newest two
+    # that total_limit keeps; Accelerate's own count restarts at 0 on each restart, so that its saves reuse
+    # numbers older than the folder resumed from and one of them later refuses a folder that exists
+    kept = sorted(p.name for p in (tmp_path / "project" / "checkpoints").iterdir())
+    assert kept == ["checkpoint_2", "checkpoint_3"], kept
     # control: the check tells another step's samples and loss apart
     assert got[6][0]["samples"] != accelerate_reference[5]["samples"]
     assert got[6][0]["loss"] != pytest.approx(accelerate_reference[5]["loss"], rel=RTOL)
