@@ -2,6 +2,7 @@
 """Benchmark: elastic training under Elastor-style failure traces, against stock DeepSpeed's path to a new size.
 
     python benchmarks/elastic.py [--steps 12] [--every 4] [--traces B C D E T] [--markdown-out FILE]
+    python benchmarks/elastic.py --trainer [--model 112m|20m] [--steps 12] [--every 4]
 
 The ~112M-parameter benchmark Llama (ZeRO-1, fp32, global batch 12, micro-batch 1) trains for --steps optimizer
 steps on 4 CPU ranks under torchrun's own elastic agents (each agent a "node"), with `"load": "auto"`,
@@ -33,7 +34,15 @@ Stock DeepSpeed's only path to a new world size, run by hand on the same model: 
 measured for 3 and 2 ranks. For trace T the stock job trains with AutoTP 2 on 4 ranks
 (`"tensor_parallel": {"autotp_size": 2}`) and loads on 3 ranks (T=1, the layout ucp takes there); the stall of
 each save under AutoTP, ucp's asynchronous one (its snapshot) against `engine.save_checkpoint`, is reported as a
-share of a step at the same layout (target <= 10% at every 4). Targets: ucp's load on a restart <= 1/3 of
+share of a step at the same layout (target <= 10% at every 4).
+
+`--trainer`: trace B with the Hugging Face Trainer instead (benchmarks/_elastic_trainer.py): 4 agents x 1 rank run
+`ucp.transformers.train(trainer)` with `"ucp": {"load": "auto", "elastic": {"global_batch": 12, "micro_batch": 1}}`
+(checkpoint-N every --every steps), one agent is killed after step 6 and 3 ranks finish; the fault -> first step
+split as above (start-up: from the process start to the engine's load). Against the stock path a person runs:
+checkpoint-K saved by the Trainer on 4 ranks, `ds_to_universal.py` of its global_stepK into global_stepK_universal
+beside it, and the Trainer's `resume_from_checkpoint` with `{"checkpoint": {"load_universal": true}}` on 3 ranks
+(per-device batch 12 / 3), timed to its first step. Targets: ucp's load on a restart <= 1/3 of
 stock's convert + load; steps redone <= every; with "every": 1, the saves slow training by at most 10% (same run
 without saves, in the same run).
 """
@@ -112,10 +121,10 @@ class Agents:
     """torchrun elastic agents on this machine against one rendezvous store hosted here (so any may go)."""
 
     def __init__(self, work: Path, args: list[str], per_node: int, node_env: str | None = None,
-                 extra_env: dict | None = None):
+                 extra_env: dict | None = None, worker: Path = WORKER):
         from torch.distributed import TCPStore
 
-        self.work, self.args, self.per_node, self.node_env = work, args, per_node, node_env
+        self.work, self.args, self.per_node, self.node_env, self.worker = work, args, per_node, node_env, worker
         self.extra_env = extra_env or {}
         self.port = free_port()
         self.store = TCPStore("127.0.0.1", self.port, is_master=True, multi_tenant=True, wait_for_workers=False)
@@ -126,7 +135,7 @@ class Agents:
         cmd = [sys.executable, "-m", "ucp.elastic.torchrun", "--nnodes=1:4", f"--nproc-per-node={self.per_node}",
                "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{self.port}", "--rdzv-id=bench",
                "--rdzv-conf=is_host=false,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3",
-               "--max-restarts=10", "--monitor-interval=0.5", str(WORKER), *self.args]
+               "--max-restarts=10", "--monitor-interval=0.5", str(self.worker), *self.args]
         with open(self.work / f"agent{i}.log", "w") as log:
             extra = {self.node_env: str(i)} if self.node_env else {}  # the agent's "node", for its memory folder
             self.procs.append(subprocess.Popen(cmd, env={**env(), **self.extra_env, **extra}, stdout=log,
@@ -140,7 +149,7 @@ class Agents:
 
     def lose_worker(self, i: int) -> float:
         workers = wait_until(lambda: [p for p in psutil.Process(self.procs[i].pid).children(recursive=True)
-                                      if str(WORKER) in " ".join(p.cmdline())], 60, "a worker")
+                                      if str(self.worker) in " ".join(p.cmdline())], 60, "a worker")
         at = time.time()
         workers[0].kill()
         return at
@@ -302,9 +311,9 @@ def run_plain(every: int, steps: int, work: Path, tag: str, memory_every: int | 
     return result
 
 
-def torchrun(args: list[str], nproc: int, log: Path) -> None:
+def torchrun(args: list[str], nproc: int, log: Path, worker: Path = WORKER) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-           str(free_port()), str(WORKER), *args]
+           str(free_port()), str(worker), *args]
     with open(log, "w") as f:
         if subprocess.run(cmd, env=env(), stdout=f, stderr=subprocess.STDOUT).returncode != 0:
             raise SystemExit(f"failed; see {log}")
@@ -347,6 +356,88 @@ def to_universal(tag_folder: Path, output: Path) -> float:
                     "--inject_missing_state"],
                    check=True, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return time.perf_counter() - began
+
+
+TRAINER_WORKER = HERE / "_elastic_trainer.py"
+TRAINER_FAULT_AFTER = 6  # trace B: the step after which an agent is lost (between saves at the default every 4)
+
+
+def trainer_trace(steps: int, every: int, model: str, work: Path) -> dict:
+    """Trace B with the Hugging Face Trainer: 4 agents x 1 rank run `ucp.transformers.train` (one command, "auto"
+    and "elastic"); one agent is killed after step TRAINER_FAULT_AFTER and 3 ranks finish. The fault -> first
+    step split as for the engine loop, from the worker's records (rank 0)."""
+    out = work / "trainer-B"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    recs = out / "records.jsonl"
+    agents = Agents(out, ["--mode", "ucp", "--output-dir", str(out / "run"), "--steps", str(steps), "--every",
+                          str(every), "--model", model, "--records", str(recs)], 1, worker=TRAINER_WORKER)
+    began = time.time()
+    try:
+        for _ in range(4):
+            agents.start()
+        wait_until(lambda: any(r.get("step", 0) >= TRAINER_FAULT_AFTER for r in records(recs)), 3600,
+                   f"step {TRAINER_FAULT_AFTER}")
+        at = agents.lose_node(3)
+        wait_until(lambda: any(r.get("time", 0) > at and r.get("world") == 3 for r in records(recs)), 3600,
+                   "the first step on 3 ranks")
+        agents.wait()
+    finally:
+        agents.stop()
+    wall = time.time() - began
+    rs = records(recs)
+    before = max(r["step"] for r in rs if "step" in r and r["time"] < at)
+    start = next(r["start"] for r in rs if r.get("start", 0) > at)
+    load = next(r for r in rs if r.get("load_began", 0) > at)
+    first = next(r for r in rs if r.get("time", 0) > at and r.get("world") == 3)
+    loaded = load["load_began"] + load["load_s"]
+    event = {"event": "node", "old_world": 4, "new_world": 3, "fault_to_first_step_s": first["time"] - at,
+             "detection_s": start - at, "startup_s": load["load_began"] - start, "load_s": load["load_s"],
+             "first_step_s": first["time"] - loaded, "checkpoint_step": first["step"] - 1,
+             "steps_redone": before - (first["step"] - 1), "tier": "disk"}
+    return {"trace": "B (Trainer)", "wall_s": wall, "events": [event]}
+
+
+def trainer_stock_path(every: int, model: str, work: Path, world: int = 3) -> dict:
+    """The path a person runs with the Trainer: checkpoint-K saved on 4 ranks, `ds_to_universal` of its
+    global_stepK (into global_stepK_universal, beside it, with `latest_universal`), then the Trainer's
+    `resume_from_checkpoint` with `load_universal` on `world` ranks for one step; convert, load, first step."""
+    out = work / "trainer-stock"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    common = ["--mode", "stock", "--every", str(every), "--model", model]
+    torchrun([*common, "--output-dir", str(out / "run"), "--steps", str(every), "--records",
+              str(out / "train.jsonl")], 4, out / "train.log", worker=TRAINER_WORKER)
+    checkpoint = out / "run" / f"checkpoint-{every}"
+    convert_s = to_universal(checkpoint / f"global_step{every}", checkpoint / f"global_step{every}_universal")
+    recs = out / f"load{world}.jsonl"
+    torchrun([*common, "--output-dir", str(out / f"after{world}"), "--steps", str(every + 1), "--resume",
+              str(checkpoint), "--records", str(recs)], world, out / f"load{world}.log", worker=TRAINER_WORKER)
+    rs = records(recs)
+    load = next(r for r in rs if "load_s" in r)
+    first = next(r for r in rs if "step" in r)
+    return {"convert_s": convert_s, "load_s": {str(world): load["load_s"]},
+            "first_step_s": first["time"] - load["load_began"] - load["load_s"]}
+
+
+def trainer_markdown(results: dict) -> str:
+    t, stock = results["trainer"], results.get("trainer_stock")
+    e = t["events"][0]
+    lines = [f"{results['machine']} (15-min load average at the end {results['load_15min']:.1f}); "
+             f"Hugging Face Trainer, {results['model']} Llama, ZeRO-1 fp32, global batch 12, {results['steps']} "
+             f"steps, save every {results['every']}.", "",
+             "| trace | wall | ranks | fault → first step | detection + relaunch | start-up | load | first step | "
+             "steps redone | stock: ds_to_universal + load_universal + first step |", "|---" * 10 + "|"]
+    stock_text = "–"
+    if stock:
+        loaded = stock["load_s"][str(e["new_world"])]
+        stock_text = (f"{stock['convert_s']:.1f} + {loaded:.2f} + {stock['first_step_s']:.1f} s (ucp's load "
+                      f"{e['load_s'] / (stock['convert_s'] + loaded):.3f} of convert + load)")
+    lines.append(f"| {t['trace']} | {t['wall_s']:.0f} s | {e['old_world']} → {e['new_world']} | "
+                 f"{e['fault_to_first_step_s']:.1f} s | {e['detection_s']:.1f} s | {e['startup_s']:.1f} s | "
+                 f"{e['load_s']:.2f} s (step {e['checkpoint_step']}) | {e['first_step_s']:.1f} s | "
+                 f"{e['steps_redone']} | {stock_text} |")
+    return "\n".join(lines)
 
 
 def markdown(results: dict) -> str:
@@ -424,10 +515,17 @@ def main() -> None:
     parser.add_argument("--work", help="working folder (default: a temporary one, removed)")
     parser.add_argument("--json-out")
     parser.add_argument("--markdown-out")
+    parser.add_argument("--trainer", action="store_true",
+                        help="trace B with the Hugging Face Trainer (ucp.transformers.train) against the stock "
+                             "Trainer path (ds_to_universal + resume_from_checkpoint with load_universal), only")
+    parser.add_argument("--model", choices=("112m", "20m"), default="112m",
+                        help="--trainer: the benchmark Llama's size (20m for a quick run)")
     args = parser.parse_args()
     work = Path(args.work or tempfile.mkdtemp(prefix="ucp-elastic-bench-"))
     results = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores", "steps": args.steps,
                "every": args.every}
+    if args.trainer:
+        return run_trainer(args, work, results)
     results["stock"] = None
     if not args.no_stock:
         if set(args.traces) - set(TP_TRACES):
@@ -457,6 +555,25 @@ def main() -> None:
             Path(args.json_out).write_text(json.dumps(results, indent=1))
     results["load_15min"] = os.getloadavg()[2]  # other work on the machine skews the walls; say how much there was
     text = markdown(results)
+    print(text)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(results, indent=1))
+    if args.markdown_out:
+        Path(args.markdown_out).write_text(text + "\n")
+    if not args.work:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def run_trainer(args: argparse.Namespace, work: Path, results: dict) -> None:
+    """`--trainer`: the Trainer's trace B and the stock Trainer path, reported as one table."""
+    results["model"] = {"112m": "~112M-parameter", "20m": "~20M-parameter"}[args.model]
+    if not args.no_stock:
+        print("stock Trainer path (checkpoint-N, ds_to_universal, resume_from_checkpoint) ...", flush=True)
+        results["trainer_stock"] = trainer_stock_path(args.every, args.model, work)
+    print("trace B with the Trainer ...", flush=True)
+    results["trainer"] = trainer_trace(args.steps, args.every, args.model, work)
+    results["load_15min"] = os.getloadavg()[2]
+    text = trainer_markdown(results)
     print(text)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(results, indent=1))

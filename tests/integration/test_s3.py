@@ -131,6 +131,31 @@ def test_convert_from_s3_errors_name_the_url_not_the_staging_folder(s3, deepspee
     assert str(tmp_path) not in err and os.listdir(tmp_path) == []  # no staging folder named, none left
 
 
+def test_convert_to_s3_errors_name_the_url_not_the_staging_folder(s3, tiny_checkpoint, tmp_path, monkeypatch):
+    """An error of the local conversion into the staging folder names the s3:// URL the user gave. It is provoked
+    for real: the staging folder is locked as a second ucp process writing there holds it, so the local writer
+    (`ucp.convert.convert`) refuses it, naming the folder; the control is that same refusal outside the upload."""
+    from ucp.convert.object_output import convert_to_object_store
+    from ucp.errors import OutputExistsError
+    from ucp.format.fileio import writing_alone
+
+    monkeypatch.setenv("UCP_STAGING_DIR", str(tmp_path))
+    save_dir, url = tiny_checkpoint(SPEC), f"s3://{BUCKET}/staging-named"
+
+    def write_locked(staging: Path):
+        with writing_alone(staging):  # the lock a second writer of the same folder holds
+            return convert(save_dir, staging, workers=1, progress=False)
+
+    with pytest.raises(OutputExistsError) as control:
+        write_locked(tmp_path / "control")
+    assert str(tmp_path / "control") in str(control.value)  # the writer names the folder it was given
+    with pytest.raises(OutputExistsError) as refused:
+        convert_to_object_store(location(url), "fingerprint", write_locked)
+    assert str(refused.value).startswith(f"{url}: another ucp process is writing into it"), refused.value
+    assert str(tmp_path) not in str(refused.value) and "ucp-staging-" not in str(refused.value)
+    assert keys(s3, "staging-named/") == [] and sorted(os.listdir(tmp_path)) == ["control"]  # nothing left
+
+
 def test_export_from_s3_writes_what_the_local_export_writes(s3, converted, tmp_path):
     from ucp.export import to_dcp
 

@@ -2,7 +2,7 @@
 and every restart, `ucp.transformers.train(trainer, resume_from_checkpoint="auto")`.
 
     ucp-torchrun --nnodes=MIN:MAX ... train_hf_elastic.py --output-dir OUT --max-steps T --save-steps K
-        --log-out FILE [--stage S] [--global-batch B --micro-batch M] [--step-sleep SECONDS]
+        --log-out FILE [--model llama|llama-lora] [--stage S] [--global-batch B --micro-batch M] [--step-sleep SECONDS]
         [--die-in-save N --die-marker FILE] [--resume auto|PATH] [--per-device P]
 
 The DeepSpeed config carries `"ucp": {"load": "auto", "elastic": {"global_batch": B, "micro_batch": M}}`
@@ -28,12 +28,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch.distributed as dist  # noqa: E402
 
-from train_hf import TokenData, ds_config, tiny_model  # noqa: E402
+from train_hf import LORA_LR, TokenData, ds_config, tiny_model  # noqa: E402
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--model", default="llama")
+    p.add_argument("--model", default="llama", choices=["llama", "llama-lora"])
     p.add_argument("--stage", type=int, default=2)
     p.add_argument("--output-dir", required=True)
     p.add_argument("--max-steps", type=int, required=True)
@@ -63,7 +63,8 @@ def main() -> None:
         config["ucp"]["elastic"] = {"global_batch": args.global_batch, "micro_batch": args.micro_batch}
     training_args = transformers.TrainingArguments(
         output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=args.per_device,
-        learning_rate=1e-2, weight_decay=0.01, lr_scheduler_type="linear", warmup_steps=2, seed=0,
+        learning_rate=LORA_LR if args.model == "llama-lora" else 1e-2, weight_decay=0.01, lr_scheduler_type="linear",
+        warmup_steps=2, seed=0,
         save_strategy="steps", save_steps=args.save_steps, save_total_limit=args.save_total_limit,
         logging_steps=1, report_to=[], deepspeed=config, accelerator_config={"use_configured_state": True},
         disable_tqdm=True)

@@ -22,7 +22,8 @@ cannot be carried to this number of processes is refused, naming the fix, before
 `checkpoint="auto"` makes `input_dir` a save folder of `save_state` folders (`checkpoint_N`): the newest complete
 one is loaded (`ucp.accelerate.state_folders`; newer incomplete ones are moved aside with a warning naming them
 and the one used), or nothing when there is none, and one line on the main process says which; the folder
-loaded is returned (None: a fresh start). The data order then carries to the new size as above.
+loaded is returned (None: a fresh start); with `automatic_checkpoint_naming` the next `save_state` then writes the
+folder after it. The data order then carries to the new size as above.
 
 Importing this module makes `Accelerator.prepare` record what each DataLoader's order is drawn from,
 so import it before `prepare`.
@@ -68,6 +69,7 @@ def load_state(accelerator, input_dir: str | os.PathLike, checkpoint: str | os.P
         if found is None:
             return None
         input_dir, checkpoint = found, None
+        _next_save_after(accelerator, found)
     options = load_options(ucp_options(accelerator.state.deepspeed_plugin.deepspeed_config))
     source = engine_source(input_dir, checkpoint)
     alone = checkpoint is None and source is not None
@@ -125,6 +127,18 @@ def _auto_folder(accelerator, save_dir: str | os.PathLike) -> Path | None:
         dist.broadcast_object_list(chosen, src=0)
     accelerator.wait_for_everyone()  # the moves are done before any process saves
     return None if chosen[0] is None else Path(chosen[0])
+
+
+def _next_save_after(accelerator, folder: Path) -> None:
+    """With `automatic_checkpoint_naming`, the next `save_state` writes `checkpoint_<N+1>` after resuming from
+    `checkpoint_<N>`: Accelerate leaves its count at 0 on a restart, and refuses to write into a folder that
+    exists (newer incomplete folders were moved aside, so N+1 on is free)."""
+    from ucp.accelerate.state_folders import NUMBERED
+
+    config = accelerator.project_configuration
+    number = NUMBERED.search(folder.name)
+    if config.automatic_checkpoint_naming and number is not None:
+        config.iteration = int(number.group(1)) + 1
 
 
 def engine_source(input_dir: str | os.PathLike | ObjectPath,
