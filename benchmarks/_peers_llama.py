@@ -39,7 +39,31 @@ from _train_llama import MODELS, SEED, SEQ_LEN  # noqa: E402
 NEVER = 10 ** 9
 UCP_FAMILY = ("ucp", "ucp_memory", "deepspeed")
 DLROVER_FAMILY = ("dlrover", "dlrover_disk")
+DCP_FAMILY = ("dcp",)
+FAMILY_OF = {**{t: "torchrun" for t in UCP_FAMILY}, **{t: "dlrover" for t in DLROVER_FAMILY},
+             **{t: "dcp" for t in DCP_FAMILY}}
 DLROVER_TRACER = "dlrover_latest.txt"
+
+
+class StartMarks:
+    """When this worker's start-up reached each point (wall-clock seconds), from the process's creation: its
+    interpreter and module imports until `main`, the imports of the job's libraries, the process group's rendezvous,
+    the model, the engine (`initialize`; ucp's load runs inside it)."""
+
+    def __init__(self) -> None:
+        import psutil
+
+        self.at = {"process": psutil.Process().create_time(), "main": time.time()}
+
+    def mark(self, name: str) -> None:
+        self.at[name] = time.time()
+
+    def parts(self, load_in_engine: float = 0.0) -> dict:
+        """Seconds per part; `load_in_engine`, a load that ran inside `initialize`, is taken out of the engine."""
+        at = self.at
+        return {"imports_s": at["imported"] - at["process"], "rendezvous_s": at["rendezvous"] - at["imported"],
+                "model_s": at["model"] - at["rendezvous"],
+                "engine_init_s": at["engine"] - at["model"] - load_in_engine}
 
 
 def peak_rss(pid: int | str = "self") -> int:
@@ -79,7 +103,7 @@ def accept_torch_keywords(checkpointer) -> None:
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser()
-    p.add_argument("--tools", nargs="+", choices=UCP_FAMILY + DLROVER_FAMILY, required=True)
+    p.add_argument("--tools", nargs="+", choices=tuple(FAMILY_OF), required=True)
     p.add_argument("--phase", choices=("save", "recover", "resize"), required=True)
     p.add_argument("--model", choices=sorted(MODELS), default="112m")
     p.add_argument("--save-dir", required=True)
@@ -92,9 +116,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=8, help="recover: steps to train")
     p.add_argument("--load-universal", help="resize: DeepSpeed's universal checkpoint folder (its tag)")
     args = p.parse_args(argv)
-    families = {t in DLROVER_FAMILY for t in args.tools}
-    if len(families) > 1:
-        p.error("--tools: ucp and DeepSpeed run under torchrun, DLRover under dlrover-run; one family per launch")
+    if len({FAMILY_OF[t] for t in args.tools}) > 1:
+        p.error("--tools: ucp and DeepSpeed run under torchrun, DLRover under dlrover-run, DCP on its own FSDP2 "
+                "job (_peers_dcp.py); one family per launch")
     return args
 
 
@@ -104,6 +128,7 @@ class Job:
     complete where it goes."""
 
     def __init__(self, args: argparse.Namespace):
+        self.marks = StartMarks()
         import torch.distributed as dist
         from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -111,23 +136,25 @@ class Job:
         self.dlrover = args.tools[0] in DLROVER_FAMILY
         if self.dlrover:
             import deepspeed
+            from dlrover.trainer.torch.flash_checkpoint.deepspeed import DeepSpeedCheckpointer
 
+            self.marks.mark("imported")
             deepspeed.init_distributed(dist_backend="gloo")
         else:
             import ucp.elastic
 
+            self.marks.mark("imported")
             ucp.elastic.init_distributed("gloo")
+        self.marks.mark("rendezvous")
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         torch.manual_seed(SEED)
         model = LlamaForCausalLM(LlamaConfig(**MODELS[args.model]))
+        self.marks.mark("model")
         self.n_params = sum(p.numel() for p in model.parameters())
         config: dict = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
                         "zero_optimization": {"stage": 1}, "steps_per_print": NEVER,
                         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}}}
         if self.dlrover:
-            import deepspeed
-            from dlrover.trainer.torch.flash_checkpoint.deepspeed import DeepSpeedCheckpointer
-
             if args.load_universal:
                 config["checkpoint"] = {"load_universal": True}
             self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
@@ -143,6 +170,7 @@ class Job:
             self.engine, *_ = ucp.deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                                        config=config)
         self.started = time.time()
+        self.marks.mark("engine")
         g = torch.Generator().manual_seed(SEED + self.rank)
         self.ids = torch.randint(0, MODELS[args.model]["vocab_size"], (1, SEQ_LEN), generator=g)
         self.save_began = 0.0
@@ -325,7 +353,9 @@ def recover_phase(job: Job, called: float) -> None:
                 startup = job.started - called - (0.0 if job.dlrover else load_s)
                 append(args.records, {"restart": {
                     "called": called, "startup_s": startup, "load_s": load_s, "first_step_s": now - ready,
-                    "first_step_at": now, "checkpoint_step": checkpoint_step, "world": job.world}})
+                    "first_step_at": now, "checkpoint_step": checkpoint_step, "world": job.world,
+                    "process_at": job.marks.at["process"],
+                    **job.marks.parts(0.0 if job.dlrover else load_s)}})
             append(args.records, {"step": step, "time": now, "world": job.world})
         first = False
 
@@ -351,7 +381,8 @@ def resize_phase(job: Job, called: float) -> None:
         now = time.time()
         append(args.records, {"resized": {"called": called, "startup_s": job.started - called, "load_s": load_s,
                                           "first_step_s": now - ready, "first_step_at": now,
-                                          "step": job.engine.global_steps, "world": job.world}})
+                                          "step": job.engine.global_steps, "world": job.world,
+                                          "process_at": job.marks.at["process"], **job.marks.parts()}})
 
 
 def main() -> None:

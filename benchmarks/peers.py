@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Benchmark: ucp side by side with the tools people would pick instead, on the same DeepSpeed job (issue #31).
 
-    python benchmarks/peers.py [--quick] [--json-out FILE] [--markdown-out FILE] [--work DIR]
+    python benchmarks/peers.py [--quick] [--json-out FILE] [--markdown-out FILE] [--work DIR] [--worlds N ...]
+                               [--new-size-from N] [--new-size-model {20m,112m}]
 
 The ~112M-parameter benchmark Llama (`--quick`: the 19.8M one, 2 ranks only), ZeRO-1 fp32, on CPU ranks
 (`benchmarks/_peers_llama.py`), each tool under its own launcher and through its own API:
@@ -15,6 +16,8 @@ The ~112M-parameter benchmark Llama (`--quick`: the 19.8M one, 2 ranks only), Ze
   2.13, so the benchmark starts DLRover's master itself (`python -m dlrover.python.master.main --platform local`)
   and points dlrover-run at it, as for a multi-node job; DLRover 0.6.1's save and load also need a shim for
   DeepSpeed 0.19 (`_peers_llama.accept_torch_keywords`). Both are in the report.
+* PyTorch DCP (dcp), the reference for save stalls: `dcp.async_save` with a process-based checkpointer and
+  DefaultStager on the FSDP2 equivalent of the job (`benchmarks/_peers_dcp.py`), under torchrun; saves only.
 
 Measured:
 
@@ -25,18 +28,20 @@ Measured:
    one save puts where it goes; peak RSS per rank (VmHWM, reset before each tool) and of the launcher.
 2. **Recovery at the same size**: memory saves after every step; after step K one worker is SIGKILLed; the
    launcher restarts the workers, which load from memory. Fault → end of the first step after it, split as
-   benchmarks/elastic.py does: detection + relaunch (until the new worker's main), start-up, load, first step.
+   benchmarks/elastic.py does: detection + relaunch (until the new worker's main), start-up, load, first step;
+   and the start-up in its parts: relaunch (fault → the new worker process), imports, rendezvous (the process
+   group), model, engine init (ucp's load, which runs inside `initialize`, taken out), load, first step.
 3. **Recovery at a new size** (N → N−1 ranks): a job of N ranks trains K steps with memory saves and ends, and
    a job of N−1 starts. ucp: `"load": "auto"` (from memory). DLRover: its `load_checkpoint` at the new size
    (DeepSpeed refuses a ZeRO checkpoint of another data-parallel size; the refusal is recorded), then the path
    DLRover documents for DeepSpeed at a new world size, DeepSpeed's universal checkpoint: `ds_to_universal.py` on
    DLRover's disk checkpoint and a job with `"load_universal": true`. Relaunch → first step (no fault detection:
-   both jobs are started by the benchmark).
+   both jobs are started by the benchmark). `--new-size-from` and `--new-size-model` run it at another size than
+   the saves (when the machine cannot hold the full run in time).
 
 `--json-out` writes `{tool: {"blocked_s", "durable_s", "overhead_every1", "recovery_same_size_s",
-"recovery_new_size_s", ..., "why": {key: reason}}}` for ucp, ucp_memory, dlrover, dlrover_disk, deepspeed; null
-where a tool cannot do a thing. PyTorch DCP's async save on an FSDP2 job is not run yet (benchmarks/README.md,
-Peers).
+"recovery_new_size_s", ..., "why": {key: reason}}}` for ucp, ucp_memory, dlrover, dlrover_disk, deepspeed, dcp;
+null where a tool cannot do a thing.
 """
 from __future__ import annotations
 
@@ -60,11 +65,15 @@ from elastic import env, free_port, kill_tree, records, to_universal, wait_until
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "_peers_llama.py"
-TOOLS = ("ucp", "ucp_memory", "dlrover", "dlrover_disk", "deepspeed")
+WORKERS = {"dcp": HERE / "_peers_dcp.py"}  # by family; the others run WORKER
+TOOLS = ("ucp", "ucp_memory", "dlrover", "dlrover_disk", "deepspeed", "dcp")
 KEYS = ("blocked_s", "durable_s", "overhead_every1", "recovery_same_size_s", "recovery_new_size_s")
 MEMORY_ONLY = "saves to host memory only; nothing is on disk until another save writes it"
 NOT_A_RECOVERY_TIER = "recovery is measured from memory (ucp_memory, dlrover), as the issue asks"
 NO_RESTORE = "DeepSpeed alone restarts nothing and has no memory tier: its restart is a new job from disk"
+DCP_SAVES_ONLY = ("DCP's async save is the reference for save stalls only (the issue's item 1); it runs on an FSDP2 "
+                  "job, not the DeepSpeed one, so no DeepSpeed recovery is measured with it")
+START_PARTS = ("relaunch_s", "imports_s", "rendezvous_s", "model_s", "engine_init_s", "load_s", "first_step_s")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -73,9 +82,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json-out", help="write {tool: {blocked_s, durable_s, ...}} here")
     p.add_argument("--markdown-out", help="write the table here")
     p.add_argument("--work", help="working folder (default: a temporary one, removed)")
+    p.add_argument("--worlds", type=int, nargs="+", help="world sizes of the saves (default: 2 4; --quick: 2); "
+                   "the recoveries run at the largest")
+    p.add_argument("--new-size-from", type=int, help="the new-size recovery goes from this many ranks to one fewer "
+                   "(default: the largest of --worlds)")
+    p.add_argument("--new-size-model", choices=("20m", "112m"), help="the model of the new-size recovery (default: "
+                   "the run's)")
     args = p.parse_args(argv)
     args.model = "20m" if args.quick else "112m"
-    args.worlds = [2] if args.quick else [2, 4]
+    args.worlds = args.worlds or ([2] if args.quick else [2, 4])
+    args.new_size_from = args.new_size_from or max(args.worlds)
+    args.new_size_model = args.new_size_model or args.model
     # saves: plain steps, saves one by one, steps with a save after each, steps with a save after every 4th
     args.counts = ["--plain", "2", "--rounds", "2", "--every1", "3", "--every4", "4"] if args.quick else \
         ["--plain", "3", "--rounds", "3", "--every1", "4", "--every4", "8"]
@@ -84,8 +101,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 class Launch:
-    """One job under a family's own launcher: torchrun (ucp, DeepSpeed) or dlrover-run (DLRover), which gets a
-    DLRover master of its own."""
+    """One job under a family's own launcher: torchrun (ucp and DeepSpeed; DCP's FSDP2 job) or dlrover-run
+    (DLRover), which gets a DLRover master of its own."""
 
     def __init__(self, family: str, nproc: int, worker_args: list[str], log: Path, max_restarts: int = 0):
         self.master: subprocess.Popen | None = None
@@ -103,8 +120,9 @@ class Launch:
                    f"--max-restarts={max_restarts}", "--monitor-interval=0.5"]
         self.log = log
         self.began = time.time()
+        worker = WORKERS.get(family, WORKER)
         with open(log, "w") as f:
-            self.proc = subprocess.Popen([*cmd, str(WORKER), *worker_args], env={**env(), **extra}, stdout=f,
+            self.proc = subprocess.Popen([*cmd, str(worker), *worker_args], env={**env(), **extra}, stdout=f,
                                          stderr=subprocess.STDOUT, start_new_session=True)
 
     def kill_worker(self, local_rank: int = 1) -> float:
@@ -165,7 +183,7 @@ def memory_folder() -> Path:
     return Path(tempfile.mkdtemp(prefix="ucp-peers-", dir="/dev/shm"))
 
 
-FAMILIES = {"torchrun": ["ucp", "ucp_memory", "deepspeed"], "dlrover": ["dlrover", "dlrover_disk"]}
+FAMILIES = {"torchrun": ["ucp", "ucp_memory", "deepspeed"], "dlrover": ["dlrover", "dlrover_disk"], "dcp": ["dcp"]}
 
 
 def run_saves(args: argparse.Namespace, world: int, work: Path, families: tuple[str, ...] = tuple(FAMILIES)
@@ -237,16 +255,21 @@ def split(restart: dict | None, fault: float, old: int, new: int) -> dict:
     """A restart record, as benchmarks/elastic.py reports one: fault (or relaunch) -> first step, and its parts."""
     if restart is None:
         return {"failed": "no restart record: the restarted job did not load a checkpoint"}
-    return {"old_world": old, "new_world": new, "total_s": restart["first_step_at"] - fault,
-            "detection_s": restart["called"] - fault, "startup_s": restart["startup_s"], "load_s": restart["load_s"],
-            "first_step_s": restart["first_step_s"], "checkpoint_step": restart.get("checkpoint_step")}
+    split = {"old_world": old, "new_world": new, "total_s": restart["first_step_at"] - fault,
+             "detection_s": restart["called"] - fault, "startup_s": restart["startup_s"], "load_s": restart["load_s"],
+             "first_step_s": restart["first_step_s"], "checkpoint_step": restart.get("checkpoint_step")}
+    if "process_at" in restart:  # the start-up's parts (_peers_llama.StartMarks)
+        split["parts"] = {"relaunch_s": restart["process_at"] - fault,
+                          **{k: restart[k] for k in START_PARTS if k in restart and k != "relaunch_s"}}
+    return split
 
 
 def run_new_size(args: argparse.Namespace, world: int, work: Path) -> dict:
     """N ranks train and end; N-1 ranks start from what they left: ucp's "auto", DLRover's load and its
-    universal-checkpoint path."""
-    out: dict = {}
-    common = ["--model", args.model, "--steps", str(args.kill_after)]
+    universal-checkpoint path. On --new-size-model."""
+    out: dict = {"model": args.new_size_model}
+    model = args.new_size_model
+    common = ["--model", model, "--steps", str(args.kill_after)]
     # ucp
     folder = fresh(work / f"new-ucp-{world}")
     memory = memory_folder()
@@ -255,7 +278,7 @@ def run_new_size(args: argparse.Namespace, world: int, work: Path) -> dict:
     print(f"recovery at a new size ({world} -> {world - 1} ranks): ucp ...", flush=True)
     try:
         Launch("torchrun", world, ["--tools", "ucp", "--phase", "recover", *common, *ckpt], folder / "a.log").wait()
-        job = Launch("torchrun", world - 1, ["--tools", "ucp", "--phase", "recover", "--model", args.model,
+        job = Launch("torchrun", world - 1, ["--tools", "ucp", "--phase", "recover", "--model", model,
                                              "--steps", str(args.kill_after + 1), *ckpt], folder / "b.log")
         job.wait()
     finally:
@@ -268,7 +291,7 @@ def run_new_size(args: argparse.Namespace, world: int, work: Path) -> dict:
     ckpt = ["--save-dir", str(folder / "ckpt"), "--records", str(recs)]
     print(f"recovery at a new size ({world} -> {world - 1} ranks): dlrover ...", flush=True)
     Launch("dlrover", world, ["--tools", "dlrover", "--phase", "recover", *common, *ckpt], folder / "a.log").wait()
-    direct = Launch("dlrover", world - 1, ["--tools", "dlrover", "--phase", "resize", "--model", args.model,
+    direct = Launch("dlrover", world - 1, ["--tools", "dlrover", "--phase", "resize", "--model", model,
                                            "--save-dir", str(folder / "ckpt"), "--records", str(folder / "b.jsonl")],
                     folder / "b.log")
     direct.wait()
@@ -276,7 +299,7 @@ def run_new_size(args: argparse.Namespace, world: int, work: Path) -> dict:
     loaded = next((r["resized"] for r in records(folder / "b.jsonl") if "resized" in r), None)
     tag = (folder / "ckpt" / "latest").read_text().strip()
     convert_s = to_universal(folder / "ckpt" / tag, folder / "universal" / tag)
-    job = Launch("dlrover", world - 1, ["--tools", "dlrover", "--phase", "resize", "--model", args.model, *ckpt,
+    job = Launch("dlrover", world - 1, ["--tools", "dlrover", "--phase", "resize", "--model", model, *ckpt,
                                         "--load-universal", str(folder / "universal" / tag)], folder / "c.log")
     job.wait()
     resized = next((r["resized"] for r in records(recs) if "resized" in r), None)
@@ -321,6 +344,12 @@ def summarize(saves: list[dict], same: dict, new: dict) -> dict:
         if tool == "deepspeed":
             why["recovery_same_size_s"] = why["recovery_new_size_s"] = NO_RESTORE
             recovery_tool = ""
+        if tool == "dcp":
+            why["recovery_same_size_s"] = why["recovery_new_size_s"] = DCP_SAVES_ONLY
+            recovery_tool = ""
+            for world, r in sorted(worlds.items()):
+                if "pinned_refused" in r:
+                    why["pinned_staging"] = f"asked for; on {world} ranks DCP said: {r['pinned_refused']}"
         if recovery_tool:
             s = same.get(recovery_tool)
             if s and "total_s" in s:
@@ -342,7 +371,8 @@ def summarize(saves: list[dict], same: dict, new: dict) -> dict:
         entry["by_world"] = details
         entry["recovery_same_size"] = same.get(recovery_tool) if recovery_tool else None
         entry["recovery_new_size"] = new.get(recovery_tool) if recovery_tool else None
-        entry["why"] = {key: reason for key, reason in why.items() if entry.get(key) is None or "DLRover" in reason}
+        entry["why"] = {key: reason for key, reason in why.items()
+                        if entry.get(key) is None or "DLRover" in reason or key not in entry}
         result[tool] = entry
     return result
 
@@ -358,7 +388,8 @@ def save_figures(r: dict) -> dict:
             "overhead_every1": statistics.mean(r["every1_s"]) / plain - 1,
             "overhead_every4": statistics.mean(r["every4_s"]) / plain - 1,
             "bytes_per_save": r["bytes_per_save"], "peak_rss_per_rank": r["peak_rss_per_rank"],
-            "launcher_peak_rss": r["launcher_peak_rss"], "params": r["params"]}
+            "launcher_peak_rss": r["launcher_peak_rss"], "params": r["params"],
+            **({"staging": r["staging"]} if "staging" in r else {})}
 
 
 def seconds(value: float | None) -> str:
@@ -396,17 +427,41 @@ def markdown(result: dict, meta: dict) -> str:
                              + parts(r["universal"]))
             elif r:
                 lines.append(f"* {tool}, {kind.split('_', 1)[1].replace('_', ' ')}: " + parts(r))
+    lines += ["", *startup_table(result)]
     u, d = result["ucp"], result["dlrover"]
     um = result["ucp_memory"]
     lines += ["", "Ratios ucp / peer: blocked, ucp async disk save / DLRover memory save "
               f"{ratio(u['blocked_s'], d['blocked_s'])}, ucp memory tier / DLRover memory save "
               f"{ratio(um['blocked_s'], d['blocked_s'])}; durable, ucp / DLRover disk "
               f"{ratio(u['durable_s'], result['dlrover_disk']['durable_s'])}, ucp / DeepSpeed "
-              f"{ratio(u['durable_s'], result['deepspeed']['durable_s'])}; same-size recovery "
+              f"{ratio(u['durable_s'], result['deepspeed']['durable_s'])}; against DCP's async save (FSDP2): blocked "
+              f"{ratio(u['blocked_s'], result['dcp']['blocked_s'])}, durable "
+              f"{ratio(u['durable_s'], result['dcp']['durable_s'])}; same-size recovery "
               f"{ratio(um['recovery_same_size_s'], d['recovery_same_size_s'])}; new-size recovery "
               f"{ratio(um['recovery_new_size_s'], d['recovery_new_size_s'])}."]
     lines += ["", "Targets: " + "; ".join(targets(result))]
     return "\n".join(lines)
+
+
+def startup_table(result: dict) -> list[str]:
+    """Where each recovery's time goes (pure): fault (or relaunch) → the new worker's process (detection and the
+    launcher's restart), its imports, the process group's rendezvous, the model, the engine's init (ucp's load taken
+    out), the load, the first step."""
+    rows = []
+    for tool in ("ucp_memory", "dlrover"):
+        for kind in ("recovery_same_size", "recovery_new_size"):
+            r = result[tool][kind]
+            if r and tool == "dlrover" and kind == "recovery_new_size":
+                r = r["universal"]
+            if not r or "parts" not in r:
+                continue
+            cells = " | ".join(seconds(r["parts"].get(k)) for k in START_PARTS)
+            rows.append(f"| {tool} | {kind.split('_', 1)[1].replace('_', ' ')} ({r['old_world']} → {r['new_world']}) "
+                        f"| {seconds(r['total_s'])} | {cells} |")
+    if not rows:
+        return []
+    return ["| tool | recovery | total | relaunch (to the new process) | imports | rendezvous | model | engine init | "
+            "load | first step |", "|---|---|---|---|---|---|---|---|---|---|", *rows]
 
 
 def parts(r: dict) -> str:
@@ -447,14 +502,14 @@ def main(argv: list[str] | None = None) -> None:
     saves: list[dict] = []
     for world in args.worlds:
         saves += run_saves(args, world, work)
-    top = max(args.worlds)
-    same = run_same_size(args, top, work)
-    new = run_new_size(args, top, work)
+    same = run_same_size(args, max(args.worlds), work)
+    new = run_new_size(args, args.new_size_from, work)
     result = summarize(saves, same, new)
     meta = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
                        f"{psutil.virtual_memory().total / 2**30:.0f} GiB",
             "model": f"{saves[0]['params'] / 1e6:.1f}M-parameter Llama", "versions": versions(),
-            "ranks": " and ".join(str(w) for w in args.worlds) + " CPU ranks",
+            "ranks": " and ".join(str(w) for w in args.worlds) + " CPU ranks; new size "
+                     f"{args.new_size_from} → {args.new_size_from - 1} ranks on the {args.new_size_model} model",
             "load_15min": os.getloadavg()[2], "wall_s": time.time() - began}
     text = markdown(result, meta)
     print(text)

@@ -26,9 +26,14 @@ def recovered(total: float, old: int = 2, new: int = 2) -> dict:
             "load_s": 0.5, "first_step_s": 2.0, "checkpoint_step": 3}
 
 
+PINNED_REFUSED = "Ignoring pin_memory flag for checkpoint staging as pinning memoryrequires CUDA"
+DCP = {**saved("dcp", [0.5, 0.6, 0.7], [2.0, 2.0, 2.0]), "staging": "shared memory, not pinned",
+       "pinned_refused": PINNED_REFUSED}
+
+
 SAVES = [saved("ucp", [0.1, 0.3, 0.2], [4.0, 5.0, 6.0]), saved("ucp_memory", [0.2, 0.2, 0.2], [None] * 3),
          saved("deepspeed", [3.0, 3.0, 3.0], [4.0, 4.0, 4.0]), saved("dlrover", [0.4, 0.4, 0.4], [None] * 3),
-         saved("dlrover_disk", [0.5, 0.5, 0.5], [7.0, 7.0, 7.0])]
+         saved("dlrover_disk", [0.5, 0.5, 0.5], [7.0, 7.0, 7.0]), DCP]
 SAME = {"ucp_memory": recovered(20.0), "dlrover": recovered(25.0)}
 REFUSAL = "RuntimeError: The checkpoint being loaded used a DP world size of 2 but the current world size is 1."
 NEW = {"ucp_memory": recovered(10.0, 2, 1),
@@ -41,13 +46,16 @@ def test_arguments_of_the_issue():
     assert (quick.quick, quick.json_out, quick.worlds, quick.model) == (True, "out.json", [2], "20m")
     full = peers.parse_args([])
     assert (full.worlds, full.model, full.json_out) == ([2, 4], "112m", None)
+    assert (full.new_size_from, full.new_size_model) == (4, "112m")
+    smaller = peers.parse_args(["--worlds", "2", "--new-size-from", "4", "--new-size-model", "20m"])
+    assert (smaller.worlds, smaller.new_size_from, smaller.new_size_model) == ([2], 4, "20m")
     with pytest.raises(SystemExit):  # a misspelt flag is refused, not ignored
         peers.parse_args(["--quik"])
 
 
 def test_json_has_every_tool_and_key_with_reasons_for_nulls():
     result = peers.summarize(SAVES, SAME, NEW)
-    assert list(result) == ["ucp", "ucp_memory", "dlrover", "dlrover_disk", "deepspeed"]
+    assert list(result) == ["ucp", "ucp_memory", "dlrover", "dlrover_disk", "deepspeed", "dcp"]
     for tool, entry in result.items():
         assert set(KEYS) <= set(entry), tool
         for key in KEYS:
@@ -61,6 +69,30 @@ def test_json_has_every_tool_and_key_with_reasons_for_nulls():
     assert REFUSAL in result["dlrover"]["why"]["recovery_new_size_s"]
 
 
+def test_dcp_entry_is_the_save_reference_with_its_staging_said():
+    dcp = peers.summarize(SAVES, SAME, NEW)["dcp"]
+    assert (dcp["blocked_s"], dcp["durable_s"]) == (0.6, 2.0)
+    assert dcp["by_world"]["2"]["staging"] == "shared memory, not pinned"
+    assert dcp["recovery_same_size_s"] is None and "save stalls only" in dcp["why"]["recovery_same_size_s"]
+    assert PINNED_REFUSED in dcp["why"]["pinned_staging"]
+    unmeasured = peers.summarize(SAVES[:-1], SAME, NEW)["dcp"]  # control: no DCP record, no DCP figures
+    assert unmeasured["blocked_s"] is None and unmeasured["why"]["blocked_s"] == "not measured"
+    assert "pinned_staging" not in unmeasured["why"]
+
+
+def test_start_up_is_split_into_its_parts():
+    parts = {"relaunch_s": 3.0, "imports_s": 6.0, "rendezvous_s": 0.5, "model_s": 1.0, "engine_init_s": 4.0,
+             "load_s": 0.5, "first_step_s": 2.0}
+    restart = {"called": 104.0, "process_at": 103.0, "first_step_at": 120.0, "startup_s": 11.5, "load_s": 0.5,
+               "first_step_s": 2.0, "checkpoint_step": 3, **{k: v for k, v in parts.items() if k != "relaunch_s"}}
+    split = peers.split(restart, 100.0, 2, 2)
+    assert split["parts"] == parts and split["total_s"] == 20.0
+    table = peers.startup_table(peers.summarize(SAVES, {"ucp_memory": split, "dlrover": recovered(25.0)}, NEW))
+    assert table[2] == ("| ucp_memory | same size (2 → 2) | 20.00 s | 3.00 s | 6.00 s | 0.50 s | 1.00 s | 4.00 s | "
+                        "0.50 s | 2.00 s |")
+    assert len(table) == 3  # control: records without the parts (the hand-written ones) make no row
+
+
 def test_a_tool_not_measured_is_null_with_why_not_a_number():
     result = peers.summarize([r for r in SAVES if not r["tool"].startswith("dlrover")], {}, {})
     assert result["dlrover"]["blocked_s"] is None
@@ -72,7 +104,7 @@ def test_table_judges_the_targets():
     text = peers.markdown(peers.summarize(SAVES, SAME, NEW), {
         "machine": "x86_64, 2 cores", "model": "19.8M-parameter Llama", "ranks": "2 CPU ranks",
         "versions": "torch 2", "load_15min": 1.0})
-    for tool in ("ucp", "ucp_memory", "dlrover", "dlrover_disk", "deepspeed"):
+    for tool in ("ucp", "ucp_memory", "dlrover", "dlrover_disk", "deepspeed", "dcp"):
         assert f"| {tool} |" in text
     assert "blocked per save ≤ DLRover's memory save: **PASS**" in text  # 0.2 (ucp's slower saver) vs 0.4
     assert "⅓ of the best peer path: **PASS**" in text  # 10 vs 40 / 3
