@@ -65,6 +65,8 @@ RESUMES = {"z1-sync": {"stage": 1, "sync_scale": True, **SAVING, "save_bytes_out
            # negative controls: each TP rank given the other's boxes; DeepSpeed's own load at another layout
            "swapped": {"stage": 1, "sync_scale": True, "steps": STEPS, "load_from": SYNCED, "swap_tp_boxes": True,
                        "losses_out": "losses.json"},
+           # a DeepSpeed checkpoint into the fused shards at TP 2: refused in one line (convert it first)
+           "ds-source": {"stage": 1, "sync_scale": True, "load_from": "z1-sync/ckpt", "error_out": "error.json"},
            "stock-tp2-pp1-dp2": {"stage": 1, "sync_scale": True, "tp": 2, "pp": 1, "steps": STEPS,
                                  "stock_load": "z1-sync/ckpt", "error_out": "error.json", "losses_out": "losses.json"}}
 OUTPUTS = ("save_dir", "ucp_save", "losses_out", "save_bytes_out", "refusal_out", "ucp_memory", "error_out",
@@ -173,3 +175,9 @@ def test_deepspeeds_own_load_at_another_layout_does_not_continue(megatron):
         assert json.loads(error.read_text())
     else:
         assert not _continues(_losses(megatron, "stock-tp2-pp1-dp2"), _losses(megatron, "z1-sync")[SAVED_AT:])
+
+
+def test_a_deepspeed_checkpoint_into_fused_tp_shards_is_refused_in_one_line(megatron):
+    message = json.loads((megatron / "ds-source" / "error.json").read_text())
+    assert "\n" not in message and "z1-sync/ckpt" in message and "ucp convert" in message
+    assert "query_key_value" in message or "dense_h_to_4h" in message

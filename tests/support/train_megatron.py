@@ -17,8 +17,9 @@ A run may set its layout, ``tp`` and ``pp`` (default 2 x 2; DP is what the 4 ran
 batch of 4 samples is the same at every layout: 2 a micro-batch, accumulated over 2 // DP), and resume
 before training: ``ucp_load`` (a ucp checkpoint, through the config's ``"ucp": {"load": ...}``),
 ``load_from`` (the same through ``ucp.deepspeed.load``; ``swap_tp_boxes`` gives each TP rank the other's
-boxes, a negative control), or ``stock_load`` (a DeepSpeed save folder, through ``engine.load_checkpoint``:
-its error goes to ``error_out``); a resumed run trains from the loaded step to ``steps``. ``sync_scale``
+boxes, a negative control; with ``error_out``, the error it raises goes there instead of training), or
+``stock_load`` (a DeepSpeed save folder, through ``engine.load_checkpoint``: its error goes to ``error_out``);
+a resumed run trains from the loaded step to ``steps``. ``sync_scale``
 all-reduces ``mlp.input_scale``'s gradient over TP (as Megatron does for parameters it keeps equal on every
 TP rank), so its copies stay equal and a resume at another layout can continue the losses exactly.
 
@@ -427,6 +428,16 @@ def resume(engine, run: dict) -> bool:
     it then records in its `error_out`."""
     import ucp.deepspeed
 
+    if run.get("load_from") and run.get("error_out"):  # a load expected to be refused: its error, no training
+        from ucp.errors import UcpError
+
+        try:
+            ucp.deepspeed.load(engine, run["load_from"])
+        except UcpError as e:
+            if dist.get_rank() == 0:
+                with open(run["error_out"], "w") as f:
+                    json.dump(str(e), f)
+        return False
     if run.get("load_from"):
         if run.get("swap_tp_boxes"):  # negative control: each TP rank's boxes are the other TP rank's
             import ucp.deepspeed.mpu_target as mpu_target
