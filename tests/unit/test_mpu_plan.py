@@ -7,8 +7,11 @@ import math
 import pytest
 import torch
 
-from ucp.deepspeed.mpu_plan import place_shards, tp_layout
+from ucp.deepspeed.load_source import piece_runs
+from ucp.deepspeed.mpu_plan import pieces, place_shards, tp_layout
 from ucp.deepspeed.save_plan import Holding, Shard, box_runs
+from ucp.deepspeed.targets import TargetTensor
+from ucp.errors import UnsupportedLayoutError
 from ucp.patterns import Hints, Pattern
 
 FUSED = {"parameter_with_2_sub_params_cat_dim_0": [r"\d+.mlp.dense_h_to_4h.weight"],
@@ -71,3 +74,45 @@ def test_a_fused_shard_is_not_one_block_of_rows():
     assert len(place_shards(_holdings(name, shards, 1), FUSED)) == 4  # 2 ranks x (gate, up)
     assert len(place_shards(_holdings(name, shards, 1), {})) == 2     # undeclared: one block each
     assert tp_layout(name, [s.shape for s in shards], {}, True)[1] == Hints(pattern=Pattern.REPLICATE)
+
+
+def _box_values(full: torch.Tensor, t: TargetTensor) -> torch.Tensor:
+    """What a load reads for `t` from the checkpoint's `full` tensor: its run of its box, or of its pieces one after
+    another (`load_source.piece_runs`)."""
+    if t.pieces is None:
+        box = t.box or tuple((0, n) for n in full.shape)
+        flat = full[tuple(slice(lo, hi) for lo, hi in box)].reshape(-1)
+        return flat[t.start:t.start + t.numel]
+    return torch.cat([full[tuple(slice(lo, hi) for lo, hi in box)].reshape(-1)[a:b]
+                      for _, box, (a, b) in piece_runs(t, (t.start, t.start + t.numel))])
+
+
+@pytest.mark.parametrize("dp", [1, 3])
+@pytest.mark.parametrize("name,shape", [("1.mlp.dense_h_to_4h.weight", (12, 3)), ("1.mlp.dense_4h_to_h.weight", (3, 6)),
+                                        ("embed.weight", (7, 2)), ("1.mlp.input_scale", (3,))])
+def test_a_load_gives_each_rank_its_shards_elements(name, shape, dp):
+    """The inverse of the save's plan (`ucp.deepspeed.mpu_target`): each TP rank's ZeRO run of its shard, placed by
+    `pieces`, reads exactly the shard's elements from the full tensor (padding rows: none; "to average": the whole
+    tensor, the saved mean)."""
+    full = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
+    shards = _cut(full, name, 2)
+    shapes = [tuple(s.shape) for s in shards]
+    logical, hints = tp_layout(name, shapes, FUSED, True)
+    assert logical == shape
+    for rank, shard in enumerate(shards):
+        live = shard.reshape(-1)
+        for d in range(dp):
+            lo, hi = d * live.numel() // dp, (d + 1) * live.numel() // dp
+            held = TargetTensor(name, "param", shapes[rank], lo, hi - lo, False, lambda state: torch.empty(0))
+            placed = held.as_pieces(logical, pieces(name, logical, hints, shapes, rank))
+            assert torch.equal(_box_values(full, placed), live[lo:lo + placed.numel])
+            assert placed.numel == hi - lo or name == "embed.weight"  # padding rows are in no box
+            other = held.as_pieces(logical, pieces(name, logical, hints, shapes, 1 - rank))
+            if hints.pattern is not Pattern.PARTIAL and placed.numel and other.numel:  # negative control
+                assert not torch.equal(_box_values(full, other), live[lo:lo + other.numel])
+
+
+def test_pieces_that_do_not_tile_the_shard_are_refused():
+    held = TargetTensor("w", "param", (4, 2), 0, 8, False, lambda state: torch.empty(0))
+    with pytest.raises(UnsupportedLayoutError, match="not its pieces"):
+        held.as_pieces((8, 2), [(0, ((0, 2), (0, 2))), (6, ((4, 6), (0, 2)))])
