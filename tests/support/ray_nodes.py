@@ -10,6 +10,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import psutil
@@ -61,6 +62,19 @@ class Nodes:
         self.address = ""
 
     def _start(self, head: bool) -> subprocess.Popen:
+        """One raylet; tried again (twice) where `ray start` gives up after its fixed 30 s wait for the raylet to
+        register, which a loaded 2-core machine can exceed."""
+        tries = 0
+        while True:
+            try:
+                return self._start_once(head)
+            except RuntimeError as e:
+                kill_session(self.raylets.pop())
+                tries += 1
+                if tries == 3 or "timed out during startup" not in str(e):
+                    raise
+
+    def _start_once(self, head: bool) -> subprocess.Popen:
         index = len(self.raylets)
         where = ["--head", f"--port={free_port()}", "--include-dashboard=false",
                  f"--ray-client-server-port={free_port()}"] if head else [f"--address={self.address}"]
@@ -68,7 +82,10 @@ class Nodes:
         ports = {name: free_port() for name in ("node-manager-port", "object-manager-port", "metrics-export-port",
                                                  "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
                                                  "runtime-env-agent-port")}
-        cmd = ["ray", "start", "--block", *where, "--num-cpus=1", '--resources={"slot": 1}', "--disable-usage-stats",
+        # `ray start` by this interpreter (not whichever `ray` is on PATH): Ray's workers run the interpreter that
+        # started their raylet, and must see the packages (ucp included) that this one does.
+        cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--block", *where, "--num-cpus=1",
+               '--resources={"slot": 1}', "--disable-usage-stats",
                f"--temp-dir={self.temp_dir}", *(f"--{name}={port}" for name, port in ports.items())]
         log = self.root / f"raylet{index}.log"
         with open(log, "w") as out:
@@ -95,6 +112,19 @@ class Nodes:
         """One more raylet (a node back); its index."""
         self._start(head=False)
         return len(self.raylets) - 1
+
+    def live(self) -> list[int]:
+        """The indexes of the raylets running now (the head's is 0)."""
+        return [i for i, proc in enumerate(self.raylets) if proc.poll() is None]
+
+    def ensure(self, slots: int) -> str:
+        """Start the cluster or add raylets until `slots` run (one worker slot each); the GCS address. Tests that
+        share one cluster (it takes long to start) each ask for the nodes they need."""
+        if not self.raylets:
+            self.start(workers=slots - 1)
+        while len(self.live()) < slots:
+            self.add()
+        return self.address
 
     def lose(self, index: int) -> None:
         """The node is gone: its raylet and every process it started, SIGKILL."""

@@ -31,7 +31,7 @@ import torch.distributed as dist  # noqa: E402
 from train_hf import LORA_LR, TokenData, ds_config, tiny_model  # noqa: E402
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="llama", choices=["llama", "llama-lora"])
     p.add_argument("--stage", type=int, default=2)
@@ -47,12 +47,13 @@ def main() -> None:
     p.add_argument("--die-in-save", type=int, default=0)
     p.add_argument("--die-marker", default=None)
     p.add_argument("--log-out", required=True)
-    args = p.parse_args()
+    return p
 
+
+def build_trainer(args: argparse.Namespace):
+    """The user's Trainer, as each worker builds it at every start (torchrun's or Ray Train's)."""
     import accelerate
     import transformers
-
-    import ucp.transformers
 
     accelerate.PartialState(backend="gloo")  # the CPU recipe: the Trainer sees torchrun's world only this way
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -92,7 +93,13 @@ def main() -> None:
             return stock_save(output_dir)
 
         trainer._save_optimizer_and_scheduler = save_then_die
-    ucp.transformers.train(trainer)
+    return trainer
+
+
+def main() -> None:
+    import ucp.transformers
+
+    ucp.transformers.train(build_trainer(parser().parse_args()))
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

@@ -4,12 +4,13 @@
     ray start --address HEAD:6379 --num-cpus 1 --resources '{"slot": 1}'    # on every other node
     python examples/elastic/ray/train.py --address auto --storage /shared/ray_runs --steps 40
 
-The training function is the torchrun example's (`../training.py`), run by `ray.train.torch.TorchTrainer` with
-`ScalingConfig(num_workers=(MIN, MAX))`: when a node goes, Ray restarts the worker group on the nodes left, and
-the function resumes through ucp from the checkpoint Ray hands back (`ucp.elastic.ray_train`); when a node
-comes back, Ray grows the group at its next resize check and the function resumes again, at the new size. Each
-committed ucp checkpoint is reported to Ray in place, under the run's storage. On GPUs, drop DS_ACCELERATOR and
-the gloo backend, and ask for {"GPU": 1} per worker.
+The training function is the torchrun example's (`../training.py`; with `--example train_3d`, the AutoTP one of
+`../torchrun/train_3d.py`, which takes a tensor x data-parallel layout for the workers of each start), run by
+`ray.train.torch.TorchTrainer` with `ScalingConfig(num_workers=(MIN, MAX))`: when a node goes, Ray restarts the
+worker group on the nodes left, and the function resumes through ucp from the checkpoint Ray hands back
+(`ucp.elastic.ray_train`); when a node comes back, Ray grows the group at its next resize check and the function
+resumes again, at the new size. Each committed ucp checkpoint is reported to Ray in place, under the run's storage.
+On GPUs, drop DS_ACCELERATOR and the gloo backend, and ask for {"GPU": 1} per worker.
 """
 from __future__ import annotations
 
@@ -28,16 +29,29 @@ def train_fn(config: dict) -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")   # CPU only
     sys.path.insert(0, config["examples"])
     import deepspeed
-    from training import Run, train
 
     import ucp.elastic.ray_train
 
     deepspeed.init_distributed(dist_backend="gloo")   # CPU only
+
+    def report(engine, loss: float) -> None:
+        ucp.elastic.ray_train.report(engine, {"loss": loss, "step": engine.global_steps})
+
+    if config["example"] == "train_3d":
+        sys.path.insert(0, os.path.join(config["examples"], "torchrun"))
+        import train_3d
+
+        args = train_3d.parser().parse_args(
+            ["--save-dir", "", "--steps", str(config["steps"]), "--global-batch", str(config["global_batch"]),
+             "--micro-batch", str(config["micro_batch"]),
+             *(["--losses-out", config["losses_out"]] if config["losses_out"] else [])])
+        train_3d.train(args, ucp.elastic.ray_train.ucp_section(every=config["every"], keep=config["keep"]), report)
+        return
+    from training import Run, train
+
     run = Run(save_dir="", steps=config["steps"], stage=config["stage"], global_batch=config["global_batch"],
               micro_batch=config["micro_batch"], losses_out=config["losses_out"],
-              ucp=ucp.elastic.ray_train.ucp_section(every=config["every"], keep=config["keep"]),
-              after_step=lambda engine, loss: ucp.elastic.ray_train.report(engine, {"loss": loss,
-                                                                                    "step": engine.global_steps}))
+              ucp=ucp.elastic.ray_train.ucp_section(every=config["every"], keep=config["keep"]), after_step=report)
     train(run)
 
 
@@ -51,6 +65,9 @@ def main() -> None:
     p.add_argument("--resources-per-worker", default='{"CPU": 0.5, "slot": 1}', help="JSON")
     p.add_argument("--max-failures", type=int, default=10)
     p.add_argument("--resize-check-s", type=float, default=5.0, help="how often Ray looks for room to grow")
+    p.add_argument("--example", choices=["training", "train_3d"], default="training",
+                   help="the training function: ../training.py's (data parallel), or torchrun/train_3d.py's (AutoTP "
+                        "Llama, a tensor x data-parallel layout chosen at each start)")
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--stage", type=int, default=1)
     p.add_argument("--global-batch", type=int, default=10)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from collections.abc import Callable
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")   # CPU only
 
@@ -53,19 +54,20 @@ def build_model() -> torch.nn.Module:
                                         attn_implementation="eager"))
 
 
-def deepspeed_config(args: argparse.Namespace) -> dict:
+def deepspeed_config(args: argparse.Namespace, ucp_section: dict | None = None) -> dict:
+    """`ucp_section`: the "ucp" section's load and save keys where a launcher gives them (Ray Train)."""
     elastic = {"global_batch": args.global_batch, "micro_batch": args.micro_batch,            # ucp
                "tensor_parallel": args.tp if args.tp else [2, 1], "seq_len": SEQ}              # ucp
+    section = ucp_section or {"load": "auto", "save": {"dir": args.save_dir, "every": args.every, "keep": args.keep}}
     config = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}},
               "zero_optimization": {"stage": 1}, "steps_per_print": 10 ** 9,
-              "ucp": {"load": "auto", "save": {"dir": args.save_dir, "every": args.every, "keep": args.keep},
-                      "elastic": elastic}}                                                     # ucp
+              "ucp": {**section, "elastic": elastic}}                                          # ucp
     if args.stock:   # negative control: DeepSpeed's own checkpoints, ucp only for the batch and the layout
         config["ucp"] = {"elastic": elastic}
     return config
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--save-dir", required=True, help="where ucp saves, and resumes from after a restart")
     p.add_argument("--steps", type=int, default=12, help="optimizer steps the run trains in all")
@@ -78,9 +80,20 @@ def main() -> None:
     p.add_argument("--stock", action="store_true",
                    help="negative control: engine.save_checkpoint / load_checkpoint instead of ucp's")
     p.add_argument("--load-tag", help="with --stock: the DeepSpeed checkpoint to resume from (default: none)")
-    args = p.parse_args()
+    return p
+
+
+def main() -> None:
+    args = parser().parse_args()
     ucp.elastic.init_distributed("gloo")   # CPU only
-    config = deepspeed_config(args)
+    train(args)
+
+
+def train(args: argparse.Namespace, ucp_section: dict | None = None,
+          after_step: Callable[[object, float], None] = lambda engine, loss: None) -> None:
+    """Train until `args.steps` optimizer steps, from wherever the save folder says the run is; `after_step(engine,
+    mean loss)` on every rank after each optimizer step (Ray Train's report)."""
+    config = deepspeed_config(args, ucp_section)
     model = build_model()
     place = ucp.elastic.layout(config, model)                                                  # ucp
     ucp.elastic.spare_loop()   # a spare waits here for the next restart                        # ucp
@@ -99,7 +112,7 @@ def main() -> None:
             step = engine.global_steps
             engine.step()
             if engine.global_steps != step:
-                log(args, engine, place, summed)
+                after_step(engine, log(args, engine, place, summed))
                 summed = torch.zeros(1)
                 if args.stock:
                     engine.save_checkpoint(args.save_dir)
@@ -108,7 +121,7 @@ def main() -> None:
     ucp.deepspeed.wait(engine)   # the last save is committed
 
 
-def log(args: argparse.Namespace, engine, place, summed: torch.Tensor) -> None:
+def log(args: argparse.Namespace, engine, place, summed: torch.Tensor) -> float:
     """The step's mean loss over its global batch (every TP rank of a replica holds its replica's sum)."""
     dist.all_reduce(summed)
     loss = summed.item() / place.tp / args.global_batch
@@ -116,6 +129,7 @@ def log(args: argparse.Namespace, engine, place, summed: torch.Tensor) -> None:
         with open(args.losses_out, "a") as f:
             f.write(json.dumps({"step": engine.global_steps, "loss": loss, "world": place.world, "tp": place.tp,
                                 "dp": place.dp, "pid": os.getpid()}) + "\n")
+    return loss
 
 
 if __name__ == "__main__":
