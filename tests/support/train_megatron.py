@@ -9,11 +9,18 @@ at ``save_after``, alongside DeepSpeed's own save, and again after the last step
 through the ``"ucp": {"save": {"dir", "every"}}`` config instead, which saves every that many steps, and
 with ``ucp_memory`` (a folder) keeps the host-memory tier there too, 2 simulated nodes), ``save_bytes_out``
 (what each rank's ucp save at ``save_after`` writes, and what it holds, bytes by rank, JSON),
-``losses_out`` (every step's loss, JSON) and ``refusal_out`` (try one ucp save, or with ``load_from`` one
-ucp load of that checkpoint, right after ``deepspeed.initialize`` and write the error it raises there,
-instead of training).
+``losses_out`` (every step's loss, JSON) and ``refusal_out`` (try one ucp save right after
+``deepspeed.initialize`` and write the error it raises there, instead of training).
 A run's ``dump_state`` path gets every rank's fp32 master and Adam moments of its own TP shard at save
 time (see support/gather.py), with its stage and TP rank, for the tests to consolidate by hand.
+A run may set its layout, ``tp`` and ``pp`` (default 2 x 2; DP is what the 4 ranks leave, and the global
+batch of 4 samples is the same at every layout: 2 a micro-batch, accumulated over 2 // DP), and resume
+before training: ``ucp_load`` (a ucp checkpoint, through the config's ``"ucp": {"load": ...}``),
+``load_from`` (the same through ``ucp.deepspeed.load``; ``swap_tp_boxes`` gives each TP rank the other's
+boxes, a negative control), or ``stock_load`` (a DeepSpeed save folder, through ``engine.load_checkpoint``:
+its error goes to ``error_out``); a resumed run trains from the loaded step to ``steps``. ``sync_scale``
+all-reduces ``mlp.input_scale``'s gradient over TP (as Megatron does for parameters it keeps equal on every
+TP rank), so its copies stay equal and a resume at another layout can continue the losses exactly.
 
 The model is written the way Megatron-DeepSpeed writes its GPT (``GPTModelPipe``), by hand and tiny:
 
@@ -59,8 +66,9 @@ import torch.nn.functional as F
 VOCAB, DIVISIBLE_BY = 37, 4
 HIDDEN, HEADS, KV_HEADS, FFN, SEQ = 8, 4, 2, 12, 5
 HEAD_DIM = HIDDEN // HEADS
-TP, PP = 2, 2
+TP, PP = 2, 2  # this run's layout (`use_layout`)
 PADDED_VOCAB = -(-VOCAB // (DIVISIBLE_BY * TP)) * DIVISIBLE_BY * TP  # 40: Megatron's _vocab_size_with_padding
+SYNC_SCALE = False  # all-reduce mlp.input_scale's gradient over TP (its copies stay equal)
 MICRO_BATCH, ACCUMULATION = 2, 2
 INIT_SEED = 2024
 
@@ -187,6 +195,13 @@ class _GatherFromTP(torch.autograd.Function):
         return grad.chunk(TP, dim=-1)[MPU.get_tensor_model_parallel_rank()].contiguous()
 
 
+def use_layout(tp: int, pp: int, sync_scale: bool) -> None:
+    """Build the next model at TP `tp` x PP `pp`, with `mlp.input_scale`'s copies kept equal or not."""
+    global TP, PP, PADDED_VOCAB, SYNC_SCALE
+    TP, PP, SYNC_SCALE = tp, pp, sync_scale
+    PADDED_VOCAB = -(-VOCAB // (DIVISIBLE_BY * TP)) * DIVISIBLE_BY * TP
+
+
 def _full(shape, seed, scale=0.3):
     return torch.randn(shape, generator=torch.Generator().manual_seed(INIT_SEED + seed)) * scale
 
@@ -268,7 +283,8 @@ class TransformerLayer(torch.nn.Module):
         return _ReduceFromTP.apply(F.linear(context, dense.weight)) + dense.bias
 
     def feed_forward(self, x):
-        x = _CopyToTP.apply(x) * self.mlp.input_scale
+        scale = _CopyToTP.apply(self.mlp.input_scale) if SYNC_SCALE else self.mlp.input_scale
+        x = _CopyToTP.apply(x) * scale
         gate, up = F.linear(x, self.mlp.dense_h_to_4h.weight).chunk(2, dim=-1)
         out = self.mlp.dense_4h_to_h
         return _ReduceFromTP.apply(F.linear(F.silu(gate) * up, out.weight)) + out.bias
@@ -344,10 +360,14 @@ def build():
     return model
 
 
+def dp_size() -> int:
+    return dist.get_world_size() // (TP * PP)
+
+
 def ds_config(run: dict) -> dict:
     cfg = {
         "train_micro_batch_size_per_gpu": MICRO_BATCH,
-        "gradient_accumulation_steps": ACCUMULATION,
+        "gradient_accumulation_steps": ACCUMULATION // dp_size(),
         "optimizer": {"type": "AdamW", "params": {"lr": 2e-2, "betas": [0.9, 0.95], "weight_decay": 0.05,
                                                   "torch_adam": True}},
         # Small buckets: the default (5e8 elements) costs GBs per rank, four ranks on a small machine.
@@ -361,11 +381,13 @@ def ds_config(run: dict) -> dict:
 
 
 def batches(step: int):
+    """This rank's micro-batches of step `step`'s global batch: every micro-batch at DP 1, else its DP rank's."""
     g = torch.Generator().manual_seed(step)
     tokens = torch.randint(0, VOCAB, (MICRO_BATCH * ACCUMULATION, SEQ), generator=g)
     targets = (tokens * 3 + 1) % VOCAB
-    return [(tokens[m * MICRO_BATCH:(m + 1) * MICRO_BATCH], targets[m * MICRO_BATCH:(m + 1) * MICRO_BATCH])
-            for m in range(ACCUMULATION)]
+    every = [(tokens[m * MICRO_BATCH:(m + 1) * MICRO_BATCH], targets[m * MICRO_BATCH:(m + 1) * MICRO_BATCH])
+             for m in range(ACCUMULATION)]
+    return every[MPU.get_data_parallel_rank()::dp_size()]
 
 
 CLIENT_STATE = {"client_marker": 23}
@@ -383,16 +405,13 @@ def write_bytes(path: str, written: int, model) -> None:
             json.dump(every, f)
 
 
-def refuse(engine, path: str, load_from: str | None) -> None:
-    """Try one ucp save (or, with `load_from`, one ucp load of that checkpoint) and write its refusal to `path`."""
+def refuse(engine, path: str) -> None:
+    """Try one ucp save and write its refusal to `path`."""
     import ucp.deepspeed
     from ucp.errors import UcpError
 
     try:
-        if load_from:
-            ucp.deepspeed.load(engine, load_from)
-        else:
-            ucp.deepspeed.save(engine, path + ".d")
+        ucp.deepspeed.save(engine, path + ".d")
         message = None
     except UcpError as e:
         message = str(e)
@@ -403,12 +422,41 @@ def refuse(engine, path: str, load_from: str | None) -> None:
     engine.destroy()
 
 
+def resume(engine, run: dict) -> bool:
+    """Load what `run` names before training (see the module docstring); False when a stock load failed, which
+    it then records in its `error_out`."""
+    import ucp.deepspeed
+
+    if run.get("load_from"):
+        if run.get("swap_tp_boxes"):  # negative control: each TP rank's boxes are the other TP rank's
+            import ucp.deepspeed.mpu_target as mpu_target
+
+            real = mpu_target.tp_rank
+            mpu_target.tp_rank = lambda engine: TP - 1 - real(engine)
+            try:
+                ucp.deepspeed.load(engine, run["load_from"])
+            finally:
+                mpu_target.tp_rank = real
+        else:
+            ucp.deepspeed.load(engine, run["load_from"])
+    if run.get("stock_load"):
+        try:
+            engine.load_checkpoint(run["stock_load"])
+        except Exception as e:  # whatever DeepSpeed raises on another layout's files
+            if dist.get_rank() == 0:
+                with open(run["error_out"], "w") as f:
+                    json.dump(f"{type(e).__name__}: {e}".splitlines()[0], f)
+            return False
+    return True
+
+
 def train_one(run: dict, steps: int) -> None:
     import deepspeed
 
     import ucp.deepspeed
     from gather import dump_states, local_state
 
+    use_layout(run.get("tp", 2), run.get("pp", 2), run.get("sync_scale", False))
     model = build()
     config, every = ds_config(run), run.get("ucp_every")
     if every:  # ucp saves every `every` steps (train_batch is wrapped), explicit calls below are skipped
@@ -417,6 +465,9 @@ def train_one(run: dict, steps: int) -> None:
             from resume_common import memory_tier
 
             config["ucp"]["save"]["memory"] = memory_tier(run["ucp_memory"], every)
+    if run.get("ucp_load"):
+        config["ucp"] = {**config.get("ucp", {}), "load": run["ucp_load"]}
+    if "ucp" in config:
         engine, _, _, _ = ucp.deepspeed.initialize(model=model, model_parameters=list(model.parameters()),
                                                    config=config)
         engine.ucp_client_state = dict(CLIENT_STATE)
@@ -424,10 +475,14 @@ def train_one(run: dict, steps: int) -> None:
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config)
     explicit = run.get("ucp_save") and not every
     if run.get("refusal_out"):
-        refuse(engine, run["refusal_out"], run.get("load_from"))
+        refuse(engine, run["refusal_out"])
+        return
+    if not resume(engine, run):
+        dist.barrier()
+        engine.destroy()
         return
     save_after, losses = run.get("save_after"), []
-    for step in range(run.get("steps", steps)):
+    for step in range(engine.global_steps, run.get("steps", steps)):
         losses.append(float(engine.train_batch(iter(batches(step)))))
         if step + 1 == save_after:
             if explicit:  # asynchronous, overlapping DeepSpeed's own save of the same step
@@ -452,7 +507,8 @@ def train_one(run: dict, steps: int) -> None:
                                         "dp_rank": MPU.get_data_parallel_rank(),
                                         "params": local_state(engine, model.named_parameters())},
                     {"global_steps": engine.global_steps})
-    engine.save_checkpoint(run["save_dir"], client_state=CLIENT_STATE)
+    if run.get("save_dir"):
+        engine.save_checkpoint(run["save_dir"], client_state=CLIENT_STATE)
     dist.barrier()
     engine.destroy()
 

@@ -91,7 +91,10 @@ tensor that the engine's own `affine_map` gives it (`ucp.deepspeed.autotp`); `Pi
 engines at any number of stages, each stage loading its own layers (a tied module on every stage
 that uses it) within its data-parallel group (`ucp.deepspeed.targets`); native DeepSpeed MoE at
 any `ep_size`, each rank loading the experts of the global ids it owns within its
-expert-data-parallel group (`ucp.deepspeed.moe_target`); and an explicit `layout`.
+expert-data-parallel group (`ucp.deepspeed.moe_target`); a Megatron-style `mpu` (TP) in a `PipelineModule`
+at any TP x PP x DP, each TP rank loading the boxes of its shards that the module's
+`universal_checkpoint_info` pattern lists give (`ucp.deepspeed.mpu_target`; a fused QKV or gate/up shard from a
+ucp checkpoint only); and an explicit `layout`.
 """
 from __future__ import annotations
 
@@ -123,6 +126,7 @@ from ucp.deepspeed.elastic import (
 )
 from ucp.deepspeed.load_source import Source, box_numel, source_for
 from ucp.deepspeed.memory_tier import MemoryTier
+from ucp.deepspeed.mpu_target import serves, shard_shapes, with_mpu
 from ucp.deepspeed.placement import as_layout, place_by_layout
 from ucp.deepspeed.readers import assign_readers
 from ucp.deepspeed.save_layout import mpu_tp_size
@@ -268,16 +272,16 @@ def _load(engine: DeepSpeedEngine, path: Location, bypass: bool, load_optimizer_
           layout: Layout | dict[str, Any] | str | os.PathLike[str] | None,
           param_table: Sequence[ParamSpec] | None, keep_bytes: int) -> dict[str, Any]:
     target = target_for(engine)
+    shards = shard_shapes(target) if layout is None and serves(target) else None  # a collective: before any raise
     try:
         ckpt = open_checkpoint(path)
         with_tensor_parallel(target)
         model_names = None
         if layout is not None:
             model_names = _place(engine, target, layout, param_table)
-        elif mpu_tp_size(engine) > 1:
-            raise UnsupportedLayoutError(f"ucp.deepspeed.load cannot load {path} into a PipelineModule engine with a "
-                                         f"Megatron-style mpu at TP {mpu_tp_size(engine)} yet; load it at TP 1, or "
-                                         "pass layout= with the model's parameter table")
+        elif shards is not None:
+            with_mpu(target, shards)
+            _check_fused_source(ckpt, target, engine)
         state_names, kept = _check(ckpt, target, engine, load_optimizer_states, strict, model_names)
         steps = _saved_steps(ckpt, target) if load_optimizer_states else {}
         if load_lr_scheduler_states:
@@ -319,6 +323,15 @@ def _place(engine: DeepSpeedEngine, target: Target, layout: Layout | dict[str, A
                                      "or give the module a `ucp_param_table` (a list of ucp.hmp.layout.ParamSpec)")
     rank = collectives.rank()
     return place_by_layout(target, as_layout(layout), table, rank)
+
+
+def _check_fused_source(ckpt: Checkpoint, target: Target, engine: DeepSpeedEngine) -> None:
+    """A fused TP shard (several boxes of the full tensor) is read from a ucp checkpoint only."""
+    fused = next((t.name for t in target.tensors if t.pieces is not None), None)
+    if fused is not None and not isinstance(ckpt, AtomicCheckpoint):
+        raise UnsupportedLayoutError(f"{ckpt.path}: a DeepSpeed checkpoint does not load into this Megatron-style "
+                                     f"mpu at TP {mpu_tp_size(engine)} on the fly ('{fused}' is fused); run "
+                                     "`ucp convert` on it and load the converted checkpoint")
 
 
 def _check(ckpt: Checkpoint, target: Target, engine: DeepSpeedEngine, load_optimizer_states: bool, strict: bool,

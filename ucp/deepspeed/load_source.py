@@ -94,7 +94,21 @@ def source_for(ckpt: AtomicCheckpoint | PlannedCheckpoint) -> Source:
 
 def box_numel(t: TargetTensor) -> int:
     """Elements of the part of the full tensor `t`'s module holds (what a shared key broadcasts)."""
-    return math.prod(hi - lo for lo, hi in t.box) if t.box is not None else math.prod(t.shape)
+    boxes = t.pieces or ((t.box,) if t.box is not None else ())
+    return sum(math.prod(hi - lo for lo, hi in box) for box in boxes) if boxes else math.prod(t.shape)
+
+
+def piece_runs(t: TargetTensor, run: tuple[int, int]) -> list[tuple[int, Box, tuple[int, int]]]:
+    """(piece index, its box, the run of the box's elements) for each of `t`'s pieces that `run` (elements of their
+    concatenation, `TargetTensor.pieces`) reaches into, in order."""
+    out, first = [], 0
+    for i, box in enumerate(t.pieces or ()):
+        size = math.prod(hi - lo for lo, hi in box)
+        lo, hi = max(run[0], first), min(run[1], first + size)
+        if hi > lo:
+            out.append((i, box, (lo - first, hi - first)))
+        first += size
+    return out
 
 
 def _of_box(full: torch.Tensor, box: Box | None) -> torch.Tensor:
@@ -147,7 +161,7 @@ class AtomicSource:
         finally:
             _count(stats, counter)
         stats.bytes_checked_extra += extra
-        return values
+        return self._joined(wants, readers, values)
 
     def close(self, stats) -> None:
         parts, exchanged = to_owners(self._opened, _chunk_unit)
@@ -159,12 +173,30 @@ class AtomicSource:
             _count(stats, counter)
 
     def _boxes(self, wants: dict[Key, TargetTensor], readers: list[Key], bypass: bool) -> dict[Key, BoxWant]:
+        """What each reader reads: its box; a tensor of several pieces (`TargetTensor.pieces`), each piece its run
+        reaches into, under a key of its own (`_piece_key`)."""
         boxes = {}
         for key in readers:
             t, stored = wants[key], self._stored(key)
-            boxes[key] = BoxWant(stored, t.box or full_box(stored.shape), (t.start, t.start + t.numel),
-                                 whole=not bypass)
+            run = (t.start, t.start + t.numel)
+            if t.pieces is None:
+                boxes[key] = BoxWant(stored, t.box or full_box(stored.shape), run, whole=not bypass)
+                continue
+            for i, box, piece_run in piece_runs(t, run):
+                boxes[_piece_key(key, i)] = BoxWant(stored, box, piece_run, whole=not bypass)
         return boxes
+
+    @staticmethod
+    def _joined(wants: dict[Key, TargetTensor], readers: list[Key], values: dict[Key, torch.Tensor]
+                ) -> dict[Key, torch.Tensor]:
+        """`values` of `_boxes`' keys as each reader's value: the runs of its pieces, one after another."""
+        for key in readers:
+            t = wants[key]
+            if t.pieces is not None:
+                run = (t.start, t.start + t.numel)
+                parts = [values.pop(_piece_key(key, i)).reshape(-1) for i, _, _ in piece_runs(t, run)]
+                values[key] = torch.cat(parts)
+        return values
 
     def read(self, wants: dict[Key, TargetTensor], readers: list[Key], bypass: bool, stats) -> dict:
         """This rank's reads for one layer, coalesced and checked (see `Source.read`).
@@ -174,15 +206,21 @@ class AtomicSource:
         the check before, a partial read is widened to the chunks around it to be checked.
         """
         counter = ReadCounter()
-        again = {key: self._crcs[key] for key in readers if key in self._crcs}
-        values, extra = read_boxes(self.ckpt.path, self._boxes(wants, readers, bypass), self.ckpt.index.chunk_bytes,
-                                   counter, again=again if again else None)
+        boxes = self._boxes(wants, readers, bypass)
+        again = {key: self._crcs[key] for key in boxes if key in self._crcs}
+        values, extra = read_boxes(self.ckpt.path, boxes, self.ckpt.index.chunk_bytes, counter,
+                                   again=again if again else None)
         if again:  # read and checked once already: not the load's share of the checkpoint again
             stats.bytes_read_again += counter.bytes
         else:
             _count(stats, counter)
             stats.bytes_checked_extra += extra
-        return values
+        return self._joined(wants, readers, values)
+
+
+def _piece_key(key: Key, piece: int) -> Key:
+    """The read key of piece `piece` of `key`'s tensor (named in a damaged read's error)."""
+    return key[0], f"{key[1]} (piece {piece})"
 
 
 def _piece_range(piece: Piece) -> ByteRange:

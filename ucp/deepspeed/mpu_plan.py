@@ -59,7 +59,7 @@ def pieces(name: str, full: Shape, hints: Hints, shapes: Sequence[Shape], tp_ran
             return []  # every row of this shard is padding
         if dim == 0 and hi - lo < shard[0] and tp_rank < len(shapes) - 1:
             raise UnsupportedLayoutError(f"{name}: TP rank {tp_rank} holds padding rows before another rank's; ucp "
-                                         "saves vocabulary padding at the end of the last shard only")
+                                         "places vocabulary padding at the end of the last shard only")
         return [(0, tuple((lo, hi) if d == dim else (0, n) for d, n in enumerate(full)))]
     if pattern is Pattern.SHARD_NC and hints.dim == 0 and hints.sub_widths is not None:
         row = math.prod(shard[1:])
@@ -71,7 +71,7 @@ def pieces(name: str, full: Shape, hints: Hints, shapes: Sequence[Shape], tp_ran
             begin += sum(widths)
         return out
     raise UnsupportedLayoutError(f"{name}: declared {pattern.value if pattern else 'no pattern'} along dim "
-                                 f"{hints.dim}; ucp saves TP shards split along dim 0 or 1, or fused along dim 0")
+                                 f"{hints.dim}; ucp places TP shards split along dim 0 or 1, or fused along dim 0")
 
 
 def place_shards(every: Sequence[Holding], uc_info: dict | None) -> list[Holding]:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -71,8 +71,10 @@ class TargetTensor:
     whole: bool                 # wants every element of the box (replicated on the DP group)
     view: View                  # view(state name): the live elements [start, start + numel), flat
     group: int | None = None    # optimizer param group index (trainable parameters)
-    box: Box | None = None      # the part of the full tensor this rank's module holds (None: all of it)
+    box: Box | None = None      # the part of the full tensor this rank's module holds (None: all of it, or `pieces`)
     dp_group: ProcessGroup | None = None  # the ranks sharing this tensor's box (None: the target's data-parallel group)
+    pieces: tuple[Box, ...] | None = None  # the module holds these boxes, each flattened, one after another (a fused
+    # QKV's block of each sub-parameter): its "box" is their concatenation, which `start`/`numel` count in
 
     def install(self, state: str, value: torch.Tensor) -> None:
         dest = self.view(state)
@@ -94,6 +96,30 @@ class TargetTensor:
         view = self.view if numel == self.numel else _first(self.view, numel)
         return dataclasses.replace(self, shape=tuple(full_shape), box=box, start=min(self.start, size), numel=numel,
                                    view=view)
+
+    def as_pieces(self, full_shape: tuple[int, ...], pieces: Sequence[tuple[int, Box]]) -> TargetTensor:
+        """This tensor, which holds the module's shard, as `pieces` (first element in the flattened shard, box of
+        the full tensor of `full_shape`), in shard order: one box as `as_box` (a shard padded at its end keeps
+        the box's elements only), several (a fused tensor) as `pieces`, which must tile the whole shard."""
+        full = tuple((0, n) for n in full_shape)
+        if not pieces:  # every element is padding
+            return self.as_box(full_shape, tuple((0, 0) for _ in full_shape))
+        if len(pieces) == 1 and pieces[0][0] == 0:
+            return self.as_box(full_shape, None if pieces[0][1] == full else pieces[0][1])
+        starts = _starts(pieces)
+        if starts[-1] != math.prod(self.shape) or any(first != at for (first, _), at in zip(pieces, starts)):
+            raise UnsupportedLayoutError(f"{self.name}: its shard of shape {self.shape} is not its pieces "
+                                         f"{[box for _, box in pieces]} one after another; ucp loads fused shards "
+                                         "that are blocks of the full tensor end to end")
+        return dataclasses.replace(self, shape=tuple(full_shape), box=None, pieces=tuple(box for _, box in pieces))
+
+
+def _starts(pieces: Sequence[tuple[int, Box]]) -> list[int]:
+    """Where each of `pieces` starts when they follow one another from 0, and where the last one ends."""
+    out = [0]
+    for _, box in pieces:
+        out.append(out[-1] + math.prod(hi - lo for lo, hi in box))
+    return out
 
 
 def _first(view: View, numel: int) -> View:
