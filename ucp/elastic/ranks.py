@@ -186,9 +186,9 @@ def _wait_as_spare(place: RankLayout) -> NoReturn:
     polls = [poll for duty in _duties if _copies is not None and _config is not None
              for poll in [duty(place, _config, _copies)] if poll is not None]
     while True:
-        for poll in polls:
-            poll()   # before the release: the run's last memory checkpoint is sent before training ends
         try:
+            for poll in polls:
+                poll()   # before the release: the run's last memory checkpoint is sent before training ends
             if _store is None or _store.check([_RELEASED]):
                 if _store is not None:
                     _store.set(f"{_RELEASED}/{place.rank}", "1")
