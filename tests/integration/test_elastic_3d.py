@@ -1,14 +1,17 @@
 """Elastic AutoTP training under torchrun's own agents: the layout follows the ranks (T=2 x D=2 on 4, T=1 x D=3 on
-3, back to T=2 x D=2 on 4), a rank the layout cannot use waits as a spare, and every step's loss is the
-uninterrupted run's (issue #28, items 2-4)."""
+3, back to T=2 x D=2 on 4), a rank the layout cannot use waits as a spare holding a copy of every memory checkpoint,
+and every step's loss is the uninterrupted run's (issue #28, items 2-4)."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
 
+import ucp
+from support.atomic import assert_same_checkpoint
 from support.elastic_agents import ElasticJob, assert_same_losses, by_step, reached, read_losses
 from support.launch import run_torchrun
+from support.memory_runs import manifest
 from support.processes import wait_for
 
 pytestmark = pytest.mark.slow
@@ -76,15 +79,26 @@ def test_lose_a_node_then_get_it_back_the_layout_follows(tmp_path, reference):
 
 def test_a_rank_the_layout_cannot_use_waits_as_a_spare(tmp_path, reference):
     """"tensor_parallel": 2 on 3 ranks: T=2 x D=1 trains on ranks 0-1 with the whole global batch (the same losses),
-    rank 2 joins no group, says so in one line, and exits 0 when the run ends."""
+    rank 2 joins no group, says so in one line, and exits 0 when the run ends. With a memory tier of no peer copies
+    ("replicas": 0) and each rank a node of its own ($RANK in the memory folder), the spare's node ends up holding
+    the run's last memory checkpoint whole: the disk save of the same step, every state of every tensor."""
     losses = tmp_path / "losses.jsonl"
-    run_torchrun(EXAMPLE, ["--save-dir", tmp_path / "ckpt", "--steps", 3, "--tp", 2, "--losses-out", losses], 3,
-                 tmp_path / "log")
+    run_torchrun(EXAMPLE, ["--save-dir", tmp_path / "ckpt", "--steps", 3, "--tp", 2, "--losses-out", losses,
+                           "--memory-dir", f"{tmp_path}/node$RANK", "--replicas", 0], 3, tmp_path / "log")
     records = read_losses(losses)
     assert {(r["world"], r["tp"], r["dp"]) for r in records} == {(3, 2, 1)}
     assert_same_run(records, reference[0], range(1, 4))
     log = (tmp_path / "log").read_text()
     assert log.count("is a spare") == 1 and "rank 2 of 3 is a spare" in log
+    assert manifest(tmp_path / "node2")["step"] == 3 and sorted(manifest(tmp_path / "node2")["holds"]) == ["0", "1"]
+    spare = ucp.open_checkpoint(tmp_path / "node2" / "global_step3")
+    assert spare.verify() == [] and spare.source["tp"] == 2
+    assert_same_checkpoint(spare, ucp.open_checkpoint(tmp_path / "ckpt" / "global_step3"))
+    with pytest.raises(AssertionError):   # negative control: another step's disk save differs
+        assert_same_checkpoint(spare, ucp.open_checkpoint(tmp_path / "ckpt" / "global_step2"))
+    # A training node holds its own rank's pieces only: without the spare, no node holds the checkpoint whole.
+    assert sorted(manifest(tmp_path / "node0")["holds"]) == ["0"]
+    assert ucp.open_checkpoint(tmp_path / "node0" / "global_step3").verify() != []
 
 
 def test_without_ucp_a_resume_at_another_layout_is_not_the_run(tmp_path, reference):

@@ -33,6 +33,7 @@ import hashlib
 import json
 import logging
 import os
+import sys
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -646,4 +647,16 @@ def wait_all() -> list[SaveError]:
     return failed
 
 
-atexit.register(wait_all)
+def _wait_at_exit() -> None:
+    """At exit, wait for the saves in flight, unless the process ends on an uncaught error: its peers may be gone or
+    wait for this rank, so the save's collectives could block for the group's whole timeout and, with them, the
+    restart of the job (the peers' next collective fails once this process is gone). The save is not committed;
+    the previous checkpoint stays the newest."""
+    if getattr(sys, "last_value", None) is not None:   # set by the interpreter for an uncaught exception
+        if _LIVE:
+            logger.warning("ucp: the process ends on an error: a save still in flight is abandoned, not committed")
+        return
+    wait_all()
+
+
+atexit.register(_wait_at_exit)

@@ -34,17 +34,16 @@ from ucp import collectives
 from ucp.deepspeed.async_save import Prepared, RankReport, Saver, index_of
 from ucp.deepspeed.memory_files import MemoryEvery, checked_folder, node_key, refuse_untrusted, remove_copies
 from ucp.deepspeed.memory_manifest import Manifest, write_manifest
+from ucp.deepspeed.memory_spare import Runs, SpareSave, SpareTargets, write_runs
 from ucp.deepspeed.save_writer import BackgroundSave, partial_path, write_pieces
 from ucp.elastic.memory_plan import held_by, nodes_of, peer_pairs
+from ucp.elastic.ranks import spare_copies
 from ucp.errors import SaveError
 from ucp.format.fileio import tensor_bytes
 from ucp.format.folder import commit_index, commit_latest, fsync_dir
 from ucp.format.index import Index
-from ucp.format.storage import write_ranges
 
 logger = logging.getLogger("ucp.save")
-# A rank's snapshot as runs of bytes: (data file, begin, end, offset in the snapshot buffer).
-Runs = list[tuple[str, int, int, int]]
 
 
 class MemoryTier:
@@ -66,6 +65,9 @@ class MemoryTier:
         self.node = next(n for n in self.nodes if saver.rank in n)
         self.leader = saver.rank == self.node[0]
         self.index = {rank: i for i, rank in enumerate(saver.ranks)}  # global rank -> place in the saving group
+        channel = spare_copies()   # spares of an elastic layout keep whole copies (ucp.deepspeed.memory_spare)
+        self.spares = (SpareTargets(channel, [key for key, _ in gathered], saver.rank, step)
+                       if channel is not None else None)
         if config.replicas > len(self.nodes) - 1 and saver.leader:
             logger.warning("ucp: the memory tier keeps %d peer copies of each node's pieces, not %d: this run has "
                            "%d node(s); losing a node loses its memory checkpoint", len(self.nodes) - 1,
@@ -112,6 +114,8 @@ class MemoryTier:
         if failures:
             raise SaveError(f"memory save {tag} failed: {failures[0]}; the node's previous memory checkpoint "
                             "stays its newest")
+        if self.spares is not None and self.spares.targets and index is not None:
+            self._send_to_spares(self.spares, saver, prepared, tag, index, runs)
         logger.info("ucp: saved %s to host memory", tag)
 
     def _all_runs(self, saver: Saver, prepared: Prepared) -> list[Runs]:
@@ -140,11 +144,24 @@ class MemoryTier:
                     work.wait()
             offset = 0
             for src, size in zip(sources, sizes):
-                _write_runs(tag_dir, runs[self.index[src]], tensor_bytes(self._received)[offset:offset + size])
+                write_runs(tag_dir, runs[self.index[src]], tensor_bytes(self._received)[offset:offset + size])
                 offset += size
         except Exception as exc:
             return f"peer copy: {type(exc).__name__}: {exc}"
         return None
+
+    def _send_to_spares(self, spares: SpareTargets, saver: Saver, prepared: Prepared, tag: str, index: Index,
+                        runs: list[Runs]) -> None:
+        """The committed save, whole, to the spares that keep copies; a spare lost on the way is left out."""
+        files = prepared.files.files
+        holds = {i: tuple((file, begin, end) for file, begin, end, _ in r) for i, r in enumerate(runs)}
+        manifest = Manifest(tag, int(index.run.training["global_steps"]), index.run.source["fingerprint"],
+                            self.config.job, len(runs), holds, tuple((f.name, f.size, len(f.header)) for f in files))
+        try:
+            spares.send(SpareSave(tag, files, runs, index, manifest), prepared.buffer.data, self.index[saver.rank])
+        except (RuntimeError, OSError) as exc:
+            logger.warning("ucp: rank %d: no more memory copies to the spares: %s", saver.rank, exc)
+            self.spares = None
 
     def _commit(self, prepared: Prepared, tag: str, index: Index, runs: list[Runs]) -> None:
         """This node's copy: data files into place, then the manifest, the index, `latest`; older ones go."""
@@ -160,14 +177,3 @@ class MemoryTier:
         commit_index(tag_dir, index)
         commit_latest(self.dir, tag)
         remove_copies(self.dir, self.config.job, lambda saved: saved < step)
-
-
-def _write_runs(tag_dir: Path, runs: Runs, data: memoryview) -> None:
-    """A peer's snapshot (its runs, back to back in `data`) into this node's partial data files."""
-    cursor = 0
-    parts: list[tuple[Path, int, bytes | memoryview]] = []
-    for file, begin, end, _ in runs:
-        parts.append((partial_path(tag_dir, file), begin, data[cursor:cursor + end - begin]))
-        cursor += end - begin
-    write_ranges(parts, sync=True)
-

@@ -10,7 +10,12 @@ With spares, the training ranks (0 .. D*T*P - 1) take a process group of their o
 DeepSpeed, which builds its groups from the default group, sees only them; a spare joins no group. A spare waits
 until training rank 0 says the run ended cleanly (`release_spares`, called by `ucp.deepspeed.finish` and at exit)
 and then exits 0; at any restart before that (a node lost or joining) torchrun's agent ends it with the others, and
-the next start counts it as a rank like any other. (Spares do not hold the memory tier's peer copies.)
+the next start counts it as a rank like any other.
+
+When the config has a memory tier (`"save": {"memory": ...}`), every rank, spares included, also joins a gloo group
+of the whole world (`spare_copies`) before the split: over it the training ranks send the spares each memory
+checkpoint, so that a spare's node holds a copy that can serve the next restart (`ucp.deepspeed.memory_spare`, which
+registers that duty here with `on_spare`: this layer cannot import the DeepSpeed one).
 """
 from __future__ import annotations
 
@@ -20,6 +25,8 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, NoReturn
 
@@ -43,10 +50,34 @@ GIB = 1 << 30
 _RELEASED = "ucp/elastic/spares_released"   # in the job's store: set by training rank 0 when the run ends cleanly
 _POLL_S = 0.5
 _ACK_TIMEOUT = timedelta(seconds=30)
+_COPY_TIMEOUT = timedelta(minutes=30)   # a memory checkpoint's transfer to a spare
 
 _chosen: RankLayout | None = None
 _chosen_for: tuple[str, object] | None = None   # the section it was chosen for, and the default group then
 _store: dist.Store | None = None
+_copies: SpareCopies | None = None
+
+
+@dataclass(frozen=True)
+class SpareCopies:
+    """The channel of the memory tier's copies to the spares: a gloo group of the whole world (ranks as in the
+    world: training ranks first, then the spares) and a store both sides see."""
+
+    group: Any   # a ProcessGroupGloo outside torch.distributed's registry: use its own send/recv
+    store: dist.Store
+    training: int
+    world: int
+
+    @property
+    def spares(self) -> range:
+        return range(self.training, self.world)
+
+
+# What a spare does while it waits, besides waiting: each duty is called once with the layout, the config and the
+# channel, and returns what to call at every poll (None: nothing to do).
+SpareDuty = Callable[[RankLayout, dict[str, Any], SpareCopies], Callable[[], None] | None]
+_duties: list[SpareDuty] = []
+_config: dict[str, Any] | None = None
 
 
 def layout(config: dict[str, Any] | None = None, module: Any = None) -> RankLayout:
@@ -56,7 +87,7 @@ def layout(config: dict[str, Any] | None = None, module: Any = None) -> RankLayo
     applied to the process groups (module docstring); `module` gives the model's shape to the cost model when it
     has a Hugging Face config. Without arguments, the layout chosen before (by `layout(config)` or by
     `ucp.deepspeed.initialize`)."""
-    global _chosen, _chosen_for
+    global _chosen, _chosen_for, _copies, _config
     if _chosen is not None and (config is None or _chosen_for == (_key(config), _group())):
         return _chosen
     if config is None:
@@ -75,8 +106,9 @@ def layout(config: dict[str, Any] | None = None, module: Any = None) -> RankLayo
     if rank == 0:
         logger.warning("ucp: %d ranks: tensor_parallel %d x pipeline_parallel %d x data_parallel %d%s", world,
                        choice.tp, choice.pp, choice.dp, f", {choice.spares} spare(s)" if choice.spares else "")
+    _copies, _config = None, config
     if choice.spares and dist.is_initialized():
-        _leave_spares_out(choice, rank)
+        _leave_spares_out(choice, rank, _has_memory_tier(config))
     _chosen_for = (_key(config), _group())
     return _chosen
 
@@ -87,6 +119,17 @@ def spare_loop() -> None:
     if _chosen is None or _chosen.role != "spare":
         return
     _wait_as_spare(_chosen)
+
+
+def spare_copies() -> SpareCopies | None:
+    """The channel to this start's spares, when it has spares and a memory tier."""
+    return _copies
+
+
+def on_spare(duty: SpareDuty) -> None:
+    """Register what a spare does while it waits (module docstring)."""
+    if duty not in _duties:
+        _duties.append(duty)
 
 
 def release_spares() -> None:
@@ -110,14 +153,24 @@ def _group() -> object:
     return dist.group.WORLD if dist.is_initialized() else None
 
 
-def _leave_spares_out(choice: Choice, rank: int) -> None:
-    """The training ranks take a default process group of their own; the spares keep only the store."""
-    global _store
+def _has_memory_tier(config: dict[str, Any]) -> bool:
+    save = config.get("ucp", {}).get("save")
+    return isinstance(save, dict) and "memory" in save
+
+
+def _leave_spares_out(choice: Choice, rank: int, memory_tier: bool) -> None:
+    """The training ranks take a default process group of their own; the spares keep only the store (and, with a
+    memory tier, the channel of its copies)."""
+    global _store, _copies
     from torch.distributed.distributed_c10d import _get_default_store
 
     _store = _get_default_store()
     backend = dist.get_backend()
+    world = dist.get_world_size()
     dist.barrier()   # every rank has its choice before the group goes away
+    if memory_tier:
+        store = dist.PrefixStore(f"ucp/copies{world}", _store)
+        _copies = SpareCopies(dist.ProcessGroupGloo(store, rank, world, _COPY_TIMEOUT), store, choice.training, world)
     dist.destroy_process_group()
     if rank < choice.training:
         dist.init_process_group(backend, store=dist.PrefixStore(f"ucp/train{choice.training}", _store), rank=rank,
@@ -130,8 +183,12 @@ def _wait_as_spare(place: RankLayout) -> NoReturn:
     logger.warning("ucp: rank %d of %d is a spare (layout tensor_parallel %d x pipeline_parallel %d x data_parallel "
                    "%d uses %d ranks): it waits for the next restart", place.rank, place.world, place.tp, place.pp,
                    place.dp, place.choice.training)
+    polls = [poll for duty in _duties if _copies is not None and _config is not None
+             for poll in [duty(place, _config, _copies)] if poll is not None]
     while True:
         try:
+            for poll in polls:
+                poll()   # before the release: the run's last memory checkpoint is sent before training ends
             if _store is None or _store.check([_RELEASED]):
                 if _store is not None:
                     _store.set(f"{_RELEASED}/{place.rank}", "1")

@@ -9,8 +9,9 @@ Launch it as `train.py` (one agent per "node", README "Elastic training"):
 A tiny Llama (no download) split by DeepSpeed's AutoTP. `"elastic": {"tensor_parallel": [2, 1]}` lets ucp pick
 T=2 or T=1 at each start (`ucp.elastic.layout_choice`): on 4 ranks T=2 x D=2 (the cost model's choice for this model,
 whose step is all gradient all-reduce), on 3 ranks T=1 x D=3 (all ranks used). With `--tp 2` (T=2 only), 3 ranks
-train as T=2 x D=1 and the third is a spare that waits for the next restart. The global batch is the same at every
-layout, so the run's losses do not depend on it. The lines that differ from a stock DeepSpeed loop say "ucp".
+train as T=2 x D=1 and the third is a spare that waits for the next restart (with `--memory-dir` on a node of its
+own, holding a copy of every memory checkpoint). The global batch is the same at every layout, so the run's losses
+do not depend on it. The lines that differ from a stock DeepSpeed loop say "ucp".
 """
 from __future__ import annotations
 
@@ -62,6 +63,8 @@ def deepspeed_config(args: argparse.Namespace, ucp_section: dict | None = None) 
     config = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}},
               "zero_optimization": {"stage": 1}, "steps_per_print": 10 ** 9,
               "ucp": {**section, "elastic": elastic}}                                          # ucp
+    if args.memory_dir:   # the host-memory tier: every step, each node's pieces on `--replicas` others    # ucp
+        config["ucp"]["save"]["memory"] = {"every": 1, "replicas": args.replicas, "dir": args.memory_dir}  # ucp
     if args.stock:   # negative control: DeepSpeed's own checkpoints, ucp only for the batch and the layout
         config["ucp"] = {"elastic": elastic}
     return config
@@ -76,6 +79,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, help="the one tensor-parallel size allowed (default: 2 or 1)")
     p.add_argument("--every", type=int, default=1, help="save every this many optimizer steps")
     p.add_argument("--keep", type=int, default=2, help="committed checkpoints to keep")
+    p.add_argument("--memory-dir", help="keep a memory checkpoint every step here too ($VARS expand on each node)")
+    p.add_argument("--replicas", type=int, default=1, help="with --memory-dir: other nodes that keep a copy")
     p.add_argument("--losses-out", help="append each step's loss here (JSON lines, rank 0)")
     p.add_argument("--stock", action="store_true",
                    help="negative control: engine.save_checkpoint / load_checkpoint instead of ucp's")

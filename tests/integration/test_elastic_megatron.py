@@ -1,0 +1,89 @@
+"""Elastic Megatron-style TP x PP training under torchrun's own agents (issue #28): a tiny GPT with an `mpu` for
+tensor parallelism inside a `PipelineModule` (support/train_megatron_elastic.py), `"tensor_parallel": [2, 1],
+"pipeline_parallel": [2, 1]`, global batch 4 in micro-batches of 1, loses a node and gets it back; every step's loss
+is the uninterrupted run's.
+
+The layouts `ucp.elastic.layout_choice` picks, given the model's shape (`"model"`, `"seq_len"`):
+* 4 ranks: T=2 x P=2 x D=1. Every layout of 4 ranks uses all of them, so the cost model's step time decides, and
+  for this model it is the shortest.
+* 3 ranks: T=2 x P=1 x D=1 and one spare. T=1 x P=1 x D=3, the one layout that would use all 3, cannot share the
+  batch (4 samples over 3 ranks: some would run fewer micro-batches of 1 sample than others); of the 2-rank
+  layouts the cost model prefers T=2 over P=2.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from support.elastic_agents import ElasticJob, assert_same_losses, by_step, first_losses, reached, read_losses
+from support.launch import run_torchrun
+from support.processes import wait_for
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = Path(__file__).resolve().parents[1] / "support" / "train_megatron_elastic.py"
+STEPS = 6
+# fp32, no dropout, one data-parallel replica in every layout: the same micro-batches in the same order; P=1 and
+# P=2 run the same arithmetic, so the losses agree to rounding (bit-equal here, 1e-6 allowed as for AutoTP).
+RTOL = 1e-6
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> tuple[dict[int, float], Path]:
+    """The uninterrupted 4-rank run (T=2 x P=2), DeepSpeed saving every step (for the negative control)."""
+    tmp = tmp_path_factory.mktemp("reference-megatron")
+    run_torchrun(SCRIPT, ["--save-dir", tmp / "ds", "--steps", STEPS, "--stock", "--losses-out", tmp / "losses.jsonl"],
+                 4, tmp / "log")
+    assert {(r["tp"], r["pp"], r["dp"]) for r in read_losses(tmp / "losses.jsonl")} == {(2, 2, 1)}
+    return first_losses(tmp / "losses.jsonl"), tmp / "ds"
+
+
+def test_tp_x_pp_loses_a_node_then_gets_it_back(tmp_path, reference):
+    losses = tmp_path / "losses.jsonl"
+    job = ElasticJob(SCRIPT, ["--save-dir", tmp_path / "ckpt", "--steps", STEPS, "--every", 1, "--losses-out", losses],
+                     tmp_path / "agents")
+    try:
+        for _ in range(4):
+            job.start_agent()
+        wait_for(reached(losses, 2, world=4), 300, "step 2 on 4 ranks")
+        job.lose_node(3)                                  # 3 ranks: T=2 x P=1 x D=1 and a spare
+        wait_for(reached(losses, 4, world=3), 300, "step 4 on 3 ranks")
+        job.join_while_paused()                           # back to T=2 x P=2 x D=1 at the next restart
+        codes = job.wait(timeout=600)
+    except BaseException:
+        job.stop()
+        print(job.logs())
+        raise
+    assert set(codes.values()) == {0}, job.logs()
+    records = read_losses(losses)
+    assert {(r["world"], r["tp"], r["pp"], r["dp"]) for r in records} == {(4, 2, 2, 1), (3, 2, 1, 1)}
+    assert records[-1]["world"] == 4 and records[-1]["step"] == STEPS
+    assert sorted(by_step(records)) == list(range(1, STEPS + 1))
+    assert_same_losses(records, reference[0], RTOL)
+    starts: list[list[int]] = []   # the steps of each start, in order
+    for r in records:
+        if not starts or r["pid"] != starts[-1][0]:
+            starts.append([r["pid"]])
+        starts[-1].append(r["step"])
+    assert len(starts) >= 3, "the job restarted at least twice"
+    for before, after in zip(starts, starts[1:]):
+        assert after[1] >= before[-1], f"steps redone > every (1): {before[1:]} then {after[1:]}"
+    logs = job.logs(tail=None)
+    assert "ucp: 3 ranks: tensor_parallel 2 x pipeline_parallel 1 x data_parallel 1, 1 spare(s)" in logs
+    assert "of 3 is a spare" in logs
+
+
+def test_without_ucp_a_resume_at_another_layout_is_not_the_run(tmp_path, reference):
+    """Negative control: DeepSpeed's own load_checkpoint of the reference's T=2 x P=2 step-3 checkpoint on 3 ranks
+    (T=2 x P=1 and a spare, the same batches) does not continue the uninterrupted run."""
+    losses, log = tmp_path / "losses.jsonl", tmp_path / "log"
+    try:
+        run_torchrun(SCRIPT, ["--save-dir", reference[1], "--steps", 5, "--stock", "--load-tag", "global_step3",
+                              "--losses-out", losses], 3, log)
+    except RuntimeError:
+        assert "load_checkpoint" in log.read_text(), "the stock resume failed, but not in DeepSpeed's load"
+        return
+    got = by_step(read_losses(losses))
+    assert sorted(got) == [4, 5]
+    assert any(got[s][0]["loss"] != pytest.approx(reference[0][s], rel=1e-3) for s in (4, 5))

@@ -1,0 +1,107 @@
+#!/usr/bin/env python
+"""train_megatron.py's tiny Megatron-style GPT (an `mpu` for TP inside a `PipelineModule` for PP) trained
+elastically under torchrun's agents: each start builds the model for the layout `ucp.elastic.layout` chooses.
+
+    ucp-torchrun ... tests/support/train_megatron_elastic.py --save-dir D --steps N --losses-out L
+
+`"elastic": {"global_batch": 4, "micro_batch": 1, "tensor_parallel": [2, 1], "pipeline_parallel": [2, 1]}` with
+the model's shape (`"model"`, a config.json this script writes next to the save folder, and `"seq_len"`) for the
+cost model: on 4 ranks it picks T=2 x P=2 x D=1, on 3 ranks T=2 x P=1 x D=1 and a spare (test_elastic_megatron
+says why). `mlp.input_scale`'s gradient is all-reduced over TP (`sync_scale`), so its copies stay equal and a
+resume at another TP continues the run exactly. Batches come from `ElasticBatchSampler` through
+`engine.train_batch(data_iter)`. Rank 0 appends {step, loss, world, tp, pp, dp, pid} per step to `--losses-out`.
+With `--stock` DeepSpeed saves every step and ucp neither saves nor resumes (the uninterrupted reference run; with
+`--load-tag`, DeepSpeed's own resume: the negative control).
+"""
+import argparse
+import json
+import os
+
+import torch
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import train_megatron as gpt  # noqa: E402
+
+SHAPE = {"model_type": "llama", "hidden_size": gpt.HIDDEN, "intermediate_size": gpt.FFN, "num_hidden_layers": 2,
+         "num_attention_heads": gpt.HEADS, "num_key_value_heads": gpt.KV_HEADS, "vocab_size": gpt.VOCAB}
+
+
+class Tokens(torch.utils.data.Dataset):
+    """24 fixed sequences and their targets (the model learns targets = 3 * tokens + 1 mod the vocabulary)."""
+
+    def __init__(self, n: int = 24):
+        self.tokens = torch.randint(0, gpt.VOCAB, (n, gpt.SEQ), generator=torch.Generator().manual_seed(7))
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: int):
+        return self.tokens[i], (self.tokens[i] * 3 + 1) % gpt.VOCAB
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--save-dir", required=True)
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--every", type=int, default=1)
+    p.add_argument("--losses-out", required=True)
+    p.add_argument("--stock", action="store_true", help="DeepSpeed saves every step (engine.save_checkpoint)")
+    p.add_argument("--load-tag", help="with --stock: engine.load_checkpoint of this tag first")
+    args = p.parse_args()
+
+    import deepspeed
+    import torch.distributed as dist
+
+    import ucp.deepspeed
+    import ucp.elastic
+
+    ucp.elastic.init_distributed("gloo")
+    shape = args.save_dir.rstrip("/") + ".shape.json"
+    if dist.get_rank() == 0:
+        with open(shape + ".partial", "w") as f:
+            json.dump(SHAPE, f)
+        os.replace(shape + ".partial", shape)
+    dist.barrier()
+    elastic = {"global_batch": 4, "micro_batch": 1, "tensor_parallel": [2, 1], "pipeline_parallel": [2, 1],
+               "model": shape, "seq_len": gpt.SEQ}
+    config = {"optimizer": {"type": "AdamW", "params": {"lr": 2e-2, "betas": [0.9, 0.95], "weight_decay": 0.05,
+                                                      "torch_adam": True}},
+              "zero_optimization": {"stage": 1, "reduce_bucket_size": 10**6, "allgather_bucket_size": 10**6},
+              "steps_per_print": 10**9, "ucp": {"elastic": elastic}}
+    if not args.stock:
+        config["ucp"].update({"load": "auto", "save": {"dir": args.save_dir, "every": args.every, "keep": 2}})
+    place = ucp.elastic.layout(config)
+    ucp.elastic.spare_loop()   # a spare waits here for the next restart
+    deepspeed.init_distributed("gloo")   # PipelineModule asks DeepSpeed's comm for ranks: the training group
+    gpt.use_layout(place.tp, place.pp, sync_scale=True)
+    model = gpt.build()
+    engine, *_ = ucp.deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config)
+    dataset = Tokens()
+    sampler = ucp.elastic.ElasticBatchSampler(dataset, engine, shuffle=True, seed=0)
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler)
+
+    def micro_batches():
+        while True:
+            yield from loader
+
+    if args.stock and args.load_tag:
+        engine.load_checkpoint(args.save_dir, tag=args.load_tag)
+    data = micro_batches()
+    while engine.global_steps < args.steps:
+        loss = float(engine.train_batch(data))
+        if args.stock:
+            engine.save_checkpoint(args.save_dir)
+        if dist.get_rank() == 0:
+            with open(args.losses_out, "a") as f:
+                f.write(json.dumps({"step": engine.global_steps, "loss": loss, "world": place.world, "tp": place.tp,
+                                    "pp": place.pp, "dp": place.dp, "pid": os.getpid()}) + "\n")
+    if not args.stock:
+        ucp.deepspeed.wait(engine)
+
+
+if __name__ == "__main__":
+    main()
+    import ucp.deepspeed
+
+    ucp.deepspeed.finish()
