@@ -46,9 +46,8 @@ def test_lose_a_node_then_get_it_back_the_layout_follows(tmp_path, reference):
     """4 ranks take T=2 x D=2: both use all 4, and the cost model (the tiny Llama's step is all gradient all-reduce,
     which TP halves) prefers T=2. On 3 ranks T=1 x D=3 wins by the first rule: it uses all 3 ranks, T=2 x D=1 two."""
     losses = tmp_path / "losses.jsonl"
-    job = ElasticJob(EXAMPLE, ["--save-dir", tmp_path / "ckpt", "--steps", STEPS, "--every", 1, "--keep", 2,
-                               "--losses-out", losses], tmp_path / "agents")
-    try:
+    with ElasticJob(EXAMPLE, ["--save-dir", tmp_path / "ckpt", "--steps", STEPS, "--every", 1, "--keep", 2,
+                              "--losses-out", losses], tmp_path / "agents") as job:
         for _ in range(4):
             job.start_agent()
         wait_for(reached(losses, 2, world=4), 300, "step 2 on 4 ranks")
@@ -56,10 +55,6 @@ def test_lose_a_node_then_get_it_back_the_layout_follows(tmp_path, reference):
         wait_for(reached(losses, 5, world=3), 300, "step 5 on 3 ranks")
         job.join_while_paused()                                     # hardware back: T=2 x D=2 at the next restart
         codes = job.wait(timeout=600)
-    except BaseException:
-        job.stop()
-        print(job.logs())
-        raise
     assert set(codes.values()) == {0}, job.logs()
     records = read_losses(losses)
     assert {(r["world"], r["tp"], r["dp"]) for r in records} == {(4, 2, 2), (3, 1, 3)}

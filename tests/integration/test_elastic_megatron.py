@@ -41,9 +41,8 @@ def reference(tmp_path_factory) -> tuple[dict[int, float], Path]:
 
 def test_tp_x_pp_loses_a_node_then_gets_it_back(tmp_path, reference):
     losses = tmp_path / "losses.jsonl"
-    job = ElasticJob(SCRIPT, ["--save-dir", tmp_path / "ckpt", "--steps", STEPS, "--every", 1, "--losses-out", losses],
-                     tmp_path / "agents")
-    try:
+    with ElasticJob(SCRIPT, ["--save-dir", tmp_path / "ckpt", "--steps", STEPS, "--every", 1, "--losses-out", losses],
+                    tmp_path / "agents") as job:
         for _ in range(4):
             job.start_agent()
         wait_for(reached(losses, 2, world=4), 300, "step 2 on 4 ranks")
@@ -51,10 +50,6 @@ def test_tp_x_pp_loses_a_node_then_gets_it_back(tmp_path, reference):
         wait_for(reached(losses, 4, world=3), 300, "step 4 on 3 ranks")
         job.join_while_paused()                           # back to T=2 x P=2 x D=1 at the next restart
         codes = job.wait(timeout=600)
-    except BaseException:
-        job.stop()
-        print(job.logs())
-        raise
     assert set(codes.values()) == {0}, job.logs()
     records = read_losses(losses)
     assert {(r["world"], r["tp"], r["pp"], r["dp"]) for r in records} == {(4, 2, 2, 1), (3, 2, 1, 1)}

@@ -46,10 +46,9 @@ def assert_same_run(records: list[dict], reference: dict[int, float]) -> None:
 @pytest.mark.parametrize("stage, global_batch", [(1, 10), (3, 12)])
 def test_lose_a_node_get_one_back_lose_a_worker(tmp_path, reference, stage, global_batch):
     losses = tmp_path / "losses.jsonl"
-    job = ElasticJob(EXAMPLE, ["--save-dir", tmp_path / "ckpt", "--steps", STEPS, "--stage", stage,
-                               "--global-batch", global_batch, "--every", 1, "--keep", 2, "--losses-out", losses],
-                     tmp_path / "agents")
-    try:
+    with ElasticJob(EXAMPLE, ["--save-dir", tmp_path / "ckpt", "--steps", STEPS, "--stage", stage,
+                              "--global-batch", global_batch, "--every", 1, "--keep", 2, "--losses-out", losses],
+                    tmp_path / "agents") as job:
         for _ in range(4):
             job.start_agent()
         wait_for(reached(losses, 4, world=4), 300, "step 4 on 4 ranks")
@@ -59,10 +58,6 @@ def test_lose_a_node_get_one_back_lose_a_worker(tmp_path, reference, stage, glob
         wait_for(reached(losses, 9, world=4), 300, "step 9 on 4 ranks")
         job.lose_worker(1)                                          # one worker killed mid-step
         codes = job.wait(timeout=600)
-    except BaseException:
-        job.stop()
-        print(job.logs())
-        raise
     assert set(codes.values()) == {0}, job.logs()
     records = read_losses(losses)
     assert {r["world"] for r in records} == {3, 4}

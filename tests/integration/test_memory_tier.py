@@ -39,15 +39,10 @@ def node_env(tmp: Path, node: int) -> dict[str, str]:
 
 def run_two_nodes(tmp: Path, steps: int, replicas: int) -> str:
     """2 agents x 2 ranks to `steps`, both agents to the end; their logs."""
-    job = ElasticJob(EXAMPLE, job_args(tmp, steps, replicas), tmp / f"agents{steps}", nodes="2:2", nproc=2)
-    try:
+    with ElasticJob(EXAMPLE, job_args(tmp, steps, replicas), tmp / f"agents{steps}", nodes="2:2", nproc=2) as job:
         for node in (0, 1):
             job.start_agent(node_env(tmp, node))
         codes = job.wait(timeout=600)
-    except BaseException:
-        job.stop()
-        print(job.logs())
-        raise
     assert set(codes.values()) == {0}, job.logs()
     return job.logs(tail=None)
 
@@ -80,8 +75,7 @@ def assert_same_losses(records: list[dict], reference: dict[int, float]) -> None
 
 def test_lose_a_node_resume_from_the_peer_copy_newer_than_disk(tmp_path, reference):
     losses = tmp_path / "losses.jsonl"
-    job = ElasticJob(EXAMPLE, job_args(tmp_path, STEPS), tmp_path / "agents", nodes="1:2", nproc=2)
-    try:
+    with ElasticJob(EXAMPLE, job_args(tmp_path, STEPS), tmp_path / "agents", nodes="1:2", nproc=2) as job:
         for node in (0, 1):
             job.start_agent(node_env(tmp_path, node))
         # step 6 logged: memory save 5, which save 6 waited for, is committed on both nodes
@@ -92,10 +86,6 @@ def test_lose_a_node_resume_from_the_peer_copy_newer_than_disk(tmp_path, referen
         lost_at = manifest(tmp_path / "node0")
         job.resume(paused)
         codes = job.wait(timeout=600)
-    except BaseException:
-        job.stop()
-        print(job.logs())
-        raise
     assert set(codes.values()) == {0}, job.logs()
     logs = job.logs(tail=None)
     node0 = re.escape(str(tmp_path / "node0"))

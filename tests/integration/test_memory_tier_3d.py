@@ -45,8 +45,7 @@ def job_args(tmp: Path, tp: str, every: int, replicas: int) -> list:
 def run_job(tmp: Path, args: list, nodes: int, lose_after: int | None = None) -> str:
     """`nodes` agents x 2 ranks to the end (with `lose_after`: node 1 and its memory folder are lost once that
     step is logged on 4 ranks); the agents' logs."""
-    job = ElasticJob(SCRIPT, args, tmp / "agents", nodes=f"1:{nodes}", nproc=2)
-    try:
+    with ElasticJob(SCRIPT, args, tmp / "agents", nodes=f"1:{nodes}", nproc=2) as job:
         for node in range(nodes):
             job.start_agent({"UCP_TEST_NODE": str(tmp / f"node{node}")})
         if lose_after is not None:
@@ -56,10 +55,6 @@ def run_job(tmp: Path, args: list, nodes: int, lose_after: int | None = None) ->
             shutil.rmtree(tmp / "node1")         # with its memory folder
             job.resume(paused)
         codes = job.wait(timeout=600)
-    except BaseException:
-        job.stop()
-        print(job.logs())
-        raise
     assert set(codes.values()) == {0}, job.logs()
     return job.logs(tail=None)
 

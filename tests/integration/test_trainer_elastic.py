@@ -69,10 +69,9 @@ def assert_continues(records: list[dict], expected: dict[int, dict]) -> None:
 def test_trainer_killed_in_save_shrinks_and_grows_unattended(tmp_path, reference):
     expected, _ = reference
     log, out = tmp_path / "log.jsonl", tmp_path / "out"
-    job = ElasticJob(SCRIPT, [*ARGS, "--output-dir", out, "--log-out", log, "--step-sleep", 0.5,
-                              "--die-in-save", DIE_IN_SAVE, "--die-marker", tmp_path / "died"],
-                     tmp_path / "agents", nodes="1:3")
-    try:
+    with ElasticJob(SCRIPT, [*ARGS, "--output-dir", out, "--log-out", log, "--step-sleep", 0.5,
+                             "--die-in-save", DIE_IN_SAVE, "--die-marker", tmp_path / "died"],
+                    tmp_path / "agents", nodes="1:3") as job:
         for _ in range(3):
             job.start_agent()
         wait_for(reached(log, 7, world=3), 600, "step 7 on 3 ranks, after the restart from checkpoint-2")
@@ -80,10 +79,6 @@ def test_trainer_killed_in_save_shrinks_and_grows_unattended(tmp_path, reference
         wait_for(reached(log, 8, world=2), 600, "step 8 on 2 ranks")
         job.join_while_paused()                               # a node is back: 3 ranks at the next restart
         codes = job.wait(timeout=600)
-    except BaseException:
-        job.stop()
-        print(job.logs())
-        raise
     assert set(codes.values()) == {0}, job.logs()
     logs = job.logs(tail=None)
     assert (tmp_path / "died").is_file()
@@ -109,9 +104,8 @@ def test_zero3_lora_trainer_loses_a_node_and_grows_back_unattended(tmp_path, uni
     3-rank one, step by step (its own reference: the adapters are another model)."""
     expected, _ = uninterrupted(*ZERO3_LORA)
     log, out = tmp_path / "log.jsonl", tmp_path / "out"
-    job = ElasticJob(SCRIPT, [*ARGS, *ZERO3_LORA, "--output-dir", out, "--log-out", log, "--step-sleep", 0.5],
-                     tmp_path / "agents", nodes="1:3")
-    try:
+    with ElasticJob(SCRIPT, [*ARGS, *ZERO3_LORA, "--output-dir", out, "--log-out", log, "--step-sleep", 0.5],
+                    tmp_path / "agents", nodes="1:3") as job:
         for _ in range(3):
             job.start_agent()
         wait_for(reached(log, 5, world=3), 600, "step 5 on 3 ranks, after checkpoint-4")
@@ -119,10 +113,6 @@ def test_zero3_lora_trainer_loses_a_node_and_grows_back_unattended(tmp_path, uni
         wait_for(reached(log, 6, world=2), 600, "step 6 on 2 ranks")
         job.join_while_paused()
         codes = job.wait(timeout=600)
-    except BaseException:
-        job.stop()
-        print(job.logs())
-        raise
     assert set(codes.values()) == {0}, job.logs()
     logs = job.logs(tail=None)
     assert f"resuming from {out}/checkpoint-" in logs and " on 2 ranks" in logs
@@ -203,9 +193,8 @@ def test_accelerate_loop_loses_a_node_and_grows_back_unattended(tmp_path, accele
     complete save, then an agent joins and 2 processes finish: every step trains the samples, loss and learning
     rate of the uninterrupted 2-process run (the seedable sampler's order, continued at each size)."""
     log = tmp_path / "log.jsonl"
-    job = ElasticJob(ACCELERATE_SCRIPT, [*ACCELERATE_ARGS, "--project-dir", tmp_path / "project", "--log-out", log,
-                                         "--step-sleep", 0.5], tmp_path / "agents", nodes="1:2")
-    try:
+    with ElasticJob(ACCELERATE_SCRIPT, [*ACCELERATE_ARGS, "--project-dir", tmp_path / "project", "--log-out", log,
+                                        "--step-sleep", 0.5], tmp_path / "agents", nodes="1:2") as job:
         for _ in range(2):
             job.start_agent()
         wait_for(reached(log, 5, world=2), 600, "step 5 on 2 processes, after checkpoint_1")
@@ -213,10 +202,6 @@ def test_accelerate_loop_loses_a_node_and_grows_back_unattended(tmp_path, accele
         wait_for(reached(log, 6, world=1), 600, "step 6 on 1 process")
         job.join_while_paused()
         codes = job.wait(timeout=600)
-    except BaseException:
-        job.stop()
-        print(job.logs())
-        raise
     assert set(codes.values()) == {0}, job.logs()
     logs = job.logs(tail=None)
     assert f"ucp: resuming from {tmp_path}/project/checkpoints/checkpoint_" in logs and " on 1 processes" in logs

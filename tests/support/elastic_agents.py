@@ -116,6 +116,16 @@ class ElasticJob:
             if agent.poll() is None:
                 self.lose_node(i)
 
+    def __enter__(self) -> ElasticJob:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, trace: object) -> None:
+        """An error inside the block (a wait that timed out, a failed check): every agent stopped and their logs
+        printed, then the error goes on; a block that ends normally leaves the job as it is."""
+        if kind is not None:
+            self.stop()
+            print(self.logs())
+
     def logs(self, tail: int | None = 4000) -> str:
         """Every agent's log (the last `tail` characters of each; all with None)."""
         texts = [(self.workdir / f"agent{i}.log").read_text(errors="replace") for i in range(len(self.agents))]
