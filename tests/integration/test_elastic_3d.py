@@ -9,7 +9,14 @@ import pytest
 
 import ucp
 from support.atomic import assert_same_checkpoint
-from support.elastic_agents import ElasticJob, assert_same_losses, by_step, reached, read_losses
+from support.elastic_agents import (
+    ElasticJob,
+    assert_restarts_redo_at_most,
+    assert_same_losses,
+    by_step,
+    reached,
+    read_losses,
+)
 from support.launch import run_torchrun
 from support.memory_runs import manifest
 from support.processes import wait_for
@@ -60,14 +67,7 @@ def test_lose_a_node_then_get_it_back_the_layout_follows(tmp_path, reference):
     assert {(r["world"], r["tp"], r["dp"]) for r in records} == {(4, 2, 2), (3, 1, 3)}
     assert records[-1]["world"] == 4 and records[-1]["step"] == STEPS
     assert_same_run(records, reference[0], range(1, STEPS + 1))
-    segments: list[list[int]] = []   # the steps of each start, in order
-    for r in records:
-        if not segments or r["pid"] != segments[-1][0]:
-            segments.append([r["pid"]])
-        segments[-1].append(r["step"])
-    assert len(segments) >= 3, "the job restarted at least twice"
-    for before, after in zip(segments, segments[1:]):
-        assert after[1] >= before[-1], f"steps redone > every (1): {before[1:]} then {after[1:]}"
+    assert_restarts_redo_at_most(records, every=1, restarts=2)
     logs = job.logs(tail=None)
     assert "ucp: 3 ranks: tensor_parallel 1 x pipeline_parallel 1 x data_parallel 3" in logs
 

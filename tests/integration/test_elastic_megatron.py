@@ -16,7 +16,15 @@ from pathlib import Path
 
 import pytest
 
-from support.elastic_agents import ElasticJob, assert_same_losses, by_step, first_losses, reached, read_losses
+from support.elastic_agents import (
+    ElasticJob,
+    assert_restarts_redo_at_most,
+    assert_same_losses,
+    by_step,
+    first_losses,
+    reached,
+    read_losses,
+)
 from support.launch import run_torchrun
 from support.processes import wait_for
 
@@ -56,14 +64,7 @@ def test_tp_x_pp_loses_a_node_then_gets_it_back(tmp_path, reference):
     assert records[-1]["world"] == 4 and records[-1]["step"] == STEPS
     assert sorted(by_step(records)) == list(range(1, STEPS + 1))
     assert_same_losses(records, reference[0], RTOL)
-    starts: list[list[int]] = []   # the steps of each start, in order
-    for r in records:
-        if not starts or r["pid"] != starts[-1][0]:
-            starts.append([r["pid"]])
-        starts[-1].append(r["step"])
-    assert len(starts) >= 3, "the job restarted at least twice"
-    for before, after in zip(starts, starts[1:]):
-        assert after[1] >= before[-1], f"steps redone > every (1): {before[1:]} then {after[1:]}"
+    assert_restarts_redo_at_most(records, every=1, restarts=2)
     logs = job.logs(tail=None)
     assert "ucp: 3 ranks: tensor_parallel 2 x pipeline_parallel 1 x data_parallel 1, 1 spare(s)" in logs
     assert "of 3 is a spare" in logs

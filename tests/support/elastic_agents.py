@@ -174,6 +174,19 @@ def assert_same_losses(records: list[dict], reference: dict[int, float], rtol: f
             assert r["loss"] == pytest.approx(reference[step], rel=rtol), (step, r, reference[step])
 
 
+def assert_restarts_redo_at_most(records: list[dict], every: int, restarts: int) -> None:
+    """The job started at least `restarts` + 1 times (a start is a run of records of one rank-0 pid), and each start
+    began at most `every` steps before the last step of the start before it."""
+    starts: list[list[int]] = []   # the steps of each start, in order
+    for r in records:
+        if not starts or r["pid"] != starts[-1][0]:
+            starts.append([r["pid"]])
+        starts[-1].append(r["step"])
+    assert len(starts) > restarts, f"the job restarted {len(starts) - 1} times, not at least {restarts}"
+    for before, after in zip(starts, starts[1:]):
+        assert after[1] > before[-1] - every, f"steps redone > every ({every}): {before[1:]} then {after[1:]}"
+
+
 def reached(path: Path, step: int, world: int | None = None):
     """A predicate for `wait_for`: a step >= `step` was logged (at `world` ranks, when given)."""
     return lambda: any(r["step"] >= step and (world is None or r["world"] == world) for r in read_losses(path))
