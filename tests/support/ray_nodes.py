@@ -124,7 +124,22 @@ class Nodes:
             self.start(workers=slots - 1)
         while len(self.live()) < slots:
             self.add()
+        self.wait_free(slots)
         return self.address
+
+    def wait_free(self, slots: int, timeout: float = 180) -> None:
+        """Until the GCS offers `slots` free worker slots: a raylet just added registers, and what the previous
+        job's workers held is given back, some seconds after `ray start` returns and the job ends. A driver started
+        earlier sizes its worker group by what is free then (Ray Train: "ready resources for 2 workers")."""
+        probe = ("import sys, time, ray\n"
+                 "ray.init(address=sys.argv[1], logging_level='ERROR')\n"
+                 "deadline = time.monotonic() + float(sys.argv[3])\n"
+                 "while ray.available_resources().get('slot', 0) < int(sys.argv[2]):\n"
+                 "    if time.monotonic() > deadline:\n"
+                 "        sys.exit(f'free slots: {ray.available_resources().get(\"slot\", 0)}')\n"
+                 "    time.sleep(0.5)\n")
+        subprocess.run([sys.executable, "-c", probe, self.address, str(slots), str(timeout)], env=self.env,
+                       check=True, timeout=timeout + 60, stdout=subprocess.DEVNULL)
 
     def lose(self, index: int) -> None:
         """The node is gone: its raylet and every process it started, SIGKILL."""
