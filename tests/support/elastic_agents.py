@@ -187,6 +187,24 @@ def assert_restarts_redo_at_most(records: list[dict], every: int, restarts: int)
         assert after[1] > before[-1] - every, f"steps redone > every ({every}): {before[1:]} then {after[1:]}"
 
 
+def assert_stock_resume_is_not_the_run(script: Path, save_dir: Path, reference: dict[int, float], ranks: int,
+                                       tmp_path: Path) -> None:
+    """Negative control: `script --stock` (DeepSpeed's own load_checkpoint) resumes `save_dir`'s step-3 checkpoint on
+    `ranks` ranks and either fails in DeepSpeed's load or logs steps 4-5 that are not the uninterrupted run's."""
+    from support.launch import run_torchrun
+
+    losses, log = tmp_path / "losses.jsonl", tmp_path / "log"
+    try:
+        run_torchrun(script, ["--save-dir", save_dir, "--steps", 5, "--stock", "--load-tag", "global_step3",
+                              "--losses-out", losses], ranks, log)
+    except RuntimeError:
+        assert "load_checkpoint" in log.read_text(), "the stock resume failed, but not in DeepSpeed's load"
+        return
+    got = by_step(read_losses(losses))
+    assert sorted(got) == [4, 5]
+    assert any(got[s][0]["loss"] != pytest.approx(reference[s], rel=1e-3) for s in (4, 5))
+
+
 def reached(path: Path, step: int, world: int | None = None):
     """A predicate for `wait_for`: a step >= `step` was logged (at `world` ranks, when given)."""
     return lambda: any(r["step"] >= step and (world is None or r["world"] == world) for r in read_losses(path))
