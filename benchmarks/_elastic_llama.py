@@ -79,7 +79,7 @@ def main() -> None:
 
     import ucp.deepspeed
     import ucp.elastic
-    from ucp.deepspeed.async_save import saver_for
+    from ucp.deepspeed.life import saver_for
     from ucp.elastic import ElasticBatchSampler
 
     called = time.time()

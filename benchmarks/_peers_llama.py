@@ -196,7 +196,7 @@ class Job:
         if tool == "ucp":
             self.ucp_stats = ucp.deepspeed.save(self.engine, self.folder(tool))
         elif tool == "ucp_memory":
-            from ucp.deepspeed.async_save import saver_for
+            from ucp.deepspeed.life import saver_for
 
             saver_for(self.engine).save_memory()
         elif tool == "deepspeed":

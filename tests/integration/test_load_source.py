@@ -17,7 +17,7 @@ from support.checkpoints import TinySpec
 from support.llama_tp_runs import build_sources
 from test_load_hook_tp import TRAIN
 from ucp.convert import convert
-from ucp.deepspeed import LoadStats, hook
+from ucp.deepspeed import LoadStats, engine_load
 from ucp.deepspeed.flat_runs import FlatRun, flat_runs, run_reads
 from ucp.deepspeed.load_source import AtomicSource, PlannedSource, box_numel
 from ucp.deepspeed.targets import TargetTensor
@@ -241,9 +241,9 @@ def test_the_hook_reads_a_layer_in_consecutive_batches_of_at_most_batch_bytes(so
     planned, atomic, _ = sources["z2-fp32-dp2"]
     layer = {(name, state): _partitions(name, tuple(entry.shape), entry.kind, 2)[1]
              for name, entry in atomic.ckpt.index.params.items() for state in entry.states}
-    monkeypatch.setattr(hook, "BATCH_BYTES", 256)
+    monkeypatch.setattr(engine_load, "BATCH_BYTES", 256)
     for source in (planned, atomic):
-        batches = list(hook._batches(layer, source))
+        batches = list(engine_load._batches(layer, source))
         sizes = [sum(t.numel * source.dtype(key).itemsize for key, t in batch.items()) for batch in batches]
         assert [key for batch in batches for key in batch] == list(layer)
         assert all(size <= 256 or len(batch) == 1 for size, batch in zip(sizes, batches))

@@ -17,10 +17,10 @@ def install(hold_dir: str | os.PathLike) -> None:
     """Make every save of this process meet the faults that files in `hold_dir` ask for."""
     import torch.distributed as dist
 
-    from ucp.deepspeed import async_save, save_writer
+    from ucp.deepspeed import save_stores, save_writer
 
     hold_dir = Path(hold_dir)
-    write_pieces, pwrite_all = async_save.write_pieces, save_writer._pwrite_all
+    write_pieces, pwrite_all = save_stores.write_pieces, save_writer._pwrite_all
 
     def faulty_write_pieces(directory, files, buffer, *, headers):
         tag, rank = Path(directory).name, dist.get_rank()
@@ -41,7 +41,7 @@ def install(hold_dir: str | os.PathLike) -> None:
         finally:
             save_writer._pwrite_all = pwrite_all
 
-    async_save.write_pieces = faulty_write_pieces
+    save_stores.write_pieces = faulty_write_pieces
 
 
 def _meet_faults(hold_dir: Path, tag: str, rank: int) -> None:

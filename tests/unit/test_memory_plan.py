@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from ucp.deepspeed.async_save import SaveEvery
 from ucp.deepspeed.memory_files import MemoryEvery
+from ucp.deepspeed.save_cadence import SaveEvery
 from ucp.elastic.memory_plan import BASE, Fill, NodeCopy, choose, fills, held_by, nodes_of, peer_pairs
 from ucp.errors import ConfigError
 

@@ -21,7 +21,7 @@ import pytest
 import ucp
 import ucp.deepspeed
 from ucp.convert.driver import convert
-from ucp.deepspeed.async_save import SaveEvery
+from ucp.deepspeed.save_cadence import SaveEvery
 from ucp.errors import UnsupportedStorageError
 from ucp.export import to_dcp, to_hf
 from ucp.format.folder import local_path

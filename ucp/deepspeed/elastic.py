@@ -11,9 +11,9 @@
   starts fresh; every rank takes the same decision. With the memory tier, a newer memory checkpoint of this
   job that the nodes hold completely is tried first (`ucp.deepspeed.memory_resume`); one that fails its
   checks or does not fit the model is passed over with a warning, and the disk tier loads.
-* `StepBook` wraps `engine.step`: after each optimizer step it keeps `global_samples` at B per step
-  (DeepSpeed adds its nominal train_batch_size), records the job's progress, and after the first step
-  of a restarted job logs what the restart cost (`ucp.elastic.restart`).
+* `StepBook`, run after each optimizer step by the engine's checkpoint life (`ucp.deepspeed.life`), keeps
+  `global_samples` at B per step (DeepSpeed adds its nominal train_batch_size), records the job's progress, and
+  after the first step of a restarted job logs what the restart cost (`ucp.elastic.restart`).
 """
 from __future__ import annotations
 
@@ -159,7 +159,7 @@ def resume_auto(engine, save_dir: str | os.PathLike, load: Callable[..., dict], 
 
 
 class StepBook:
-    """Bookkeeping after each optimizer step (module docstring); installed by wrapping `engine.step`."""
+    """Bookkeeping after each optimizer step (module docstring); `ucp.deepspeed.life` runs `after_step`."""
 
     def __init__(self, engine, batch: ElasticBatch | None, progress_dir: str | None, resumed: Resumed | None,
                  called: float):
@@ -171,18 +171,6 @@ class StepBook:
         self.called = called  # time.time() when ucp.deepspeed.initialize was called
         self.before = read_progress(place) if place is not None else None
         self.loaded_at = time.time()
-
-    def install(self) -> None:
-        step = self.engine.step
-
-        def step_and_book(*args, **kwargs):
-            steps = self.engine.global_steps
-            result = step(*args, **kwargs)
-            if self.engine.global_steps != steps:
-                self.after_step()
-            return result
-
-        self.engine.step = step_and_book
 
     def after_step(self) -> None:
         engine = self.engine

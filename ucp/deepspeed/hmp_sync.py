@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from ucp.deepspeed.config import CONFIG_KEY
+from ucp.deepspeed.life import life_of
 from ucp.elastic.shares import BATCH_KEYS, ElasticBatch
 from ucp.errors import ConfigError, UnsupportedLayoutError
 from ucp.hmp.grad_sync import GradSync
@@ -131,7 +132,8 @@ class EngineHmp:
 
 def install_sync(engine: DeepSpeedEngine, layout: Layout, batch: ElasticBatch,
                  table: Sequence[ParamSpec] | None = None) -> EngineHmp:
-    """Check the engine fits the layout, then wrap `engine.step` to sync the gradients first (module docstring)."""
+    """Check the engine fits the layout, then have the engine's checkpoint life (`ucp.deepspeed.life`), which wraps
+    `engine.step`, sync the gradients first (module docstring)."""
     table = list(table if table is not None else getattr(engine.module, "ucp_param_table", None) or [])
     if not table:
         raise UnsupportedLayoutError('"ucp": {"hmp": ...} needs the model\'s parameter table: give the module a '
@@ -157,14 +159,12 @@ def install_sync(engine: DeepSpeedEngine, layout: Layout, batch: ElasticBatch,
                               f"it box {piece.box}; build the module from the same layout")
     # Equal counts: the loss weights already carry the shares (module docstring, "Weights").
     sync = GradSync(layout, table, params, samples=(1,) * len(layout.replicas))
-    step = engine.step
 
-    def sync_and_step(*args: Any, **kwargs: Any) -> Any:
+    def sync_before_step() -> None:
         if engine.is_gradient_accumulation_boundary():
             sync_engine_grads(sync, params)
-        return step(*args, **kwargs)
 
-    engine.step = sync_and_step
+    life_of(engine).run_before_step(sync_before_step)
     hmp = EngineHmp(layout, batch, sync)
     engine.ucp_hmp = hmp
     return hmp

@@ -95,7 +95,7 @@ class SpareTargets:
 def receive_copies(place: RankLayout, config: dict[str, Any], channel: SpareCopies) -> Callable[[], None] | None:
     """The spare's side (registered with `ucp.elastic.ranks.on_spare`): what to do at each poll, or None when
     the config has no memory tier."""
-    from ucp.deepspeed.async_save import SaveEvery
+    from ucp.deepspeed.save_cadence import SaveEvery
 
     save = config.get("ucp", {}).get("save")
     memory = SaveEvery.from_config(save).memory if isinstance(save, dict) else None

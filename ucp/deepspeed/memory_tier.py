@@ -31,10 +31,12 @@ import torch
 import torch.distributed as dist
 
 from ucp import collectives
-from ucp.deepspeed.async_save import Prepared, RankReport, Saver, index_of
+from ucp.deepspeed.async_save import Saver
 from ucp.deepspeed.memory_files import MemoryEvery, checked_folder, node_key, refuse_untrusted, remove_copies
 from ucp.deepspeed.memory_manifest import Manifest, write_manifest
 from ucp.deepspeed.memory_spare import Runs, SpareSave, SpareTargets, write_runs
+from ucp.deepspeed.save_index import RankReport, index_of, report_of
+from ucp.deepspeed.save_snapshot import Prepared
 from ucp.deepspeed.save_writer import BackgroundSave, partial_path, write_pieces
 from ucp.elastic.memory_plan import held_by, nodes_of, peer_pairs
 from ucp.elastic.ranks import spare_copies
@@ -88,9 +90,8 @@ class MemoryTier:
         try:
             if event is not None:
                 event.synchronize()
-            written = write_pieces(tag_dir, prepared.files.files, prepared.buffer, headers=self.leader)
-            report = ([(w.key, p.start, p.numel, w.begin, w.end, w.segments)
-                       for w, p in zip(written, prepared.buffer.pieces)], None)
+            report = report_of(write_pieces(tag_dir, prepared.files.files, prepared.buffer, headers=self.leader),
+                               prepared)
         except Exception as exc:
             report = (None, f"rank {saver.rank}: {type(exc).__name__}: {exc}")
         runs = self._all_runs(saver, prepared)

@@ -1,0 +1,171 @@
+"""One owner of a DeepSpeed engine's checkpoint life (in the spirit of torchtitan's `CheckpointManager`).
+
+    ucp.deepspeed.save(engine, "/ckpt/ucp")   # writes /ckpt/ucp/global_step<N>; returns at once
+    ucp.deepspeed.wait(engine)                # the save is durable and committed once this returns
+
+`CheckpointLife` holds everything of an engine's checkpoints that outlives one call: the saver with the save in
+flight (`ucp.deepspeed.async_save.Saver`, created on the first save), the save cadence of the disk and memory
+tiers (`ucp.deepspeed.save_cadence`), retention (`"keep"`), the step bookkeeping of elastic training and the
+restart report (`ucp.deepspeed.elastic.StepBook`), and what runs before each step (the HMP gradient sync,
+`ucp.deepspeed.hmp_sync`). It wraps the engine's step once, when `ucp.deepspeed.initialize` gives it something
+to do at each step: `engine.step`, or `train_batch` on a pipeline engine (whose `step` refuses to be called). The
+engine carries it as one attribute, `engine._ucp_life`.
+
+What users read and set stays on the engine: `engine.ucp_client_state` (client state of the periodic saves),
+`engine.ucp_save_dir` (where they go), `engine.ucp_restart` (the restart report), `engine.ucp_load_stats`.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from ucp.deepspeed.async_save import Saver, SaveStats
+from ucp.deepspeed.elastic import StepBook
+from ucp.deepspeed.memory_tier import MemoryTier
+from ucp.deepspeed.save_cadence import SaveEvery
+from ucp.elastic.resume import prune
+from ucp.errors import UcpError
+from ucp.format.locations import Location, location
+
+if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
+
+logger = logging.getLogger("ucp.save")
+
+
+class CheckpointLife:
+    """An engine's checkpoint life (module docstring): what it saves when, what it keeps, what each step records."""
+
+    def __init__(self, engine: DeepSpeedEngine):
+        self.engine = engine
+        self.cadence: SaveEvery | None = None
+        self.book: StepBook | None = None
+        self.before_step: Callable[[], None] | None = None
+        self._saver: Saver | None = None
+        self._wrapped = False
+
+    @property
+    def saver(self) -> Saver:
+        """The engine's saver, created on first use (collectively: every rank must reach this together)."""
+        if self._saver is None:
+            self._saver = Saver(self.engine)
+            self._saver.after_commit = self._retain
+        return self._saver
+
+    @property
+    def saver_if_any(self) -> Saver | None:
+        return self._saver
+
+    # -- what initialize hands over
+
+    def save_every(self, cadence: SaveEvery) -> None:
+        """Save by `cadence` after each optimizer step (and into the memory tier, when it has one)."""
+        saver = self.saver
+        if cadence.memory is not None:
+            saver.memory = MemoryTier(saver, cadence.memory, self.engine.global_steps)
+        self.cadence = cadence
+        self.engine.ucp_save_dir = cadence.dir
+        saver.last_step = self.engine.global_steps
+        self._wrap()
+
+    def keep_book(self, book: StepBook) -> None:
+        """Run `book` after each optimizer step (elastic batches, progress and the restart report)."""
+        self.book = book
+        self._wrap()
+
+    def run_before_step(self, action: Callable[[], None]) -> None:
+        """Run `action` before each optimizer step (the HMP gradient sync)."""
+        self.before_step = action
+        self._wrap()
+
+    # -- each step
+
+    def _wrap(self) -> None:
+        """Wrap the engine's step, once."""
+        if self._wrapped:
+            return
+        engine = self.engine
+        # A pipeline engine steps inside train_batch (its `step` refuses to be called).
+        method = "train_batch" if getattr(engine, "pipeline_parallelism", False) else "step"
+        step: Callable[..., Any] = getattr(engine, method)
+
+        def step_and_after(*args: Any, **kwargs: Any) -> Any:
+            return self._step(method, step, *args, **kwargs)
+
+        setattr(engine, method, step_and_after)
+        self._wrapped = True
+
+    def _step(self, method: str, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        engine = self.engine
+        if self.before_step is not None:
+            self.before_step()
+        steps = engine.global_steps
+        result = step(*args, **kwargs)
+        # The book keeps to `engine.step`, which a pipeline engine never calls: it does not run there.
+        if self.book is not None and method == "step" and engine.global_steps != steps:
+            self.book.after_step()
+        if self.cadence is not None:
+            self._save_if_due(self.cadence)
+        return result
+
+    def _save_if_due(self, cadence: SaveEvery) -> None:
+        saver, steps = self.saver, self.engine.global_steps
+        client_state = getattr(self.engine, "ucp_client_state", None)
+        memory = saver.memory
+        if memory is not None and cadence.memory_due(steps, memory.last_step):
+            saver.save_memory(client_state)
+        if cadence.disk_due(steps, saver.last_step):
+            saver.save(cadence.dir, None, client_state, True)
+
+    def _retain(self, save_dir: Location) -> None:
+        """Retention after a commit (rank 0's writer thread); a checkpoint that cannot be removed stays, said in
+        the log (the save stands)."""
+        keep = self.cadence.keep if self.cadence is not None else None
+        if keep is None:
+            return
+        try:
+            removed = prune(save_dir, keep)
+        except (OSError, UcpError) as exc:
+            logger.warning("ucp: keeping old checkpoints in %s: %s", save_dir, exc)
+            return
+        for tag in removed:
+            logger.info("ucp: removed %s (\"keep\": %d)", tag, keep)
+
+
+def life_of(engine: DeepSpeedEngine) -> CheckpointLife:
+    """The engine's checkpoint life, created on first use."""
+    life = getattr(engine, "_ucp_life", None)
+    if life is None:
+        life = CheckpointLife(engine)
+        engine._ucp_life = life
+    return life
+
+
+def saver_for(engine: DeepSpeedEngine) -> Saver:
+    """The engine's saver, created on first use (collectively: every rank must reach this together)."""
+    return life_of(engine).saver
+
+
+def save(engine: DeepSpeedEngine, path: str | os.PathLike[str], tag: str | None = None, async_: bool = True, *,
+         client_state: dict[str, Any] | None = None) -> SaveStats:
+    """Save `engine` into `<path>/<tag>` (default tag `global_step<N>`), then point `<path>/latest` at it.
+
+    Call on every rank. Returns once this rank's state is snapshotted (with `async_=False`, once
+    the checkpoint is committed). A save still writing when the next one starts is waited for,
+    with a warning in the log. A failed save raises `SaveError` from the next `save` or `wait`.
+    """
+    location(path)  # a URL no storage takes is refused before the engine is touched
+    return saver_for(engine).save(path, tag, client_state, async_)
+
+
+def wait(engine: DeepSpeedEngine) -> SaveStats | None:
+    """Block until the engine's save in flight is committed; its stats (None if it never saved).
+
+    Raises `SaveError` if it failed. Runs for every engine at interpreter exit too; call it before
+    `torch.distributed.destroy_process_group()`, which would cut the writer's collectives.
+    """
+    life = getattr(engine, "_ucp_life", None)
+    saver = life.saver_if_any if life is not None else None
+    return saver.wait() if saver is not None else None

@@ -1,0 +1,155 @@
+"""The index of a save: what rank 0 records besides the tensors (taken at snapshot time), and the index it builds
+from the ranks' reports once every rank wrote its pieces.
+
+`metadata` runs on the training thread with the snapshot (the step, hyper-parameters, scheduler and client state
+must be those of the snapshot's step); `index_of` runs on rank 0's writer thread; `commit_folder` is the local
+commit: the data files renamed into place, the index, then `latest`.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ucp.deepspeed.autotp import tp_size
+from ucp.deepspeed.save_files import WrittenPiece, whole_crcs
+from ucp.deepspeed.save_layout import mpu_tp_size
+from ucp.deepspeed.save_plan import Holding
+from ucp.deepspeed.save_snapshot import Prepared
+from ucp.deepspeed.save_writer import partial_path
+from ucp.deepspeed.targets import Target, Zero3Target, module_aliases
+from ucp.errors import SaveError
+from ucp.format import loss_scale
+from ucp.format.crc import CHUNK_BYTES
+from ucp.format.folder import commit_index, commit_latest, fsync_dir
+from ucp.format.index import Index, RunRecord
+from ucp.format.locations import Location
+from ucp.format.optimizer import optimizer_record
+from ucp.format.safetensors_stream import StoredTensor
+from ucp.patterns import PatternSpec
+from ucp.plan.index_builder import ParamRecord, WrittenFile, build_index
+
+if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
+
+# What each rank's writer reports to rank 0: (key, start, numel, begin, end, segments) of each piece it wrote,
+# or the error that stopped it.
+RankReport = tuple[list[tuple[str, int, int, int, int, tuple[tuple[int, int, int], ...]]] | None, str | None]
+
+
+def report_of(written: Sequence[WrittenPiece], prepared: Prepared) -> RankReport:
+    """This rank's report of the pieces `write_pieces` wrote (in buffer order)."""
+    return ([(w.key, p.start, p.numel, w.begin, w.end, w.segments)
+             for w, p in zip(written, prepared.buffer.pieces)], None)
+
+
+def metadata(engine: DeepSpeedEngine, target: Target, saving_ranks: int, prepared: Prepared, tag: str,
+             tag_dir: Location, client_state: dict[str, Any] | None) -> dict[str, Any]:
+    """What the index says besides tensors, taken at snapshot time on rank 0 (`saving_ranks`: the size of the
+    group that saves one checkpoint)."""
+    groups, group_index = _param_groups(target, prepared.model)
+    params = []
+    for h in prepared.model:
+        group = h.group  # every trainable tensor is in a param group
+        params.append({"name": h.name, "shape": h.shape, "kind": h.kind, "states": dict(h.states),
+                       "group": group_index[group] if group is not None else None,
+                       "step": target.saved_step(group) if group is not None else None,
+                       "model_dtype": h.model_dtype})
+    config = engine.config if isinstance(engine.config, dict) else {}
+    precision = "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32"
+    training = {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
+                "skipped_steps": engine.skipped_steps}
+    scaler = loss_scale.live_scaler(engine.optimizer)
+    if precision == "fp16" and scaler is not None:
+        training["loss_scaler"] = loss_scale.record_live(scaler)
+    stages = engine.num_stages if getattr(engine, "pipeline_parallelism", False) else 1
+    tp = tp_size(engine) * mpu_tp_size(engine)  # AutoTP's or a Megatron-style mpu's (never both)
+    import deepspeed
+
+    return {
+        "params": params,
+        "source": {"framework": "deepspeed", "ds_version": deepspeed.__version__,
+                   "zero_stage": engine.zero_optimization_stage(),
+                   "dp": saving_ranks // (tp * stages), "tp": tp, "pp": stages,
+                   "precision": precision, "tag": tag, "path": str(tag_dir), "writer": "ucp.deepspeed.save"},
+        "training": training,
+        "optimizer": optimizer_record(config.get("optimizer"), groups, list(prepared.moments), engine.optimizer_name()),
+        "lr_scheduler": _to_json(engine.lr_scheduler.state_dict()) if engine.lr_scheduler is not None else None,
+        "client_state": _to_json(client_state or {}),
+        "aliases": module_aliases(engine.module),  # what DeepSpeed's own save lists in shared_params
+    }
+
+
+def _param_groups(target: Target, model: Sequence[Holding]) -> tuple[list[dict[str, Any]], dict[int, int]]:
+    """The torch param groups as the index records them, and each engine group's index among them: group i
+    holds the trainable tensors of `model` (every pipeline stage's) in group i, with this rank's hyper-parameters
+    of group i (the stages' optimizers are built from one config).
+
+    ZeRO-3 splits a param group into sub-groups with the same hyper-parameters; like `ucp convert`,
+    consecutive sub-groups with equal hyper-parameters are one group again.
+    """
+    names: dict[int, list[str]] = {}
+    for h in model:
+        if h.group is not None:
+            names.setdefault(h.group, []).append(h.name)
+    groups: list[dict[str, Any]] = []
+    index = {}
+    for i, entry in enumerate(target.optimizer_groups):
+        hyper = _to_json({k: v for k, v in entry["group"].items() if k != "params"})
+        if isinstance(target, Zero3Target) and groups and groups[-1]["hyperparams"] == hyper:
+            groups[-1]["params"] += names.get(i, [])
+        else:
+            groups.append({"hyperparams": hyper, "params": names.get(i, [])})
+        index[i] = len(groups) - 1
+    return groups, index
+
+
+def _to_json(value: object) -> Any:
+    """A JSON copy of `value`: tensors as numbers or lists, anything else JSON cannot hold by its repr."""
+    def plain(v: object) -> object:
+        if torch.is_tensor(v):
+            return v.item() if v.dim() == 0 else v.tolist()
+        return repr(v)
+    return json.loads(json.dumps(value, default=plain))
+
+
+def commit_folder(prepared: Prepared, save_dir: Path, tag: str, reports: list[RankReport], meta: dict[str, Any]
+                  ) -> None:
+    """Rank 0's commit of a local save: the data files into place, then the index, then `latest`."""
+    tag_dir = save_dir / tag
+    index = index_of(prepared, tag_dir, reports, meta)
+    for f in prepared.files.files:
+        os.replace(partial_path(tag_dir, f.name), tag_dir / f.name)
+    fsync_dir(tag_dir)
+    commit_index(tag_dir, index)
+    commit_latest(save_dir, tag)
+
+
+def index_of(prepared: Prepared, tag_dir: Location, reports: list[RankReport], meta: dict[str, Any]) -> Index:
+    """The index of the save the ranks' `reports` describe (each rank's pieces must tile every tensor)."""
+    failed = [error for _, error in reports if error]
+    if failed:
+        raise SaveError(f"{tag_dir}: not committed, {failed[0]}")
+    pieces = [WrittenPiece(key, begin, end, tuple((lo, hi, crc) for lo, hi, crc in segments))
+              for report, _ in reports for key, _start, _numel, begin, end, segments in report or []]
+    crcs = whole_crcs(prepared.files, pieces)
+    params = [_param_record(p, prepared.patterns[p["name"]]) for p in meta["params"]]
+    fingerprint = hashlib.sha256(f"{tag_dir}:{time.time_ns()}".encode()).hexdigest()[:32]
+    run = RunRecord(meta["source"], meta["training"], meta["optimizer"], meta["lr_scheduler"], meta["client_state"])
+    written = [WrittenFile(f.name, f.size, CHUNK_BYTES,
+                           {k: StoredTensor(k, s.begin, s.end, crcs[k][0], tuple(crcs[k][1]))
+                            for k, s in prepared.files.spans.items() if s.file == f.name})
+               for f in prepared.files.files]
+    return build_index(run, meta["aliases"], params, fingerprint, written)
+
+
+def _param_record(p: dict[str, Any], pattern: PatternSpec) -> ParamRecord:
+    """The parameter's index record; its pattern says how the ranks held it (as `ucp convert` records it)."""
+    return ParamRecord(name=p["name"], kind=p["kind"], shape=tuple(p["shape"]), pattern=pattern,
+                       dtypes=dict(p["states"]), model_dtype=p["model_dtype"], group=p["group"], step=p["step"])
