@@ -11,9 +11,9 @@
   starts fresh; every rank takes the same decision. With the memory tier, a newer memory checkpoint of this
   job that the nodes hold completely is tried first (`ucp.deepspeed.memory_resume`); one that fails its
   checks or does not fit the model is passed over with a warning, and the disk tier loads.
-* `StepBook`, run after each optimizer step by the engine's checkpoint life (`ucp.deepspeed.life`), keeps
-  `global_samples` at B per step (DeepSpeed adds its nominal train_batch_size), records the job's progress, and
-  after the first step of a restarted job logs what the restart cost (`ucp.elastic.restart`).
+* After each optimizer step the engine's checkpoint life (`ucp.deepspeed.life.StepBook`) keeps `global_samples` at
+  B per step, records the job's progress, and after the first step of a restarted job logs what the restart cost
+  (`Resumed` says what the start loaded).
 """
 from __future__ import annotations
 
@@ -28,7 +28,6 @@ import torch.distributed as dist
 from ucp.deepspeed.memory_files import MemoryEvery
 from ucp.deepspeed.memory_resume import memory_resume_point
 from ucp.elastic.layout_choice import RankLayout
-from ucp.elastic.restart import Progress, ProgressRecorder, RestartReport, read_progress
 from ucp.elastic.resume import candidates, set_aside, tag_step
 from ucp.elastic.shares import BATCH_KEYS, ElasticBatch
 from ucp.errors import CheckpointMismatchError, ConfigError, CorruptCheckpointError, UnsupportedLayoutError
@@ -156,42 +155,3 @@ def resume_auto(engine, save_dir: str | os.PathLike, load: Callable[..., dict], 
     if _rank() == 0:
         logger.warning("ucp: no committed checkpoint in %s: starting fresh", save_dir)
     return Resumed(None, 0, 0.0)
-
-
-class StepBook:
-    """Bookkeeping after each optimizer step (module docstring); `ucp.deepspeed.life` runs `after_step`."""
-
-    def __init__(self, engine, batch: ElasticBatch | None, progress_dir: str | None, resumed: Resumed | None,
-                 called: float):
-        self.engine = engine
-        self.batch = batch
-        place = location(progress_dir) if progress_dir is not None and _rank() == 0 else None
-        self.progress = ProgressRecorder(place) if place is not None else None
-        self.resumed = resumed
-        self.called = called  # time.time() when ucp.deepspeed.initialize was called
-        self.before = read_progress(place) if place is not None else None
-        self.loaded_at = time.time()
-
-    def after_step(self) -> None:
-        engine = self.engine
-        if self.batch is not None:
-            engine.global_samples += self.batch.global_batch - engine.train_batch_size()
-        if self.progress is None:
-            return
-        now = time.time()
-        self.progress.record(Progress(engine.global_steps, now, world_size()))
-        if self.before is not None:
-            report = self._report(self.before, now)
-            engine.ucp_restart = report
-            logger.warning("%s", report.line())
-            self.before = None
-
-    def _report(self, before: Progress, now: float) -> RestartReport:
-        resumed = self.resumed or Resumed(None, 0, 0.0)
-        load_began = self.loaded_at - resumed.load_s
-        started = min(max(self.called, before.time), load_began)
-        return RestartReport(
-            old_world=before.world, new_world=world_size(),
-            checkpoint=str(resumed.path) if resumed.path else None, checkpoint_step=resumed.step,
-            steps_redone=max(0, before.step - resumed.step), detection_s=started - before.time,
-            startup_s=load_began - started, load_s=resumed.load_s, first_step_s=now - self.loaded_at)

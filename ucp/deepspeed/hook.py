@@ -83,7 +83,6 @@ from typing import Any
 from ucp.deepspeed.async_save import SaveStats
 from ucp.deepspeed.config import AUTO, load_options, ucp_options, without_ucp
 from ucp.deepspeed.elastic import (
-    StepBook,
     check_engine,
     resume_auto,
     uses_autotp,
@@ -92,7 +91,7 @@ from ucp.deepspeed.elastic import (
 )
 from ucp.deepspeed.engine_load import LoadStats, load
 from ucp.deepspeed.hmp_sync import hmp_batch, install_sync, replica_batch_keys
-from ucp.deepspeed.life import life_of, save, wait
+from ucp.deepspeed.life import StepBook, life_of, save, wait
 from ucp.deepspeed.placement import as_layout
 from ucp.deepspeed.save_cadence import SaveEvery
 from ucp.elastic.ranks import layout as elastic_layout

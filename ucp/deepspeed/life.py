@@ -6,7 +6,7 @@
 `CheckpointLife` holds everything of an engine's checkpoints that outlives one call: the saver with the save in
 flight (`ucp.deepspeed.async_save.Saver`, created on the first save), the save cadence of the disk and memory
 tiers (`ucp.deepspeed.save_cadence`), retention (`"keep"`), the step bookkeeping of elastic training and the
-restart report (`ucp.deepspeed.elastic.StepBook`), and what runs before each step (the HMP gradient sync,
+restart report (`StepBook`), and what runs before each step (the HMP gradient sync,
 `ucp.deepspeed.hmp_sync`). It wraps the engine's step once, when `ucp.deepspeed.initialize` gives it something
 to do at each step: `engine.step`, or `train_batch` on a pipeline engine (whose `step` refuses to be called). The
 engine carries it as one attribute, `engine._ucp_life`.
@@ -18,14 +18,18 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from ucp import collectives
 from ucp.deepspeed.async_save import Saver, SaveStats
-from ucp.deepspeed.elastic import StepBook
+from ucp.deepspeed.elastic import Resumed, world_size
 from ucp.deepspeed.memory_tier import MemoryTier
 from ucp.deepspeed.save_cadence import SaveEvery
+from ucp.elastic.restart import Progress, ProgressRecorder, RestartReport, read_progress
 from ucp.elastic.resume import prune
+from ucp.elastic.shares import ElasticBatch
 from ucp.errors import UcpError
 from ucp.format.locations import Location, location
 
@@ -33,6 +37,7 @@ if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
 
 logger = logging.getLogger("ucp.save")
+restart_log = logging.getLogger("ucp.elastic")
 
 
 class CheckpointLife:
@@ -132,6 +137,47 @@ class CheckpointLife:
             return
         for tag in removed:
             logger.info("ucp: removed %s (\"keep\": %d)", tag, keep)
+
+
+class StepBook:
+    """Bookkeeping after each optimizer step: keeps `global_samples` at B per step (DeepSpeed adds its nominal
+    train_batch_size), records the job's progress, and after the first step of a restarted job logs what the
+    restart cost (`ucp.elastic.restart`) and sets `engine.ucp_restart`."""
+
+    def __init__(self, engine: DeepSpeedEngine, batch: ElasticBatch | None, progress_dir: str | None,
+                 resumed: Resumed | None, called: float):
+        self.engine = engine
+        self.batch = batch
+        place = location(progress_dir) if progress_dir is not None and collectives.rank() == 0 else None
+        self.progress = ProgressRecorder(place) if place is not None else None
+        self.resumed = resumed
+        self.called = called  # time.time() when ucp.deepspeed.initialize was called
+        self.before = read_progress(place) if place is not None else None
+        self.loaded_at = time.time()
+
+    def after_step(self) -> None:
+        engine = self.engine
+        if self.batch is not None:
+            engine.global_samples += self.batch.global_batch - engine.train_batch_size()
+        if self.progress is None:
+            return
+        now = time.time()
+        self.progress.record(Progress(engine.global_steps, now, world_size()))
+        if self.before is not None:
+            report = self._report(self.before, now)
+            engine.ucp_restart = report
+            restart_log.warning("%s", report.line())
+            self.before = None
+
+    def _report(self, before: Progress, now: float) -> RestartReport:
+        resumed = self.resumed or Resumed(None, 0, 0.0)
+        load_began = self.loaded_at - resumed.load_s
+        started = min(max(self.called, before.time), load_began)
+        return RestartReport(
+            old_world=before.world, new_world=world_size(),
+            checkpoint=str(resumed.path) if resumed.path else None, checkpoint_step=resumed.step,
+            steps_redone=max(0, before.step - resumed.step), detection_s=started - before.time,
+            startup_s=load_began - started, load_s=resumed.load_s, first_step_s=now - self.loaded_at)
 
 
 def life_of(engine: DeepSpeedEngine) -> CheckpointLife:
