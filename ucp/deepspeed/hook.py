@@ -21,7 +21,7 @@ committed, and runs at exit too; see `ucp.deepspeed.async_save`). The `"ucp"` co
   being read). A save that finds the previous one still writing waits for it, with a warning.
   Client state for these saves is
   `engine.ucp_client_state` (a dict) when set. Data parallelism (ZeRO 0-3), AutoTP, PipelineModule
-  (ZeRO-0/1; with a Megatron-style mpu, ZeRO-1) and MoE (ZeRO 0-2); not an mpu without a pipeline yet. With
+  (ZeRO-0/1; with a Megatron-style mpu, ZeRO-1 or fp32 ZeRO-0), an mpu without a pipeline (ZeRO-1) and MoE. With
   `"memory": {"every": k, "replicas": r, "dir": ...}` it also saves every k steps into each node's host
   memory, with copies on r other nodes, which `"auto"` prefers when newer (`ucp.deepspeed.memory_tier`).
 * `elastic` (dict): `{"global_batch": B, "micro_batch": m}` sets DeepSpeed's batch keys for the
@@ -94,8 +94,8 @@ tensor that the engine's own `affine_map` gives it (`ucp.deepspeed.autotp`); `Pi
 engines at any number of stages, each stage loading its own layers (a tied module on every stage
 that uses it) within its data-parallel group (`ucp.deepspeed.targets`); native DeepSpeed MoE at
 any `ep_size`, each rank loading the experts of the global ids it owns within its
-expert-data-parallel group (`ucp.deepspeed.moe_target`); a Megatron-style `mpu` (TP) in a `PipelineModule`
-at any TP x PP x DP, each TP rank loading the boxes of its shards that the module's
+expert-data-parallel group (`ucp.deepspeed.moe_target`); a Megatron-style `mpu` (TP), in a `PipelineModule`
+or not, at any TP x PP x DP, each TP rank loading the boxes of its shards that the module's
 `universal_checkpoint_info` pattern lists give (`ucp.deepspeed.mpu_target`; a fused QKV or gate/up shard from a
 ucp checkpoint only); and an explicit `layout`.
 """
