@@ -40,6 +40,7 @@ from support.checkpoints import SUPPORT_DIR
 from support.launch import run_torchrun
 from support.memory_runs import memory_equals_saved
 from ucp.convert import convert
+from ucp.errors import AmbiguousPatternError
 
 SAVED_AT, STEPS = 2, 4
 SAVING = {"steps": STEPS, "save_after": SAVED_AT, "save_dir": "ckpt", "ucp_save": "ucp",
@@ -142,6 +143,9 @@ def test_zero0_slots_named_the_other_way_round_convert_to_another_checkpoint(meg
                       param_names=names)
     with pytest.raises(AssertionError):
         assert_same_checkpoint(saved, ucp.open_checkpoint(swapped.output))
+    # without the names, one line that says which flag settles it
+    with pytest.raises(AmbiguousPatternError, match=r"^[^\n]*--param-names FILE[^\n]*$"):
+        convert(megatron / "z0-fp32" / "ckpt", tmp_path / "unnamed", workers=1, progress=False)
 
 
 def test_bf16_without_zero_is_refused_in_one_line(megatron):
