@@ -15,8 +15,15 @@ checkpoint's bytes, fewer than what they hold (the tied embedding on both stages
 both TP ranks). The bf16 run also keeps the host-memory tier on 2 simulated nodes: each node's copy of the
 last step is the disk save of that step. fp32 without ZeRO (ZeRO-0) saves each TP shard whole; its DeepSpeed
 checkpoint names no optimizer slot, so `ucp convert` takes the stages' parameter names (`--param-names`, written
-by the run); negative control: two slots of one shape named the other way round convert to another checkpoint.
-bf16 without ZeRO is refused in one line (`ucp convert` does not read those checkpoints either).
+by the run); that save is synchronous (`async_=False`), the others asynchronous; negative control: two slots of
+one shape named the other way round convert to another checkpoint. bf16 without ZeRO is refused in one line
+(`ucp convert` does not read those checkpoints either).
+
+An mpu without a PipelineModule (`GPTModel`: the same layers in a plain module, the mpu passed to
+`deepspeed.initialize`), TP=2 x DP=2, ZeRO-1 (`PLAIN_RUNS`): its save equals `ucp convert` of its checkpoint, each
+byte written once; a run through the config's "load" at the same layout continues the losses exactly, and at
+TP=1 x DP=4 every rank holds every state of the save. Negative controls: each TP rank given the other's boxes,
+another step's save; ZeRO-2 is refused in one line.
 
 Resumes, in the same launch (`RESUMES`): a run whose `mlp.input_scale` copies stay equal (its gradient all-reduced
 over TP) saves with ucp after 2 steps, and `ucp.deepspeed.load` puts that save into other layouts, each TP rank
@@ -49,8 +56,9 @@ RUNS = {"z1-fp32": {"stage": 1, **SAVING},
         # through the config's "save": {"every": 2} (train_batch wrapped), with client state
         "z1-bf16-every": {"stage": 1, "dtype": "bf16", **SAVING, "ucp_every": SAVED_AT, "save_bytes_out": None,
                           "ucp_memory": "memory"},
-        # without ZeRO: each TP shard whole; `ucp convert` names the optimizer slots from --param-names
-        "z0-fp32": {"stage": 0, **SAVING, "param_names_out": "names.txt"}}
+        # without ZeRO: each TP shard whole; `ucp convert` names the optimizer slots from --param-names; the save
+        # compared is synchronous (async_=False)
+        "z0-fp32": {"stage": 0, **SAVING, "param_names_out": "names.txt", "ucp_sync": True}}
 # bf16 without ZeRO: DeepSpeed's bf16 optimizer files record no param_shapes, and `ucp convert` does not read them
 REFUSED = {"z0-bf16": {"stage": 0, "dtype": "bf16", "refusal_out": "refusal.json"}}
 # Resumes: the uninterrupted "z1-sync" run (input_scale's TP copies kept equal) saves at SAVED_AT; each resume loads

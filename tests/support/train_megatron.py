@@ -5,7 +5,8 @@ Launched with ``torchrun --nproc_per_node 4 tests/support/train_megatron.py --ru
 trains several configurations ({stage, dtype, save_dir, dump_state}) one after another in one launch.
 A run may also set ``steps``, ``save_after`` (save with DeepSpeed after that many steps and go on
 training, instead of saving at the end), ``ucp_save`` (a folder: ``ucp.deepspeed.save`` asynchronously
-at ``save_after``, alongside DeepSpeed's own save, and again after the last step; with ``ucp_every``
+at ``save_after``, alongside DeepSpeed's own save, and again after the last step; ``ucp_sync`` makes the first
+of these synchronous (``async_=False``); with ``ucp_every``
 through the ``"ucp": {"save": {"dir", "every"}}`` config instead, which saves every that many steps, and
 with ``ucp_memory`` (a folder) keeps the host-memory tier there too, 2 simulated nodes), ``save_bytes_out``
 (what each rank's ucp save at ``save_after`` writes, and what it holds, bytes by rank, JSON),
@@ -564,7 +565,8 @@ def train_one(run: dict, steps: int) -> None:
         losses.append(plain_step(engine, step) if plain else float(engine.train_batch(iter(batches(step)))))
         if step + 1 == save_after:
             if explicit:  # asynchronous, overlapping DeepSpeed's own save of the same step
-                stats = ucp.deepspeed.save(engine, run["ucp_save"], client_state=CLIENT_STATE)
+                stats = ucp.deepspeed.save(engine, run["ucp_save"], async_=not run.get("ucp_sync"),
+                                           client_state=CLIENT_STATE)
                 if run.get("save_bytes_out"):
                     write_bytes(run["save_bytes_out"], stats.bytes, model)
             engine.save_checkpoint(run["save_dir"], client_state=CLIENT_STATE)
