@@ -20,10 +20,11 @@ one shape named the other way round convert to another checkpoint. bf16 without 
 (`ucp convert` does not read those checkpoints either).
 
 An mpu without a PipelineModule (`GPTModel`: the same layers in a plain module, the mpu passed to
-`deepspeed.initialize`), TP=2 x DP=2, ZeRO-1 (`PLAIN_RUNS`): its save equals `ucp convert` of its checkpoint, each
-byte written once; a run through the config's "load" at the same layout continues the losses exactly, and at
-TP=1 x DP=4 every rank holds every state of the save. Negative controls: each TP rank given the other's boxes,
-another step's save; ZeRO-2 is refused in one line.
+`deepspeed.initialize`), TP=2 x DP=2, ZeRO-1 (`PLAIN_RUNS`): its save, through `ucp.deepspeed.save` and through
+the config's `"save": {"every": 2}`, equals `ucp convert` of its checkpoint, each byte written once, and the
+memory tier's copies (2 simulated nodes) equal the disk save; a run through the config's "load" at the same
+layout continues the losses exactly, and at TP=1 x DP=4 every rank holds every state of the save. Negative
+controls: each TP rank given the other's boxes, another step's save; ZeRO-2 is refused in one line.
 
 Resumes, in the same launch (`RESUMES`): a run whose `mlp.input_scale` copies stay equal (its gradient all-reduced
 over TP) saves with ucp after 2 steps, and `ucp.deepspeed.load` puts that save into other layouts, each TP rank
@@ -90,6 +91,8 @@ RESUMES = {"z1-sync": {"stage": 1, "sync_scale": True, **SAVING, "save_bytes_out
 PLAIN = {"plain": True, "stage": 1, "sync_scale": True, "tp": 2}
 PLAIN_SAVED = f"plain-z1/ucp/global_step{SAVED_AT}"
 PLAIN_RUNS = {"plain-z1": {**PLAIN, **SAVING},
+              # through the config's "save": {"every": 2} (engine.step wrapped), with the memory tier
+              "plain-every": {**PLAIN, **SAVING, "ucp_every": SAVED_AT, "save_bytes_out": None, "ucp_memory": "memory"},
               "plain-resume-same": {**PLAIN, "steps": STEPS, "ucp_load": PLAIN_SAVED, "losses_out": "losses.json"},
               "plain-load-tp1": {**PLAIN, "tp": 1, "steps": SAVED_AT, "load_from": PLAIN_SAVED,
                                  "dump_state": "state.pt"},
@@ -161,7 +164,8 @@ def test_bf16_without_zero_is_refused_in_one_line(megatron):
     assert message and "\n" not in message and "mpu" in message and "stage 1" in message
 
 
-@pytest.mark.parametrize("run", [name for name, options in RUNS.items() if options.get("ucp_memory")])
+@pytest.mark.parametrize("run", [name for name, options in {**RUNS, **PLAIN_RUNS}.items()
+                                 if options.get("ucp_memory")])
 def test_megatron_memory_saves_equal_the_disk_saves(megatron, run):
     memory_equals_saved(megatron / run, STEPS, SAVED_AT)
 
@@ -237,10 +241,11 @@ def test_a_deepspeed_checkpoint_into_fused_tp_shards_is_refused_in_one_line(mega
     assert "query_key_value" in message or "dense_h_to_4h" in message
 
 
-def test_an_mpu_without_a_pipeline_saves_what_ucp_convert_writes(megatron, tmp_path):
-    saved = ucp.open_checkpoint(megatron / "plain-z1" / "ucp" / f"global_step{SAVED_AT}")
+@pytest.mark.parametrize("run", ["plain-z1", "plain-every"])
+def test_an_mpu_without_a_pipeline_saves_what_ucp_convert_writes(megatron, run, tmp_path):
+    saved = ucp.open_checkpoint(megatron / run / "ucp" / f"global_step{SAVED_AT}")
     assert saved.verify() == []
-    converted = ucp.open_checkpoint(convert(megatron / "plain-z1" / "ckpt", tmp_path / "converted", workers=1,
+    converted = ucp.open_checkpoint(convert(megatron / run / "ckpt", tmp_path / "converted", workers=1,
                                             progress=False).output)
     assert_same_checkpoint(saved, converted)
     assert (saved.source["tp"], saved.source.get("pp", 1), saved.source["dp"]) == (2, 1, 2)
@@ -249,7 +254,7 @@ def test_an_mpu_without_a_pipeline_saves_what_ucp_convert_writes(megatron, tmp_p
     assert saved.index.params["embed.word_embeddings.weight"].shape == (37, 8)
     assert patterns["1.self_attention.query_key_value.weight"] == "shard_nc"
     assert patterns["2.self_attention.dense.weight"] == "shard_hy"  # row-parallel, each shard split by ZeRO
-    later = ucp.open_checkpoint(megatron / "plain-z1" / "ucp" / f"global_step{STEPS}")
+    later = ucp.open_checkpoint(megatron / run / "ucp" / f"global_step{STEPS}")
     with pytest.raises(AssertionError):  # negative control: another step's save
         assert_same_checkpoint(later, converted)
 
