@@ -59,7 +59,9 @@ RUNS = {"z1-fp32": {"stage": 1, **SAVING},
                           "ucp_memory": "memory"},
         # without ZeRO: each TP shard whole; `ucp convert` names the optimizer slots from --param-names; the save
         # compared is synchronous (async_=False)
-        "z0-fp32": {"stage": 0, **SAVING, "param_names_out": "names.txt", "ucp_sync": True}}
+        "z0-fp32": {"stage": 0, **SAVING, "param_names_out": "names.txt", "ucp_sync": True},
+        # the same at TP=2 x PP=1 x DP=2: each TP shard whole on both DP ranks, written by one of them
+        "z0-fp32-dp2": {"stage": 0, "tp": 2, "pp": 1, **SAVING, "param_names_out": "names.txt"}}
 # bf16 without ZeRO: DeepSpeed's bf16 optimizer files record no param_shapes, and `ucp convert` does not read them
 REFUSED = {"z0-bf16": {"stage": 0, "dtype": "bf16", "refusal_out": "refusal.json"}}
 # Resumes: the uninterrupted "z1-sync" run (input_scale's TP copies kept equal) saves at SAVED_AT; each resume loads
@@ -127,7 +129,8 @@ def test_megatron_saves_equal_converted_deepspeed_checkpoints(megatron, run, tmp
     converted = ucp.open_checkpoint(convert(megatron / run / "ckpt", tmp_path / "converted", workers=1,
                                             progress=False, param_names=names or None).output)
     assert_same_checkpoint(saved, converted)
-    assert (saved.source["tp"], saved.source["pp"], saved.source["dp"]) == (2, 2, 1)
+    tp, pp = RUNS[run].get("tp", 2), RUNS[run].get("pp", 2)
+    assert (saved.source["tp"], saved.source["pp"], saved.source["dp"]) == (tp, pp, 4 // (tp * pp))
     patterns = {name: p.pattern["pattern"] for name, p in saved.index.params.items()}
     # vocabulary rows, padding cut; each TP shard partitioned again by ZeRO-1 (Shard-Hy), or whole (Shard-V)
     assert patterns["tied_modules.embed.word_embeddings.weight"] == ("shard_hy" if RUNS[run]["stage"] else "shard_v")
