@@ -68,8 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="check that replicated copies are identical instead of taking rank 0's")
     p.add_argument("--param-names", metavar="FILE",
                    help="ZeRO-0 only, when names cannot be recovered from shapes: the optimizer's parameter "
-                        "names, one per line, in param-group order (a pipeline checkpoint: every stage's, "
-                        "stage after stage)")
+                        "names, one per line, in param-group order (a pipeline checkpoint, tensor-parallel or not: "
+                        "every stage's, stage after stage, once for all its TP ranks)")
     p.add_argument("--pattern", action="append", metavar="NAME=PATTERN",
                    help="tensor-parallel checkpoints that do not declare their layout: how the TP shards of "
                         "NAME (a parameter name, or a regex of whole names) join: shard_v (dim 0), shard_h "

@@ -1,4 +1,4 @@
-"""Plan the conversion of a Megatron-DeepSpeed-style checkpoint: tensor x pipeline parallel, ZeRO-1.
+"""Plan the conversion of a Megatron-DeepSpeed-style checkpoint: tensor x pipeline parallel, ZeRO-1 or fp32 ZeRO-0.
 
 Layout written by DeepSpeed 0.19 for a `PipelineModule` with a `PipeModelDataParallelTopology`
 of P stages and T tensor-parallel ranks (T > 1):
@@ -8,6 +8,9 @@ of P stages and T tensor-parallel ranks (T > 1):
   ({pp_degree, tp_degree}) and the model's `universal_checkpoint_info` (its pattern lists, see
   `deepspeed_lists`; an AutoTP-style `affine_map` is read too).
 * `[bf16_]zero_pp_rank_{D}_mp_rank_{MM}_optim_states.pt`: ZeRO partitions of each slice's shards.
+  fp32 without ZeRO (ZeRO-0) writes none: each slice's torch optimizer state sits in its model file by
+  slot position, with no param_shapes, and, as for a pipeline (`deepspeed_pipe`), nothing names the
+  slots: the user names them (`--param-names`, every stage's names once, the same on each TP rank).
 * `layer_{LL}-model_{TT}-model_states.pt`: layer LL's state dict on TP rank TT (buffers and frozen
   parameters are read from there).
 
@@ -23,9 +26,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from ucp.converters.deepspeed_lists import checkpoint_layouts
-from ucp.converters.deepspeed_pipe import LAYER_FILE, layer_tensors
+from ucp.converters.deepspeed_pipe import LAYER_FILE, layer_tensors, optimizer_slots, stage_module, stage_param_names
 from ucp.converters.deepspeed_slices import SliceState, dtype_name, load_dict, outer_states, read_slice, tied_aliases
 from ucp.converters.deepspeed_tp import Layouts, fp32_shard, untrained_shards
+from ucp.converters.deepspeed_zero0 import zero0_slice
 from ucp.converters.plan_common import finish_plan
 from ucp.converters.tag_folder import TagDir, model_files, optim_files
 from ucp.converters.torch_zip import LazyTensor
@@ -38,10 +42,13 @@ def is_tensor_pipeline(names: list[str]) -> bool:
     return any((m := LAYER_FILE.match(n)) and m.group(2) not in (None, "00") for n in names)
 
 
-def plan_megatron(where: TagDir, names: list[str], patterns: dict[str, str] | None = None) -> ConversionPlan:
+def plan_megatron(where: TagDir, names: list[str], patterns: dict[str, str] | None = None,
+                  param_names: list[str] | None = None) -> ConversionPlan:
     """The plan of the TP x PP checkpoint in tag folder `where.path`, whose files are `names`.
 
-    `patterns` (`--pattern NAME=PATTERN`) overrides or completes what the checkpoint declares.
+    `patterns` (`--pattern NAME=PATTERN`) overrides or completes what the checkpoint declares; `param_names`
+    (fp32 ZeRO-0 only, whose checkpoint names no optimizer slot) lists every stage's trainable parameter names in
+    its optimizer's order, stage after stage.
     """
     folder = where.path
     models = model_files(folder, names)
@@ -61,21 +68,24 @@ def plan_megatron(where: TagDir, names: list[str], patterns: dict[str, str] | No
         raise CheckpointNotFoundError(f"{absent}: missing (the checkpoint has {pp} pipeline stages x {tp} "
                                       "tensor-parallel ranks); copy every file")
     optims = optim_files(folder, names)
-    if not optims:
-        raise UnsupportedLayoutError(f"{folder}: a tensor x pipeline parallel checkpoint without optimizer files "
-                                     "(ZeRO-0) is not supported yet; save it with ZeRO stage 1")
     contents = [first] + [load_dict(models[mp]) for mp in range(1, pp * tp)]
-    if not all(c.get("param_shapes") for c in contents):
+    buffers = {b for c in contents for b in (c.get("buffer_names") or [])}
+    if not optims:
+        slices, layers = _zero0_slices(folder, names, [models[mp] for mp in range(pp * tp)], contents, tp,
+                                       buffers, param_names)
+    elif all(c.get("param_shapes") for c in contents):
+        slices = [read_slice(folder, mp, models[mp], contents[mp], optims) for mp in range(pp * tp)]
+        known = {name for st in slices for name in st.shapes} | buffers
+        layers = [_layer_tensors_of(folder, names, rank, known) for rank in range(tp)]
+    else:
         raise UnsupportedLayoutError(f"{folder}: its model files record no param_shapes (the bf16 optimizer without "
-                                     "ZeRO); tensor x pipeline parallel checkpoints are read with ZeRO stage 1")
-    slices = [read_slice(folder, mp, models[mp], contents[mp], optims) for mp in range(pp * tp)]
+                                     "ZeRO); tensor x pipeline parallel checkpoints are read with ZeRO stage 1 or "
+                                     "fp32 without ZeRO")
     uc_info = first.get("universal_checkpoint_info") or {}
     trainable = {name for st in slices for name in st.shapes}
     layouts = Layouts(checkpoint_layouts(uc_info, str(models[0]), trainable), patterns or {},
                       "universal_checkpoint_info" in first)
     by_tp = [[slices[stage * tp + rank] for stage in range(pp)] for rank in range(tp)]
-    buffers = {b for c in contents for b in (c.get("buffer_names") or [])}
-    layers = [_layer_tensors_of(folder, names, rank, trainable | buffers) for rank in range(tp)]
     params = [_trainable(name, by_tp, layers, layouts) for name in _in_order(slices)]
     aliases = {alias for c in contents for alias in tied_aliases(c)}
     params += untrained_shards(layers, layouts, trainable | aliases, buffers,
@@ -85,6 +95,29 @@ def plan_megatron(where: TagDir, names: list[str], patterns: dict[str, str] | No
     files += [folder / n for n in names if LAYER_FILE.match(n)]
     return finish_plan(where, first, params, slices[0].hyper, slices[0].moment_names, slices[0].stage, slices[0].dp,
                        files, slices[0].loss_scaler, {"pp": pp, "tp": tp})
+
+
+def _zero0_slices(folder: Path, names: list[str], paths: list[Path], contents: list[dict], tp: int,
+                  buffers: set[str], param_names: list[str] | None
+                  ) -> tuple[list[SliceState], list[dict[str, LazyTensor]]]:
+    """fp32 without ZeRO: each slice's torch optimizer state sits in its model file by slot position, named by
+    `param_names` (every stage's names, stage after stage, as for a pipeline: each TP rank of a stage holds the
+    same names), its weights read from its TP rank's layer files. Returns the slices (model-parallel rank order)
+    and each TP rank's layer tensors."""
+    pp = len(paths) // tp
+    listed = stage_param_names(folder, [paths[s * tp] for s in range(pp)], [contents[s * tp] for s in range(pp)],
+                               param_names)
+    for mp in range(pp * tp):
+        held, expected = optimizer_slots(paths[mp], contents[mp]), len(listed[mp // tp])
+        if held != expected:
+            raise CorruptCheckpointError(f"{paths[mp]}: its optimizer holds {held} parameters, TP rank 0 of its "
+                                         f"stage {expected}; files from different runs are mixed")
+    known = {n for stage in listed for n in stage} | buffers
+    layers = [_layer_tensors_of(folder, names, rank, known) for rank in range(tp)]
+    slices = [zero0_slice(mp, paths[mp], {**contents[mp], "module": stage_module(layers[mp % tp], listed[mp // tp],
+                                                                                mp // tp)}, listed[mp // tp])
+              for mp in range(pp * tp)]
+    return slices, layers
 
 
 def _in_order(slices: list[SliceState]) -> list[str]:

@@ -82,9 +82,9 @@ def plan_pipe(where: TagDir, names: list[str], param_names: list[str] | None = N
     if not optims:
         # A tied weight's value is read from its first layer file for every stage (the checkpoint does not
         # say which stage wrote which layer file); --strict still compares the stages' own moments.
-        listed = _stage_names(folder, contents, param_names)
+        listed = stage_param_names(folder, [models[s] for s in range(pp)], contents, param_names)
         tensors = layer_tensors(layer_files, {n for stage in listed for n in stage} | buffers)
-        stages = [zero0_slice(s, models[s], {**contents[s], "module": _stage_module(tensors, listed[s], s)},
+        stages = [zero0_slice(s, models[s], {**contents[s], "module": stage_module(tensors, listed[s], s)},
                               listed[s]) for s in range(pp)]
     elif first.get("param_shapes"):
         stages = [read_slice(folder, s, models[s], contents[s], optims) for s in range(pp)]
@@ -112,19 +112,11 @@ def plan_pipe(where: TagDir, names: list[str], param_names: list[str] | None = N
                        files, stages[0].loss_scaler, {"pp": pp, "tp": 1})
 
 
-def _stage_names(folder: Path, contents: list[dict], param_names: list[str] | None) -> list[list[str]]:
-    """Each stage's optimizer slots named by `param_names`, split by the stages' slot counts."""
-    counts = []
-    for s, model in enumerate(contents):
-        opt = model.get("optimizer")
-        if not isinstance(opt, dict):
-            raise CheckpointNotFoundError(f"{folder / f'mp_rank_{s:02d}_model_states.pt'}: a pipeline checkpoint "
-                                          "with no *_optim_states.pt files and no optimizer state in its model "
-                                          "files; was it saved with an optimizer?")
-        path = folder / f"mp_rank_{s:02d}_model_states.pt"
-        inner = expect(opt.get("optimizer_state_dict", opt), dict, path, "its optimizer_state_dict")
-        counts.append(sum(len(expect(g.get("params"), list, path, f"the 'params' of param group {i}"))
-                          for i, g in enumerate(param_groups(inner.get("param_groups") or [], path))))
+def stage_param_names(folder: Path, paths: list[Path], contents: list[dict],
+                      param_names: list[str] | None) -> list[list[str]]:
+    """Each stage's optimizer slots named by `param_names`, split by the slot counts of the stages' model files
+    `paths` (holding `contents`), in stage order."""
+    counts = [optimizer_slots(path, model) for path, model in zip(paths, contents)]
     if param_names is None:
         raise AmbiguousPatternError(
             f"{folder}: fp32 ZeRO-0 keeps each pipeline stage's optimizer state in mp_rank_SS_model_states.pt "
@@ -140,7 +132,18 @@ def _stage_names(folder: Path, contents: list[dict], param_names: list[str] | No
     return [list(param_names[start:start + count]) for start, count in zip(starts, counts)]
 
 
-def _stage_module(tensors: dict[str, LazyTensor], stage_names: list[str], stage: int) -> dict[str, LazyTensor]:
+def optimizer_slots(path: Path, model: dict) -> int:
+    """How many parameters the optimizer state dict in ZeRO-0 model file `path` (holding `model`) holds."""
+    opt = model.get("optimizer")
+    if not isinstance(opt, dict):
+        raise CheckpointNotFoundError(f"{path}: a pipeline checkpoint with no *_optim_states.pt files and no "
+                                      "optimizer state in its model files; was it saved with an optimizer?")
+    inner = expect(opt.get("optimizer_state_dict", opt), dict, path, "its optimizer_state_dict")
+    return sum(len(expect(g.get("params"), list, path, f"the 'params' of param group {i}"))
+               for i, g in enumerate(param_groups(inner.get("param_groups") or [], path)))
+
+
+def stage_module(tensors: dict[str, LazyTensor], stage_names: list[str], stage: int) -> dict[str, LazyTensor]:
     missing = [n for n in stage_names if n not in tensors]
     if missing:
         raise AmbiguousPatternError(f"--param-names: '{missing[0]}' (stage {stage}) is in no layer file of the "

@@ -60,7 +60,7 @@ def plan_deepspeed(input_dir: str | os.PathLike, tag: str | None = None,
 def _parallel_family(folder: Path, names: list[str], patterns: dict[str, str], param_names: list[str] | None):
     """The planner of a tensor x pipeline, pipeline, tensor-parallel or MoE layout, or None for plain ZeRO."""
     if is_tensor_pipeline(names):
-        return functools.partial(plan_megatron, patterns=patterns)
+        return functools.partial(plan_megatron, patterns=patterns, param_names=param_names)
     planner: Callable[..., ConversionPlan] | None
     if is_pipeline(names):
         planner = functools.partial(plan_pipe, param_names=param_names)

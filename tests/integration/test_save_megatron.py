@@ -13,8 +13,18 @@ state of every tensor `torch.equal` (`support.atomic.assert_same_checkpoint`), `
 the last step's save fails the same comparison. Every byte is written once: the ranks' writes add up to the
 checkpoint's bytes, fewer than what they hold (the tied embedding on both stages, replicated tensors on
 both TP ranks). The bf16 run also keeps the host-memory tier on 2 simulated nodes: each node's copy of the
-last step is the disk save of that step. ZeRO-0 is refused in one line: `ucp convert` does not read those
-checkpoints, so nothing could show what a save should write.
+last step is the disk save of that step. fp32 without ZeRO (ZeRO-0) saves each TP shard whole; its DeepSpeed
+checkpoint names no optimizer slot, so `ucp convert` takes the stages' parameter names (`--param-names`, written
+by the run); that save is synchronous (`async_=False`), the others asynchronous; negative control: two slots of
+one shape named the other way round convert to another checkpoint. bf16 without ZeRO is refused in one line
+(`ucp convert` does not read those checkpoints either).
+
+An mpu without a PipelineModule (`GPTModel`: the same layers in a plain module, the mpu passed to
+`deepspeed.initialize`), TP=2 x DP=2, ZeRO-1 (`PLAIN_RUNS`): its save, through `ucp.deepspeed.save` and through
+the config's `"save": {"every": 2}`, equals `ucp convert` of its checkpoint, each byte written once, and the
+memory tier's copies (2 simulated nodes) equal the disk save; a run through the config's "load" at the same
+layout continues the losses exactly, and at TP=1 x DP=4 every rank holds every state of the save. Negative
+controls: each TP rank given the other's boxes, another step's save; ZeRO-2 is refused in one line.
 
 Resumes, in the same launch (`RESUMES`): a run whose `mlp.input_scale` copies stay equal (its gradient all-reduced
 over TP) saves with ucp after 2 steps, and `ucp.deepspeed.load` puts that save into other layouts, each TP rank
@@ -38,6 +48,7 @@ from support.checkpoints import SUPPORT_DIR
 from support.launch import run_torchrun
 from support.memory_runs import memory_equals_saved
 from ucp.convert import convert
+from ucp.errors import AmbiguousPatternError
 
 SAVED_AT, STEPS = 2, 4
 SAVING = {"steps": STEPS, "save_after": SAVED_AT, "save_dir": "ckpt", "ucp_save": "ucp",
@@ -45,8 +56,14 @@ SAVING = {"steps": STEPS, "save_after": SAVED_AT, "save_dir": "ckpt", "ucp_save"
 RUNS = {"z1-fp32": {"stage": 1, **SAVING},
         # through the config's "save": {"every": 2} (train_batch wrapped), with client state
         "z1-bf16-every": {"stage": 1, "dtype": "bf16", **SAVING, "ucp_every": SAVED_AT, "save_bytes_out": None,
-                          "ucp_memory": "memory"}}
-REFUSED = {"z0-fp32": {"stage": 0, "refusal_out": "refusal.json"}}
+                          "ucp_memory": "memory"},
+        # without ZeRO: each TP shard whole; `ucp convert` names the optimizer slots from --param-names; the save
+        # compared is synchronous (async_=False)
+        "z0-fp32": {"stage": 0, **SAVING, "param_names_out": "names.txt", "ucp_sync": True},
+        # the same at TP=2 x PP=1 x DP=2: each TP shard whole on both DP ranks, written by one of them
+        "z0-fp32-dp2": {"stage": 0, "tp": 2, "pp": 1, **SAVING, "param_names_out": "names.txt"}}
+# bf16 without ZeRO: DeepSpeed's bf16 optimizer files record no param_shapes, and `ucp convert` does not read them
+REFUSED = {"z0-bf16": {"stage": 0, "dtype": "bf16", "refusal_out": "refusal.json"}}
 # Resumes: the uninterrupted "z1-sync" run (input_scale's TP copies kept equal) saves at SAVED_AT; each resume loads
 # that save at its layout and trains to STEPS. TP=2 x PP=1 x DP=2 also under ZeRO-0, where each shared box is read
 # once and broadcast over DP. At TP 1 this model does not train as at TP 2 even from scratch (the third step's
@@ -69,8 +86,23 @@ RESUMES = {"z1-sync": {"stage": 1, "sync_scale": True, **SAVING, "save_bytes_out
            "ds-source": {"stage": 1, "sync_scale": True, "load_from": "z1-sync/ckpt", "error_out": "error.json"},
            "stock-tp2-pp1-dp2": {"stage": 1, "sync_scale": True, "tp": 2, "pp": 1, "steps": STEPS,
                                  "stock_load": "z1-sync/ckpt", "error_out": "error.json", "losses_out": "losses.json"}}
+# An mpu without a PipelineModule: the same layers in a plain module at TP=2 x DP=2 (ZeRO-1, input_scale's copies
+# kept equal). It saves as z1-fp32 does; a run through the config's "load" at the same layout continues its losses
+# exactly; at TP=1 x DP=4 every rank holds every state of the save (the TP=1 losses are not the TP=2 run's, see
+# above). Negative controls: each TP rank given the other's boxes; ZeRO-2 refused in one line.
+PLAIN = {"plain": True, "stage": 1, "sync_scale": True, "tp": 2}
+PLAIN_SAVED = f"plain-z1/ucp/global_step{SAVED_AT}"
+PLAIN_RUNS = {"plain-z1": {**PLAIN, **SAVING},
+              # through the config's "save": {"every": 2} (engine.step wrapped), with the memory tier
+              "plain-every": {**PLAIN, **SAVING, "ucp_every": SAVED_AT, "save_bytes_out": None, "ucp_memory": "memory"},
+              "plain-resume-same": {**PLAIN, "steps": STEPS, "ucp_load": PLAIN_SAVED, "losses_out": "losses.json"},
+              "plain-load-tp1": {**PLAIN, "tp": 1, "steps": SAVED_AT, "load_from": PLAIN_SAVED,
+                                 "dump_state": "state.pt"},
+              "plain-swapped": {**PLAIN, "steps": STEPS, "load_from": PLAIN_SAVED, "swap_tp_boxes": True,
+                                "losses_out": "losses.json"},
+              "plain-z2": {**PLAIN, "stage": 2, "refusal_out": "refusal.json"}}
 OUTPUTS = ("save_dir", "ucp_save", "losses_out", "save_bytes_out", "refusal_out", "ucp_memory", "error_out",
-           "dump_state")
+           "dump_state", "param_names_out")
 FROM_RUNS = ("load_from", "ucp_load", "stock_load")  # paths under another run's folder
 
 
@@ -80,7 +112,7 @@ def megatron(ckpt_root) -> Path:
     (Path(ckpt_root) / "runs").mkdir(parents=True, exist_ok=True)
     folder = Path(tempfile.mkdtemp(prefix="save-megatron-", dir=Path(ckpt_root) / "runs"))
     resolved = []
-    for name, options in {**RUNS, **REFUSED, **RESUMES}.items():
+    for name, options in {**RUNS, **REFUSED, **RESUMES, **PLAIN_RUNS}.items():
         (folder / name).mkdir()
         resolved.append({**options, **{k: str(folder / name / options[k]) for k in OUTPUTS if options.get(k)},
                          **{k: str(folder / options[k]) for k in FROM_RUNS if k in options}})
@@ -93,12 +125,15 @@ def megatron(ckpt_root) -> Path:
 def test_megatron_saves_equal_converted_deepspeed_checkpoints(megatron, run, tmp_path):
     saved = ucp.open_checkpoint(megatron / run / "ucp" / f"global_step{SAVED_AT}")
     assert saved.verify() == []
+    names = RUNS[run].get("param_names_out") and (megatron / run / "names.txt").read_text().split()
     converted = ucp.open_checkpoint(convert(megatron / run / "ckpt", tmp_path / "converted", workers=1,
-                                            progress=False).output)
+                                            progress=False, param_names=names or None).output)
     assert_same_checkpoint(saved, converted)
-    assert (saved.source["tp"], saved.source["pp"], saved.source["dp"]) == (2, 2, 1)
+    tp, pp = RUNS[run].get("tp", 2), RUNS[run].get("pp", 2)
+    assert (saved.source["tp"], saved.source["pp"], saved.source["dp"]) == (tp, pp, 4 // (tp * pp))
     patterns = {name: p.pattern["pattern"] for name, p in saved.index.params.items()}
-    assert patterns["tied_modules.embed.word_embeddings.weight"] == "shard_hy"  # vocabulary rows, padding cut
+    # vocabulary rows, padding cut; each TP shard partitioned again by ZeRO-1 (Shard-Hy), or whole (Shard-V)
+    assert patterns["tied_modules.embed.word_embeddings.weight"] == ("shard_hy" if RUNS[run]["stage"] else "shard_v")
     assert saved.index.params["tied_modules.embed.word_embeddings.weight"].shape == (37, 8)
     assert patterns["1.self_attention.query_key_value.weight"] == "shard_nc"
     assert patterns["2.mlp.dense_h_to_4h.weight"] == "shard_nc"
@@ -110,12 +145,36 @@ def test_megatron_saves_equal_converted_deepspeed_checkpoints(megatron, run, tmp
         assert_same_checkpoint(later, converted)
 
 
-@pytest.mark.parametrize("run", [name for name, options in RUNS.items() if options.get("ucp_memory")])
+def test_zero0_slots_named_the_other_way_round_convert_to_another_checkpoint(megatron, tmp_path):
+    """Negative control for the ZeRO-0 comparison: two optimizer slots of one shape on one stage named the other
+    way round (a layer's two layernorm weights: each keeps its weight from the layer files, takes the other's
+    Adam moments) convert into a checkpoint the save does not equal."""
+    names = (megatron / "z0-fp32" / "names.txt").read_text().split()
+    first, second = names.index("1.input_layernorm.weight"), names.index("1.post_attention_layernorm.weight")
+    names[first], names[second] = names[second], names[first]
+    saved = ucp.open_checkpoint(megatron / "z0-fp32" / "ucp" / f"global_step{SAVED_AT}")
+    swapped = convert(megatron / "z0-fp32" / "ckpt", tmp_path / "swapped", workers=1, progress=False,
+                      param_names=names)
+    with pytest.raises(AssertionError):
+        assert_same_checkpoint(saved, ucp.open_checkpoint(swapped.output))
+    # without the names, one line that says which flag settles it
+    with pytest.raises(AmbiguousPatternError, match=r"^[^\n]*--param-names FILE[^\n]*$"):
+        convert(megatron / "z0-fp32" / "ckpt", tmp_path / "unnamed", workers=1, progress=False)
+
+
+def test_bf16_without_zero_is_refused_in_one_line(megatron):
+    message = json.loads((megatron / "z0-bf16" / "refusal.json").read_text())
+    assert message and "\n" not in message and "mpu" in message and "stage 1" in message
+
+
+@pytest.mark.parametrize("run", [name for name, options in {**RUNS, **PLAIN_RUNS}.items()
+                                 if options.get("ucp_memory")])
 def test_megatron_memory_saves_equal_the_disk_saves(megatron, run):
     memory_equals_saved(megatron / run, STEPS, SAVED_AT)
 
 
-@pytest.mark.parametrize("run", [name for name, options in RUNS.items() if options.get("save_bytes_out")])
+@pytest.mark.parametrize("run", [name for name, options in {**RUNS, **PLAIN_RUNS}.items()
+                                 if options.get("save_bytes_out")])
 def test_each_byte_is_written_once(megatron, run):
     saved = ucp.open_checkpoint(megatron / run / "ucp" / f"global_step{SAVED_AT}")
     ranks = json.loads((megatron / run / "bytes.json").read_text())
@@ -146,11 +205,13 @@ def test_a_resume_at_another_layout_continues_the_losses(megatron, run):
         assert _losses(megatron, run) == uninterrupted[SAVED_AT:]
 
 
-def test_a_load_at_tp1_gives_every_rank_every_state_of_the_checkpoint(megatron):
-    """TP=1 x PP=2 x DP=2: each rank's fp32 masters and Adam moments (gathered over DP) are the checkpoint's full
-    tensors, the word embedding's padding rows as initialised (zero), the step the saved one."""
-    saved = ucp.open_checkpoint(megatron / SYNCED)
-    dumped = torch.load(megatron / "load-tp1-pp2-dp2" / "state.pt", weights_only=False)
+@pytest.mark.parametrize("run,source", [("load-tp1-pp2-dp2", SYNCED), ("plain-load-tp1", PLAIN_SAVED)])
+def test_a_load_at_tp1_gives_every_rank_every_state_of_the_checkpoint(megatron, run, source):
+    """TP=1 x PP=2 x DP=2 (TP=1 x DP=4 without a pipeline): each rank's fp32 masters and Adam moments (gathered
+    over DP) are the checkpoint's full tensors, the word embedding's padding rows as initialised (zero), the step
+    the saved one."""
+    saved = ucp.open_checkpoint(megatron / source)
+    dumped = torch.load(megatron / run / "state.pt", weights_only=False)
     assert dumped["global_steps"] == SAVED_AT
     seen = set()
     for rank in dumped["ranks"]:
@@ -181,3 +242,34 @@ def test_a_deepspeed_checkpoint_into_fused_tp_shards_is_refused_in_one_line(mega
     message = json.loads((megatron / "ds-source" / "error.json").read_text())
     assert "\n" not in message and "z1-sync/ckpt" in message and "ucp convert" in message
     assert "query_key_value" in message or "dense_h_to_4h" in message
+
+
+@pytest.mark.parametrize("run", ["plain-z1", "plain-every"])
+def test_an_mpu_without_a_pipeline_saves_what_ucp_convert_writes(megatron, run, tmp_path):
+    saved = ucp.open_checkpoint(megatron / run / "ucp" / f"global_step{SAVED_AT}")
+    assert saved.verify() == []
+    converted = ucp.open_checkpoint(convert(megatron / run / "ckpt", tmp_path / "converted", workers=1,
+                                            progress=False).output)
+    assert_same_checkpoint(saved, converted)
+    assert (saved.source["tp"], saved.source.get("pp", 1), saved.source["dp"]) == (2, 1, 2)
+    patterns = {name: p.pattern["pattern"] for name, p in saved.index.params.items()}
+    assert patterns["embed.word_embeddings.weight"] == "shard_hy"
+    assert saved.index.params["embed.word_embeddings.weight"].shape == (37, 8)
+    assert patterns["1.self_attention.query_key_value.weight"] == "shard_nc"
+    assert patterns["2.self_attention.dense.weight"] == "shard_hy"  # row-parallel, each shard split by ZeRO
+    later = ucp.open_checkpoint(megatron / run / "ucp" / f"global_step{STEPS}")
+    with pytest.raises(AssertionError):  # negative control: another step's save
+        assert_same_checkpoint(later, converted)
+
+
+def test_an_mpu_without_a_pipeline_resumes_the_run(megatron):
+    uninterrupted = _losses(megatron, "plain-z1")
+    assert len(uninterrupted) == STEPS
+    assert _losses(megatron, "plain-resume-same") == uninterrupted[SAVED_AT:]
+    # negative control: each TP rank given the other's boxes
+    assert not _continues(_losses(megatron, "plain-swapped"), uninterrupted[SAVED_AT:])
+
+
+def test_an_mpu_without_a_pipeline_under_zero2_is_refused_in_one_line(megatron):
+    message = json.loads((megatron / "plain-z2" / "refusal.json").read_text())
+    assert message and "\n" not in message and "mpu" in message and "stage 1" in message

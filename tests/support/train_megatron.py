@@ -5,12 +5,14 @@ Launched with ``torchrun --nproc_per_node 4 tests/support/train_megatron.py --ru
 trains several configurations ({stage, dtype, save_dir, dump_state}) one after another in one launch.
 A run may also set ``steps``, ``save_after`` (save with DeepSpeed after that many steps and go on
 training, instead of saving at the end), ``ucp_save`` (a folder: ``ucp.deepspeed.save`` asynchronously
-at ``save_after``, alongside DeepSpeed's own save, and again after the last step; with ``ucp_every``
+at ``save_after``, alongside DeepSpeed's own save, and again after the last step; ``ucp_sync`` makes the first
+of these synchronous (``async_=False``); with ``ucp_every``
 through the ``"ucp": {"save": {"dir", "every"}}`` config instead, which saves every that many steps, and
 with ``ucp_memory`` (a folder) keeps the host-memory tier there too, 2 simulated nodes), ``save_bytes_out``
 (what each rank's ucp save at ``save_after`` writes, and what it holds, bytes by rank, JSON),
-``losses_out`` (every step's loss, JSON) and ``refusal_out`` (try one ucp save right after
-``deepspeed.initialize`` and write the error it raises there, instead of training).
+``losses_out`` (every step's loss, JSON), ``param_names_out`` (every stage's trainable parameter names in
+optimizer order, stage after stage, as ``ucp convert --param-names`` takes them) and ``refusal_out`` (try
+one ucp save right after ``deepspeed.initialize`` and write the error it raises there, instead of training).
 A run's ``dump_state`` path gets every rank's fp32 master and Adam moments of its own TP shard at save
 time (see support/gather.py), with its stage and TP rank, for the tests to consolidate by hand.
 A run may set its layout, ``tp`` and ``pp`` (default 2 x 2; DP is what the 4 ranks leave, and the global
@@ -19,7 +21,8 @@ before training: ``ucp_load`` (a ucp checkpoint, through the config's ``"ucp": {
 ``load_from`` (the same through ``ucp.deepspeed.load``; ``swap_tp_boxes`` gives each TP rank the other's
 boxes, a negative control; with ``error_out``, the error it raises goes there instead of training), or
 ``stock_load`` (a DeepSpeed save folder, through ``engine.load_checkpoint``: its error goes to ``error_out``);
-a resumed run trains from the loaded step to ``steps``. ``sync_scale``
+a resumed run trains from the loaded step to ``steps``. ``plain`` builds the same layers in a plain module
+(``GPTModel``, no PipelineModule: TP ``tp`` x DP, the mpu passed to ``deepspeed.initialize``). ``sync_scale``
 all-reduces ``mlp.input_scale``'s gradient over TP (as Megatron does for parameters it keeps equal on every
 TP rank), so its copies stay equal and a resume at another layout can continue the losses exactly.
 
@@ -299,9 +302,10 @@ def loss_fn(logits, targets):
     return F.cross_entropy(logits[..., :VOCAB].float().reshape(-1, VOCAB), targets.reshape(-1))
 
 
-def universal_checkpoint_info() -> dict:
+def universal_checkpoint_info(embed: str = "tied_modules.embed") -> dict:
     """What Megatron-DeepSpeed declares for this GPT (``GPTModelPipe.universal_checkpoint_info`` with GQA
-    and SwiGLU, plus the vocabulary sizes and version its ``save_checkpoint`` adds)."""
+    and SwiGLU, plus the vocabulary sizes and version its ``save_checkpoint`` adds); `embed` is where the
+    model holds the embedding."""
     from deepspeed.checkpoint import constants as c
     from deepspeed.checkpoint.universal_checkpoint import SubparamShape
 
@@ -311,11 +315,11 @@ def universal_checkpoint_info() -> dict:
         c.UNIVERSAL_CHECKPOINT_VERSION_KEY: c.UNIVERSAL_CHECKPOINT_VERSION_VALUE,
         c.ORIGINAL_VOCAB_SIZE: VOCAB,
         c.PADDED_VOCAB_SIZE: PADDED_VOCAB,
-        c.VOCABULARY_PARAMETER_PATTERNS: [r"tied_modules.embed.word_embeddings.weight"],
-        c.PIPELINE_REPLICATED_PARAMETER_PATTERNS: [r"tied_modules.embed.word_embeddings.weight",
-                                                   r"tied_modules.embed.position_embeddings.weight"],
+        c.VOCABULARY_PARAMETER_PATTERNS: [rf"{embed}.word_embeddings.weight"],
+        c.PIPELINE_REPLICATED_PARAMETER_PATTERNS: [rf"{embed}.word_embeddings.weight",
+                                                   rf"{embed}.position_embeddings.weight"],
         c.TP_REPLICATED_PARAMETER_PATTERNS: [
-            r"tied_modules.embed.position_embeddings.weight",
+            rf"{embed}.position_embeddings.weight",
             r"\d+.input_layernorm.weight", r"\d+.input_layernorm.bias",
             r"\d+.post_attention_layernorm.weight", r"\d+.post_attention_layernorm.bias",
             r"\d+.self_attention.dense.bias", r"\d+.mlp.dense_4h_to_h.bias",
@@ -361,14 +365,46 @@ def build():
     return model
 
 
+class GPTModel(torch.nn.Module):
+    """The same layers in a plain module, without a PipelineModule (PP 1): the layers under their pipeline
+    indices (so the pattern lists match them alike), the embedding as ``embed``, reused as the output head."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = Embedding()
+        for index, layer in ((1, TransformerLayer(1)), (2, TransformerLayer(2)), (3, torch.nn.LayerNorm(HIDDEN))):
+            self.add_module(str(index), layer)
+
+    def forward(self, tokens, targets):
+        x = self.embed(tokens)
+        for index in ("1", "2", "3"):
+            x = self.get_submodule(index)(x)
+        return loss_fn(head(self.embed, x), targets)
+
+
+def build_plain():
+    """`GPTModel` at TP `TP` x DP (the ranks left), its mpu given to ``deepspeed.initialize``: a grid of its own
+    (``PipelineParallelGrid`` of one stage) gives the mpu its process groups."""
+    from deepspeed.runtime.pipe.topology import PipelineParallelGrid, PipeModelDataParallelTopology
+
+    global MPU
+    topo = PipeModelDataParallelTopology(num_pp=1, num_mp=TP, num_dp=dist.get_world_size() // TP)
+    MPU = ParallelState(topo)
+    MPU.use_groups_of(PipelineParallelGrid(topology=topo))
+    model = GPTModel()
+    model.universal_checkpoint_info = universal_checkpoint_info("embed")
+    return model
+
+
 def dp_size() -> int:
     return dist.get_world_size() // (TP * PP)
 
 
 def ds_config(run: dict) -> dict:
+    accumulation = max(1, ACCUMULATION // dp_size())  # DP 4 (load-only runs; `batches` cuts DP 1-2): 1 sample
     cfg = {
-        "train_micro_batch_size_per_gpu": MICRO_BATCH,
-        "gradient_accumulation_steps": ACCUMULATION // dp_size(),
+        "train_micro_batch_size_per_gpu": MICRO_BATCH * ACCUMULATION // (dp_size() * accumulation),
+        "gradient_accumulation_steps": accumulation,
         "optimizer": {"type": "AdamW", "params": {"lr": 2e-2, "betas": [0.9, 0.95], "weight_decay": 0.05,
                                                   "torch_adam": True}},
         # Small buckets: the default (5e8 elements) costs GBs per rank, four ranks on a small machine.
@@ -404,6 +440,19 @@ def write_bytes(path: str, written: int, model) -> None:
     if dist.get_rank() == 0:
         with open(path, "w") as f:
             json.dump(every, f)
+
+
+def write_param_names(path: str, model) -> None:
+    """Every stage's trainable parameter names in its optimizer's order, stage after stage (what `ucp convert
+    --param-names` takes for fp32 ZeRO-0), one per line, on rank 0."""
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (MPU.get_pipe_parallel_rank(), MPU.get_tensor_model_parallel_rank(),
+                                   MPU.get_data_parallel_rank(), names))
+    if dist.get_rank() == 0:
+        with open(path, "w") as f:
+            f.writelines(f"{n}\n" for stage, tp, dp, stage_names in sorted(every) if tp == dp == 0
+                         for n in stage_names)
 
 
 def refuse(engine, path: str) -> None:
@@ -461,14 +510,30 @@ def resume(engine, run: dict) -> bool:
     return True
 
 
+def plain_step(engine, step: int) -> float:
+    """One step of `GPTModel` (this rank's micro-batches, then DeepSpeed's step); its loss averaged over the
+    micro-batches and the DP ranks, as a pipeline's ``train_batch`` reports it."""
+    total = torch.zeros(())
+    for tokens, targets in batches(step):
+        loss = engine(tokens, targets)
+        engine.backward(loss)
+        engine.step()
+        total += loss.detach().float()
+    total /= len(batches(step)) * dp_size()
+    dist.all_reduce(total, group=MPU.get_data_parallel_group())
+    return float(total)
+
+
 def train_one(run: dict, steps: int) -> None:
     import deepspeed
 
     import ucp.deepspeed
     from gather import dump_states, local_state
 
-    use_layout(run.get("tp", 2), run.get("pp", 2), run.get("sync_scale", False))
-    model = build()
+    plain = run.get("plain", False)
+    use_layout(run.get("tp", 2), 1 if plain else run.get("pp", 2), run.get("sync_scale", False))
+    model = build_plain() if plain else build()
+    mpu = {"mpu": MPU} if plain else {}  # a PipelineModule hands DeepSpeed its mpu itself
     config, every = ds_config(run), run.get("ucp_every")
     if every:  # ucp saves every `every` steps (train_batch is wrapped), explicit calls below are skipped
         config["ucp"] = {"save": {"dir": run["ucp_save"], "every": every}}
@@ -480,24 +545,28 @@ def train_one(run: dict, steps: int) -> None:
         config["ucp"] = {**config.get("ucp", {}), "load": run["ucp_load"]}
     if "ucp" in config:
         engine, _, _, _ = ucp.deepspeed.initialize(model=model, model_parameters=list(model.parameters()),
-                                                   config=config)
+                                                   config=config, **mpu)
         engine.ucp_client_state = dict(CLIENT_STATE)
     else:
-        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config)
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config,
+                                               **mpu)
     explicit = run.get("ucp_save") and not every
     if run.get("refusal_out"):
         refuse(engine, run["refusal_out"])
         return
+    if run.get("param_names_out"):
+        write_param_names(run["param_names_out"], model)
     if not resume(engine, run):
         dist.barrier()
         engine.destroy()
         return
     save_after, losses = run.get("save_after"), []
     for step in range(engine.global_steps, run.get("steps", steps)):
-        losses.append(float(engine.train_batch(iter(batches(step)))))
+        losses.append(plain_step(engine, step) if plain else float(engine.train_batch(iter(batches(step)))))
         if step + 1 == save_after:
             if explicit:  # asynchronous, overlapping DeepSpeed's own save of the same step
-                stats = ucp.deepspeed.save(engine, run["ucp_save"], client_state=CLIENT_STATE)
+                stats = ucp.deepspeed.save(engine, run["ucp_save"], async_=not run.get("ucp_sync"),
+                                           client_state=CLIENT_STATE)
                 if run.get("save_bytes_out"):
                     write_bytes(run["save_bytes_out"], stats.bytes, model)
             engine.save_checkpoint(run["save_dir"], client_state=CLIENT_STATE)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ucp.deepspeed.load_source import piece_runs
-from ucp.deepspeed.mpu_plan import pieces, place_shards, tp_layout
+from ucp.deepspeed.mpu_plan import first_stage_only, pieces, place_shards, tp_layout
 from ucp.deepspeed.save_plan import Holding, Shard, box_runs
 from ucp.deepspeed.targets import TargetTensor
 from ucp.errors import UnsupportedLayoutError
@@ -116,3 +116,18 @@ def test_pieces_that_do_not_tile_the_shard_are_refused():
     held = TargetTensor("w", "param", (4, 2), 0, 8, False, lambda state: torch.empty(0))
     with pytest.raises(UnsupportedLayoutError, match="not its pieces"):
         held.as_pieces((8, 2), [(0, ((0, 2), (0, 2))), (6, ((4, 6), (0, 2)))])
+
+
+def test_a_tensor_on_several_stages_is_held_as_its_first_stage_holds_it():
+    """A tied module's copies on stages 0 and 1 (TP 2, ZeRO-0: each rank holds its shard whole): only stage 0's
+    ranks keep their holdings, as `ucp convert` reads the tensor from the first stage that holds it; a tensor on
+    one stage keeps every holding. Negative control: without the filter, stage 1's copies would be written."""
+    def held(name: str, rank: int, stage: int, tp_rank: int) -> Holding:
+        return Holding(name, rank, ((0, 4), (0, 2)), 0, 8, True, stage * 2 + tp_rank, 0,
+                       shape=(4, 2), shard=Shard(tp_rank, stage, (4, 2), 0, 8))
+
+    tied = [held("tied.weight", r, r // 2, r % 2) for r in range(4)]
+    later = [held("2.weight", r, 1, r % 2) for r in (2, 3)]
+    kept = first_stage_only([*tied, *later])
+    assert kept == [*tied[:2], *later]
+    assert {h.rank for h in place_shards(tied, None)} == {0, 1, 2, 3}  # control: every stage's copy otherwise

@@ -92,6 +92,21 @@ def test_whole_boxes_spread_over_their_holders():
     assert sorted(r for _, r in plan) == [0, 1, 2, 3]
 
 
+def test_the_boxes_of_a_fused_shard_held_whole_are_written_by_one_of_its_holders():
+    """A fused TP shard (a block of rows of each of 3 sub-parameters: 3 boxes) held whole by 2 DP ranks, under
+    ZeRO-0: a writer writes every box of the tensor it holds, so one rank takes all 3 boxes and each element is
+    written once. Negative control: both holders writers (what choosing per box, 2 rows to one rank and 1 + 1 to
+    the other, made of it) write every element twice."""
+    shape = (8, 4)
+    boxes = [((0, 2), (0, 4)), ((4, 5), (0, 4)), ((6, 7), (0, 4))]
+    held = [Holding("w", r, box, 0, (box[0][1] - box[0][0]) * 4, True, 0, r, shape=shape)
+            for box in boxes for r in (0, 2)]
+    plan = writers(held, {"w": 12})
+    once = sorted(e for box in boxes for e in range(box[0][0] * 4, box[0][1] * 4))
+    assert len(plan) == 1 and _written(held, plan, shape) == once
+    assert _written(held, {("w", 0), ("w", 2)}, shape) == sorted(once * 2)
+
+
 def test_the_pattern_is_the_converters_nesting():
     shape = (5, 6)
     row = _tp_dp(shape, [((0, 5), (0, 3)), ((0, 5), (3, 6))], 2)

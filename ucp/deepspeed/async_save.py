@@ -90,7 +90,7 @@ class Saver:
         self.rank = collectives.rank()
         if not dist.is_initialized():
             self.ranks = [0]
-        elif (tp_size(engine) > 1 or getattr(engine, "pipeline_parallelism", False)
+        elif (tp_size(engine) > 1 or mpu_tp_size(engine) > 1 or getattr(engine, "pipeline_parallelism", False)
               or getattr(engine, "has_moe_layers", False)):  # the whole job saves one checkpoint
             self.ranks = list(range(dist.get_world_size()))
         elif self.target.dp_group is not None:

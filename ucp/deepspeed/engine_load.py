@@ -32,8 +32,8 @@ tensor that the engine's own `affine_map` gives it (`ucp.deepspeed.autotp`); `Pi
 engines at any number of stages, each stage loading its own layers (a tied module on every stage
 that uses it) within its data-parallel group (`ucp.deepspeed.targets`); native DeepSpeed MoE at
 any `ep_size`, each rank loading the experts of the global ids it owns within its
-expert-data-parallel group (`ucp.deepspeed.moe_target`); a Megatron-style `mpu` (TP) in a `PipelineModule`
-at any TP x PP x DP, each TP rank loading the boxes of its shards that the module's
+expert-data-parallel group (`ucp.deepspeed.moe_target`); a Megatron-style `mpu` (TP), in a `PipelineModule`
+or not, at any TP x PP x DP, each TP rank loading the boxes of its shards that the module's
 `universal_checkpoint_info` pattern lists give (`ucp.deepspeed.mpu_target`; a fused QKV or gate/up shard from a
 ucp checkpoint only); and an explicit `layout`.
 """

@@ -21,8 +21,8 @@ committed, and runs at exit too; see `ucp.deepspeed.life`). The `"ucp"` config s
   being read). A save that finds the previous one still writing waits for it, with a warning.
   Client state for these saves is
   `engine.ucp_client_state` (a dict) when set. Data parallelism (ZeRO 0-3), AutoTP, PipelineModule
-  (ZeRO-0/1; with a Megatron-style mpu, ZeRO-1) and MoE (ZeRO 0-2); not an mpu without a pipeline yet. With
-  `"memory": {"every": k, "replicas": r, "dir": ...}` it also saves every k steps into each node's host
+  (ZeRO-0/1; with a Megatron-style mpu, ZeRO-1 or fp32 ZeRO-0), an mpu without a pipeline (ZeRO-1) and MoE
+  (ZeRO 0-2). With `"memory": {"every": k, "replicas": r, "dir": ...}` it also saves every k steps into each node's host
   memory, with copies on r other nodes, which `"auto"` prefers when newer (`ucp.deepspeed.memory_tier`).
 * `elastic` (dict): `{"global_batch": B, "micro_batch": m}` sets DeepSpeed's batch keys for the
   current world size so that every optimizer step sees the same B samples at any world size, in

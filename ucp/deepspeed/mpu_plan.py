@@ -1,5 +1,5 @@
 """Where the pieces of a Megatron-style TP shard go in the full tensor: pure planning for saves from engines with
-an `mpu` (tensor parallelism) inside a `PipelineModule`.
+an `mpu` (tensor parallelism), inside a `PipelineModule` or not.
 
 Such a module declares its TP layout with Megatron-DeepSpeed's pattern lists in `universal_checkpoint_info`,
 which `ucp convert` reads with `ucp.converters.deepspeed_lists`; `tp_layout` reads them the same way, so a
@@ -97,6 +97,17 @@ def place_shards(every: Sequence[Holding], uc_info: dict | None) -> list[Holding
             out.append(Holding(h.name, h.rank, box, max(0, lo - first), max(0, hi - lo), h.whole, h.outer, h.inner,
                                h.kind, full, h.states, h.group, h.model_dtype, max(0, lo - h.shard.start), h.shard))
     return out
+
+
+def first_stage_only(every: Sequence[Holding]) -> list[Holding]:
+    """`every` without the holdings of a Megatron TP shard on a later pipeline stage than the first that holds its
+    tensor: `ucp convert` reads a tensor on several stages (a tied module) from its first stage, whose copy may
+    differ from the others' (a tied module's parameter that is not the tied weight drifts on each stage)."""
+    first: dict[str, int] = {}
+    for h in every:
+        if h.shard is not None:
+            first[h.name] = min(first.get(h.name, h.shard.stage), h.shard.stage)
+    return [h for h in every if h.shard is None or h.shard.stage == first[h.name]]
 
 
 def _trainable(every: Sequence[Holding], name: str) -> bool:

@@ -1,4 +1,4 @@
-"""Loads into a Megatron-style `mpu` inside a `PipelineModule`: the boxes of the full tensors each TP rank's shards are.
+"""Loads into a Megatron-style `mpu`, in a `PipelineModule` or not: the boxes of the full tensors TP shards are.
 
 The inverse of a save's plan (`ucp.deepspeed.mpu_plan`), from the same reading of the module's
 `universal_checkpoint_info` pattern lists (`tp_layout`, the converter's reader) and the same cut (`pieces`): a
@@ -7,9 +7,10 @@ sub-parameter, one after another (`TargetTensor.pieces`); a vocabulary-parallel 
 unpadded vocabulary, its padding rows in no box (they keep what the engine holds, as under AutoTP); a
 replicated tensor, and one the model declares "to average" (the checkpoint holds the mean of the saved TP
 copies), is the whole tensor on every TP rank. Each tensor's full shape and pattern come from the shards of
-every TP rank of its stage (`shard_shapes`, one gather over the TP group), as `ucp convert` joins them.
+every TP rank of its stage (`shard_shapes`, one gather over the TP group), as `ucp convert` joins them; an
+engine without a pipeline is one stage.
 
-A pipeline whose module declares no pattern lists, at TP 1, is left as it is (`ucp.deepspeed.targets`
+A pipeline (or an mpu) whose module declares no pattern lists, at TP 1, is left as it is (`ucp.deepspeed.targets`
 already names its tensors as the whole model does). At TP 1 with pattern lists the module's shapes are the
 full ones except for vocabulary padding, which this cuts.
 """
@@ -20,23 +21,25 @@ import torch.distributed as dist
 from ucp.converters.deepspeed_lists import declares_lists
 from ucp.deepspeed.autotp import UNIVERSAL_CHECKPOINT_INFO
 from ucp.deepspeed.mpu_plan import Shape, pieces, tp_layout
-from ucp.deepspeed.save_layout import mpu_tp_size
+from ucp.deepspeed.save_layout import has_mpu, mpu_tp_group, mpu_tp_rank, mpu_tp_size
 from ucp.deepspeed.targets import Target
 
 ShardShapes = dict[str, list[Shape]]  # name -> its shard's shape on each TP rank, in TP rank order
 
 
 def serves(target: Target) -> bool:
-    """Whether `target`'s engine is a pipeline whose tensors `with_mpu` places: TP > 1, or pattern lists."""
+    """Whether `with_mpu` places `target`'s tensors: a Megatron-style mpu at TP > 1 (in a pipeline or not), or, at
+    TP 1, a pipeline or an mpu whose module declares pattern lists."""
     engine = target.engine
-    if not getattr(engine, "pipeline_parallelism", False):
-        return False
-    return mpu_tp_size(engine) > 1 or declares_lists(getattr(engine.module, UNIVERSAL_CHECKPOINT_INFO, None))
+    if mpu_tp_size(engine) > 1:
+        return True
+    megatron = getattr(engine, "pipeline_parallelism", False) or has_mpu(engine)
+    return megatron and declares_lists(getattr(engine.module, UNIVERSAL_CHECKPOINT_INFO, None))
 
 
 def tp_rank(engine) -> int:
-    """This rank's place in its TP group (the pipeline grid's slice)."""
-    return int(engine.grid.get_slice_parallel_rank()) if mpu_tp_size(engine) > 1 else 0
+    """This rank's place in its TP group (the pipeline grid's slice, or the mpu's TP group)."""
+    return mpu_tp_rank(engine)
 
 
 def shard_shapes(target: Target) -> ShardShapes:
@@ -47,7 +50,7 @@ def shard_shapes(target: Target) -> ShardShapes:
     if tp == 1:
         return {name: [shape] for name, shape in mine.items()}
     every: list[dict[str, Shape]] = [{} for _ in range(tp)]
-    dist.all_gather_object(every, mine, group=target.engine.grid.get_slice_parallel_group())
+    dist.all_gather_object(every, mine, group=mpu_tp_group(target.engine))
     return {name: [tuple(shapes[name]) for shapes in every] for name in mine}
 
 

@@ -5,7 +5,7 @@
 `pattern_inputs` says from which holdings and hints each pattern is recognized, as `ucp convert`
 reads the engine's `save_checkpoint` (under AutoTP the TP pattern the engine's own
 `universal_checkpoint_info` declares, read with the converter's reader), so a save and a conversion
-see one layout. Under a Megatron-style `mpu` in a `PipelineModule` a holding is the rank's TP shard
+see one layout. Under a Megatron-style `mpu` (in a `PipelineModule` or not) a holding is the rank's TP shard
 (`Shard`), which `placed` cuts into the boxes it fills (`ucp.deepspeed.mpu_plan`), and a tensor the model
 declares "to average" is snapshotted as the mean of its TP copies (`average_partials`), the value `ucp
 convert` records. `refuse_unsupported` names the families the saver does not serve yet, in one line,
@@ -24,7 +24,7 @@ import torch.distributed as dist
 from ucp.converters.deepspeed_declared import affine_params, declared_layout
 from ucp.deepspeed.autotp import UNIVERSAL_CHECKPOINT_INFO, tp_size
 from ucp.deepspeed.moe_target import checkpoint_name, local_expert_tensors
-from ucp.deepspeed.mpu_plan import place_shards, tp_layout
+from ucp.deepspeed.mpu_plan import first_stage_only, place_shards, tp_layout
 from ucp.deepspeed.save_plan import Holding, Shard, full_box
 from ucp.deepspeed.targets import Target, TargetTensor
 from ucp.errors import UnsupportedLayoutError
@@ -41,20 +41,66 @@ _INSTEAD = "; use engine.save_checkpoint and `ucp convert` instead"
 def refuse_unsupported(engine: DeepSpeedEngine) -> None:
     """Raise `UnsupportedLayoutError` naming the parallelism family of `engine` that saves do not serve yet."""
     pipeline = getattr(engine, "pipeline_parallelism", False)
-    if mpu_tp_size(engine) > 1 and engine.zero_optimization_stage() != 1:
+    stage = engine.zero_optimization_stage()
+    fp32 = not (engine.bfloat16_enabled() or engine.fp16_enabled())
+    if not pipeline and mpu_tp_size(engine) > 1 and stage != 1:
+        raise UnsupportedLayoutError("ucp.deepspeed.save saves engines with a Megatron-style mpu (tensor parallelism "
+                                     "outside AutoTP) without a PipelineModule under ZeRO stage 1 only; set "
+                                     "\"zero_optimization\": {\"stage\": 1}" + _INSTEAD)
+    if pipeline and mpu_tp_size(engine) > 1 and not (stage == 1 or (stage == 0 and fp32)):
         raise UnsupportedLayoutError("ucp.deepspeed.save saves PipelineModule engines with tensor parallelism (a "
-                                     "Megatron-style mpu) under ZeRO stage 1 only, the checkpoints `ucp convert` "
-                                     "reads of them; set \"zero_optimization\": {\"stage\": 1}")
-    if not pipeline and tp_size(engine) == 1 and getattr(engine, "mp_world_size", 1) > 1:
-        raise UnsupportedLayoutError("ucp.deepspeed.save does not save engines with a Megatron-style mpu (tensor "
-                                     "parallelism outside AutoTP) yet" + _INSTEAD)
+                                     "Megatron-style mpu) under ZeRO stage 1, or stage 0 in fp32, the checkpoints "
+                                     "`ucp convert` reads of them; set \"zero_optimization\": {\"stage\": 1}")
+    if not pipeline and tp_size(engine) == 1 and mpu_tp_size(engine) == 1 and getattr(engine, "mp_world_size", 1) > 1:
+        raise UnsupportedLayoutError("ucp.deepspeed.save does not save engines whose mpu has model parallelism but "
+                                     "no get_tensor_model_parallel_world_size (not Megatron-style tensor "
+                                     "parallelism)" + _INSTEAD)
+
+
+def _mpu(engine: DeepSpeedEngine):
+    """A Megatron-style mpu (one with `get_tensor_model_parallel_world_size`, as Megatron's have) the user gave an
+    engine outside a pipeline; not AutoTP's, which DeepSpeed sets itself, nor HMP's `RankAloneMpu`, whose model
+    parallelism is a replica's own (`ucp.deepspeed.hmp_sync`)."""
+    if getattr(engine, "pipeline_parallelism", False) or tp_size(engine) > 1:
+        return None
+    mpu = getattr(engine, "mpu", None)
+    return mpu if hasattr(mpu, "get_tensor_model_parallel_world_size") else None
+
+
+def has_mpu(engine: DeepSpeedEngine) -> bool:
+    """Whether `engine` was given a Megatron-style mpu outside a pipeline (at any TP size, 1 included)."""
+    return _mpu(engine) is not None
 
 
 def mpu_tp_size(engine: DeepSpeedEngine) -> int:
-    """The TP degree of a `PipelineModule` engine's Megatron-style mpu (its grid's slice); 1 without one."""
-    if not getattr(engine, "pipeline_parallelism", False):
+    """The TP degree of an engine's Megatron-style mpu (a `PipelineModule` grid's slice, or the `mpu` given to
+    `deepspeed.initialize`); 1 without one."""
+    if getattr(engine, "pipeline_parallelism", False):
+        return int(engine.grid.get_slice_parallel_world_size())
+    mpu = _mpu(engine)
+    if mpu is None:
         return 1
-    return int(engine.grid.get_slice_parallel_world_size())
+    return int(mpu.get_tensor_model_parallel_world_size())
+
+
+def mpu_tp_rank(engine: DeepSpeedEngine) -> int:
+    """This rank's place in its Megatron-style TP group; 0 without one."""
+    if mpu_tp_size(engine) == 1:
+        return 0
+    if getattr(engine, "pipeline_parallelism", False):
+        return int(engine.grid.get_slice_parallel_rank())
+    return int(_mpu(engine).get_tensor_model_parallel_rank())
+
+
+def mpu_tp_group(engine: DeepSpeedEngine):
+    """This rank's Megatron-style TP process group (an engine with `mpu_tp_size` > 1)."""
+    if getattr(engine, "pipeline_parallelism", False):
+        return engine.grid.get_slice_parallel_group()
+    return _mpu(engine).get_tensor_model_parallel_group()
+
+
+def _stage(engine: DeepSpeedEngine) -> int:
+    return int(engine.stage_id) if getattr(engine, "pipeline_parallelism", False) else 0
 
 
 def holdings(target: Target, rank: int, moments: Sequence[str]) -> list[Holding]:
@@ -63,9 +109,9 @@ def holdings(target: Target, rank: int, moments: Sequence[str]) -> list[Holding]
     engine = target.engine
     outer = 0
     tp = mpu_tp_size(engine)
-    tp_rank = engine.grid.get_slice_parallel_rank() if tp > 1 else 0
+    tp_rank = mpu_tp_rank(engine)
     if tp > 1:
-        outer = engine.stage_id * tp + tp_rank  # the model-parallel rank, stage-major (DeepSpeed's mp_rank)
+        outer = _stage(engine) * tp + tp_rank  # the model-parallel rank, stage-major (DeepSpeed's mp_rank)
     elif tp_size(engine) > 1:
         from deepspeed.utils import groups
 
@@ -94,7 +140,7 @@ def holdings(target: Target, rank: int, moments: Sequence[str]) -> list[Holding]
             states = ((WEIGHT_STATE, "float32"),)
         else:
             states = ((BUFFER_STATE, _dtype(t.view(BUFFER_STATE))),)
-        shard = Shard(tp_rank, engine.stage_id, tuple(t.shape), t.start, t.numel) if tp > 1 else None
+        shard = Shard(tp_rank, _stage(engine), tuple(t.shape), t.start, t.numel) if tp > 1 else None
         out.append(Holding(t.name, rank, t.box if t.box is not None else full_box(t.shape), t.start, t.numel,
                            t.whole, outer, inner, t.kind, tuple(t.shape), states,
                            t.group if t.kind == "param" else None, model_dtypes.get(t.name, "float32"), shard=shard))
@@ -102,10 +148,11 @@ def holdings(target: Target, rank: int, moments: Sequence[str]) -> list[Holding]
 
 
 def placed(engine: DeepSpeedEngine, every: Sequence[Holding]) -> list[Holding]:
-    """Every rank's holdings, with each Megatron TP shard cut into the boxes of the full tensor it fills."""
+    """Every rank's holdings, with each Megatron TP shard cut into the boxes of the full tensor it fills; a tensor
+    on several stages only as its first stage holds it (`first_stage_only`)."""
     if mpu_tp_size(engine) == 1:
         return list(every)
-    return place_shards(every, getattr(engine.module, UNIVERSAL_CHECKPOINT_INFO, None))
+    return place_shards(first_stage_only(every), getattr(engine.module, UNIVERSAL_CHECKPOINT_INFO, None))
 
 
 def average_partials(engine: DeepSpeedEngine, target: Target) -> Callable[[], None]:
@@ -120,7 +167,7 @@ def average_partials(engine: DeepSpeedEngine, target: Target) -> Callable[[], No
     if not partial:
         return lambda: None
     means: dict[tuple[str, str], torch.Tensor] = {}
-    group = engine.grid.get_slice_parallel_group()
+    group = mpu_tp_group(engine)
 
     def mean_view(t: TargetTensor) -> Callable[[str], torch.Tensor]:
         return lambda state: means[(t.name, state)]

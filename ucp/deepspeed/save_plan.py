@@ -8,7 +8,8 @@ convert` numbers a checkpoint's rank files). Every rank then computes the same p
 * each element of each full tensor is written by one rank: of the copies of a box (a tensor
   replicated over TP ranks is one box held by each TP rank, each partitioned over its own DP ranks),
   the copy of the lowest outer rank writes it, each rank its own run; a box held whole by several
-  ranks is written by one of them, chosen to balance bytes (`writers`);
+  ranks (with the other boxes of a fused shard they hold) is written by one of them, chosen to balance
+  bytes (`writers`);
 * a rank's run of a box is a run of the full tensor when the box spans whole rows (a column-parallel
   shard), else one run per row of the box it crosses (`box_runs`);
 * the pattern is the one `ucp convert` records for the same engine's checkpoint, from the same
@@ -119,26 +120,28 @@ def writers(holdings: Iterable[Holding], element_bytes: dict[str, int]) -> set[t
     """(name, rank) of every holding that writes its elements: each element of each tensor once.
 
     For each box, the holdings of its lowest outer rank write; of those, a partitioned run is written by its
-    holder, a box held whole by one of its holders (any copy), the one with the fewest bytes so far, largest
-    boxes first. `element_bytes` gives each name's bytes per element over all its states.
+    holder; the boxes of a tensor held whole by the same ranks (one box, or each box of a fused TP shard) by one
+    of those ranks (any copy), the one with the fewest bytes so far, largest first: a writer writes every box of
+    the tensor it holds. `element_bytes` gives each name's bytes per element over all its states.
     """
     boxes: dict[tuple[str, Box], list[Holding]] = {}
     for h in holdings:
         boxes.setdefault((h.name, h.box), []).append(h)
     out: set[tuple[str, int]] = set()
     load: dict[int, int] = {}
-    whole: list[tuple[int, str, Box, list[int]]] = []
+    whole: dict[tuple[str, tuple[int, ...]], int] = {}  # (name, the ranks holding its boxes whole) -> bytes
     for (name, box), held in boxes.items():
         if all(h.whole for h in held):
-            size = math.prod(hi - lo for lo, hi in box) * element_bytes[name]
-            whole.append((size, name, box, sorted({h.rank for h in held})))
+            ranks = tuple(sorted({h.rank for h in held}))
+            whole[(name, ranks)] = whole.get((name, ranks), 0) + math.prod(hi - lo for lo, hi in box) * \
+                element_bytes[name]
             continue
         first = min(h.outer for h in held)
         for h in held:
             if h.outer == first and h.numel > 0:
                 out.add((name, h.rank))
                 load[h.rank] = load.get(h.rank, 0) + h.numel * element_bytes[name]
-    for size, name, _, ranks in sorted(whole, key=lambda w: (-w[0], w[1], w[2])):
+    for (name, ranks), size in sorted(whole.items(), key=lambda w: (-w[1], w[0])):
         rank = min(ranks, key=lambda r: (load.get(r, 0), r))
         out.add((name, rank))
         load[rank] = load.get(rank, 0) + size
