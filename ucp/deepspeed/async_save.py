@@ -3,7 +3,7 @@
     ucp.deepspeed.save(engine, "/ckpt/ucp")   # writes /ckpt/ucp/global_step<N>; returns at once
     ucp.deepspeed.wait(engine)                # the save is durable and committed once this returns
 
-A save, on every rank of the data-parallel group (of the whole job under AutoTP, a pipeline or MoE):
+A save, on every rank of the data-parallel group (of the whole job under AutoTP, a pipeline, MoE or HMP):
 
 1. (training thread) copies exactly what this rank writes into its snapshot buffer: its ZeRO run of
    every fp32 master and optimizer moment, plus the replicated tensors (ZeRO-0 parameters, frozen
@@ -46,6 +46,8 @@ import torch.distributed as dist
 
 from ucp import collectives
 from ucp.deepspeed.autotp import tp_size, with_tensor_parallel
+from ucp.deepspeed.hmp_save import engine_hmp, place_target
+from ucp.deepspeed.hmp_save import source_record as hmp_source
 from ucp.deepspeed.memory_files import MemoryEvery
 from ucp.deepspeed.save_files import SaveFiles, WrittenPiece, arrange_files, bytes_to_send, plan_parts, whole_crcs
 from ucp.deepspeed.save_layout import (
@@ -141,12 +143,15 @@ class Saver:
         refuse_unsupported(engine)
         self.engine = engine
         self.target: Target = with_tensor_parallel(target_for(engine))
+        hmp = engine_hmp(engine)
+        if hmp is not None:  # each rank's slices of the layout; the whole job saves one checkpoint
+            place_target(self.target, hmp, collectives.rank())
         self.before_snapshot = average_partials(engine, self.target)  # collectives every snapshot needs first
         self.rank = collectives.rank()
         if not dist.is_initialized():
             self.ranks = [0]
         elif (tp_size(engine) > 1 or getattr(engine, "pipeline_parallelism", False)
-              or getattr(engine, "has_moe_layers", False)):  # the whole job saves one checkpoint
+              or getattr(engine, "has_moe_layers", False) or hmp is not None):  # the whole job saves one checkpoint
             self.ranks = list(range(dist.get_world_size()))
         elif self.target.dp_group is not None:
             self.ranks = dist.get_process_group_ranks(self.target.dp_group)
@@ -429,11 +434,12 @@ def _metadata(saver: Saver, prepared: Prepared, tag: str, tag_dir: Location,
     tp = tp_size(engine) * mpu_tp_size(engine)  # AutoTP's or a Megatron-style mpu's (never both)
     import deepspeed
 
+    hmp = engine_hmp(engine)
+    source = hmp_source(hmp) if hmp is not None else {"dp": len(saver.ranks) // (tp * stages), "tp": tp, "pp": stages}
     return {
         "params": params,
         "source": {"framework": "deepspeed", "ds_version": deepspeed.__version__,
-                   "zero_stage": engine.zero_optimization_stage(),
-                   "dp": len(saver.ranks) // (tp * stages), "tp": tp, "pp": stages,
+                   "zero_stage": engine.zero_optimization_stage(), **source,
                    "precision": precision, "tag": tag, "path": str(tag_dir), "writer": "ucp.deepspeed.save"},
         "training": training,
         "optimizer": optimizer_record(config.get("optimizer"), groups, list(prepared.moments), engine.optimizer_name()),

@@ -28,6 +28,10 @@ Weights. DeepSpeed divides each micro-batch's loss by A, and `loss_weight(k)` = 
 `ucp.elastic.shares`), so each replica's gradient is R / B times the sum of its samples' gradients, whatever
 its share. The sync therefore averages the replicas without further weights (`GradSync` with equal counts),
 as DeepSpeed's own all-reduce averages homogeneous replicas: the step's gradient is the mean over the B samples.
+Each step counts B samples in `engine.global_samples` (not the replica's share), as a homogeneous run does, so
+a checkpoint's sample count is the same whatever layout saved it.
+
+Saving (`ucp.deepspeed.save`, `"save"`) from such engines: `ucp.deepspeed.hmp_save`.
 """
 from __future__ import annotations
 
@@ -162,7 +166,11 @@ def install_sync(engine: DeepSpeedEngine, layout: Layout, batch: ElasticBatch,
     def sync_and_step(*args: Any, **kwargs: Any) -> Any:
         if engine.is_gradient_accumulation_boundary():
             sync_engine_grads(sync, params)
-        return step(*args, **kwargs)
+        samples = engine.global_samples
+        result = step(*args, **kwargs)
+        if engine.global_samples != samples:  # the step consumed B samples over all replicas, not this one's share
+            engine.global_samples = samples + batch.global_batch
+        return result
 
     engine.step = sync_and_step
     hmp = EngineHmp(layout, batch, sync)

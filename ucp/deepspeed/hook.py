@@ -68,6 +68,8 @@ committed, and runs at exit too; see `ucp.deepspeed.async_save`). The `"ucp"` co
 * `hmp` (dict): `{"global_batch": B, "micro_batch": m, "shares": [...]}` with a `layout`: train on it. Each
   engine gets one replica's batch keys, and the gradient sync across replicas of unequal TP size runs
   inside `engine.step` (`ucp.deepspeed.hmp_sync`; `engine.ucp_hmp.batch` serves the sampler and loss weights).
+  `save` (not its `memory` tier) and `ucp.deepspeed.save` write the checkpoint a homogeneous run writes
+  (`ucp.deepspeed.hmp_save`).
 
 Loading is layer by layer: a rank holds its own shard plus one batch of a layer's states at a time
 (`BATCH_BYTES`, or one state larger than that; with `check_first`, plus up to `check_keep_bytes` of what
@@ -247,10 +249,12 @@ def _hmp_batch(options: dict[str, Any]) -> ElasticBatch:
     if "layout" not in options:
         raise ConfigError('"ucp": {"hmp": ...} trains on an explicit layout: add "layout" (the JSON that '
                           "`Layout.to_json()` or `ucp plan --json` writes)")
-    for key in ("elastic", "save"):
-        if key in options:
-            raise ConfigError(f'"ucp": {{"hmp": ...}} with "{key}" is not supported yet (issue #30); '
-                              f'train without "{key}"')
+    if "elastic" in options:
+        raise ConfigError('"ucp": {"hmp": ...} with "elastic" is not supported yet (issue #30); train without '
+                          '"elastic"')
+    if isinstance(options.get("save"), dict) and "memory" in options["save"]:
+        raise ConfigError('"ucp": {"hmp": ...} with "save": {"memory": ...} is not supported yet (the host-memory '
+                          'tier does not save HMP layouts); save to disk only')
     return hmp_batch(options["hmp"], as_layout(options["layout"]))
 
 
