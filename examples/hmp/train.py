@@ -201,6 +201,8 @@ def train_deepspeed(args: argparse.Namespace, layout: Layout, shares: tuple[int,
                 summed = 0.0
             if engine.global_steps == args.steps:
                 break
+    if args.save_dir and engine.global_steps % (args.save_every or args.steps):  # the last step, not saved yet
+        ucp.deepspeed.save(engine, args.save_dir, async_=False)
     ucp.deepspeed.wait(engine)  # the save in flight is committed before the process group goes
     write_params(args, model, where.replica)
 
@@ -232,7 +234,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--global-batch", type=int, default=16, help="samples per optimizer step, over all replicas")
     p.add_argument("--losses-out", help='rank 0 appends {"step": t, "loss": global mean loss} per step (JSON lines)')
     p.add_argument("--save-dir", help="with --deepspeed: save ucp checkpoints here (global_step<N>), from any layout")
-    p.add_argument("--save-every", type=int, help="with --save-dir: save every this many steps (default: at the end)")
+    p.add_argument("--save-every", type=int, help="with --save-dir: save every this many steps (asynchronously), and "
+                   "the last step (synchronously; default: only the last)")
     p.add_argument("--keep", type=int, help="with --save-dir: keep the newest this many checkpoints")
     p.add_argument("--load", help="with --deepspeed: resume from this ucp checkpoint (saved at any layout)")
     p.add_argument("--plain-dp", action="store_true",
