@@ -181,7 +181,7 @@ def test_a_save_from_the_hmp_layout_is_the_homogeneous_runs_save(runs):
     reference = open_checkpoint(runs["ds_dp"] / "ckpt" / f"global_step{STEPS}")
     assert saved.verify() == [] and reference.verify() == []
     gaps = _state_gaps(saved, reference)
-    assert {state for _, state in gaps} == {"fp32", "exp_avg", "exp_avg_sq"}
+    assert {state for _, state in gaps} == {"fp32", "exp_avg", "exp_avg_sq", "step"}
     assert max(gaps.values()) <= SAVE_TOL, max(gaps.items(), key=lambda kv: kv[1])
     for key in ("global_steps", "global_samples"):
         assert saved.training[key] == reference.training[key], key
