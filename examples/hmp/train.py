@@ -15,7 +15,9 @@ optimizer step to `--losses-out`.
 With `--deepspeed` every rank runs a DeepSpeed engine (`--zero 0|1`, `--bf16`) built by
 `ucp.deepspeed.initialize` with `"ucp": {"layout": ..., "hmp": {"global_batch", "micro_batch", "shares"}}`:
 the sync then runs inside `engine.step` (`ucp.deepspeed.hmp_sync`), and the loop is DeepSpeed's own,
-`engine.backward(loss * sampler.loss_weight(n)); engine.step()`.
+`engine.backward(loss * sampler.loss_weight(n)); engine.step()`. `--save-dir DIR` saves ucp checkpoints from the
+layout (`"save": {"every": --save-every, "keep": --keep}`), `--load DIR/global_stepN` resumes from one saved at
+any layout, and `--plain-dp` (TP sizes of 1) runs DeepSpeed's own data parallelism instead: the homogeneous run.
 """
 from __future__ import annotations
 
@@ -77,9 +79,8 @@ def parse_sizes(text: str, what: str, kind=int) -> list:
 
 
 def main(args: argparse.Namespace) -> None:
-    if args.save_dir:
-        raise ConfigError("--save-dir: saving a checkpoint from a heterogeneous layout is not supported yet "
-                          "(issue #30, item 3); train without --save-dir")
+    if (args.save_dir or args.load or args.plain_dp) and not args.deepspeed:
+        raise ConfigError("--save-dir, --load and --plain-dp run DeepSpeed engines: add --deepspeed")
     tp_sizes = parse_sizes(args.tp_sizes, "--tp-sizes")
     init_distributed("gloo" if args.device == "cpu" else "nccl")
     if args.device == "cuda":
@@ -94,6 +95,10 @@ def main(args: argparse.Namespace) -> None:
     if len(speeds) != len(tp_sizes):
         raise ConfigError(f"--speeds {args.speeds}: one speed per replica ({len(tp_sizes)})")
     shares = speed_shares(args.global_batch, speeds)
+    if args.plain_dp and (max(tp_sizes) != 1 or len(set(shares)) != 1):
+        raise ConfigError(f"--plain-dp: DeepSpeed's own data parallelism takes TP sizes of 1 and equal shares "
+                          f"(got --tp-sizes {args.tp_sizes}, shares {list(shares)} of --global-batch "
+                          f"{args.global_batch})")
     layout = layout_of(tp_sizes, shares, cfg.layers)
     if args.deepspeed:
         train_deepspeed(args, layout, shares, cfg)
@@ -147,24 +152,39 @@ def train_deepspeed(args: argparse.Namespace, layout: Layout, shares: tuple[int,
     mpu = RankAloneMpu.for_layout(layout)  # every rank: every TP group, then every rank's group of one
     model = TPModel(layout, rank, cfg, mpu.tp_group, init_weights(cfg, args.seed)).to(args.device)
     hmp = {"global_batch": args.global_batch, "micro_batch": max(shares), "shares": list(shares)}
+    options: dict = {"layout": layout.to_json(), "hmp": hmp}
+    if args.save_dir:
+        options["save"] = {"dir": args.save_dir, "every": args.save_every or args.steps}
+        if args.keep:
+            options["save"]["keep"] = args.keep
+    if args.load:
+        options["load"] = args.load  # loaded by the layout: each rank reads its slices
     config: dict = {"zero_optimization": {"stage": args.zero}, "steps_per_print": 10**9,
                     "gradient_clipping": 0.0,  # as the plain loop (DeepSpeed 0.19.8 clips to 1.0 by default)
-                    "ucp": {"layout": layout.to_json(), "hmp": hmp}}
+                    "ucp": options}
     if args.bf16:
         config["bf16"] = {"enabled": True}
         if args.zero == 1:  # DeepSpeed's BF16_Optimizer: fp32 gradients, which the sync reduces
             config["data_types"] = {"grad_accum_dtype": "fp32"}
     batch = hmp_batch(hmp, layout)
     if args.sync == "off":  # negative control: the same engines without the sync
-        config = replica_batch_keys({**config, "ucp": {"layout": layout.to_json()}}, batch)
+        without = {k: v for k, v in options.items() if k != "hmp"}
+        config = replica_batch_keys({**config, "ucp": without}, batch)
+    if args.plain_dp:  # the homogeneous reference: one engine over the world, DeepSpeed's own all-reduce
+        config = {**config, "ucp": {k: v for k, v in options.items() if k not in ("hmp", "layout")},
+                  "train_batch_size": args.global_batch, "train_micro_batch_size_per_gpu": max(shares),
+                  "gradient_accumulation_steps": 1}
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)  # the plain loop's
-    engine, _, _, _ = ucp.deepspeed.initialize(model=model, optimizer=optimizer, config=config, mpu=mpu)
+    engine, _, _, _ = ucp.deepspeed.initialize(model=model, optimizer=optimizer, config=config,
+                                               mpu=None if args.plain_dp else mpu)
     where = layout.placement(rank)
     dataset = Sequences(cfg)
-    if args.sync != "off":
+    if args.sync != "off" and not args.plain_dp:
         batch = engine.ucp_hmp.batch  # the "hmp" section's, as ucp.deepspeed.initialize read it
-    sampler = ElasticBatchSampler.for_replica(dataset, batch, where.replica, shuffle=True, seed=args.seed)
-    first = mpu.tp_ranks[0] == rank
+    # After a load, the stream goes on after the samples the checkpoint consumed (B per step at any layout).
+    sampler = ElasticBatchSampler.for_replica(dataset, batch, where.replica, int(engine.global_samples),
+                                              shuffle=True, seed=args.seed)
+    first = layout.replicas[where.replica].ranks[0] == rank
     summed = 0.0
     while engine.global_steps < args.steps:
         for indices in sampler:
@@ -181,6 +201,9 @@ def train_deepspeed(args: argparse.Namespace, layout: Layout, shares: tuple[int,
                 summed = 0.0
             if engine.global_steps == args.steps:
                 break
+    if args.save_dir and engine.global_steps % (args.save_every or args.steps):  # the last step, not saved yet
+        ucp.deepspeed.save(engine, args.save_dir, async_=False)
+    ucp.deepspeed.wait(engine)  # the save in flight is committed before the process group goes
     write_params(args, model, where.replica)
 
 
@@ -210,7 +233,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=10, help="optimizer steps")
     p.add_argument("--global-batch", type=int, default=16, help="samples per optimizer step, over all replicas")
     p.add_argument("--losses-out", help='rank 0 appends {"step": t, "loss": global mean loss} per step (JSON lines)')
-    p.add_argument("--save-dir", help="where to save checkpoints (not supported from HMP layouts yet: refused)")
+    p.add_argument("--save-dir", help="with --deepspeed: save ucp checkpoints here (global_step<N>), from any layout")
+    p.add_argument("--save-every", type=int, help="with --save-dir: save every this many steps (asynchronously), and "
+                   "the last step (synchronously; default: only the last)")
+    p.add_argument("--keep", type=int, help="with --save-dir: keep the newest this many checkpoints")
+    p.add_argument("--load", help="with --deepspeed: resume from this ucp checkpoint (saved at any layout)")
+    p.add_argument("--plain-dp", action="store_true",
+                   help="with --deepspeed and TP sizes of 1: DeepSpeed's own data parallelism, no HMP sync")
     p.add_argument("--speeds", help="relative replica speeds, e.g. 2,1 (default: the cost model's)")
     p.add_argument("--params-out", help="every rank writes its parameter slices here after training (rank<r>.pt)")
     p.add_argument("--sync", choices=("weighted", "unweighted", "off"), default="weighted",

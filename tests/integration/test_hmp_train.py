@@ -36,9 +36,17 @@ RUNS = {  # name: (--tp-sizes, ranks, extra flags)
     # DeepSpeed engines, the sync inside engine.step (ucp.deepspeed.hmp_sync): ZeRO-1 in fp32 (the sync reads and
     # writes the optimizer's partition through safe_get/set_full_grad), ZeRO-1 in bf16 with fp32 accumulation
     # (BF16_Optimizer: the sync reduces its fp32 buffers in place), and ZeRO-0 without the sync (negative control)
-    "ds": ("2,1", 3, ["--deepspeed", "--zero", "1"]),
+    "ds": ("2,1", 3, ["--deepspeed", "--zero", "1", "--save-dir", "{save}", "--save-every", "5", "--keep", "2"]),
     "ds_bf16": ("2,1", 3, ["--deepspeed", "--zero", "1", "--bf16"]),
     "ds_off": ("2,1", 3, ["--deepspeed", "--sync", "off"]),
+    # Saves ({save}: the run's own folder; {ds}: the "ds" run's). "ds" (above) saves from the HMP layout at steps 5
+    # and 10 ("save": {"every": 5, "keep": 2}, asynchronous) and 12 (ucp.deepspeed.save(..., async_=False)); "ds_dp"
+    # is the homogeneous run, DeepSpeed's own 2-rank data parallelism, saving at step 12; "ds_resumed" resumes that
+    # homogeneous run from the HMP save of step 10; "ds_unweighted" saves from HMP engines that weigh the
+    # replicas' shares wrongly (negative control).
+    "ds_dp": ("1,1", 2, ["--deepspeed", "--zero", "1", "--plain-dp", "--save-dir", "{save}"]),
+    "ds_resumed": ("1,1", 2, ["--deepspeed", "--zero", "1", "--plain-dp", "--load", "{ds}/global_step10"]),
+    "ds_unweighted": ("2,1", 3, ["--deepspeed", "--zero", "1", "--sync", "unweighted", "--save-dir", "{save}"]),
 }
 # fp32 throughout. The runs differ only in the order of sums: TP's partial sums in the row-parallel layers,
 # the sum of the replicas' weighted means against one mean over the batch. Each is a few ulps (fp32 eps is
@@ -60,15 +68,16 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hmp-train")
     for name, (tp_sizes, ranks, extra) in RUNS.items():
         (root / name).mkdir()
+        extra = [a.format(save=root / name / "ckpt", ds=root / "ds" / "ckpt") for a in extra]
         run_torchrun(EXAMPLE, ["--tp-sizes", tp_sizes, "--steps", str(STEPS), "--global-batch", str(BATCH),
                                "--losses-out", root / name / "losses.jsonl", "--params-out", root / name / "params",
                                *extra], ranks, root / name / "run.log", timeout=300)
     return {name: root / name for name in RUNS}
 
 
-def _losses(run: Path) -> list[float]:
+def _losses(run: Path, first: int = 1) -> list[float]:
     lines = [json.loads(line) for line in (run / "losses.jsonl").read_text().splitlines()]
-    assert [line["step"] for line in lines] == list(range(1, STEPS + 1))
+    assert [line["step"] for line in lines] == list(range(first, STEPS + 1))
     return [line["loss"] for line in lines]
 
 
@@ -131,9 +140,69 @@ def test_bad_flags_are_refused_in_one_line(tmp_path):
 
     saving = run("--tp-sizes", "1", "--save-dir", str(tmp_path / "ckpt"))
     assert saving.returncode == 2
-    assert saving.stderr.strip().splitlines() == ["error: --save-dir: saving a checkpoint from a heterogeneous layout "
-                                                  "is not supported yet (issue #30, item 3); train without --save-dir"]
+    assert saving.stderr.strip().splitlines() == ["error: --save-dir, --load and --plain-dp run DeepSpeed engines: "
+                                                  "add --deepspeed"]
     wrong = run("--tp-sizes", "2,1")
     assert wrong.returncode == 2
     assert wrong.stderr.strip().splitlines()[-1] == ("error: --tp-sizes 2,1 adds up to 3 ranks, but torchrun started "
                                                      "1; pass --nproc-per-node 3")
+
+
+# The HMP save against the homogeneous run's, after the same 12 steps. Both are fp32 and differ only in the order
+# of sums: the HMP sync adds the TP=2 replica's and the TP=1 replica's weighted gradients by splits, DeepSpeed's
+# all-reduce the two data-parallel ranks' means, and TP's row-parallel layers add partial sums. Those are a few
+# ulps per step (fp32 eps 1.2e-7), as in the parameters above (PARAM_TOL, measured 6e-7); AdamW's moments carry
+# the same gradients (exp_avg) and their squares (exp_avg_sq: twice the relative gap). So each state is compared to
+# SAVE_TOL of its largest element, as the parameters (measured: at most 7e-7); the negative control moves them
+# by 0.97.
+SAVE_TOL = 2e-6
+
+
+def _state_gaps(saved, reference) -> dict[tuple[str, str], float]:
+    """Each (tensor, state)'s largest gap, relative to the reference's largest element."""
+    assert saved.names == reference.names
+    gaps = {}
+    for name in reference.names:
+        assert saved.shape(name) == reference.shape(name) and saved.states(name) == reference.states(name), name
+        assert saved.info(name).kind == reference.info(name).kind
+        for state in reference.states(name):
+            want, got = reference.tensor(name, state), saved.tensor(name, state)
+            assert got.dtype == want.dtype and got.shape == want.shape, (name, state)
+            gaps[(name, state)] = (got - want).abs().max().item() / max(want.abs().max().item(), 1e-30)
+    return gaps
+
+
+def test_a_save_from_the_hmp_layout_is_the_homogeneous_runs_save(runs):
+    """ucp.deepspeed.save (here synchronous, at the last step) from engines on TP sizes 2,1 writes the checkpoint
+    the homogeneous 2-rank DeepSpeed run writes: the same tensors, states, steps and sample count."""
+    from ucp.checkpoint import open_checkpoint
+
+    saved = open_checkpoint(runs["ds"] / "ckpt" / f"global_step{STEPS}")
+    reference = open_checkpoint(runs["ds_dp"] / "ckpt" / f"global_step{STEPS}")
+    assert saved.verify() == [] and reference.verify() == []
+    gaps = _state_gaps(saved, reference)
+    assert {state for _, state in gaps} == {"fp32", "exp_avg", "exp_avg_sq", "step"}
+    assert max(gaps.values()) <= SAVE_TOL, max(gaps.items(), key=lambda kv: kv[1])
+    for key in ("global_steps", "global_samples"):
+        assert saved.training[key] == reference.training[key], key
+    assert saved.training["global_samples"] == STEPS * BATCH  # B per step, not a replica's share
+    assert [saved.step_of(n) for n in saved.names] == [reference.step_of(n) for n in reference.names]
+    assert saved.source["layout"]["replicas"] and saved.source["dp"] == 2
+    # The patterns are the writing replica's (TP=2): column-parallel rows, row-parallel columns, norms replicated.
+    assert [saved.info(n).pattern for n in ("embed.weight", "layers.0.fc2.weight", "norm.weight")] == [
+        "shard_v", "shard_h", "replicate"]
+    # "keep": 2 removed step 5's save once step 12's was committed; step 10's (asynchronous) is what ds_resumed loads.
+    assert sorted(p.name for p in (runs["ds"] / "ckpt").glob("global_step*")) == ["global_step10", "global_step12"]
+    # Negative control: HMP engines that average the replicas without their shares save another model.
+    wrong = open_checkpoint(runs["ds_unweighted"] / "ckpt" / f"global_step{STEPS}")
+    assert max(_state_gaps(wrong, reference).values()) > 100 * SAVE_TOL
+
+
+def test_the_hmp_save_resumes_at_a_homogeneous_layout(runs):
+    """The homogeneous 2-rank run, resumed from the HMP save of step 10, trains steps 11-12 as the uninterrupted
+    runs do (the sample stream goes on after the 10 x B samples the checkpoint counts)."""
+    reference = _losses(runs["single"])
+    resumed = _losses(runs["ds_resumed"], first=11)
+    assert _relative_gap(resumed, reference[10:]) <= LOSS_RTOL
+    # Negative control: the losses of these steps are not those of the steps before (the run did go on).
+    assert _relative_gap(resumed, reference[8:10]) > 1e-3

@@ -43,12 +43,16 @@ def test_bad_sections_are_refused_in_one_line(section, message):
 
 @pytest.mark.parametrize("options, message", [
     ({"hmp": {"global_batch": 8, "micro_batch": 5}}, 'trains on an explicit layout: add "layout"'),
-    ({"hmp": {"global_batch": 8, "micro_batch": 5}, "layout": LAYOUT.to_json(), "save": {"dir": "/x", "every": 1}},
-     'with "save" is not supported yet'),
+    ({"hmp": {"global_batch": 8, "micro_batch": 5}, "layout": LAYOUT.to_json(),
+      "save": {"dir": "/x", "every": 1, "memory": {"every": 1}}}, 'with "save": {"memory": ...} is not supported yet'),
+    ({"hmp": {"global_batch": 8, "micro_batch": 5}, "layout": LAYOUT.to_json(),
+      "elastic": {"global_batch": 8, "micro_batch": 5}}, 'with "elastic" is not supported yet'),
 ])
 def test_what_does_not_go_with_hmp_is_refused(options, message):
     with pytest.raises(ConfigError) as caught:
         _hmp_batch(options)
     assert message in str(caught.value)
-    # Control: the same section with its layout and nothing else is taken.
+    # Control: the same section with its layout and nothing else is taken, and so is a save to disk.
     assert _hmp_batch({"hmp": options["hmp"], "layout": LAYOUT.to_json()}).global_batch == 8
+    assert _hmp_batch({"hmp": options["hmp"], "layout": LAYOUT.to_json(),
+                       "save": {"dir": "/x", "every": 1, "keep": 2}}).global_batch == 8

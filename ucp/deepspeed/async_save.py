@@ -4,7 +4,7 @@
     ucp.deepspeed.wait(engine)                # the save is durable and committed once this returns
 
 The `Saver` of an engine holds its saving group (every rank of the data-parallel group; of the whole job under
-AutoTP, a pipeline or MoE), the save in flight and the snapshot buffers. A save, on every rank of that group:
+AutoTP, a pipeline, MoE or HMP), the save in flight and the snapshot buffers. A save, on every rank of that group:
 
 1. (training thread) copies exactly what this rank writes into its snapshot buffer
    (`ucp.deepspeed.save_snapshot`); rank 0 also takes the step, hyper-parameters, scheduler and client state
@@ -40,8 +40,9 @@ import torch.distributed as dist
 
 from ucp import collectives
 from ucp.deepspeed.autotp import tp_size, with_tensor_parallel
+from ucp.deepspeed.hmp_save import engine_hmp, place_target
 from ucp.deepspeed.save_index import metadata
-from ucp.deepspeed.save_layout import average_partials, refuse_unsupported
+from ucp.deepspeed.save_layout import average_partials, mpu_tp_size, refuse_unsupported
 from ucp.deepspeed.save_snapshot import Prepared, copy_into, every_holding, prepare
 from ucp.deepspeed.save_stores import write_local, write_object
 from ucp.deepspeed.save_writer import BackgroundSave
@@ -86,12 +87,15 @@ class Saver:
         refuse_unsupported(engine)
         self.engine = engine
         self.target: Target = with_tensor_parallel(target_for(engine))
+        hmp = engine_hmp(engine)
+        if hmp is not None:  # each rank's slices of the layout; the whole job saves one checkpoint
+            place_target(self.target, hmp, collectives.rank())
         self.before_snapshot = average_partials(engine, self.target)  # collectives every snapshot needs first
         self.rank = collectives.rank()
         if not dist.is_initialized():
             self.ranks = [0]
         elif (tp_size(engine) > 1 or mpu_tp_size(engine) > 1 or getattr(engine, "pipeline_parallelism", False)
-              or getattr(engine, "has_moe_layers", False)):  # the whole job saves one checkpoint
+              or getattr(engine, "has_moe_layers", False) or hmp is not None):  # the whole job saves one checkpoint
             self.ranks = list(range(dist.get_world_size()))
         elif self.target.dp_group is not None:
             self.ranks = dist.get_process_group_ranks(self.target.dp_group)

@@ -11,9 +11,9 @@
   starts fresh; every rank takes the same decision. With the memory tier, a newer memory checkpoint of this
   job that the nodes hold completely is tried first (`ucp.deepspeed.memory_resume`); one that fails its
   checks or does not fit the model is passed over with a warning, and the disk tier loads.
-* After each optimizer step the engine's checkpoint life (`ucp.deepspeed.life.StepBook`) keeps `global_samples` at
-  B per step, records the job's progress, and after the first step of a restarted job logs what the restart cost
-  (`Resumed` says what the start loaded).
+* After each optimizer step the engine's checkpoint life (`ucp.deepspeed.life`) keeps `global_samples` at
+  B per step and its `StepBook` records the job's progress, and after the first step of a restarted job logs
+  what the restart cost (`Resumed` says what the start loaded).
 """
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def with_layout_keys(config: dict, place: RankLayout, autotp: bool) -> dict:
     if place.tp > 1:
         out["tensor_parallel"] = {**(given if isinstance(given, dict) else {}), "autotp_size": place.tp}
         # DeepSpeed checks train_batch_size against the whole world before AutoTP divides it by T: leave it out
-        # (the engine derives it; StepBook keeps global_samples at B per step whatever it is).
+        # (the engine derives it; the checkpoint life keeps global_samples at B per step whatever it is).
         out.pop("train_batch_size", None)
     if isinstance(given, dict) and given.get("autotp_size", 1) not in (1, place.tp) and _rank() == 0:
         logger.warning('ucp: "elastic" sets AutoTP\'s autotp_size to %d for this layout (the config said %s)',

@@ -28,10 +28,14 @@ Weights. DeepSpeed divides each micro-batch's loss by A, and `loss_weight(k)` = 
 `ucp.elastic.shares`), so each replica's gradient is R / B times the sum of its samples' gradients, whatever
 its share. The sync therefore averages the replicas without further weights (`GradSync` with equal counts),
 as DeepSpeed's own all-reduce averages homogeneous replicas: the step's gradient is the mean over the B samples.
+Each step counts B samples in `engine.global_samples` (not the replica's share), as a homogeneous run does, so
+a checkpoint's sample count is the same whatever layout saved it.
+
+Saving (`ucp.deepspeed.save`, `"save"`) from such engines: `ucp.deepspeed.hmp_save`.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -39,7 +43,6 @@ import torch
 import torch.distributed as dist
 
 from ucp.deepspeed.config import CONFIG_KEY
-from ucp.deepspeed.life import life_of
 from ucp.elastic.shares import BATCH_KEYS, ElasticBatch
 from ucp.errors import ConfigError, UnsupportedLayoutError
 from ucp.hmp.grad_sync import GradSync
@@ -119,11 +122,13 @@ class RankAloneMpu:
 
 @dataclass
 class EngineHmp:
-    """What `ucp.deepspeed.initialize` attaches as `engine.ucp_hmp`: the layout, the batch and the sync."""
+    """What `ucp.deepspeed.initialize` attaches as `engine.ucp_hmp`: the layout, the batch, the sync and what the
+    engine's checkpoint life (`ucp.deepspeed.life`) runs before each step."""
 
     layout: Layout
     batch: ElasticBatch
     sync: GradSync
+    before_step: Callable[[], None]
 
     @property
     def replica(self) -> int:
@@ -132,8 +137,8 @@ class EngineHmp:
 
 def install_sync(engine: DeepSpeedEngine, layout: Layout, batch: ElasticBatch,
                  table: Sequence[ParamSpec] | None = None) -> EngineHmp:
-    """Check the engine fits the layout, then have the engine's checkpoint life (`ucp.deepspeed.life`), which wraps
-    `engine.step`, sync the gradients first (module docstring)."""
+    """Check the engine fits the layout and attach `engine.ucp_hmp`, whose `before_step` syncs the gradients (module
+    docstring); `ucp.deepspeed.initialize` hands it to the engine's checkpoint life, which wraps `engine.step`."""
     table = list(table if table is not None else getattr(engine.module, "ucp_param_table", None) or [])
     if not table:
         raise UnsupportedLayoutError('"ucp": {"hmp": ...} needs the model\'s parameter table: give the module a '
@@ -164,8 +169,7 @@ def install_sync(engine: DeepSpeedEngine, layout: Layout, batch: ElasticBatch,
         if engine.is_gradient_accumulation_boundary():
             sync_engine_grads(sync, params)
 
-    life_of(engine).run_before_step(sync_before_step)
-    hmp = EngineHmp(layout, batch, sync)
+    hmp = EngineHmp(layout, batch, sync, sync_before_step)
     engine.ucp_hmp = hmp
     return hmp
 

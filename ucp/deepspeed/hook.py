@@ -68,6 +68,8 @@ committed, and runs at exit too; see `ucp.deepspeed.life`). The `"ucp"` config s
 * `hmp` (dict): `{"global_batch": B, "micro_batch": m, "shares": [...]}` with a `layout`: train on it. Each
   engine gets one replica's batch keys, and the gradient sync across replicas of unequal TP size runs
   inside `engine.step` (`ucp.deepspeed.hmp_sync`; `engine.ucp_hmp.batch` serves the sampler and loss weights).
+  `save` (not its `memory` tier) and `ucp.deepspeed.save` write the checkpoint a homogeneous run writes
+  (`ucp.deepspeed.hmp_save`).
 
 The load pipeline is `ucp.deepspeed.engine_load`; the save, its cadence and the rest of the engine's checkpoint
 life are `ucp.deepspeed.life`. This module wires them into `initialize`.
@@ -150,7 +152,9 @@ def initialize(*args: Any, **kwargs: Any) -> Any:
         engine.ucp_elastic = batch
         engine.ucp_layout = place
     if hmp is not None:
-        install_sync(engine, as_layout(options["layout"]), hmp)
+        synced = install_sync(engine, as_layout(options["layout"]), hmp)
+        life_of(engine).run_before_step(synced.before_step)
+        life_of(engine).count_samples(hmp.global_batch)  # B over all replicas, not this replica's share
     resumed = None
     if auto_dir is not None:
         warn_shared_rendezvous_store()
@@ -158,8 +162,10 @@ def initialize(*args: Any, **kwargs: Any) -> Any:
         resumed = resume_auto(engine, auto_dir, load, memory, **load_options(options))
     elif options.get("load"):
         load(engine, options["load"], **load_options(options))
+    if batch is not None:
+        life_of(engine).count_samples(batch.global_batch)
     if batch is not None or auto_dir is not None:
-        life_of(engine).keep_book(StepBook(engine, batch, auto_dir, resumed, called))
+        life_of(engine).keep_book(StepBook(engine, auto_dir, resumed, called))
     if save_every is not None:
         life_of(engine).save_every(save_every)
     return result
@@ -170,8 +176,10 @@ def _hmp_batch(options: dict[str, Any]) -> ElasticBatch:
     if "layout" not in options:
         raise ConfigError('"ucp": {"hmp": ...} trains on an explicit layout: add "layout" (the JSON that '
                           "`Layout.to_json()` or `ucp plan --json` writes)")
-    for key in ("elastic", "save"):
-        if key in options:
-            raise ConfigError(f'"ucp": {{"hmp": ...}} with "{key}" is not supported yet (issue #30); '
-                              f'train without "{key}"')
+    if "elastic" in options:
+        raise ConfigError('"ucp": {"hmp": ...} with "elastic" is not supported yet (issue #30); train without '
+                          '"elastic"')
+    if isinstance(options.get("save"), dict) and "memory" in options["save"]:
+        raise ConfigError('"ucp": {"hmp": ...} with "save": {"memory": ...} is not supported yet (the host-memory '
+                          'tier does not save HMP layouts); save to disk only')
     return hmp_batch(options["hmp"], as_layout(options["layout"]))

@@ -29,7 +29,6 @@ from ucp.deepspeed.memory_tier import MemoryTier
 from ucp.deepspeed.save_cadence import SaveEvery
 from ucp.elastic.restart import Progress, ProgressRecorder, RestartReport, read_progress
 from ucp.elastic.resume import prune
-from ucp.elastic.shares import ElasticBatch
 from ucp.errors import UcpError
 from ucp.format.locations import Location, location
 
@@ -48,6 +47,7 @@ class CheckpointLife:
         self.cadence: SaveEvery | None = None
         self.book: StepBook | None = None
         self.before_step: Callable[[], None] | None = None
+        self.samples_per_step: int | None = None
         self._saver: Saver | None = None
         self._wrapped = False
 
@@ -80,6 +80,13 @@ class CheckpointLife:
         self.book = book
         self._wrap()
 
+    def count_samples(self, per_step: int) -> None:
+        """Count `per_step` samples (the global batch B) in `engine.global_samples` per optimizer step, where
+        DeepSpeed adds its nominal train_batch_size: an elastic world size's uneven shares, or one HMP replica's
+        share. The sampler continues from this count after a resume at any layout."""
+        self.samples_per_step = per_step
+        self._wrap()
+
     def run_before_step(self, action: Callable[[], None]) -> None:
         """Run `action` before each optimizer step (the HMP gradient sync)."""
         self.before_step = action
@@ -106,11 +113,13 @@ class CheckpointLife:
         engine = self.engine
         if self.before_step is not None:
             self.before_step()
-        steps = engine.global_steps
+        steps, samples = engine.global_steps, engine.global_samples
         result = step(*args, **kwargs)
-        # The book keeps to `engine.step`, which a pipeline engine never calls: it does not run there.
-        if self.book is not None and method == "step" and engine.global_steps != steps:
-            self.book.after_step()
+        if engine.global_steps != steps:
+            if self.samples_per_step is not None:
+                engine.global_samples = samples + self.samples_per_step
+            if self.book is not None:
+                self.book.after_step()
         if self.cadence is not None:
             self._save_if_due(self.cadence)
         return result
@@ -140,14 +149,11 @@ class CheckpointLife:
 
 
 class StepBook:
-    """Bookkeeping after each optimizer step: keeps `global_samples` at B per step (DeepSpeed adds its nominal
-    train_batch_size), records the job's progress, and after the first step of a restarted job logs what the
-    restart cost (`ucp.elastic.restart`) and sets `engine.ucp_restart`."""
+    """Bookkeeping after each optimizer step: records the job's progress, and after the first step of a restarted
+    job logs what the restart cost (`ucp.elastic.restart`) and sets `engine.ucp_restart`."""
 
-    def __init__(self, engine: DeepSpeedEngine, batch: ElasticBatch | None, progress_dir: str | None,
-                 resumed: Resumed | None, called: float):
+    def __init__(self, engine: DeepSpeedEngine, progress_dir: str | None, resumed: Resumed | None, called: float):
         self.engine = engine
-        self.batch = batch
         place = location(progress_dir) if progress_dir is not None and collectives.rank() == 0 else None
         self.progress = ProgressRecorder(place) if place is not None else None
         self.resumed = resumed
@@ -157,8 +163,6 @@ class StepBook:
 
     def after_step(self) -> None:
         engine = self.engine
-        if self.batch is not None:
-            engine.global_samples += self.batch.global_batch - engine.train_batch_size()
         if self.progress is None:
             return
         now = time.time()

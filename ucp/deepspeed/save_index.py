@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ucp.deepspeed.autotp import tp_size
+from ucp.deepspeed.hmp_save import engine_hmp
+from ucp.deepspeed.hmp_save import source_record as hmp_source
 from ucp.deepspeed.save_files import WrittenPiece, whole_crcs
 from ucp.deepspeed.save_layout import mpu_tp_size
 from ucp.deepspeed.save_plan import Holding
@@ -72,11 +74,12 @@ def metadata(engine: DeepSpeedEngine, target: Target, saving_ranks: int, prepare
     tp = tp_size(engine) * mpu_tp_size(engine)  # AutoTP's or a Megatron-style mpu's (never both)
     import deepspeed
 
+    hmp = engine_hmp(engine)
+    source = hmp_source(hmp) if hmp is not None else {"dp": saving_ranks // (tp * stages), "tp": tp, "pp": stages}
     return {
         "params": params,
         "source": {"framework": "deepspeed", "ds_version": deepspeed.__version__,
-                   "zero_stage": engine.zero_optimization_stage(),
-                   "dp": saving_ranks // (tp * stages), "tp": tp, "pp": stages,
+                   "zero_stage": engine.zero_optimization_stage(), **source,
                    "precision": precision, "tag": tag, "path": str(tag_dir), "writer": "ucp.deepspeed.save"},
         "training": training,
         "optimizer": optimizer_record(config.get("optimizer"), groups, list(prepared.moments), engine.optimizer_name()),

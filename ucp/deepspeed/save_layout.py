@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from ucp.converters.deepspeed_declared import affine_params, declared_layout
 from ucp.deepspeed.autotp import UNIVERSAL_CHECKPOINT_INFO, tp_size
+from ucp.deepspeed.hmp_save import engine_hmp, writing_holdings
 from ucp.deepspeed.moe_target import checkpoint_name, local_expert_tensors
 from ucp.deepspeed.mpu_plan import first_stage_only, place_shards, tp_layout
 from ucp.deepspeed.save_plan import Holding, Shard, full_box
@@ -40,6 +41,8 @@ _INSTEAD = "; use engine.save_checkpoint and `ucp convert` instead"
 
 def refuse_unsupported(engine: DeepSpeedEngine) -> None:
     """Raise `UnsupportedLayoutError` naming the parallelism family of `engine` that saves do not serve yet."""
+    if engine_hmp(engine) is not None:  # its mpu is the HMP one: `install_sync` refused what it does not serve
+        return
     pipeline = getattr(engine, "pipeline_parallelism", False)
     stage = engine.zero_optimization_stage()
     fp32 = not (engine.bfloat16_enabled() or engine.fp16_enabled())
@@ -149,7 +152,11 @@ def holdings(target: Target, rank: int, moments: Sequence[str]) -> list[Holding]
 
 def placed(engine: DeepSpeedEngine, every: Sequence[Holding]) -> list[Holding]:
     """Every rank's holdings, with each Megatron TP shard cut into the boxes of the full tensor it fills; a tensor
-    on several stages only as its first stage holds it (`first_stage_only`)."""
+    on several stages only as its first stage holds it (`first_stage_only`); under HMP, those of the replica that
+    writes (`ucp.deepspeed.hmp_save`)."""
+    hmp = engine_hmp(engine)
+    if hmp is not None:
+        return writing_holdings(every, hmp.layout)
     if mpu_tp_size(engine) == 1:
         return list(every)
     return place_shards(first_stage_only(every), getattr(engine.module, UNIVERSAL_CHECKPOINT_INFO, None))
