@@ -11,9 +11,9 @@
   starts fresh; every rank takes the same decision. With the memory tier, a newer memory checkpoint of this
   job that the nodes hold completely is tried first (`ucp.deepspeed.memory_resume`); one that fails its
   checks or does not fit the model is passed over with a warning, and the disk tier loads.
-* `StepBook` wraps `engine.step`: after each optimizer step it keeps `global_samples` at B per step
-  (DeepSpeed adds its nominal train_batch_size), records the job's progress, and after the first step
-  of a restarted job logs what the restart cost (`ucp.elastic.restart`).
+* `StepBook` wraps `engine.step` (a pipeline engine's `train_batch`): after each optimizer step it keeps
+  `global_samples` at B per step (DeepSpeed adds its nominal train_batch_size), records the job's progress,
+  and after the first step of a restarted job logs what the restart cost (`ucp.elastic.restart`).
 """
 from __future__ import annotations
 
@@ -173,7 +173,9 @@ class StepBook:
         self.loaded_at = time.time()
 
     def install(self) -> None:
-        step = self.engine.step
+        # A pipeline engine steps inside train_batch (its `step` refuses to be called), as `SaveEvery` wraps it.
+        method = "train_batch" if getattr(self.engine, "pipeline_parallelism", False) else "step"
+        step = getattr(self.engine, method)
 
         def step_and_book(*args, **kwargs):
             steps = self.engine.global_steps
@@ -182,7 +184,7 @@ class StepBook:
                 self.after_step()
             return result
 
-        self.engine.step = step_and_book
+        setattr(self.engine, method, step_and_book)
 
     def after_step(self) -> None:
         engine = self.engine
