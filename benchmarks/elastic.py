@@ -617,6 +617,8 @@ def main() -> None:
         for name in three_d:
             print(f"stock path with {THREE_D[name].label} (trace {name}) ...", flush=True)
             results["stock_3d"][name] = stock_path(args.every, work, name, extra.get(name, ()))
+            if args.json_out:  # minutes each: keep what is measured should a later run fail
+                Path(args.json_out).write_text(json.dumps(results, indent=1))
     for name in three_d:  # a trace whose only save at its start layout is its first: steady ones here
         if THREE_D[name].plain:
             print(f"no failure with {THREE_D[name].label}: the saves' stalls ...", flush=True)
