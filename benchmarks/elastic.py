@@ -2,6 +2,7 @@
 """Benchmark: elastic training under Elastor-style failure traces, against stock DeepSpeed's path to a new size.
 
     python benchmarks/elastic.py [--steps 12] [--every 4] [--traces B C D E T] [--markdown-out FILE]
+    python benchmarks/elastic.py --traces P --no-plain [--mpu-model 100m|16m]
     python benchmarks/elastic.py --trainer [--model 112m|20m] [--steps 12] [--every 4]
 
 The ~112M-parameter benchmark Llama (ZeRO-1, fp32, global batch 12, micro-batch 1) trains for --steps optimizer
@@ -20,6 +21,12 @@ Cases to 4 ranks on one machine:
                                      ranged GET, so fewer, larger requests; see benchmarks/README.md, Tiers)
     T  3D: B with AutoTP             4 x 1, "elastic": {"tensor_parallel": [2, 1]}: T=2 x D=2 on 4 ranks; one
                                      agent killed, the 3 left take T=1 x D=3 (ucp.elastic.layout)
+    P  3D: an mpu TP x PP model      4 x 1, tests/support/train_megatron.py's Megatron-style GPT (an mpu for TP in
+                                     a PipelineModule) at 100.2M parameters (benchmarks/_elastic_megatron.py),
+                                     global batch 8, "elastic": {"tensor_parallel": [2, 1], "pipeline_parallel":
+                                     [2, 1]} and its shape for the cost model: T=2 x P=2 on 4 ranks; one agent
+                                     killed after step 10 (saves at 4 and 8 before it), the 3 left take T=2 x P=1
+                                     and a spare (8 samples do not split evenly over D=3)
 
 Reported per trace: total wall to finish, against the same run without failures; per event the time from the
 fault (the kill; for a join, the new agent's start) to the first step after it, split into detection and
@@ -34,7 +41,11 @@ Stock DeepSpeed's only path to a new world size, run by hand on the same model: 
 measured for 3 and 2 ranks. For trace T the stock job trains with AutoTP 2 on 4 ranks
 (`"tensor_parallel": {"autotp_size": 2}`) and loads on 3 ranks (T=1, the layout ucp takes there); the stall of
 each save under AutoTP, ucp's asynchronous one (its snapshot) against `engine.save_checkpoint`, is reported as a
-share of a step at the same layout (target <= 10% at every 4).
+share of a step at the same layout (target <= 10% at every 4). For trace P the stock job trains the same GPT at
+T=2 x P=2 on 4 ranks, saves at steps 4 and 8, runs `ds_to_universal` on step 8 (the model declares
+`universal_checkpoint_info`, as Megatron-DeepSpeed's GPTModelPipe does) and loads at T=2 x P=1 on 2 ranks (the
+training ranks of ucp's layout); the stalls, ucp's against stock's, at T=2 x P=2, the first save and the steady
+one apart.
 
 `--trainer`: trace B with the Hugging Face Trainer instead (benchmarks/_elastic_trainer.py): 4 agents x 1 rank run
 `ucp.transformers.train(trainer)` with `"ucp": {"load": "auto", "elastic": {"global_batch": 12, "micro_batch": 1}}`
@@ -59,14 +70,38 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "_elastic_llama.py"
+MEGATRON_WORKER = HERE / "_elastic_megatron.py"
 NO_SAVES = 10 ** 9
-TP_TRACES = {"T": 2}  # trace: its AutoTP size (ucp allows [T, 1]; the stock path trains at exactly T)
+
+
+@dataclass(frozen=True)
+class ThreeD:
+    """A 3D trace: what its ucp job adds, and its stock path (the same model at DeepSpeed's fixed layouts)."""
+
+    label: str                          # the model and the layout it starts at, as the report names them
+    worker: Path
+    ucp_args: tuple[str, ...]           # added to the ucp job's arguments
+    stock_args: tuple[str, ...]         # the stock job's layout on 4 ranks
+    loads: dict[int, tuple[str, ...]]   # ranks of a stock load_universal -> its layout arguments
+    saved_at: dict[str, int]            # the start layout (keys of the step records) whose saves are reported
+    stock_saves: int                    # engine.save_checkpoint calls in the stock run, every `every` steps
+    plain: bool                         # a run without failures gives steady saves (the trace's only one is its first)
+
+
+THREE_D = {
+    # ucp allows T in [2, 1]; the stock path trains at exactly T=2 and loads at T=1 on 3 ranks, the layout ucp takes
+    "T": ThreeD("AutoTP 2", WORKER, ("--tp", "2"), ("--tp", "2"), {3: ()}, {"tp": 2}, 1, True),
+    # ucp allows T, P in [2, 1] (the worker's "elastic"); 3 ranks take T=2 x P=1 and a spare: stock loads on 2
+    "P": ThreeD("mpu TP 2 x PipelineModule PP 2", MEGATRON_WORKER, (), ("--tp", "2", "--pp", "2"),
+                {2: ("--tp", "2", "--pp", "1")}, {"tp": 2, "pp": 2}, 2, False),
+}
 
 
 def env() -> dict:
@@ -175,6 +210,8 @@ TRACES = {
     "M": (2, 2, [(6, "node", 1)]),
     "S": (2, 2, [(6, "node", 1)]),
     "T": (1, 4, [(6, "node", 3)]),
+    # after the saves at 4 and 8 (the first and a steady one at T=2 x P=2), so that needs --steps 11 or more
+    "P": (1, 4, [(10, "node", 3)]),
 }
 MEMORY_TRACES = {"M"}
 S3_TRACES = {"S"}
@@ -202,8 +239,10 @@ def s3_server() -> tuple[object, dict]:
     return server, client_env
 
 
-def run_trace(name: str, steps: int, every: int, work: Path) -> dict:
+def run_trace(name: str, steps: int, every: int, work: Path, extra: tuple[str, ...] = ()) -> dict:
+    """Trace `name` (TRACES) on torchrun's agents, `extra` added to the worker's arguments."""
     per_node, agents_n, events = TRACES[name]
+    spec = THREE_D.get(name)
     out = work / name
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
@@ -211,14 +250,15 @@ def run_trace(name: str, steps: int, every: int, work: Path) -> dict:
     server, client_env = s3_server() if name in S3_TRACES else (None, {})
     save_dir = f"s3://bench/{name}" if server is not None else str(out / "ckpt")
     args = ["--mode", "ucp", "--save-dir", save_dir, "--steps", str(steps), "--every", str(every),
-            "--records", str(recs)]
+            "--records", str(recs), *extra]
     memory = None
     if name in MEMORY_TRACES:
         memory = Path(tempfile.mkdtemp(prefix="ucp-bench-", dir="/dev/shm"))
         args += ["--memory-every", "1", "--memory-dir", f"{memory}/node${NODE_ENV}"]
-    if name in TP_TRACES:
-        args += ["--tp", str(TP_TRACES[name])]
-    agents = Agents(out, args, per_node, NODE_ENV if memory else None, client_env)
+    if spec is not None:
+        args += spec.ucp_args
+    agents = Agents(out, args, per_node, NODE_ENV if memory else None, client_env,
+                    spec.worker if spec is not None else WORKER)
     began = time.time()
     faults = []
     try:
@@ -253,28 +293,49 @@ def run_trace(name: str, steps: int, every: int, work: Path) -> dict:
         called = rec["initialize_called"]
         load_began = called + report["startup_s"]
         first = load_began + report["load_s"] + report["first_step_s"]
-        events_out.append({"event": kind, "old_world": report["old_world"], "new_world": report["new_world"],
+        # the job's ranks and layouts from the step records (a restart report counts a layout's training ranks)
+        old = next(r for r in reversed(steps) if r["time"] < at)
+        new = next(r for r in steps if r["time"] > first - 1)
+        events_out.append({"event": kind, "old_world": old["world"], "new_world": new["world"],
+                           "old_layout": layout_text(old), "new_layout": layout_text(new),
+                           "new_training": training(new),
                            "fault_to_first_step_s": first - at, "detection_s": called - at,
                            "startup_s": report["startup_s"], "load_s": report["load_s"],
                            "first_step_s": report["first_step_s"], "steps_redone": report["steps_redone"],
                            "checkpoint_step": report["checkpoint_step"],
-                           "tier": tier(str(report["checkpoint"]), memory),
-                           "old_tp": next((r["tp"] for r in reversed(steps) if r["time"] < at), None),
-                           "new_tp": next((r["tp"] for r in steps if r["time"] > first - 1), None)})
+                           "tier": tier(str(report["checkpoint"]), memory)})
     out_ = {"trace": name, "wall_s": wall, "events": events_out}
-    if name in TP_TRACES:
-        out_["saves"] = save_stalls(steps, every, TP_TRACES[name])
+    if spec is not None:
+        out_["saves"] = save_stalls(steps, every, spec.saved_at)
+        out_["saves_after"] = save_stalls(steps, every, {key: steps[-1][key] for key in spec.saved_at})
     return out_
 
 
-def save_stalls(steps: list[dict], every: int, tp: int) -> dict:
-    """The slowest rank's stall of each save made at tensor-parallel size `tp`, and the median step there (steps
-    after the first, neither a save step nor the one after it, nor a step right after a restart)."""
-    stalls = [r["save_stall_s"] for r in steps if r.get("tp") == tp and "save_stall_s" in r]
+def training(record: dict) -> int:
+    """The training ranks of a step record's layout (its world less the spares)."""
+    return record.get("tp", 1) * record.get("pp", 1) * record.get("dp", record["world"] // record.get("tp", 1))
+
+
+def layout_text(record: dict) -> str:
+    """A step record's layout: T2×P2×D1, T2×D2, T2×D1 + 1 spare."""
+    pp = record.get("pp", 1)
+    dp = training(record) // (record.get("tp", 1) * pp)
+    spares = record["world"] - training(record)
+    return (f"T{record.get('tp', 1)}×" + (f"P{pp}×" if pp > 1 else "") + f"D{dp}"
+            + (f" + {spares} spare" if spares else ""))
+
+
+def save_stalls(steps: list[dict], every: int, layout: dict[str, int]) -> dict:
+    """The slowest rank's stall of each save made at `layout` (the step records' "tp", "pp"), and the median step
+    there (steps after the first, neither a save step nor the one after it, nor a step right after a restart)."""
+    def there(record: dict) -> bool:
+        return all(record.get(key) == value for key, value in layout.items())
+
+    stalls = [r["save_stall_s"] for r in steps if there(r) and "save_stall_s" in r]
     plain = [b["time"] - a["time"] for a, b in zip(steps, steps[1:])
-             if b["step"] == a["step"] + 1 and a["step"] > 1 and b.get("tp") == a.get("tp") == tp
+             if b["step"] == a["step"] + 1 and a["step"] > 1 and there(a) and there(b)
              and a["step"] % every and b["step"] % every]
-    return {"stall_s": stalls, "step_s": statistics.median(plain) if plain else None}
+    return {"layout": layout, "stall_s": stalls, "step_s": statistics.median(plain) if plain else None}
 
 
 def tier(checkpoint: str, memory: Path | None) -> str:
@@ -307,7 +368,7 @@ def run_plain(every: int, steps: int, work: Path, tag: str, memory_every: int | 
     times = [r["time"] for r in steps_done]
     result = {"wall_s": time.time() - began, "step_s": (times[-1] - times[1]) / (len(times) - 2)}
     if tp:
-        result["saves"] = save_stalls(steps_done, every, tp)
+        result["saves"] = save_stalls(steps_done, every, {"tp": tp})
     return result
 
 
@@ -319,28 +380,32 @@ def torchrun(args: list[str], nproc: int, log: Path, worker: Path = WORKER) -> N
             raise SystemExit(f"failed; see {log}")
 
 
-def stock_path(every: int, work: Path, tp: int | None = None, worlds: tuple[int, ...] = (3, 2, 4),
-               steps: int | None = None) -> dict:
-    """save_checkpoint every `every` steps on 4 ranks (with AutoTP `tp`, if given) for `steps` (default `every`),
-    ds_to_universal of the last, then load_universal (no AutoTP) on each of `worlds`."""
-    out = work / ("stock" if tp is None else f"stock-tp{tp}")
+def stock_path(every: int, work: Path, trace: str | None = None, extra: tuple[str, ...] = ()) -> dict:
+    """save_checkpoint every `every` steps on 4 ranks, ds_to_universal of the last save, then load_universal on 3, 2
+    and 4 ranks (data parallel); for a 3D `trace`, its worker at its layouts (THREE_D), `extra` added to the worker's
+    arguments, and the saves' stalls."""
+    spec = THREE_D.get(trace) if trace else None
+    worker = spec.worker if spec else WORKER
+    out = work / ("stock" if spec is None else f"stock-{trace}")
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    autotp = ["--tp", str(tp)] if tp else []
-    torchrun(["--mode", "stock", "--save-dir", str(out / "ds"), "--steps", str(steps or every), "--every", str(every),
-              "--records", str(out / "train.jsonl"), *autotp], 4, out / "train.log")
+    steps = every * (spec.stock_saves if spec else 1)
+    torchrun(["--mode", "stock", "--save-dir", str(out / "ds"), "--steps", str(steps), "--every", str(every),
+              "--records", str(out / "train.jsonl"), *extra, *(spec.stock_args if spec else ())], 4,
+             out / "train.log", worker)
     tag = (out / "ds" / "latest").read_text().strip()
     convert_s = to_universal(out / "ds" / tag, out / "universal" / tag)
-    loads = {}
-    for world in worlds:
+    loads, layouts = {}, {}
+    for world, layout in (spec.loads if spec else {3: (), 2: (), 4: ()}).items():
         recs = out / f"load{world}.jsonl"
-        torchrun(["--mode", "stock", "--save-dir", str(out / f"after{world}"), "--steps", str(every + 1),
+        torchrun(["--mode", "stock", "--save-dir", str(out / f"after{world}"), "--steps", str(steps + 1),
                   "--every", str(NO_SAVES), "--records", str(recs), "--load-universal",
-                  str(out / "universal" / tag)], world, out / f"load{world}.log")
+                  str(out / "universal" / tag), *extra, *layout], world, out / f"load{world}.log", worker)
         loads[str(world)] = next(r["load_universal_s"] for r in records(recs) if "load_universal_s" in r)
-    result = {"convert_s": convert_s, "load_s": loads}
-    if tp:
-        result["saves"] = save_stalls([r for r in records(out / "train.jsonl") if "step" in r], every, tp)
+        layouts[str(world)] = layout_text(next(r for r in records(recs) if "step" in r))
+    result = {"convert_s": convert_s, "load_s": loads, "layouts": layouts, "steps": steps}
+    if spec:
+        result["saves"] = save_stalls([r for r in records(out / "train.jsonl") if "step" in r], every, spec.saved_at)
     return result
 
 
@@ -442,20 +507,22 @@ def trainer_markdown(results: dict) -> str:
 
 def markdown(results: dict) -> str:
     stock, plain = results["stock"], results["plain"]
+    models = (["~112M-parameter Llama, global batch 12"] if {t["trace"] for t in results["traces"]} - {"P"} else []) + (
+        [f"trace P: {results['mpu_model']}"] if "mpu_model" in results else [])
     lines = [f"{results['machine']} (15-min load average at the end {results['load_15min']:.1f}); "
-             f"~112M-parameter Llama, ZeRO-1 fp32, global batch 12, {results['steps']} steps, "
-             f"save every {results['every']}.", "",
+             f"{'; '.join(models)}; ZeRO-1 fp32, {results['steps']} steps, save every {results['every']}.", "",
              "| trace | wall | vs no failure | event | ranks | fault → first step | detection + relaunch | "
              "start-up | load (tier) | first step | steps redone | load vs stock convert+load |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    stock_3d = results.get("stock_3d", {})
     for t in results["traces"]:
-        against = results.get("stock_tp") if t["trace"] in TP_TRACES else stock
+        against = stock_3d.get(t["trace"]) if t["trace"] in THREE_D else stock
         for i, e in enumerate(t["events"]):
-            loaded = against and against["load_s"].get(str(e["new_world"]))
+            loaded = against and against["load_s"].get(str(e["new_training"]))
             vs_stock = f"{e['load_s'] / (against['convert_s'] + loaded):.3f}" if loaded else "–"
             ranks = f"{e['old_world']} → {e['new_world']}"
-            if t["trace"] in TP_TRACES:
-                ranks = f"{e['old_world']} (T{e['old_tp']}) → {e['new_world']} (T{e['new_tp']})"
+            if t["trace"] in THREE_D:
+                ranks = f"{e['old_world']} ({e['old_layout']}) → {e['new_world']} ({e['new_layout']})"
             vs_plain = f"{t['wall_s'] / plain['every']['wall_s']:.2f}×" if plain else "–"
             head = f"{t['trace']} | {t['wall_s']:.0f} s | {vs_plain}" if i == 0 else " | | "
             lines.append(f"| {head} | {e['event']} | {ranks} | "
@@ -466,17 +533,19 @@ def markdown(results: dict) -> str:
     if stock:
         lines += ["", f"Stock path: ds_to_universal {stock['convert_s']:.1f} s; load_universal "
                   + ", ".join(f"{w} ranks {s:.1f} s" for w, s in stock["load_s"].items()) + "."]
-    stock_tp = results.get("stock_tp")
-    if stock_tp:
-        lines += ["", f"Stock path with AutoTP {max(TP_TRACES.values())} (trace T): ds_to_universal "
-                  f"{stock_tp['convert_s']:.1f} s; load_universal "
-                  + ", ".join(f"{w} ranks {s:.1f} s" for w, s in stock_tp["load_s"].items()) + "."]
-    if lines[-1].startswith("|") and ("plain_tp" in results or stock_tp):
+    for name, against in stock_3d.items():
+        lines += ["", f"Stock path with {THREE_D[name].label} (trace {name}): ds_to_universal "
+                  f"{against['convert_s']:.1f} s; load_universal "
+                  + ", ".join(f"{w} ranks ({against['layouts'][w]}) {s:.1f} s" for w, s in against["load_s"].items())
+                  + "."]
+    if lines[-1].startswith("|") and ("plain_tp" in results or stock_3d):
         lines.append("")  # the table ends here
     for t in results["traces"]:
-        if "saves" in t and stock_tp:
-            lines.append(f"Save stall under AutoTP (slowest rank, every {results['every']}), trace {t['trace']}: "
-                         f"{stall_text(t['saves'], 'ucp async save')}; {stall_text(stock_tp['saves'], 'stock')}.")
+        if "saves" in t and t["trace"] in stock_3d:
+            lines.append(f"Save stall under {THREE_D[t['trace']].label} (slowest rank, every {results['every']}), "
+                         f"trace {t['trace']}: {stall_text(t['saves'], 'ucp async save')}; "
+                         f"{stall_text(stock_3d[t['trace']]['saves'], 'stock engine.save_checkpoint')}. After the "
+                         f"restart ({t['events'][-1]['new_layout']}): {stall_text(t['saves_after'], 'ucp')}.")
     if "plain_tp" in results:
         lines.append(f"No failure at T=2 x D=2 ({2 * results['every'] + 1} steps; the first save also sets up the "
                      f"snapshot buffer): {stall_text(results['plain_tp']['saves'], 'ucp async save')}.")
@@ -494,10 +563,12 @@ def markdown(results: dict) -> str:
 
 
 def stall_text(saves: dict, what: str) -> str:
-    """Each save's stall, and its share of a step at the same layout."""
+    """Each save's stall (the first, which also sets up what later saves reuse, then the steady ones), and its
+    share of a step at the same layout."""
     step = saves["step_s"]
-    stalls = ", ".join(f"{s:.2f} s" + (f" ({s / step:.1%} of a step)" if step else "") for s in saves["stall_s"])
-    return f"{what} {stalls or 'none'}" + (f"; a step there {step:.2f} s" if step else "")
+    stalls = [f"{s:.2f} s" + (f" ({s / step:.1%} of a step)" if step else "") for s in saves["stall_s"]]
+    said = f"first {stalls[0]}" + (f", then {', '.join(stalls[1:])}" if stalls[1:] else "") if stalls else "none"
+    return f"{what} {said}" + (f"; a step there {step:.2f} s" if step else "")
 
 
 def main() -> None:
@@ -505,8 +576,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--every", type=int, default=4)
     parser.add_argument("--traces", nargs="+", default=list(TRACES), choices=list(TRACES),
-                        help="B C D E M S: ZeRO-1 data parallel; T: AutoTP 2 (3D), against stock's AutoTP path "
-                             "(module docstring)")
+                        help="B C D E M S: ZeRO-1 data parallel; T: AutoTP 2 (3D), P: mpu TP 2 x PipelineModule "
+                             "PP 2 (3D), each against stock's path at its layouts (module docstring)")
     parser.add_argument("--memory", action="store_true",
                         help="also trace M (host-memory tier) and the cost of a memory save every step")
     parser.add_argument("--no-stock", action="store_true", help="skip the stock path (its column shows –)")
@@ -520,23 +591,39 @@ def main() -> None:
                              "Trainer path (ds_to_universal + resume_from_checkpoint with load_universal), only")
     parser.add_argument("--model", choices=("112m", "20m"), default="112m",
                         help="--trainer: the benchmark Llama's size (20m for a quick run)")
+    parser.add_argument("--mpu-model", choices=("100m", "16m"), default="100m",
+                        help="trace P: the mpu GPT's size (benchmarks/_elastic_megatron.py; 16m for a quick run)")
     args = parser.parse_args()
+    if "P" in args.traces and args.steps <= TRACES["P"][2][-1][0]:
+        parser.error(f"trace P loses a node after step {TRACES['P'][2][-1][0]}: --steps must be larger")
     work = Path(args.work or tempfile.mkdtemp(prefix="ucp-elastic-bench-"))
     results = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores", "steps": args.steps,
                "every": args.every}
     if args.trainer:
         return run_trainer(args, work, results)
+    extra = {"P": ("--model", args.mpu_model)}  # a trace's worker arguments beyond its layout
+    if "P" in args.traces:
+        from _elastic_megatron import SHAPES, params
+
+        results["mpu_model"] = (f"tests/support/train_megatron.py's GPT at {params(SHAPES[args.mpu_model]) / 1e6:.1f}M "
+                                "parameters, global batch 8")
     results["stock"] = None
+    three_d = sorted(set(args.traces) & set(THREE_D))
     if not args.no_stock:
-        if set(args.traces) - set(TP_TRACES):
+        if set(args.traces) - set(THREE_D):
             print("stock path (save, ds_to_universal, load_universal) ...", flush=True)
             results["stock"] = stock_path(args.every, work)
-        for name in sorted(set(args.traces) & set(TP_TRACES)):
-            print(f"stock path with AutoTP {TP_TRACES[name]} (trace {name}) ...", flush=True)
-            results["stock_tp"] = stock_path(args.every, work, tp=TP_TRACES[name], worlds=(3,))
-    for name in sorted(set(args.traces) & set(TP_TRACES)):  # a trace's saves at T=2 are its first: steady ones here
-        print(f"no failure with AutoTP {TP_TRACES[name]}: the saves' stalls ...", flush=True)
-        results["plain_tp"] = run_plain(args.every, 2 * args.every + 1, work, "plain-tp", tp=TP_TRACES[name])
+        results["stock_3d"] = {}
+        for name in three_d:
+            print(f"stock path with {THREE_D[name].label} (trace {name}) ...", flush=True)
+            results["stock_3d"][name] = stock_path(args.every, work, name, extra.get(name, ()))
+            if args.json_out:  # minutes each: keep what is measured should a later run fail
+                Path(args.json_out).write_text(json.dumps(results, indent=1))
+    for name in three_d:  # a trace whose only save at its start layout is its first: steady ones here
+        if THREE_D[name].plain:
+            print(f"no failure with {THREE_D[name].label}: the saves' stalls ...", flush=True)
+            results["plain_tp"] = run_plain(args.every, 2 * args.every + 1, work, "plain-tp",
+                                            tp=THREE_D[name].saved_at["tp"])
     results["plain"] = {}
     if not args.no_plain:
         print("no failures: every K, every 1, no saves ...", flush=True)
@@ -550,7 +637,7 @@ def main() -> None:
     results["traces"] = []
     for name in args.traces:
         print(f"trace {name} ...", flush=True)
-        results["traces"].append(run_trace(name, args.steps, args.every, work))
+        results["traces"].append(run_trace(name, args.steps, args.every, work, extra.get(name, ())))
         if args.json_out:  # a trace takes minutes: keep what is measured should a later one fail
             Path(args.json_out).write_text(json.dumps(results, indent=1))
     results["load_15min"] = os.getloadavg()[2]  # other work on the machine skews the walls; say how much there was

@@ -69,6 +69,9 @@ def test_tp_x_pp_loses_a_node_then_gets_it_back(tmp_path, reference):
     logs = job.logs(tail=None)
     assert "ucp: 3 ranks: tensor_parallel 2 x pipeline_parallel 1 x data_parallel 1, 1 spare(s)" in logs
     assert "of 3 is a spare" in logs
+    # Each restart's report (a pipeline engine steps in train_batch, which ucp's bookkeeping wraps): 4 training ranks
+    # -> 2 (and the spare) -> 4.
+    assert "ucp: restart 4 -> 2 ranks: loaded" in logs and "ucp: restart 2 -> 4 ranks: loaded" in logs
 
 
 def test_without_ucp_a_resume_at_another_layout_is_not_the_run(tmp_path, reference):

@@ -70,6 +70,7 @@ import torch.nn.functional as F
 VOCAB, DIVISIBLE_BY = 37, 4
 HIDDEN, HEADS, KV_HEADS, FFN, SEQ = 8, 4, 2, 12, 5
 HEAD_DIM = HIDDEN // HEADS
+LAYERS = 2  # transformer layers (`use_shape`)
 TP, PP = 2, 2  # this run's layout (`use_layout`)
 PADDED_VOCAB = -(-VOCAB // (DIVISIBLE_BY * TP)) * DIVISIBLE_BY * TP  # 40: Megatron's _vocab_size_with_padding
 SYNC_SCALE = False  # all-reduce mlp.input_scale's gradient over TP (its copies stay equal)
@@ -204,6 +205,14 @@ def use_layout(tp: int, pp: int, sync_scale: bool) -> None:
     global TP, PP, PADDED_VOCAB, SYNC_SCALE
     TP, PP, SYNC_SCALE = tp, pp, sync_scale
     PADDED_VOCAB = -(-VOCAB // (DIVISIBLE_BY * TP)) * DIVISIBLE_BY * TP
+
+
+def use_shape(vocab: int, hidden: int, heads: int, kv_heads: int, ffn: int, seq: int, layers: int) -> None:
+    """Build the next model at this size instead of the tiny one (benchmarks/_elastic_megatron.py); call before
+    `use_layout`, which pads the vocabulary for its TP."""
+    global VOCAB, HIDDEN, HEADS, KV_HEADS, FFN, SEQ, HEAD_DIM, LAYERS
+    VOCAB, HIDDEN, HEADS, KV_HEADS, FFN, SEQ, LAYERS = vocab, hidden, heads, kv_heads, ffn, seq, layers
+    HEAD_DIM = HIDDEN // HEADS
 
 
 def _full(shape, seed, scale=0.3):
@@ -354,8 +363,7 @@ def build():
     tied = "word_embeddings.weight"
     layers = [
         TiedLayerSpec("embed", Embedding, tied_weight_attr=tied),
-        LayerSpec(TransformerLayer, 1),
-        LayerSpec(TransformerLayer, 2),
+        *[LayerSpec(TransformerLayer, number) for number in range(1, LAYERS + 1)],
         LayerSpec(torch.nn.LayerNorm, HIDDEN),
         TiedLayerSpec("embed", Embedding, forward_fn=head, tied_weight_attr=tied),
     ]

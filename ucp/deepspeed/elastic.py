@@ -12,8 +12,9 @@
   job that the nodes hold completely is tried first (`ucp.deepspeed.memory_resume`); one that fails its
   checks or does not fit the model is passed over with a warning, and the disk tier loads.
 * After each optimizer step the engine's checkpoint life (`ucp.deepspeed.life`) keeps `global_samples` at
-  B per step and its `StepBook` records the job's progress, and after the first step of a restarted job logs
-  what the restart cost (`Resumed` says what the start loaded).
+  B per step and its `StepBook` records the job's progress (after `engine.step`, or a pipeline engine's
+  `train_batch`), and after the first step of a restarted job logs what the restart cost (`Resumed` says what
+  the start loaded).
 """
 from __future__ import annotations
 
