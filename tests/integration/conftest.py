@@ -1,15 +1,21 @@
 """Integration-tier set-up: DeepSpeed's CPU ops are built before the first job; `s3`, an S3 server for the
 tests that read and write object storage; the Hugging Face Trainer and Accelerate runs that test_trainer.py and
-test_s3.py share (each built once per session)."""
+test_s3.py share; the uninterrupted runs of the elastic examples that the elastic torchrun, AutoTP, memory-tier
+and Ray tests compare with (each built once per session)."""
 from pathlib import Path
 
 import pytest
 
+from support.elastic_agents import by_step, first_losses, read_losses
 from support.hf_runs import SAVE_STEP, accelerate_resume, accelerate_source, trainer_resume, trainer_source
-from support.launch import build_deepspeed_ops
+from support.launch import build_deepspeed_ops, run_torchrun
 from support.s3_proxy import s3_server
 
 TRAINER_CHECKPOINT = f"checkpoint-{SAVE_STEP}"
+ELASTIC_EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "elastic" / "torchrun"
+# The uninterrupted runs train this many steps: at least as many as any elastic test that compares with them
+# (test_elastic_torchrun 16, test_elastic_ray 12, test_memory_tier 10; the AutoTP ones 8).
+ELASTIC_STEPS, ELASTIC_3D_STEPS = 16, 8
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -76,3 +82,39 @@ def accelerate_from_conversion(accelerate_conversion, ckpt_root) -> Path:
     """The run folder of ucp.accelerate.load_state on 1 process at ZeRO-3: Accelerate's files from the save_state
     folder, the engine from its local ucp conversion."""
     return accelerate_resume(accelerate_source(ckpt_root) / "state", 1, 3, ckpt_root, accelerate_conversion)
+
+
+@pytest.fixture(scope="session")
+def elastic_reference(tmp_path_factory):
+    """Factory: ``elastic_reference(stage, global_batch)``, the loss of each step of the uninterrupted 4-rank run of
+    examples/elastic/torchrun/train.py (ELASTIC_STEPS steps, no saves), once per (stage, global batch) per session.
+    Its losses depend neither on the world size (the same global batch and sample order at every size, to rounding)
+    nor on the steps planned or the saves, so the torchrun, memory-tier and Ray tests all compare with it."""
+    memo: dict[tuple[int, int], dict[int, float]] = {}
+
+    def make(stage: int, global_batch: int) -> dict[int, float]:
+        if (stage, global_batch) not in memo:
+            tmp = tmp_path_factory.mktemp(f"elastic-reference{stage}-{global_batch}")
+            losses = tmp / "losses.jsonl"
+            run_torchrun(ELASTIC_EXAMPLES / "train.py", [
+                "--save-dir", tmp / "ckpt", "--steps", ELASTIC_STEPS, "--stage", stage, "--global-batch", global_batch,
+                "--every", 10 * ELASTIC_STEPS, "--losses-out", losses], 4, tmp / "log")
+            memo[stage, global_batch] = first_losses(losses)
+        return memo[stage, global_batch]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def elastic_3d_reference(tmp_path_factory) -> tuple[dict[int, float], Path]:
+    """The uninterrupted 4-rank run (T=2 x D=2) of examples/elastic/torchrun/train_3d.py, ELASTIC_3D_STEPS steps:
+    the loss of each step, and its DeepSpeed checkpoints of every step (for the negative controls). ucp chooses the
+    layout and shares the batch, DeepSpeed saves (the loss does not depend on who saves, or on the layout: the
+    same global batch of 8 and sample order at every layout). test_elastic_3d and test_elastic_ray share it."""
+    tmp = tmp_path_factory.mktemp("elastic-reference3d")
+    losses = tmp / "losses.jsonl"
+    run_torchrun(ELASTIC_EXAMPLES / "train_3d.py", ["--save-dir", tmp / "ds", "--steps", ELASTIC_3D_STEPS, "--stock",
+                                                    "--losses-out", losses], 4, tmp / "log")
+    records = read_losses(losses)
+    assert {(r["tp"], r["dp"]) for r in records} == {(2, 2)}
+    return {s: v[0]["loss"] for s, v in by_step(records).items()}, tmp / "ds"

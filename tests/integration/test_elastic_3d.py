@@ -25,23 +25,17 @@ from support.processes import wait_for
 pytestmark = pytest.mark.slow
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "elastic" / "torchrun" / "train_3d.py"
-STEPS = 8
+STEPS = 8   # the steps of the uninterrupted run (conftest's elastic_3d_reference) too
 # fp32, no dropout, the same global batch of 8: layouts sum the same gradients in another order (TP splits the
 # matmuls, DP the batch), so losses agree to rounding (~1e-7 relative a step, compounding over a few Adam steps).
 RTOL = 1e-6
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> tuple[dict[int, float], Path]:
-    """The uninterrupted 4-rank run (T=2 x D=2) and its DeepSpeed checkpoints of every step (for the negative
-    control): ucp chooses the layout and shares the batch, DeepSpeed saves (the loss does not depend on who saves)."""
-    tmp = tmp_path_factory.mktemp("reference3d")
-    losses = tmp / "losses.jsonl"
-    run_torchrun(EXAMPLE, ["--save-dir", tmp / "ds", "--steps", STEPS, "--stock", "--losses-out", losses], 4,
-                 tmp / "log")
-    records = read_losses(losses)
-    assert {(r["tp"], r["dp"]) for r in records} == {(2, 2)}
-    return {s: v[0]["loss"] for s, v in by_step(records).items()}, tmp / "ds"
+def reference(elastic_3d_reference) -> tuple[dict[int, float], Path]:
+    """The uninterrupted 4-rank run (T=2 x D=2) of STEPS steps and its DeepSpeed checkpoints of every step (for the
+    negative control): conftest's, shared with test_elastic_ray."""
+    return elastic_3d_reference
 
 
 def assert_same_run(records: list[dict], reference: dict[int, float], steps: range) -> None:

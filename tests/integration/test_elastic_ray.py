@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from support.elastic_agents import assert_same_losses, by_step, first_losses, reached, read_losses
+from support.elastic_agents import assert_same_losses, by_step, reached, read_losses
 from support.launch import run_torchrun
 from support.processes import kill_tree, wait_for
 from support.ray_nodes import Nodes
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "elastic"
 SUPPORT = Path(__file__).resolve().parents[1] / "support"
-STEPS = 12
+STEPS = 12   # conftest's elastic_reference has these (and more)
 RTOL = 1e-6  # as in test_elastic_torchrun: other world sizes sum gradients in another order
 
 
@@ -52,11 +52,10 @@ def lose_a_node(nodes: Nodes) -> None:
     nodes.lose(nodes.live()[-1])
 
 
-def test_lose_a_node_and_get_it_back(tmp_path, nodes):
-    reference = tmp_path / "reference.jsonl"   # the uninterrupted run: its losses do not depend on the world size
-    run_torchrun(EXAMPLES / "torchrun" / "train.py", ["--save-dir", tmp_path / "ref", "--steps", STEPS,
-                                                      "--losses-out", reference], 2, tmp_path / "reference.log")
-    expected = first_losses(reference)
+def test_lose_a_node_and_get_it_back(tmp_path, nodes, elastic_reference):
+    # the uninterrupted run of the example's defaults (ZeRO-1, global batch 10): its losses do not depend on the
+    # world size (conftest's, 4 ranks, shared with test_elastic_torchrun)
+    expected = elastic_reference(1, 10)
 
     losses, storage, log = tmp_path / "losses.jsonl", tmp_path / "storage", tmp_path / "driver.log"
     address = nodes.ensure(3)
@@ -87,18 +86,16 @@ def assert_resumed(records: list[dict], first_world: int, then_world: int, every
     return first_after
 
 
-STEPS_3D = 8
+STEPS_3D = 8   # the steps of conftest's elastic_3d_reference too
 
 
-def test_a_3d_job_under_ray_train_takes_the_layout_of_the_workers_left(tmp_path, nodes):
+def test_a_3d_job_under_ray_train_takes_the_layout_of_the_workers_left(tmp_path, nodes, elastic_3d_reference):
     """`examples/elastic/ray/train.py --example train_3d`: the AutoTP Llama of the torchrun recipe with
     `"tensor_parallel": [2, 1]`. 3 workers take T=1 x D=3 (all 3 ranks used; T=2 would use 2), the node lost
-    leaves 2, which take T=2 x D=1 (both use 2; the cost model prefers T=2, test_elastic_3d). The reference is an
-    uninterrupted 1-rank run (T=1 x D=1): the same global batch of 8 and sample order at every layout."""
-    reference = tmp_path / "reference.jsonl"
-    run_torchrun(EXAMPLES / "torchrun" / "train_3d.py", ["--save-dir", tmp_path / "ref", "--steps", STEPS_3D,
-                                                         "--losses-out", reference], 1, tmp_path / "reference.log")
-    expected = first_losses(reference)
+    leaves 2, which take T=2 x D=1 (both use 2; the cost model prefers T=2, test_elastic_3d). The reference is the
+    uninterrupted 4-rank run (T=2 x D=2, conftest's, shared with test_elastic_3d): the same global batch of 8 and
+    sample order at every layout."""
+    expected, _ = elastic_3d_reference
     losses, log = tmp_path / "losses.jsonl", tmp_path / "driver.log"
     address = nodes.ensure(3)
     with driver([EXAMPLES / "ray" / "train.py", "--example", "train_3d", "--address", address, "--storage",

@@ -13,27 +13,10 @@ from support.processes import wait_for
 pytestmark = pytest.mark.slow
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "elastic" / "torchrun" / "train.py"
-STEPS = 16
+STEPS = 16   # the steps of the uninterrupted runs (conftest's elastic_reference, 4 ranks) too
 # fp32, no dropout: runs at different world sizes sum the same gradients in another order, so losses agree to
 # rounding (~1e-7 relative per step, compounding over a few Adam steps), not to the bit.
 RTOL = 1e-6
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """The uninterrupted 4-rank runs, one per (stage, global batch), each once per session."""
-    memo = {}
-
-    def make(stage: int, global_batch: int) -> dict[int, float]:
-        if (stage, global_batch) not in memo:
-            tmp = tmp_path_factory.mktemp(f"reference{stage}-{global_batch}")
-            losses = tmp / "losses.jsonl"
-            run_torchrun(EXAMPLE, ["--save-dir", tmp / "ckpt", "--steps", STEPS, "--stage", stage, "--global-batch",
-                                   global_batch, "--losses-out", losses], 4, tmp / "log")
-            memo[stage, global_batch] = first_losses(losses)
-        return memo[stage, global_batch]
-
-    return make
 
 
 def assert_same_run(records: list[dict], reference: dict[int, float]) -> None:
@@ -44,7 +27,7 @@ def assert_same_run(records: list[dict], reference: dict[int, float]) -> None:
 
 
 @pytest.mark.parametrize("stage, global_batch", [(1, 10), (3, 12)])
-def test_lose_a_node_get_one_back_lose_a_worker(tmp_path, reference, stage, global_batch):
+def test_lose_a_node_get_one_back_lose_a_worker(tmp_path, elastic_reference, stage, global_batch):
     losses = tmp_path / "losses.jsonl"
     with ElasticJob(EXAMPLE, ["--save-dir", tmp_path / "ckpt", "--steps", STEPS, "--stage", stage,
                               "--global-batch", global_batch, "--every", 1, "--keep", 2, "--losses-out", losses],
@@ -63,7 +46,7 @@ def test_lose_a_node_get_one_back_lose_a_worker(tmp_path, reference, stage, glob
     assert {r["world"] for r in records} == {3, 4}
     assert max(r["step"] for r in records) == STEPS
     assert len({r["pid"] for r in records}) >= 4, "the job restarted at least three times"
-    assert_same_run(records, reference(stage, global_batch))
+    assert_same_run(records, elastic_reference(stage, global_batch))
     kept = sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("global_step"))
     assert kept == [f"global_step{STEPS - 1}", f"global_step{STEPS}"]
     logs = job.logs(tail=None)

@@ -12,7 +12,6 @@ import pytest
 
 import ucp
 from support.elastic_agents import ElasticJob, reached, read_losses
-from support.launch import run_torchrun
 from support.memory_runs import copy_of, manifest
 from support.processes import wait_for
 
@@ -48,12 +47,10 @@ def run_two_nodes(tmp: Path, steps: int, replicas: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> dict[int, float]:
-    """The uninterrupted 4-rank run's loss at each step."""
-    tmp = tmp_path_factory.mktemp("memory-reference")
-    run_torchrun(EXAMPLE, ["--save-dir", tmp / "ckpt", "--steps", STEPS, "--stage", 1, "--global-batch", 10,
-                           "--every", 100, "--losses-out", tmp / "losses.jsonl"], 4, tmp / "log")
-    return {r["step"]: r["loss"] for r in read_losses(tmp / "losses.jsonl")}
+def reference(elastic_reference) -> dict[int, float]:
+    """The uninterrupted 4-rank run's loss at each step (conftest's, shared with the other elastic tests: ZeRO-1,
+    global batch 10, as job_args; steps 1-16)."""
+    return elastic_reference(1, 10)
 
 
 @pytest.fixture(scope="module")
