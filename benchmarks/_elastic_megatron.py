@@ -87,7 +87,7 @@ def main() -> None:
     import train_megatron as gpt
     import ucp.deepspeed
     import ucp.elastic
-    from ucp.deepspeed.async_save import saver_for
+    from ucp.deepspeed.life import saver_for
 
     ucp.elastic.init_distributed("gloo")
     gpt.use_shape(**SHAPES[args.model])
