@@ -24,13 +24,6 @@ RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
 # A node that is gone is marked dead after 2 missed health checks 1 s apart (Ray's default: 5 of 3 s), so that
 # Ray Train does not first try to restart at the old size on a node that no longer answers.
 FAST_NODE_DEATH = {"RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "2"}
-# Ray Train's controller decides a restart's size from the resources it saw last, which still count a node killed a
-# moment ago: its first try waits for a placement group that cannot form, for Ray's default of 60 s, before it
-# tries the size that is left (REFERENCE.md: "the first restart attempt may time out"); seen in every test here
-# that loses a node. 10 s cuts that wait; a placement group of slots that are free needs far less. A try that
-# times out is retried without limit (FailureConfig.controller_failure_limit defaults to -1), so a slow one costs
-# another try, never the job.
-FAST_RESIZE = {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "10"}
 
 
 def free_port() -> int:
@@ -64,7 +57,7 @@ class Nodes:
         self.root = root  # short: Ray's socket paths under it must stay below 108 bytes
         self.temp_dir = root / "t"
         self.temp_dir.mkdir(parents=True, exist_ok=True)
-        self.env = ds_env({**RAY_ENV, **FAST_NODE_DEATH, **FAST_RESIZE})
+        self.env = ds_env({**RAY_ENV, **FAST_NODE_DEATH})
         self.raylets: list[subprocess.Popen] = []
         self.address = ""
 
