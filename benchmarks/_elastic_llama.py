@@ -60,14 +60,20 @@ def slowest(seconds: float) -> float:
     return t.item()
 
 
-def main() -> None:
+def job_arguments(global_batch: int) -> argparse.ArgumentParser:
+    """The arguments every elastic benchmark worker takes (this one and `_elastic_megatron.py`)."""
     p = argparse.ArgumentParser()
     p.add_argument("--mode", choices=("ucp", "stock"), required=True)
     p.add_argument("--save-dir", required=True)
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--every", type=int, default=4)
-    p.add_argument("--global-batch", type=int, default=12)
+    p.add_argument("--global-batch", type=int, default=global_batch)
     p.add_argument("--records", required=True)
+    return p
+
+
+def main() -> None:
+    p = job_arguments(global_batch=12)
     p.add_argument("--memory-every", type=int, help="ucp: the host-memory tier every K steps, one peer copy")
     p.add_argument("--memory-dir", help="ucp: each node's memory folder ($VARS expanded on each node)")
     p.add_argument("--load-universal", help="stock: DeepSpeed's universal checkpoint folder (its tag) to load")

@@ -21,7 +21,6 @@ hidden 512, 8 / 4 heads, FFN 1376, 4 layers: 15.7M (its head is tied).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -33,7 +32,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "tests" / "support")]
-from _elastic_llama import SEED, Tokens, append, slowest  # noqa: E402
+from _elastic_llama import SEED, Tokens, append, job_arguments, slowest  # noqa: E402
 
 SHAPES = {"100m": {"vocab": 32000, "hidden": 768, "heads": 12, "kv_heads": 4, "ffn": 2048, "seq": 64, "layers": 12},
           "16m": {"vocab": 8000, "hidden": 512, "heads": 8, "kv_heads": 4, "ffn": 1376, "seq": 64, "layers": 4}}
@@ -68,14 +67,8 @@ def hf_shape(gpt) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--mode", choices=("ucp", "stock"), required=True)
-    p.add_argument("--save-dir", required=True)
-    p.add_argument("--steps", type=int, required=True)
-    p.add_argument("--every", type=int, default=4)
-    p.add_argument("--global-batch", type=int, default=8)
+    p = job_arguments(global_batch=8)
     p.add_argument("--model", choices=sorted(SHAPES), default="100m")
-    p.add_argument("--records", required=True)
     p.add_argument("--tp", type=int, default=2, help="stock: the tensor-parallel size")
     p.add_argument("--pp", type=int, default=2, help="stock: the pipeline-parallel size")
     p.add_argument("--load-universal", help="stock: DeepSpeed's universal checkpoint folder (its tag) to load")
