@@ -172,8 +172,6 @@ def _state_gaps(saved, reference) -> dict[tuple[str, str], float]:
     return gaps
 
 
-@pytest.mark.xfail(strict=True, reason="known regression (issue #30 note, stop 36): since the HMP save was merged "
-                   "onto the checkpoint life, every tensor's pattern is recorded as 'replicate'; states are equal")
 def test_a_save_from_the_hmp_layout_records_the_writing_replicas_patterns(runs):
     from ucp.checkpoint import open_checkpoint
 

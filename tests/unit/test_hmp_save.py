@@ -72,3 +72,20 @@ def test_patterns_are_the_writing_replicas():
     # Where the TP=1 replica comes first, the TP=2 one still writes: its patterns.
     second = writing_holdings(every_holding(TP1_TP2), TP1_TP2)
     assert pattern_of("fc2", (6, 12), [h for h in second if h.name == "fc2"], None).pattern is Pattern.SHARD_H
+
+
+def test_an_hmp_ranks_mpu_is_not_taken_for_a_megatron_one():
+    """An HMP engine's mpu (`RankAloneMpu`) answers DeepSpeed's TP questions with one replica's TP group, so it has
+    Megatron's `get_tensor_model_parallel_world_size`; the saver must still place its tensors by the layout, not as
+    Megatron TP shards (that took the writing replica's patterns for `replicate`: issue #30, stop 36)."""
+    from support.train_megatron import ParallelState
+    from ucp.deepspeed.hmp_sync import RankAloneMpu
+    from ucp.deepspeed.save_layout import is_megatron_mpu
+
+    hmp = RankAloneMpu(tp_group=None, tp_ranks=(0, 1), dp_group=None)
+    assert not is_megatron_mpu(hmp)
+    megatron = object.__new__(ParallelState)  # the Megatron-style mpu of the tests' Megatron runs (no groups needed)
+    assert is_megatron_mpu(megatron)
+    assert not is_megatron_mpu(None)
+    # Negative control: the method alone, what the saver asked before, takes the HMP mpu for a Megatron one.
+    assert hasattr(hmp, "get_tensor_model_parallel_world_size")

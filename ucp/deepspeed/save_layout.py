@@ -24,6 +24,7 @@ import torch.distributed as dist
 from ucp.converters.deepspeed_declared import affine_params, declared_layout
 from ucp.deepspeed.autotp import UNIVERSAL_CHECKPOINT_INFO, tp_size
 from ucp.deepspeed.hmp_save import engine_hmp, writing_holdings
+from ucp.deepspeed.hmp_sync import RankAloneMpu
 from ucp.deepspeed.moe_target import checkpoint_name, local_expert_tensors
 from ucp.deepspeed.mpu_plan import first_stage_only, place_shards, tp_layout
 from ucp.deepspeed.save_plan import Holding, Shard, full_box
@@ -67,7 +68,15 @@ def _mpu(engine: DeepSpeedEngine):
     if getattr(engine, "pipeline_parallelism", False) or tp_size(engine) > 1:
         return None
     mpu = getattr(engine, "mpu", None)
-    return mpu if hasattr(mpu, "get_tensor_model_parallel_world_size") else None
+    return mpu if is_megatron_mpu(mpu) else None
+
+
+def is_megatron_mpu(mpu: object) -> bool:
+    """Whether `mpu` is a Megatron-style mpu whose TP shards the saver and loader place: one with
+    `get_tensor_model_parallel_world_size`, but not HMP's `RankAloneMpu`. That one has the method too (DeepSpeed
+    asks it), but its TP group is one replica's: an HMP engine's tensors are placed by its layout, and a save
+    records the writing replica's boxes (`ucp.deepspeed.hmp_save`), not the shards of a Megatron checkpoint."""
+    return hasattr(mpu, "get_tensor_model_parallel_world_size") and not isinstance(mpu, RankAloneMpu)
 
 
 def has_mpu(engine: DeepSpeedEngine) -> bool:
