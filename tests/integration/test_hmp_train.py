@@ -8,7 +8,8 @@ weights (what a plain DP all-reduce does) diverges.
 
 With `--deepspeed` each rank runs a DeepSpeed engine and the sync runs inside `engine.step`: ZeRO-1 in
 fp32 trains the same losses and parameters within the same tolerances, ZeRO-1 in bf16 the losses
-within bf16 rounding, and the same engines without the sync (negative control) leave that band.
+within bf16 rounding, and the same engines without the sync (negative control) leave that band. Their saves
+(fp32 and bf16) equal the homogeneous DeepSpeed runs' saves within the tolerances the comments state.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ RUNS = {  # name: (--tp-sizes, ranks, extra flags)
     # writes the optimizer's partition through safe_get/set_full_grad), ZeRO-1 in bf16 with fp32 accumulation
     # (BF16_Optimizer: the sync reduces its fp32 buffers in place), and ZeRO-0 without the sync (negative control)
     "ds": ("2,1", 3, ["--deepspeed", "--zero", "1", "--save-dir", "{save}", "--save-every", "5", "--keep", "2"]),
-    "ds_bf16": ("2,1", 3, ["--deepspeed", "--zero", "1", "--bf16"]),
+    "ds_bf16": ("2,1", 3, ["--deepspeed", "--zero", "1", "--bf16", "--save-dir", "{save}"]),
     "ds_off": ("2,1", 3, ["--deepspeed", "--sync", "off"]),
     # Saves ({save}: the run's own folder; {ds}: the "ds" run's). "ds" (above) saves from the HMP layout at steps 5
     # and 10 ("save": {"every": 5, "keep": 2}, asynchronous) and 12 (ucp.deepspeed.save(..., async_=False)); "ds_dp"
@@ -47,6 +48,8 @@ RUNS = {  # name: (--tp-sizes, ranks, extra flags)
     "ds_dp": ("1,1", 2, ["--deepspeed", "--zero", "1", "--plain-dp", "--save-dir", "{save}"]),
     "ds_resumed": ("1,1", 2, ["--deepspeed", "--zero", "1", "--plain-dp", "--load", "{ds}/global_step10"]),
     "ds_unweighted": ("2,1", 3, ["--deepspeed", "--zero", "1", "--sync", "unweighted", "--save-dir", "{save}"]),
+    # the homogeneous bf16 run (DeepSpeed's own 2-rank data parallelism), saving at step 12 as "ds_bf16" does
+    "ds_dp_bf16": ("1,1", 2, ["--deepspeed", "--zero", "1", "--bf16", "--plain-dp", "--save-dir", "{save}"]),
 }
 # fp32 throughout. The runs differ only in the order of sums: TP's partial sums in the row-parallel layers,
 # the sum of the replicas' weighted means against one mean over the batch. Each is a few ulps (fp32 eps is
@@ -142,6 +145,14 @@ def test_bad_flags_are_refused_in_one_line(tmp_path):
     assert saving.returncode == 2
     assert saving.stderr.strip().splitlines() == ["error: --save-dir, --load and --plain-dp run DeepSpeed engines: "
                                                   "add --deepspeed"]
+    # HMP's mpu without "hmp": the replicas train apart, and the saver says so instead of taking the mpu for Megatron's
+    unsynced = run("--tp-sizes", "1", "--deepspeed", "--sync", "off", "--save-dir", str(tmp_path / "ckpt"),
+                   "--steps", "1", "--global-batch", "2")
+    assert unsynced.returncode == 2
+    assert unsynced.stderr.strip().splitlines()[-1] == (
+        "error: ucp.deepspeed.save: this engine has an HMP rank's mpu (RankAloneMpu) but no gradient sync, so its "
+        'replicas train apart and hold no one model; add "layout" and "hmp" to the "ucp" config section '
+        "(ucp.deepspeed.hmp_sync)")
     wrong = run("--tp-sizes", "2,1")
     assert wrong.returncode == 2
     assert wrong.stderr.strip().splitlines()[-1] == ("error: --tp-sizes 2,1 adds up to 3 ranks, but torchrun started "
@@ -212,3 +223,35 @@ def test_the_hmp_save_resumes_at_a_homogeneous_layout(runs):
     assert _relative_gap(resumed, reference[10:]) <= LOSS_RTOL
     # Negative control: the losses of these steps are not those of the steps before (the run did go on).
     assert _relative_gap(resumed, reference[8:10]) > 1e-3
+
+
+# bf16: the HMP save against the homogeneous bf16 run's. Not equal, nor within SAVE_TOL: bf16 runs the forward and
+# backward with 8 mantissa bits (2^-8 = 3.9e-3 relative per rounding), and the two runs round different sums (the
+# TP=2 replica's row-parallel partials, micro-batches of 5 and 3 samples against 4 and 4), so each step's gradient
+# differs by bf16 roundings, not fp32 ulps. Adam divides by sqrt(exp_avg_sq), so a relative gap in the gradient is
+# one of the same size in the update; exp_avg_sq holds squares (twice the relative gap). Measured after 12 steps: at
+# most 1.0e-2 (fp32 masters) and 2.9e-2 (exp_avg_sq) of each state's largest element. The control, a model trained
+# with the replicas' shares unweighted, lies 0.97 away (SAVE_TOL's comment), far outside the band.
+BF16_SAVE_TOL = 6e-2
+
+
+def test_a_bf16_save_from_the_hmp_layout_is_the_homogeneous_bf16_runs_save(runs):
+    """ZeRO-1 bf16 engines on TP sizes 2,1 save what DeepSpeed's own 2-rank bf16 run saves: the same names, shapes,
+    states (fp32 masters and moments), patterns, steps and sample count, the values within BF16_SAVE_TOL."""
+    from ucp.checkpoint import open_checkpoint
+
+    saved = open_checkpoint(runs["ds_bf16"] / "ckpt" / f"global_step{STEPS}")
+    reference = open_checkpoint(runs["ds_dp_bf16"] / "ckpt" / f"global_step{STEPS}")
+    assert saved.verify() == [] and reference.verify() == []
+    assert saved.source["precision"] == reference.source["precision"] == "bf16"
+    gaps = _state_gaps(saved, reference)
+    assert {state for _, state in gaps} == {"fp32", "exp_avg", "exp_avg_sq", "step"}
+    assert max(gaps.values()) <= BF16_SAVE_TOL, max(gaps.items(), key=lambda kv: kv[1])
+    assert max(g for (_, state), g in gaps.items() if state == "step") == 0
+    for key in ("global_steps", "global_samples"):
+        assert saved.training[key] == reference.training[key], key
+    assert [saved.info(n).pattern for n in ("embed.weight", "layers.0.fc2.weight", "norm.weight")] == [
+        "shard_v", "shard_h", "replicate"]
+    # Negative control: the model trained with the shares unweighted leaves the band.
+    wrong = open_checkpoint(runs["ds_unweighted"] / "ckpt" / f"global_step{STEPS}")
+    assert max(_state_gaps(wrong, reference).values()) > 5 * BF16_SAVE_TOL

@@ -44,6 +44,10 @@ def refuse_unsupported(engine: DeepSpeedEngine) -> None:
     """Raise `UnsupportedLayoutError` naming the parallelism family of `engine` that saves do not serve yet."""
     if engine_hmp(engine) is not None:  # its mpu is the HMP one: `install_sync` refused what it does not serve
         return
+    if isinstance(getattr(engine, "mpu", None), RankAloneMpu):
+        raise UnsupportedLayoutError("ucp.deepspeed.save: this engine has an HMP rank's mpu (RankAloneMpu) but no "
+                                     "gradient sync, so its replicas train apart and hold no one model; add "
+                                     "\"layout\" and \"hmp\" to the \"ucp\" config section (ucp.deepspeed.hmp_sync)")
     pipeline = getattr(engine, "pipeline_parallelism", False)
     stage = engine.zero_optimization_stage()
     fp32 = not (engine.bfloat16_enabled() or engine.fp16_enabled())
