@@ -17,7 +17,8 @@ With `--deepspeed` every rank runs a DeepSpeed engine (`--zero 0|1`, `--bf16`) b
 the sync then runs inside `engine.step` (`ucp.deepspeed.hmp_sync`), and the loop is DeepSpeed's own,
 `engine.backward(loss * sampler.loss_weight(n)); engine.step()`. `--save-dir DIR` saves ucp checkpoints from the
 layout (`"save": {"every": --save-every, "keep": --keep}`), `--load DIR/global_stepN` resumes from one saved at
-any layout, and `--plain-dp` (TP sizes of 1) runs DeepSpeed's own data parallelism instead: the homogeneous run.
+any layout (`--load auto`: from the newest in --save-dir, `"load": "auto"`), and `--plain-dp` (TP sizes of 1)
+runs DeepSpeed's own data parallelism instead: the homogeneous run.
 """
 from __future__ import annotations
 
@@ -237,7 +238,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--save-every", type=int, help="with --save-dir: save every this many steps (asynchronously), and "
                    "the last step (synchronously; default: only the last)")
     p.add_argument("--keep", type=int, help="with --save-dir: keep the newest this many checkpoints")
-    p.add_argument("--load", help="with --deepspeed: resume from this ucp checkpoint (saved at any layout)")
+    p.add_argument("--load", help="with --deepspeed: resume from this ucp checkpoint (saved at any layout); \"auto\": "
+                   "from the newest in --save-dir, if any")
     p.add_argument("--plain-dp", action="store_true",
                    help="with --deepspeed and TP sizes of 1: DeepSpeed's own data parallelism, no HMP sync")
     p.add_argument("--speeds", help="relative replica speeds, e.g. 2,1 (default: the cost model's)")

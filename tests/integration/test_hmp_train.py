@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -48,6 +49,9 @@ RUNS = {  # name: (--tp-sizes, ranks, extra flags)
     "ds_dp": ("1,1", 2, ["--deepspeed", "--zero", "1", "--plain-dp", "--save-dir", "{save}"]),
     "ds_resumed": ("1,1", 2, ["--deepspeed", "--zero", "1", "--plain-dp", "--load", "{ds}/global_step10"]),
     "ds_unweighted": ("2,1", 3, ["--deepspeed", "--zero", "1", "--sync", "unweighted", "--save-dir", "{save}"]),
+    # "load": "auto" beside "layout" + "hmp": the HMP job resumes from its own save folder's newest checkpoint without
+    # naming it (step 10's, which the fixture copies there from "ds"; AUTO_SEEDED) and trains steps 11-12
+    "ds_auto": ("2,1", 3, ["--deepspeed", "--zero", "1", "--save-dir", "{save}", "--load", "auto"]),
     # the homogeneous bf16 run (DeepSpeed's own 2-rank data parallelism), saving at step 12 as "ds_bf16" does
     "ds_dp_bf16": ("1,1", 2, ["--deepspeed", "--zero", "1", "--bf16", "--plain-dp", "--save-dir", "{save}"]),
 }
@@ -63,6 +67,8 @@ PARAM_TOL = 2e-6
 # this band by far (measured: 0.29 relative at step 4), so the band still tells a synced run from an unsynced one.
 BF16_LOSS_RTOL = 2e-2
 
+AUTO_SEEDED = "global_step10"  # what "ds_auto"'s save folder holds before it starts
+
 pytestmark = pytest.mark.slow
 
 
@@ -72,6 +78,8 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     for name, (tp_sizes, ranks, extra) in RUNS.items():
         (root / name).mkdir()
         extra = [a.format(save=root / name / "ckpt", ds=root / "ds" / "ckpt") for a in extra]
+        if name == "ds_auto":
+            shutil.copytree(root / "ds" / "ckpt" / AUTO_SEEDED, root / name / "ckpt" / AUTO_SEEDED)
         run_torchrun(EXAMPLE, ["--tp-sizes", tp_sizes, "--steps", str(STEPS), "--global-batch", str(BATCH),
                                "--losses-out", root / name / "losses.jsonl", "--params-out", root / name / "params",
                                *extra], ranks, root / name / "run.log", timeout=300)
@@ -255,3 +263,22 @@ def test_a_bf16_save_from_the_hmp_layout_is_the_homogeneous_bf16_runs_save(runs)
     # Negative control: the model trained with the shares unweighted leaves the band.
     wrong = open_checkpoint(runs["ds_unweighted"] / "ckpt" / f"global_step{STEPS}")
     assert max(_state_gaps(wrong, reference).values()) > 5 * BF16_SAVE_TOL
+
+
+def test_an_hmp_job_resumes_auto_from_its_own_newest_save(runs):
+    """"load": "auto" with "layout" and "hmp": the job on TP sizes 2,1 resumes from its save folder's newest
+    checkpoint (the HMP save of step 10), trains the uninterrupted run's steps 11-12 and saves its step-12 model."""
+    from ucp.checkpoint import open_checkpoint
+
+    log = (runs["ds_auto"] / "run.log").read_text()
+    assert any("ucp: resuming from" in line and f"{AUTO_SEEDED} (step 10) on 3 ranks" in line
+               for line in log.splitlines()), log[-2000:]
+    assert _relative_gap(_losses(runs["ds_auto"], first=11), _losses(runs["ds"])[10:]) <= LOSS_RTOL
+    saved = open_checkpoint(runs["ds_auto"] / "ckpt" / f"global_step{STEPS}")
+    uninterrupted = open_checkpoint(runs["ds"] / "ckpt" / f"global_step{STEPS}")
+    assert max(_state_gaps(saved, uninterrupted).values()) <= SAVE_TOL
+    assert saved.training["global_samples"] == STEPS * BATCH
+    # Negative control: the checkpoint it resumed from is not the step-12 model (a resume that trained nothing, or
+    # started fresh, leaves the step-10 or the initial model, not this one).
+    seeded = open_checkpoint(runs["ds_auto"] / "ckpt" / AUTO_SEEDED)
+    assert max(_state_gaps(seeded, uninterrupted).values()) > 100 * SAVE_TOL
