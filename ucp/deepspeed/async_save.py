@@ -43,7 +43,7 @@ from ucp.deepspeed.autotp import tp_size, with_tensor_parallel
 from ucp.deepspeed.hmp_save import engine_hmp, place_target
 from ucp.deepspeed.save_index import metadata
 from ucp.deepspeed.save_layout import average_partials, mpu_tp_size, refuse_unsupported
-from ucp.deepspeed.save_snapshot import Prepared, copy_into, every_holding, prepare
+from ucp.deepspeed.save_snapshot import Prepared, Preparing, copy_into, every_holding, prepare
 from ucp.deepspeed.save_stores import write_local, write_object
 from ucp.deepspeed.save_writer import BackgroundSave
 from ucp.deepspeed.targets import Target, target_for
@@ -109,6 +109,7 @@ class Saver:
         self.after_commit: Callable[[Location], None] | None = None  # on rank 0, after each commit (retention)
         self.memory: MemoryWriter | None = None  # the host-memory tier, when the config has one
         self._prepared: dict[str, Prepared] = {}  # per tier ("disk", "memory"): each has a buffer of its own
+        self._preparing: dict[str, Preparing] = {}  # per tier: the next layout, prepared ahead (`prepare_ahead`)
         _LIVE.add(self)
 
     @property
@@ -186,14 +187,43 @@ class Saver:
 
     # -- files and buffer, rebuilt only when the optimizer's states change (e.g. after the first step)
 
+    def prepare_ahead(self) -> None:
+        """Start laying out the files and allocating the snapshot buffer of each tier whose optimizer states
+        changed (the moments appear at the first optimizer step), on a thread of its own: the first save then
+        finds them ready instead of stalling training for them. Collective (every rank of the saving group calls
+        it after the same step); gathers what every rank holds, which is small, on the training thread."""
+        moments = tuple(self.target.state_names())
+        if not moments:
+            return  # before the first step: the layout would change at once
+        stale = [tier for tier in ("disk", "memory") if (tier == "disk" or self.memory is not None)
+                 and self._moments_of(tier) != moments]
+        if not stale:
+            return
+        every = every_holding(self.target, self.rank, self.ranks, moments, alone=self.group is None)
+        for tier in stale:
+            self._preparing[tier] = Preparing(moments, lambda: prepare(self.engine, self.target, moments, self.rank,
+                                                                       self.leader, every))
+
+    def _moments_of(self, tier: str) -> tuple[str, ...] | None:
+        """The optimizer states of the tier's newest layout, prepared or under way."""
+        preparing = self._preparing.get(tier)
+        if preparing is not None:
+            return preparing.moments
+        known = self._prepared.get(tier)
+        return known.moments if known is not None else None
+
     def _prepare(self, tier: str) -> Prepared:
         moments = tuple(self.target.state_names())
         known = self._prepared.get(tier)
-        if known is not None and known.moments == moments:
+        preparing = self._preparing.pop(tier, None)
+        if preparing is None and known is not None and known.moments == moments:
             return known
-        self._prepared.pop(tier, None)  # free the old buffer before allocating the new one
-        every = every_holding(self.target, self.rank, self.ranks, moments, alone=self.group is None)
-        prepared = prepare(self.engine, self.target, moments, self.rank, self.leader, every)
+        self._prepared.pop(tier, None)  # free the old buffer (no save of this tier is in flight)
+        if preparing is not None and preparing.moments == moments:
+            prepared = preparing.result()  # waits only if the first save comes before the thread is done
+        else:
+            every = every_holding(self.target, self.rank, self.ranks, moments, alone=self.group is None)
+            prepared = prepare(self.engine, self.target, moments, self.rank, self.leader, every)
         self._prepared[tier] = prepared
         return prepared
 

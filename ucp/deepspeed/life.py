@@ -121,6 +121,7 @@ class CheckpointLife:
             if self.book is not None:
                 self.book.after_step()
         if self.cadence is not None:
+            self.saver.prepare_ahead()  # the first save's layout and buffer, off the training thread
             self._save_if_due(self.cadence)
         return result
 

@@ -5,10 +5,13 @@ ZeRO run of every fp32 master and optimizer moment, plus the replicated tensors 
 parameters, buffers) that byte balancing gives it. Under AutoTP a rank's run lies in its TP shard's box of the full
 tensor, and a box that several TP ranks (or pipeline stages: a tied module) hold is written by one copy
 (`ucp.deepspeed.save_plan`, planned once from what every rank holds). `prepare` lays out the files and the buffer
-(once per set of optimizer states); `copy_into` fills the buffer from the live tensors at each save.
+(once per set of optimizer states; `Preparing` does it on a thread of its own, ahead of the first save, so that
+training never waits for the planning nor for the buffer's pages); `copy_into` fills the buffer from the live
+tensors at each save.
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -94,6 +97,34 @@ def prepare(engine: DeepSpeedEngine, target: Target, moments: tuple[str, ...], r
         patterns = {name: pattern_of(name, held[0].shape, held, hints)
                     for name, (held, hints) in pattern_inputs(engine, every).items()}
     return Prepared(moments, files, buffer, _copies(buffer, of_piece), patterns, tuple(model))
+
+
+class Preparing:
+    """`prepare` running on a thread of its own; `result` waits for it (and raises what it raised).
+
+    The planning is pure and the buffer is this rank's own (allocated and every page touched there), so the
+    training thread only waits where a save needs the layout before the thread is done."""
+
+    def __init__(self, moments: tuple[str, ...], work: Callable[[], Prepared]):
+        self.moments = moments
+        self._prepared: Prepared | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(work,), name="ucp-save-prepare", daemon=True)
+        self._thread.start()
+
+    def _run(self, work: Callable[[], Prepared]) -> None:
+        try:
+            self._prepared = work()
+        except BaseException as exc:  # handed to the training thread by `result`
+            self._error = exc
+
+    def result(self) -> Prepared:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        if self._prepared is None:
+            raise RuntimeError("ucp: the snapshot's preparation ended without a result")
+        return self._prepared
 
 
 def every_holding(target: Target, rank: int, ranks: list[int], moments: tuple[str, ...], alone: bool
