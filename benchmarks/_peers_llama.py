@@ -88,6 +88,8 @@ UCP_SECTIONS = (
     ("ucp.format.checked_read", "fill", "load: read (fill)"),
     ("ucp.format.checked_read", "crc32", "load: CRC-32"),
     ("ucp.deepspeed.engine_load", "_agree", "load: agree (all-gather)"),
+    ("ucp.deepspeed.targets:_FlatPartitionTarget", "finish",
+     "load: module weights from the masters (DeepSpeed's update_lp_params: an all-gather)"),
     ("ucp.deepspeed.life:StepBook", "after_step", "first step: step book (progress, restart report)"),
     ("ucp.deepspeed.async_save:Saver", "save_memory", "first step: memory save (blocked)"),
     ("ucp.deepspeed.async_save:Saver", "_prepare", "first step: memory save, snapshot buffer"),
