@@ -66,6 +66,78 @@ class StartMarks:
                 "engine_init_s": at["engine"] - at["model"] - load_in_engine}
 
 
+# Where ucp's restart spends its time (--phase recover, ucp): (module[:class], attribute, section). Each is wrapped by a
+# timer (`Sections`); nested sections are also in the one around them (a read and its CRCs in the load).
+ZERO_CHECK = ("deepspeed.runtime.engine", "is_zero_supported_optimizer",
+              "engine init: DeepSpeed's ZeRO optimizer check (imports Muon: torch.compile, inductor)")
+UCP_SECTIONS = (
+    ("deepspeed", "initialize", "engine init: DeepSpeed's initialize"),
+    ZERO_CHECK,
+    ("ucp.deepspeed.hook", "warn_shared_rendezvous_store", "engine init: rendezvous store check"),
+    ("ucp.deepspeed.elastic", "candidates", "engine init: auto search, disk candidates"),
+    ("ucp.deepspeed.elastic", "memory_resume_point", "engine init: auto search, memory tier"),
+    ("ucp.deepspeed.life:StepBook", "__init__", "engine init: step book"),
+    ("ucp.deepspeed.life:CheckpointLife", "save_every", "engine init: saver and memory tier setup"),
+    ("ucp.deepspeed.hook", "load", "load"),
+    ("ucp.deepspeed.engine_load", "target_for", "load: engine's layout (target)"),
+    ("ucp.deepspeed.engine_load", "open_checkpoint", "load: open the checkpoint (index)"),
+    ("ucp.deepspeed.engine_load", "_check", "load: names and shapes"),
+    ("ucp.deepspeed.engine_load", "_check_first", "load: read + CRC (check_first)"),
+    ("ucp.deepspeed.engine_load", "_load_tensors", "load: tensors (check_first, install)"),
+    ("ucp.format.checked_read", "fetch", "load: read (fetch)"),
+    ("ucp.format.checked_read", "fill", "load: read (fill)"),
+    ("ucp.format.checked_read", "crc32", "load: CRC-32"),
+    ("ucp.deepspeed.engine_load", "_agree", "load: agree (all-gather)"),
+    ("ucp.deepspeed.targets:_FlatPartitionTarget", "finish",
+     "load: module weights from the masters (DeepSpeed's update_lp_params: an all-gather)"),
+    ("ucp.deepspeed.life:StepBook", "after_step", "first step: step book (progress, restart report)"),
+    ("ucp.deepspeed.async_save:Saver", "save_memory", "first step: memory save (blocked)"),
+    ("ucp.deepspeed.async_save:Saver", "_prepare", "first step: memory save, snapshot buffer"),
+)
+
+
+# DLRover's side of the same split: DeepSpeed's initialize, the checkpointer, its load.
+DLROVER_SECTIONS = (
+    ("deepspeed", "initialize", "engine init: DeepSpeed's initialize"),
+    ZERO_CHECK,
+    ("dlrover.trainer.torch.flash_checkpoint.deepspeed:DeepSpeedCheckpointer", "__init__",
+     "engine init: DLRover's checkpointer"),
+)
+
+
+class Sections:
+    """Seconds and calls spent in each of `UCP_SECTIONS` on this rank (wall clock; sections are wrapped where
+    they are looked up, so a function imported by name is wrapped in the module that calls it)."""
+
+    def __init__(self, sections: tuple[tuple[str, str, str], ...] = UCP_SECTIONS):
+        import importlib
+
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        for where, attr, name in sections:
+            module, _, cls = where.partition(":")
+            owner = importlib.import_module(module)
+            owner = getattr(owner, cls) if cls else owner
+            setattr(owner, attr, self._timed(getattr(owner, attr), name))
+
+    def _timed(self, function, name: str):
+        import functools
+
+        @functools.wraps(function)
+        def timed(*args, **kwargs):
+            began = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - began
+                self.calls[name] = self.calls.get(name, 0) + 1
+
+        return timed
+
+    def report(self) -> dict:
+        return {name: {"s": round(s, 4), "calls": self.calls[name]} for name, s in self.seconds.items()}
+
+
 def peak_rss(pid: int | str = "self") -> int:
     """The peak resident set of a process since its last reset (VmHWM), in bytes."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -141,6 +213,9 @@ class Job:
             self.marks.mark("imported")
             deepspeed.init_distributed(dist_backend="gloo")
         else:
+            # deepspeed as in DLRover's worker: with the job's libraries (ucp's initialize would import it)
+            import deepspeed  # noqa: F401
+
             import ucp.elastic
 
             self.marks.mark("imported")
@@ -150,6 +225,9 @@ class Job:
         torch.manual_seed(SEED)
         model = LlamaForCausalLM(LlamaConfig(**MODELS[args.model]))
         self.marks.mark("model")
+        self.sections = None
+        if args.phase in ("recover", "resize"):  # where the restart's time goes, by part
+            self.sections = Sections(DLROVER_SECTIONS if self.dlrover else UCP_SECTIONS)
         self.n_params = sum(p.numel() for p in model.parameters())
         config: dict = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
                         "zero_optimization": {"stage": 1}, "steps_per_print": NEVER,
@@ -180,9 +258,14 @@ class Job:
     def step(self) -> float:
         began = time.perf_counter()
         loss = lm_loss(self.engine, self.ids)
+        forward = time.perf_counter()
         self.engine.backward(loss)
+        backward = time.perf_counter()
         self.engine.step()
-        return time.perf_counter() - began
+        end = time.perf_counter()
+        self.step_parts = {"forward_s": forward - began, "backward_s": backward - forward,
+                           "engine_step_s": end - backward}  # ucp's engine.step: DeepSpeed's, then its life's
+        return end - began
 
     def folder(self, tool: str) -> Path:
         return Path(self.args.save_dir) / tool
@@ -354,7 +437,9 @@ def recover_phase(job: Job, called: float) -> None:
                 append(args.records, {"restart": {
                     "called": called, "startup_s": startup, "load_s": load_s, "first_step_s": now - ready,
                     "first_step_at": now, "checkpoint_step": checkpoint_step, "world": job.world,
-                    "process_at": job.marks.at["process"],
+                    "process_at": job.marks.at["process"], "params": job.n_params,
+                    "sections": {**job.sections.report(), **{f"first step: {k.removesuffix('_s')}": {"s": v, "calls": 1}
+                                                                   for k, v in job.step_parts.items()}},
                     **job.marks.parts(0.0 if job.dlrover else load_s)}})
             append(args.records, {"step": step, "time": now, "world": job.world})
         first = False
@@ -382,7 +467,8 @@ def resize_phase(job: Job, called: float) -> None:
         append(args.records, {"resized": {"called": called, "startup_s": job.started - called, "load_s": load_s,
                                           "first_step_s": now - ready, "first_step_at": now,
                                           "step": job.engine.global_steps, "world": job.world,
-                                          "process_at": job.marks.at["process"], **job.marks.parts()}})
+                                          "process_at": job.marks.at["process"], "params": job.n_params,
+                                          "sections": job.sections.report(), **job.marks.parts()}})
 
 
 def main() -> None:

@@ -2,7 +2,7 @@
 """Benchmark: ucp side by side with the tools people would pick instead, on the same DeepSpeed job (issue #31).
 
     python benchmarks/peers.py [--quick] [--json-out FILE] [--markdown-out FILE] [--work DIR] [--worlds N ...]
-                               [--new-size-from N] [--new-size-model {20m,112m}]
+                               [--new-size-from N] [--new-size-model {20m,112m}] [--only recoveries]
 
 The ~112M-parameter benchmark Llama (`--quick`: the 19.8M one, 2 ranks only), ZeRO-1 fp32, on CPU ranks
 (`benchmarks/_peers_llama.py`), each tool under its own launcher and through its own API:
@@ -39,6 +39,9 @@ Measured:
    both jobs are started by the benchmark). `--new-size-from` and `--new-size-model` run it at another size than
    the saves (when the machine cannot hold the full run in time).
 
+`--only recoveries` skips the saves and runs items 2 and 3 alone (at the largest of `--worlds`): the table and
+the JSON then carry only the recovery columns and keys.
+
 `--json-out` writes `{tool: {"blocked_s", "durable_s", "overhead_every1", "recovery_same_size_s",
 "recovery_new_size_s", ..., "why": {key: reason}}}` for ucp, ucp_memory, dlrover, dlrover_disk, deepspeed, dcp;
 null where a tool cannot do a thing.
@@ -68,6 +71,8 @@ WORKER = HERE / "_peers_llama.py"
 WORKERS = {"dcp": HERE / "_peers_dcp.py"}  # by family; the others run WORKER
 TOOLS = ("ucp", "ucp_memory", "dlrover", "dlrover_disk", "deepspeed", "dcp")
 KEYS = ("blocked_s", "durable_s", "overhead_every1", "recovery_same_size_s", "recovery_new_size_s")
+SAVE_KEYS = ("blocked_s", "durable_s", "overhead_every1", "overhead_every4", "bytes_per_save", "peak_rss_per_rank",
+             "by_world")
 MEMORY_ONLY = "saves to host memory only; nothing is on disk until another save writes it"
 NOT_A_RECOVERY_TIER = "recovery is measured from memory (ucp_memory, dlrover), as the issue asks"
 NO_RESTORE = "DeepSpeed alone restarts nothing and has no memory tier: its restart is a new job from disk"
@@ -88,6 +93,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "(default: the largest of --worlds)")
     p.add_argument("--new-size-model", choices=("20m", "112m"), help="the model of the new-size recovery (default: "
                    "the run's)")
+    p.add_argument("--only", choices=("recoveries",), help="run only the recoveries (no saves); the table and the "
+                   "JSON carry only their columns")
     args = p.parse_args(argv)
     args.model = "20m" if args.quick else "112m"
     args.worlds = args.worlds or ([2] if args.quick else [2, 4])
@@ -258,6 +265,9 @@ def split(restart: dict | None, fault: float, old: int, new: int) -> dict:
     split = {"old_world": old, "new_world": new, "total_s": restart["first_step_at"] - fault,
              "detection_s": restart["called"] - fault, "startup_s": restart["startup_s"], "load_s": restart["load_s"],
              "first_step_s": restart["first_step_s"], "checkpoint_step": restart.get("checkpoint_step")}
+    for key in ("params", "sections"):  # the model's size; where ucp's engine init, load and first step go
+        if key in restart:
+            split[key] = restart[key]
     if "process_at" in restart:  # the start-up's parts (_peers_llama.StartMarks)
         split["parts"] = {"relaunch_s": restart["process_at"] - fault,
                           **{k: restart[k] for k in START_PARTS if k in restart and k != "relaunch_s"}}
@@ -314,9 +324,10 @@ def run_new_size(args: argparse.Namespace, world: int, work: Path) -> dict:
     return out
 
 
-def summarize(saves: list[dict], same: dict, new: dict) -> dict:
+def summarize(saves: list[dict], same: dict, new: dict, recoveries_only: bool = False) -> dict:
     """The JSON of --json-out from the measured records (pure): per tool the issue's keys, null with a reason
-    under "why" where the tool cannot do the thing, and the details."""
+    under "why" where the tool cannot do the thing, and the details; `recoveries_only` (no saves were run): the
+    recovery keys alone."""
     by_world: dict[str, dict[int, dict]] = {}
     for r in saves:
         by_world.setdefault(r["tool"], {})[r["world"]] = r
@@ -373,6 +384,9 @@ def summarize(saves: list[dict], same: dict, new: dict) -> dict:
         entry["recovery_new_size"] = new.get(recovery_tool) if recovery_tool else None
         entry["why"] = {key: reason for key, reason in why.items()
                         if entry.get(key) is None or "DLRover" in reason or key not in entry}
+        if recoveries_only:
+            entry = {key: value for key, value in entry.items() if key not in SAVE_KEYS}
+            entry["why"] = {key: reason for key, reason in entry["why"].items() if key not in SAVE_KEYS}
         result[tool] = entry
     return result
 
@@ -400,11 +414,17 @@ def ratio(a: float | None, b: float | None) -> str:
     return "–" if a is None or b is None or b == 0 else f"{a / b:.2f}×"
 
 
-def markdown(result: dict, meta: dict) -> str:
-    """The table of benchmarks/README.md (Peers) from --json-out's result (pure)."""
-    lines = [f"{meta['machine']}; {meta['model']}, ZeRO-1 fp32, {meta['ranks']}; {meta['versions']}; 15-min load "
-             f"average at the end {meta['load_15min']:.1f}.", "",
-             "| tool | blocked per save | durable | overhead every 1 / every 4 | bytes per save | peak RSS per rank | "
+def markdown(result: dict, meta: dict, recoveries_only: bool = False) -> str:
+    """The table of benchmarks/README.md (Peers) from --json-out's result (pure); `recoveries_only`: the recovery
+    columns alone."""
+    before = meta.get("load_before_recoveries")
+    lines = [f"{meta['machine']}; {meta['model']}, ZeRO-1 fp32, {meta['ranks']}; {meta['versions']}; "
+             + (f"load average (1/5/15 min) as the recoveries began {before[0]:.1f}/{before[1]:.1f}/{before[2]:.1f}, "
+                if before else "") + f"15-min load average at the end {meta['load_15min']:.1f}.", ""]
+    if recoveries_only:
+        return "\n".join(lines + recovery_lines(result) + ["", "Ratios ucp / peer: " + recovery_ratios(result) + ".",
+                                                           "", "Targets: " + "; ".join(targets(result)[1:])])
+    lines += ["| tool | blocked per save | durable | overhead every 1 / every 4 | bytes per save | peak RSS per rank | "
              "same-size recovery (memory) | new-size recovery |",
              "|---|---|---|---|---|---|---|---|"]
     for tool in TOOLS:
@@ -415,7 +435,29 @@ def markdown(result: dict, meta: dict) -> str:
             f"{b / 2**30:.2f}" for b in e["peak_rss_per_rank"]) + " GiB"
         lines.append(f"| {tool} | {seconds(e['blocked_s'])} | {seconds(e['durable_s'])} | {every} | {size} | {rss} | "
                      f"{seconds(e['recovery_same_size_s'])} | {seconds(e['recovery_new_size_s'])} |")
-    lines += ["", "Recoveries (fault or relaunch → first step = detection + relaunch, start-up, load, first step):", ""]
+    lines += ["", *recovery_lines(result)]
+    u, d = result["ucp"], result["dlrover"]
+    um = result["ucp_memory"]
+    lines += ["", "Ratios ucp / peer: blocked, ucp async disk save / DLRover memory save "
+              f"{ratio(u['blocked_s'], d['blocked_s'])}, ucp memory tier / DLRover memory save "
+              f"{ratio(um['blocked_s'], d['blocked_s'])}; durable, ucp / DLRover disk "
+              f"{ratio(u['durable_s'], result['dlrover_disk']['durable_s'])}, ucp / DeepSpeed "
+              f"{ratio(u['durable_s'], result['deepspeed']['durable_s'])}; against DCP's async save (FSDP2): blocked "
+              f"{ratio(u['blocked_s'], result['dcp']['blocked_s'])}, durable "
+              f"{ratio(u['durable_s'], result['dcp']['durable_s'])}; " + recovery_ratios(result) + "."]
+    lines += ["", "Targets: " + "; ".join(targets(result))]
+    return "\n".join(lines)
+
+
+def recovery_ratios(result: dict) -> str:
+    um, d = result["ucp_memory"], result["dlrover"]
+    return (f"same-size recovery {ratio(um['recovery_same_size_s'], d['recovery_same_size_s'])}; new-size recovery "
+            f"{ratio(um['recovery_new_size_s'], d['recovery_new_size_s'])}")
+
+
+def recovery_lines(result: dict) -> list[str]:
+    """Each recovery in one line, then where their time goes (pure)."""
+    lines = ["Recoveries (fault or relaunch → first step = detection + relaunch, start-up, load, first step):", ""]
     for tool in ("ucp_memory", "dlrover"):
         for kind in ("recovery_same_size", "recovery_new_size"):
             r = result[tool][kind]
@@ -427,20 +469,25 @@ def markdown(result: dict, meta: dict) -> str:
                              + parts(r["universal"]))
             elif r:
                 lines.append(f"* {tool}, {kind.split('_', 1)[1].replace('_', ' ')}: " + parts(r))
-    lines += ["", *startup_table(result)]
-    u, d = result["ucp"], result["dlrover"]
-    um = result["ucp_memory"]
-    lines += ["", "Ratios ucp / peer: blocked, ucp async disk save / DLRover memory save "
-              f"{ratio(u['blocked_s'], d['blocked_s'])}, ucp memory tier / DLRover memory save "
-              f"{ratio(um['blocked_s'], d['blocked_s'])}; durable, ucp / DLRover disk "
-              f"{ratio(u['durable_s'], result['dlrover_disk']['durable_s'])}, ucp / DeepSpeed "
-              f"{ratio(u['durable_s'], result['deepspeed']['durable_s'])}; against DCP's async save (FSDP2): blocked "
-              f"{ratio(u['blocked_s'], result['dcp']['blocked_s'])}, durable "
-              f"{ratio(u['durable_s'], result['dcp']['durable_s'])}; same-size recovery "
-              f"{ratio(um['recovery_same_size_s'], d['recovery_same_size_s'])}; new-size recovery "
-              f"{ratio(um['recovery_new_size_s'], d['recovery_new_size_s'])}."]
-    lines += ["", "Targets: " + "; ".join(targets(result))]
-    return "\n".join(lines)
+    return lines + ["", *startup_table(result), "", *sections_table(result)]
+
+
+def sections_table(result: dict) -> list[str]:
+    """The why (pure): each restart's engine init, load and first step in their parts, rank 0's wall-clock seconds
+    in each section of `_peers_llama.UCP_SECTIONS` / `DLROVER_SECTIONS` (nested ones are inside the one above)."""
+    runs = [(f"{tool}, {kind.split('_', 1)[1].replace('_', ' ')}", result[tool].get(kind) or {})
+            for tool in ("ucp_memory", "dlrover") for kind in ("recovery_same_size", "recovery_new_size")]
+    runs = [(title, r.get("universal", r)) for title, r in runs]  # DLRover's new size: its universal path
+    columns = [(title, r["sections"]) for title, r in runs if "sections" in r]
+    if not columns:
+        return []
+    names = list(dict.fromkeys(name for _, sections in columns for name in sections))
+    names.sort(key=lambda n: ("engine init", "load", "first step").index(n.split(":")[0]))  # stable: order kept
+    rows = [f"| {name} | " + " | ".join(
+        f"{sections[name]['s']:.2f} s" + (f" ({sections[name]['calls']}×)" if sections[name]["calls"] > 1 else "")
+        if name in sections else "–" for _, sections in columns) + " |" for name in names]
+    return ["Where the restart's time goes (rank 0; a nested part is inside the part above it):", "",
+            "| part | " + " | ".join(title for title, _ in columns) + " |", "|---" * (len(columns) + 1) + "|", *rows]
 
 
 def startup_table(result: dict) -> list[str]:
@@ -481,8 +528,8 @@ def targets(result: dict) -> list[str]:
         ok = value <= factor * bound
         return f"{name}: **{'PASS' if ok else 'MISS'}** ({value:.2f} vs {factor:.3g} × {bound:.2f})"
 
-    blocked = max((b for b in (u["blocked_s"], um["blocked_s"]) if b is not None), default=None)
-    return [judge("ucp blocked per save ≤ DLRover's memory save", blocked, d["blocked_s"], 1),
+    blocked = max((b for b in (u.get("blocked_s"), um.get("blocked_s")) if b is not None), default=None)
+    return [judge("ucp blocked per save ≤ DLRover's memory save", blocked, d.get("blocked_s"), 1),
             judge("new-size recovery ≤ ⅓ of the best peer path", um["recovery_new_size_s"],
                   d["recovery_new_size_s"], 1 / 3),
             judge("same-size recovery from memory ≤ 1.1× DLRover's", um["recovery_same_size_s"],
@@ -500,21 +547,25 @@ def main(argv: list[str] | None = None) -> None:
     work = Path(args.work or tempfile.mkdtemp(prefix="ucp-peers-bench-"))
     began = time.time()
     saves: list[dict] = []
-    for world in args.worlds:
+    only = args.only == "recoveries"
+    for world in [] if only else args.worlds:
         saves += run_saves(args, world, work)
+    load_before = os.getloadavg()  # the machine's load as the recoveries start
     same = run_same_size(args, max(args.worlds), work)
     new = run_new_size(args, args.new_size_from, work)
-    result = summarize(saves, same, new)
+    result = summarize(saves, same, new, only)
+    params = saves[0]["params"] if saves else next(r["params"] for r in same.values() if "params" in r)
     meta = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
                        f"{psutil.virtual_memory().total / 2**30:.0f} GiB",
-            "model": f"{saves[0]['params'] / 1e6:.1f}M-parameter Llama", "versions": versions(),
-            "ranks": " and ".join(str(w) for w in args.worlds) + " CPU ranks; new size "
+            "model": f"{params / 1e6:.1f}M-parameter Llama", "versions": versions(),
+            "ranks": ("recoveries only: same size on " + str(max(args.worlds)) if only else
+                      " and ".join(str(w) for w in args.worlds)) + " CPU ranks; new size "
                      f"{args.new_size_from} → {args.new_size_from - 1} ranks on the {args.new_size_model} model",
-            "load_15min": os.getloadavg()[2], "wall_s": time.time() - began}
-    text = markdown(result, meta)
-    print(text)
+            "load_15min": os.getloadavg()[2], "load_before_recoveries": load_before, "wall_s": time.time() - began}
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(result, indent=1))
+    text = markdown(result, meta, only)
+    print(text)
     if args.markdown_out:
         Path(args.markdown_out).write_text(text + "\n")
     if not args.work:

@@ -127,3 +127,56 @@ def test_worker_refuses_tools_of_two_launchers_in_one_job():
     assert _peers_llama.parse(["--tools", "ucp", "ucp_memory", "deepspeed", *common]).tools[-1] == "deepspeed"
     with pytest.raises(SystemExit):  # ucp runs under torchrun, DLRover under dlrover-run
         _peers_llama.parse(["--tools", "ucp", "dlrover", *common])
+
+
+def test_only_recoveries_carries_the_recovery_columns_and_keys_alone():
+    assert peers.parse_args(["--only", "recoveries"]).only == "recoveries"
+    with pytest.raises(SystemExit):  # only the recoveries can run alone
+        peers.parse_args(["--only", "saves"])
+    result = peers.summarize([], SAME, NEW, recoveries_only=True)
+    assert list(result) == ["ucp", "ucp_memory", "dlrover", "dlrover_disk", "deepspeed", "dcp"]
+    for tool, entry in result.items():
+        assert {"recovery_same_size_s", "recovery_new_size_s", "why"} <= set(entry), tool
+        assert not set(entry) & set(peers.SAVE_KEYS), tool
+        assert not set(entry["why"]) & set(peers.SAVE_KEYS), tool
+    assert (result["ucp_memory"]["recovery_same_size_s"], result["dlrover"]["recovery_new_size_s"]) == (20.0, 40.0)
+    meta = {"machine": "m", "model": "m", "ranks": "r", "versions": "v", "load_15min": 1.0,
+            "load_before_recoveries": (0.5, 1.0, 2.0)}
+    text = peers.markdown(result, meta, recoveries_only=True)
+    assert "blocked per save" not in text and "| tool | blocked" not in text
+    assert "began 0.5/1.0/2.0" in text and "1.1× DLRover's: **PASS**" in text
+    # control: the same records with the saves summarized the usual way carry the save keys, null with why
+    full = peers.summarize([], SAME, NEW)["ucp"]
+    assert full["blocked_s"] is None and full["why"]["blocked_s"] == "not measured"
+
+
+def test_the_why_splits_each_restart_by_part():
+    parts = {"engine init: DeepSpeed's initialize": {"s": 4.0, "calls": 1},
+             "load: CRC-32": {"s": 0.25, "calls": 3}, "first step: forward": {"s": 1.0, "calls": 1}}
+    restart = {"called": 104.0, "first_step_at": 120.0, "startup_s": 11.5, "load_s": 0.5, "first_step_s": 2.0,
+               "sections": parts, "params": 7}
+    same = {"ucp_memory": peers.split(restart, 100.0, 2, 2), "dlrover": recovered(25.0)}
+    table = peers.sections_table(peers.summarize([], same, NEW, recoveries_only=True))
+    assert table[2] == "| part | ucp_memory, same size |"
+    assert table[4:] == ["| engine init: DeepSpeed's initialize | 4.00 s |", "| load: CRC-32 | 0.25 s (3×) |",
+                         "| first step: forward | 1.00 s |"]
+    assert peers.sections_table(peers.summarize([], SAME, NEW)) == []  # control: records without parts, no table
+
+
+def test_sections_time_what_they_wrap():
+    import types
+
+    import _peers_llama
+
+    module = types.ModuleType("peers_sections_probe")
+    module.work = lambda n: sum(range(n))  # type: ignore[attr-defined]
+    sys.modules[module.__name__] = module
+    try:
+        sections = _peers_llama.Sections(((module.__name__, "work", "work"),))
+        assert module.work(10) == 45 and module.work(3) == 3  # the wrapped function still answers
+        report = sections.report()
+        assert report["work"]["calls"] == 2 and report["work"]["s"] >= 0
+        module.work = sections._timed(lambda n: n, "other")  # type: ignore[attr-defined]
+        assert "other" not in sections.report()  # control: a section that never ran is not reported
+    finally:
+        del sys.modules[module.__name__]

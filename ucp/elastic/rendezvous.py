@@ -10,12 +10,16 @@ user who knows it (and the agents need it anyway to admit a node that joins late
 Here rank 0 of each round starts a store of its own on a free port and announces it in the agent's store with a
 token; the other ranks take an announcement only once the store it names answers with that token. A stale
 announcement names a store that died with its rank 0 (or now answers with another token), so it is passed over,
-and every rank of the round meets in a store that no earlier round wrote to.
+and every rank of the round meets in a store that no earlier round wrote to. A store that died leaves its port
+closed: a connect refused there passes the announcement over at once (a TCPStore client would retry it for the
+whole probe), which after a restart is the common case, the ranks reading the dead round's announcement before
+the new rank 0 replaced it.
 """
 from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 import uuid
 from datetime import timedelta
@@ -88,10 +92,11 @@ def _round_store(host: str, agent_port: int, rank: int, world: int, timeout: tim
     while True:
         port, token = agent.get(_ANNOUNCEMENT).decode().split()   # waits for a first announcement
         try:
-            own = dist.TCPStore(host, int(port), world, is_master=False, timeout=_PROBE)
-            if own.get(_TOKEN).decode() == token:
-                own.set_timeout(timeout)
-                return own
+            if _listening(host, int(port)):
+                own = dist.TCPStore(host, int(port), world, is_master=False, timeout=_PROBE)
+                if own.get(_TOKEN).decode() == token:
+                    own.set_timeout(timeout)
+                    return own
         except (RuntimeError, dist.DistError):
             pass   # a store that died with an earlier round's rank 0, or a port taken by something else since
         if time.monotonic() > deadline:
@@ -99,6 +104,17 @@ def _round_store(host: str, agent_port: int, rank: int, world: int, timeout: tim
                               f"announced by rank 0 in torchrun's store at {host}:{agent_port} within "
                               f"{timeout.total_seconds():.0f} s; check that rank 0 of this round started")
         time.sleep(0.2)
+
+
+def _listening(host: str, port: int) -> bool:
+    """Whether something accepts connections on `host:port` (refused: nothing does, no store answers there)."""
+    try:
+        with socket.create_connection((host, port), timeout=_PROBE.total_seconds()):
+            return True
+    except ConnectionRefusedError:
+        return False
+    except OSError:
+        return True   # unreachable or slow for now: the store's own probe decides
 
 
 def _env_int(name: str) -> int:
