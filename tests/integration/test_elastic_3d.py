@@ -3,6 +3,9 @@
 and every step's loss is the uninterrupted run's (issue #28, items 2-4)."""
 from __future__ import annotations
 
+import logging
+import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -21,6 +24,8 @@ from support.elastic_agents import (
 from support.launch import run_torchrun
 from support.memory_runs import manifest
 from support.processes import wait_for
+from ucp.deepspeed.memory_files import MemoryEvery, read_copies
+from ucp.deepspeed.memory_resume import memory_resume_point
 
 pytestmark = pytest.mark.slow
 
@@ -89,6 +94,61 @@ def test_a_rank_the_layout_cannot_use_waits_as_a_spare(tmp_path, reference):
     # A training node holds its own rank's pieces only: without the spare, no node holds the checkpoint whole.
     assert sorted(manifest(tmp_path / "node0")["holds"]) == ["0"]
     assert ucp.open_checkpoint(tmp_path / "node0" / "global_step3").verify() != []
+
+
+def _whole_copy(node: Path, job: Path) -> int | None:
+    """The step of `node`'s newest committed memory checkpoint (as `"auto"` sees them) when it holds both saving
+    ranks' pieces, else None."""
+    copies = read_copies(node, str(job)) if node.is_dir() else {}
+    newest = max(copies.values(), key=lambda m: m.step, default=None)
+    return newest.step if newest and sorted(newest.holds) == [0, 1] else None
+
+
+def test_the_spare_copy_serves_the_restart_when_a_training_node_is_lost(tmp_path, reference, caplog):
+    """3 nodes at "tensor_parallel": 2: T=2 x D=1 and a spare; a memory save every step without peer copies
+    ("replicas": 0), no disk save in the run (every 100). Once the spare's node holds a memory checkpoint, every
+    worker is stopped (SIGSTOP: no step moves) and the node of training rank 0 is lost with its memory folder (it
+    also hosts the job's store: the spare must restart, not end as if the run were over). The 2 nodes left take
+    T=2 x D=1, the spare now training, resume from the spare's copy (filled onto the other node) and continue the
+    run's losses. Negative control: the surviving training node alone holds no complete memory checkpoint, so
+    without the spare's copy the restart would start again from step 0 (there is no disk save)."""
+    losses = tmp_path / "losses.jsonl"
+    nodes = [tmp_path / f"node{i}" for i in range(3)]
+    job_dir = (tmp_path / "ckpt").resolve()   # the job a manifest names
+    with ElasticJob(EXAMPLE, ["--save-dir", tmp_path / "ckpt", "--steps", STEPS, "--tp", 2, "--every", 100,
+                              "--memory-dir", "$UCP_TEST_NODE", "--replicas", 0, "--losses-out", losses],
+                    tmp_path / "agents", nodes="2:3") as job:
+        for node in nodes:
+            job.start_agent({"UCP_TEST_NODE": str(node)})
+        wait_for(lambda: read_losses(losses) and any(_whole_copy(n, job_dir) for n in nodes), 300,
+                 "a spare's complete memory copy")
+        paused = job.pause()                                   # nothing moves while the node goes
+        spare = next(i for i, n in enumerate(nodes) if _whole_copy(n, job_dir))
+        held = _whole_copy(nodes[spare], job_dir)
+        assert held is not None and held < STEPS, f"the run ended before a node could be lost (copy of {held})"
+        rank0 = read_losses(losses)[-1]["pid"]
+        lost = next(i for i in range(3) if any(p.pid == rank0 for p in job.workers(i)))
+        survivor = next(i for i in range(3) if i not in (spare, lost))
+        job.lose_node(lost)
+        shutil.rmtree(nodes[lost])                              # with its memory folder
+        config = MemoryEvery(1, 0, str(nodes[survivor]), str(job_dir))
+        with caplog.at_level(logging.WARNING, logger="ucp.elastic"):   # negative control (docstring)
+            assert memory_resume_point(config, 0, "starting from step 0") is None
+        job.resume(paused)
+        codes = job.wait(timeout=600)
+    assert "is incomplete" in caplog.text
+    assert {c for i, c in codes.items() if i != lost} == {0}, job.logs()
+    logs = job.logs(tail=None)
+    resumed = [int(s) for s in re.findall(r"resuming from \S+/global_step(\d+) \(step \d+\) on 2 ranks", logs)]
+    # The spare may commit the copy that was in flight at the stop (held + 1) before its agent restarts it.
+    assert resumed and resumed[0] in (held, held + 1), logs[-6000:]
+    assert re.search(rf"filled the memory checkpoint global_step{resumed[0]} from peer copies", logs), logs[-6000:]
+    records = read_losses(losses)
+    assert {(r["world"], r["tp"], r["dp"]) for r in records} == {(3, 2, 1), (2, 2, 1)}
+    first_at_2 = next(i for i, r in enumerate(records) if r["world"] == 2)
+    assert records[first_at_2]["step"] == resumed[0] + 1   # right after the spare's copy, not from step 1
+    assert records[-1]["step"] == STEPS and records[-1]["world"] == 2
+    assert_same_losses(records, reference[0], RTOL)
 
 
 def test_without_ucp_a_resume_at_another_layout_is_not_the_run(tmp_path, reference):

@@ -1,8 +1,8 @@
 """Elastic training under Ray Train's elastic mode on a local cluster of raylets, one cluster for the module (it
 takes long to start): a data-parallel job loses a node (3 -> 2 workers) and gets one back (-> 3) (issue #20); an
-AutoTP job's layout follows the workers (3 -> 2: T=1 x D=3 -> T=2 x D=1, issue #28); README's recipe of a Hugging
-Face Trainer under `TorchTrainer` resumes "auto" after a lost worker (issue #29). Every step's loss equals the
-uninterrupted run's."""
+AutoTP job's layout follows the workers (3 -> 2 -> 3: T=1 x D=3 -> T=2 x D=1 -> T=1 x D=3, issue #28); README's
+recipe of a Hugging Face Trainer under `TorchTrainer` resumes "auto" after a lost worker (issue #29). Every step's
+loss equals the uninterrupted run's."""
 from __future__ import annotations
 
 import contextlib
@@ -13,7 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from support.elastic_agents import assert_same_losses, by_step, reached, read_losses
+from support.elastic_agents import (
+    assert_restarts_redo_at_most,
+    assert_same_losses,
+    by_step,
+    reached,
+    read_losses,
+)
 from support.launch import run_torchrun
 from support.processes import kill_tree, wait_for
 from support.ray_nodes import Nodes
@@ -92,9 +98,10 @@ STEPS_3D = 8   # the steps of conftest's elastic_3d_reference too
 def test_a_3d_job_under_ray_train_takes_the_layout_of_the_workers_left(tmp_path, nodes, elastic_3d_reference):
     """`examples/elastic/ray/train.py --example train_3d`: the AutoTP Llama of the torchrun recipe with
     `"tensor_parallel": [2, 1]`. 3 workers take T=1 x D=3 (all 3 ranks used; T=2 would use 2), the node lost
-    leaves 2, which take T=2 x D=1 (both use 2; the cost model prefers T=2, test_elastic_3d). The reference is the
-    uninterrupted 4-rank run (T=2 x D=2, conftest's, shared with test_elastic_3d): the same global batch of 8 and
-    sample order at every layout."""
+    leaves 2, which take T=2 x D=1 (both use 2; the cost model prefers T=2, test_elastic_3d); a node added back
+    gives Ray room for 3 workers again, which take T=1 x D=3 again. The reference is the uninterrupted 4-rank run
+    (T=2 x D=2, conftest's, shared with test_elastic_3d): the same global batch of 8 and sample order at every
+    layout."""
     expected, _ = elastic_3d_reference
     losses, log = tmp_path / "losses.jsonl", tmp_path / "driver.log"
     address = nodes.ensure(3)
@@ -103,17 +110,21 @@ def test_a_3d_job_under_ray_train_takes_the_layout_of_the_workers_left(tmp_path,
                  "--max-workers", 3, "--losses-out", losses], nodes, log) as job:
         wait_for(reached(losses, 2, world=3), 400, "step 2 on 3 workers")
         lose_a_node(nodes)                                              # 2 workers go on, at T=2 x D=1
+        wait_for(reached(losses, 3, world=2), 400, "step 3 on 2 workers")
+        assert _add_while_paused(nodes, log)                            # room for 3 again: T=1 x D=3
         assert job.wait(timeout=600) == 0, log.read_text()[-5000:]
     records = read_losses(losses)
+    worlds = [r["world"] for r in records]
+    assert [w for i, w in enumerate(worlds) if i == 0 or w != worlds[i - 1]] == [3, 2, 3], worlds
     assert {(r["world"], r["tp"], r["dp"]) for r in records} == {(3, 1, 3), (2, 2, 1)}
-    assert_resumed(records, 3, 2, every=1)
-    assert sorted(by_step(records)) == list(range(1, STEPS_3D + 1))
+    assert_restarts_redo_at_most(records, every=1, restarts=2)
+    assert sorted(by_step(records)) == list(range(1, STEPS_3D + 1)) and records[-1]["step"] == STEPS_3D
     assert_same_losses(records, expected, RTOL)
     # the check can fail: a restart from scratch (or from another step) would log another loss at those steps
     assert all(expected[s] != pytest.approx(expected[1], rel=RTOL) for s in range(2, STEPS_3D + 1))
     text = log.read_text()
     assert "ucp: 2 ranks: tensor_parallel 2 x pipeline_parallel 1 x data_parallel 1" in text
-    assert "ucp: restart 3 -> 2 ranks" in text
+    assert "ucp: restart 3 -> 2 ranks" in text and "ucp: restart 2 -> 3 ranks" in text
 
 
 HF_STEPS, HF_SAVE_STEPS = 6, 2

@@ -10,7 +10,8 @@ With spares, the training ranks (0 .. D*T*P - 1) take a process group of their o
 DeepSpeed, which builds its groups from the default group, sees only them; a spare joins no group. A spare waits
 until training rank 0 says the run ended cleanly (`release_spares`, called by `ucp.deepspeed.finish` and at exit)
 and then exits 0; at any restart before that (a node lost or joining) torchrun's agent ends it with the others, and
-the next start counts it as a rank like any other.
+the next start counts it as a rank like any other. A spare that loses the job's store (hosted by training rank 0)
+before the release exits 1: its agent then restarts with the nodes left instead of leaving the job as finished.
 
 When the config has a memory tier (`"save": {"memory": ...}`), every rank, spares included, also joins a gloo group
 of the whole world (`spare_copies`) before the split: over it the training ranks send the spares each memory
@@ -185,6 +186,7 @@ def _wait_as_spare(place: RankLayout) -> NoReturn:
                    place.dp, place.choice.training)
     polls = [poll for duty in _duties if _copies is not None and _config is not None
              for poll in [duty(place, _config, _copies)] if poll is not None]
+    released = False
     while True:
         try:
             for poll in polls:
@@ -192,14 +194,20 @@ def _wait_as_spare(place: RankLayout) -> NoReturn:
             if _store is None or _store.check([_RELEASED]):
                 if _store is not None:
                     _store.set(f"{_RELEASED}/{place.rank}", "1")
+                released = True
                 break
-        except (RuntimeError, dist.DistError):  # training rank 0, which hosts the store, has ended
+        except (RuntimeError, dist.DistError) as exc:
+            # The store (hosted by training rank 0) or a peer is gone before rank 0 said the run ended: a node was
+            # lost. Exit 0 here would tell this node's agent that the job finished, and it would leave the job;
+            # a failure makes it restart with the nodes left.
+            logger.warning("ucp: spare rank %d lost the job before the run ended (%s): it ends for the restart",
+                           place.rank, exc)
             break
         time.sleep(_POLL_S)
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
-    os._exit(0)   # no process group to tear down; nothing of the training to finalize
+    os._exit(0 if released else 1)   # no process group to tear down; nothing of the training to finalize
 
 
 def _step_time(section: dict[str, Any], config: dict[str, Any], module: Any) -> StepTime | None:
