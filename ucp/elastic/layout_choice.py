@@ -13,6 +13,15 @@ config alone, so no rank needs to ask another:
    model's shape (from the module's Hugging Face config, or `"model": path` as `ucp plan` takes);
 4. then (and without a model shape) to the smaller T*P: less communication inside a replica; then to the smaller P.
 
+With `"heterogeneous": true` (Elastor's HMP), a world that rule 2 would leave with spares takes replicas of unequal
+tensor-parallel size instead, so every rank trains (`heterogeneous_choice`): one-stage replicas of the largest
+allowed size T that fits, as many as fit, and the remainder W mod T as replicas of its powers of two (3 ranks and
+T=2: 2 + 1), the plan `ucp plan` (`ucp.hmp.strategy.search`) deals for TP_max T with one replica per group; each
+replica takes a share of the global batch in proportion to its speed under the cost model
+(`ucp.hmp.strategy.replica_speeds`, `ucp.elastic.shares.speed_shares`). `Choice.hmp_layout()` is that plan as a
+`ucp.hmp.layout.Layout`; with the flag on, homogeneous choices are given as such layouts too (equal replicas), so a job
+trains on one path at every size (`ucp.deepspeed.hmp_sync`).
+
 Ranks numbered from 0 take the layout in Megatron's order (TP fastest, then DP, then PP: DeepSpeed's AutoTP
 groups and `PipeModelDataParallelTopology` number them so too); ranks from D*T*P on are spares (`ucp.elastic.spares`).
 The choice is pure (`choose_layout`); `layout()` applies it to this process's world.
@@ -20,12 +29,13 @@ The choice is pure (`choose_layout`); `layout()` applies it to this process's wo
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ucp.elastic.shares import ElasticBatch
+from ucp.elastic.shares import ElasticBatch, speed_shares
 from ucp.errors import ConfigError
+from ucp.hmp.layout import Layout, ParamSpec, Replica, Stage
 
 if TYPE_CHECKING:
     from ucp.hmp.model_shapes import ModelConfig
@@ -37,20 +47,44 @@ StepTime = Callable[[int, int, int], "float | None"]
 
 @dataclass(frozen=True)
 class Choice:
-    """The job's layout: T x P x D training ranks of `world`, the rest spares."""
+    """The job's layout: T x P x D training ranks of `world`, the rest spares. A heterogeneous one lists its
+    replicas' TP sizes in `replicas` (`tp` is the largest, `dp` their count, `pp` 1) and their shares of the
+    global batch in `shares`; `hmp` says the job trains through the HMP path (`"heterogeneous": true`)."""
 
     tp: int
     pp: int
     dp: int
     world: int
+    replicas: tuple[int, ...] = ()
+    shares: tuple[int, ...] = ()
+    hmp: bool = False
 
     @property
     def training(self) -> int:
-        return self.tp * self.pp * self.dp
+        return sum(self.replicas) if self.replicas else self.tp * self.pp * self.dp
 
     @property
     def spares(self) -> int:
         return self.world - self.training
+
+    @property
+    def heterogeneous(self) -> bool:
+        return len(set(self.replicas)) > 1
+
+    def describe(self) -> str:
+        """The layout in one phrase, for the start's log line and the restart line."""
+        if self.heterogeneous:
+            return (f"heterogeneous tensor_parallel {' + '.join(map(str, self.replicas))} (one replica each, "
+                    f"batch shares {' + '.join(map(str, self.shares))})")
+        return f"tensor_parallel {self.tp} x pipeline_parallel {self.pp} x data_parallel {self.dp}"
+
+    def hmp_layout(self, layers: int) -> Layout:
+        """The training ranks as a `ucp.hmp.layout.Layout` of one-stage replicas over `layers` layers, ranks in order
+        (TP fastest), each replica's `micro_batches` its share of the global batch."""
+        if self.pp != 1 or not self.hmp:
+            raise ConfigError(f"{self.describe()}: only a one-stage layout chosen with \"heterogeneous\": true is an "
+                              "HMP layout")
+        return _one_stage(self.replicas, self.shares, layers)
 
 
 @dataclass(frozen=True)
@@ -69,16 +103,31 @@ class RankLayout:
     pp_rank: int | None
     dp_rank: int | None
 
+    replicas: tuple[int, ...] = ()   # a heterogeneous layout: every replica's TP size (`tp` is this rank's)
+    shares: tuple[int, ...] = ()     # the replicas' shares of the global batch (HMP path)
+    hmp: bool = False                # the job trains through the HMP path (`"heterogeneous": true`)
+
     @classmethod
     def of(cls, choice: Choice, rank: int) -> RankLayout:
+        hmp = (choice.replicas, choice.shares, choice.hmp)
         if rank >= choice.training:
-            return cls(choice.tp, choice.pp, choice.dp, choice.world, rank, "spare", None, None, None)
+            return cls(choice.tp, choice.pp, choice.dp, choice.world, rank, "spare", None, None, None, *hmp)
+        if choice.replicas:
+            starts = [sum(choice.replicas[:i]) for i in range(len(choice.replicas))]
+            replica = max(i for i, first in enumerate(starts) if first <= rank)
+            return cls(choice.replicas[replica], 1, choice.dp, choice.world, rank, "train", rank - starts[replica], 0,
+                       replica, *hmp)
         tp, dp = choice.tp, choice.dp
         return cls(tp, choice.pp, dp, choice.world, rank, "train", rank % tp, rank // (tp * dp), rank // tp % dp)
 
     @property
     def choice(self) -> Choice:
-        return Choice(self.tp, self.pp, self.dp, self.world)
+        tp = max(self.replicas) if self.replicas else self.tp
+        return Choice(tp, self.pp, self.dp, self.world, self.replicas, self.shares, self.hmp)
+
+    def hmp_layout(self, layers: int) -> Layout:
+        """This start's layout as a `ucp.hmp.layout.Layout` (`Choice.hmp_layout`): build the model for it."""
+        return self.choice.hmp_layout(layers)
 
 
 def allowed_sizes(section: dict[str, Any], key: str) -> tuple[int, ...]:
@@ -118,6 +167,62 @@ def choose_layout(world: int, tensor_parallel: tuple[int, ...], pipeline_paralle
                           f"pipeline_parallel {list(pipeline_parallel)} can train on {world} ranks ("
                           + "; ".join(refusals) + "); allow smaller sizes, or change the batch or the ranks")
     return min(ranked, key=lambda item: item[0])[1]
+
+
+def heterogeneous_choice(world: int, tensor_parallel: tuple[int, ...], pipeline_parallel: tuple[int, ...],
+                         global_batch: int, micro_batch: int, step_time: StepTime | None = None) -> Choice:
+    """With `"heterogeneous": true`: `choose_layout`'s choice as the HMP path takes it (equal one-stage replicas), or,
+    where it leaves spares or none fits, one-stage replicas of unequal TP size over all `world` ranks (module
+    docstring). Where those replicas cannot share the batch (fewer samples than micro-batches), the homogeneous
+    choice stands, spares and all; ConfigError when neither is possible."""
+    try:
+        homogeneous: Choice | None = choose_layout(world, tensor_parallel, pipeline_parallel, global_batch,
+                                                   micro_batch, step_time)
+    except ConfigError:
+        if 1 not in pipeline_parallel:
+            raise
+        homogeneous = None
+    if homogeneous is not None and homogeneous.pp != 1:
+        return homogeneous   # a pipeline layout: the HMP path on DeepSpeed takes one-stage replicas
+    if homogeneous is not None:
+        even = (homogeneous.tp,) * homogeneous.dp
+        homogeneous = Choice(homogeneous.tp, 1, homogeneous.dp, world, even, _shares(global_batch, even), True)
+        if not homogeneous.spares:
+            return homogeneous
+    tp = max((t for t in tensor_parallel if t <= world), default=1)
+    rest = world % tp
+    replicas = (tp,) * (world // tp) + tuple(1 << b for b in range(rest.bit_length() - 1, -1, -1) if rest >> b & 1)
+    try:
+        shares = _shares(global_batch, replicas)
+        ElasticBatch(global_batch, micro_batch, len(replicas), shares)
+    except ConfigError:
+        if homogeneous is None:
+            raise
+        return homogeneous
+    return Choice(tp, 1, len(replicas), world, replicas, shares, True)
+
+
+def _shares(global_batch: int, replicas: tuple[int, ...]) -> tuple[int, ...]:
+    """The global batch cut by the replicas' speeds under the cost model's TP efficiency (one-stage replicas)."""
+    from ucp.hmp.strategy import CostModel, replica_speeds
+
+    speeds = replica_speeds(_one_stage(replicas, (1,) * len(replicas), 1), CostModel(80.0))
+    return speed_shares(global_batch, speeds)
+
+
+def hmp_layers(table: Iterable[ParamSpec]) -> int:
+    """The layers a one-stage HMP layout of a model with this parameter table spans: its highest layer index (the
+    final norm and head sit one past the last layer, as in Megatron's table; one stage holds everything anyway)."""
+    return max(1, *(spec.layer for spec in table))
+
+
+def _one_stage(replicas: tuple[int, ...], micro_batches: tuple[int, ...], layers: int) -> Layout:
+    """One-stage replicas of these TP sizes over `layers` layers, ranks in order (TP fastest)."""
+    out, rank = [], 0
+    for tp, count in zip(replicas, micro_batches):
+        out.append(Replica((Stage((0, layers), tuple(range(rank, rank + tp))),), count))
+        rank += tp
+    return Layout(layers, tuple(out))
 
 
 def cost_model_step_time(model: ModelConfig, gpu_memory_gib: float, global_batch: int, micro_batch: int, seq_len: int,

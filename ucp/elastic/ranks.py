@@ -41,6 +41,7 @@ from ucp.elastic.layout_choice import (
     allowed_sizes,
     choose_layout,
     cost_model_step_time,
+    heterogeneous_choice,
 )
 from ucp.elastic.shares import ElasticBatch
 from ucp.errors import ConfigError
@@ -101,11 +102,12 @@ def layout(config: dict[str, Any] | None = None, module: Any = None) -> RankLayo
     ElasticBatch.from_config(section, 1)   # the batch keys are there, and no unknown key
     step_time = _step_time(section, config, module)
     sizes = allowed_sizes(section, "tensor_parallel"), allowed_sizes(section, "pipeline_parallel")
-    choice = choose_layout(world, *sizes, section["global_batch"], section["micro_batch"], step_time)
+    choose = heterogeneous_choice if _heterogeneous(section) else choose_layout
+    choice = choose(world, *sizes, section["global_batch"], section["micro_batch"], step_time)
     _chosen = RankLayout.of(choice, rank)
     if rank == 0:
-        logger.warning("ucp: %d ranks: tensor_parallel %d x pipeline_parallel %d x data_parallel %d%s", world,
-                       choice.tp, choice.pp, choice.dp, f", {choice.spares} spare(s)" if choice.spares else "")
+        logger.warning("ucp: %d ranks: %s%s", world, choice.describe(),
+                       f", {choice.spares} spare(s)" if choice.spares else "")
     _copies, _config = None, config
     if choice.spares and dist.is_initialized():
         _leave_spares_out(choice, rank, _has_memory_tier(config))
@@ -200,6 +202,14 @@ def _wait_as_spare(place: RankLayout) -> NoReturn:
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     os._exit(0)   # no process group to tear down; nothing of the training to finalize
+
+
+def _heterogeneous(section: dict[str, Any]) -> bool:
+    """`"heterogeneous"`: whether a world the homogeneous layouts leave spares in takes unequal replicas."""
+    value = section.get("heterogeneous", False)
+    if not isinstance(value, bool):
+        raise ConfigError(f'"ucp": {{"elastic": {{"heterogeneous": {value!r}}}}}: must be true or false')
+    return value
 
 
 def _step_time(section: dict[str, Any], config: dict[str, Any], module: Any) -> StepTime | None:
