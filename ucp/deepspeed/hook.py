@@ -31,7 +31,10 @@ committed, and runs at exit too; see `ucp.deepspeed.life`). The `"ucp"` config s
   With `"tensor_parallel"` / `"pipeline_parallel"` (sizes the job may use) each start takes one
   T x P x D layout (`ucp.elastic.layout_choice`; `ucp.elastic.layout()` returns it, spares wait in
   `ucp.elastic.spare_loop`): B is shared over the D data-parallel ranks, and an AutoTP engine (no `mpu`,
-  not a `PipelineModule`) gets `"tensor_parallel": {"autotp_size": T}`.
+  not a `PipelineModule`) gets `"tensor_parallel": {"autotp_size": T}`. With `"heterogeneous": true` a start
+  whose ranks no homogeneous layout uses without spares takes one-stage replicas of unequal TP size, and every
+  start of the job trains through the `"layout"` + `"hmp"` path below (`_elastic_hmp_options`; the script builds
+  its replica from `ucp.elastic.layout().hmp_layout(...)` and passes `RankAloneMpu`).
 * `bypass` (bool, default true): redundancy-bypassing read. Each rank reads its own ZeRO
   partitions straight from storage, and every tensor that all ranks of the data-parallel group
   need whole (ZeRO-0 models, frozen parameters, buffers) is read by one rank, chosen to balance
