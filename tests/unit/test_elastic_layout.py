@@ -9,6 +9,7 @@ from ucp.elastic.layout_choice import (
     RankLayout,
     allowed_sizes,
     choose_layout,
+    cost_model_replicas,
     cost_model_step_time,
     heterogeneous_choice,
     hmp_layers,
@@ -87,7 +88,7 @@ def test_no_possible_layout_is_one_line():
 
 
 def test_bad_cost_model_keys_are_one_line():
-    from ucp.elastic.ranks import _step_time
+    from ucp.elastic.ranks import _cost_model_inputs as _step_time
 
     for key, value in (("gpu_memory", 0), ("gpu_memory", "80"), ("seq_len", -1), ("model", 7)):
         with pytest.raises(ConfigError, match=f'"{key}"'):
@@ -166,3 +167,19 @@ def test_heterogeneous_flag_and_layers():
         _heterogeneous({"heterogeneous": 1})
     table = [ParamSpec("embed", (4, 2), 0, -1), ParamSpec("fc", (2, 2), 0, 0), ParamSpec("head", (4, 2), 0, 2)]
     assert hmp_layers(table) == 2 and hmp_layers(table[:1]) == 1
+
+
+def test_with_the_models_shape_the_replicas_are_ucp_plans():
+    """With the model's shape, the replicas are those of `ucp plan`'s fastest one-stage plan: for the tiny Llama on 3
+    ranks TP 2 + 1 (its fastest plan overall is one two-stage replica, which DeepSpeed's HMP path cannot run); on 7
+    ranks with TP 4 allowed, 2 + 2 + 2 + 1, not the rule's 4 + 2 + 1 (4 does not divide its 2 KV heads)."""
+    plan = cost_model_replicas(TINY, 8.0, 8, 8, 6, 1, (2,))
+    assert plan(3) == (2, 1)
+    assert heterogeneous_choice(3, (2,), (1,), 8, 8, None, plan).replicas == (2, 1)
+    wide = cost_model_replicas(TINY, 8.0, 16, 16, 6, 1, (4, 2))
+    assert wide(7) == (2, 2, 2, 1)
+    assert heterogeneous_choice(7, (4, 2), (1,), 16, 16, None, wide) == Choice(2, 1, 4, 7, (2, 2, 2, 1), (5, 4, 4, 3),
+                                                                               True)
+    assert heterogeneous_choice(7, (4, 2), (1,), 16, 16).replicas == (4, 2, 1)   # control: without the shape
+    # no plan of an allowed size (TP 4 only, which the model cannot take): the rule decides
+    assert cost_model_replicas(TINY, 8.0, 8, 8, 6, 1, (4,))(5) is None

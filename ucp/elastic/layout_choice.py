@@ -14,9 +14,11 @@ config alone, so no rank needs to ask another:
 4. then (and without a model shape) to the smaller T*P: less communication inside a replica; then to the smaller P.
 
 With `"heterogeneous": true` (Elastor's HMP), a world that rule 2 would leave with spares takes replicas of unequal
-tensor-parallel size instead, so every rank trains (`heterogeneous_choice`): one-stage replicas of the largest
-allowed size T that fits, as many as fit, and the remainder W mod T as replicas of its powers of two (3 ranks and
-T=2: 2 + 1), the plan `ucp plan` (`ucp.hmp.strategy.search`) deals for TP_max T with one replica per group; each
+tensor-parallel size instead, so every rank trains (`heterogeneous_choice`). Where the cost model knows the model's
+shape, the replicas are those of the fastest plan `ucp plan` finds for W (`ucp.hmp.strategy.search`) whose replicas
+are one stage each and whose largest TP size is allowed (`cost_model_replicas`); otherwise (or when it finds none)
+one-stage replicas of the largest allowed size T that fits, as many as fit, and the remainder W mod T as replicas
+of its powers of two (3 ranks and T=2: 2 + 1), as that search deals TP_max T with one replica per group. Each
 replica takes a share of the global batch in proportion to its speed under the cost model
 (`ucp.hmp.strategy.replica_speeds`, `ucp.elastic.shares.speed_shares`). `Choice.hmp_layout()` is that plan as a
 `ucp.hmp.layout.Layout`; with the flag on, homogeneous choices are given as such layouts too (equal replicas), so a job
@@ -43,6 +45,10 @@ if TYPE_CHECKING:
 SIZE_KEYS = ("tensor_parallel", "pipeline_parallel")
 # A layout's estimated step time in seconds, or None where it does not fit the ranks' memory: (tp, pp, dp) -> s.
 StepTime = Callable[[int, int, int], "float | None"]
+# The model's shape, the GiB per rank, the global batch, the micro-batch, the sequence length and the ZeRO stage.
+CostModelInputs = tuple["ModelConfig", float, int, int, int, int]
+# The TP sizes of one-stage replicas for W ranks that `ucp plan`'s search finds fastest, or None: W -> sizes.
+ReplicaPlan = Callable[[int], "tuple[int, ...] | None"]
 
 
 @dataclass(frozen=True)
@@ -170,11 +176,13 @@ def choose_layout(world: int, tensor_parallel: tuple[int, ...], pipeline_paralle
 
 
 def heterogeneous_choice(world: int, tensor_parallel: tuple[int, ...], pipeline_parallel: tuple[int, ...],
-                         global_batch: int, micro_batch: int, step_time: StepTime | None = None) -> Choice:
+                         global_batch: int, micro_batch: int, step_time: StepTime | None = None,
+                         replica_plan: ReplicaPlan | None = None) -> Choice:
     """With `"heterogeneous": true`: `choose_layout`'s choice as the HMP path takes it (equal one-stage replicas), or,
-    where it leaves spares or none fits, one-stage replicas of unequal TP size over all `world` ranks (module
-    docstring). Where those replicas cannot share the batch (fewer samples than micro-batches), the homogeneous
-    choice stands, spares and all; ConfigError when neither is possible."""
+    where it leaves spares or none fits, one-stage replicas of unequal TP size over all `world` ranks: those of
+    `replica_plan` (the cost model's search, when it knows the model's shape and finds such a plan), else the
+    module docstring's. Where those replicas cannot share the batch (fewer samples than micro-batches), the
+    homogeneous choice stands, spares and all; ConfigError when neither is possible."""
     try:
         homogeneous: Choice | None = choose_layout(world, tensor_parallel, pipeline_parallel, global_batch,
                                                    micro_batch, step_time)
@@ -189,9 +197,11 @@ def heterogeneous_choice(world: int, tensor_parallel: tuple[int, ...], pipeline_
         homogeneous = Choice(homogeneous.tp, 1, homogeneous.dp, world, even, _shares(global_batch, even), True)
         if not homogeneous.spares:
             return homogeneous
-    tp = max((t for t in tensor_parallel if t <= world), default=1)
-    rest = world % tp
-    replicas = (tp,) * (world // tp) + tuple(1 << b for b in range(rest.bit_length() - 1, -1, -1) if rest >> b & 1)
+    replicas = replica_plan(world) if replica_plan is not None else None
+    if replicas is None:
+        tp = max((t for t in tensor_parallel if t <= world), default=1)
+        rest = world % tp
+        replicas = (tp,) * (world // tp) + tuple(1 << b for b in range(rest.bit_length() - 1, -1, -1) if rest >> b & 1)
     try:
         shares = _shares(global_batch, replicas)
         ElasticBatch(global_batch, micro_batch, len(replicas), shares)
@@ -199,7 +209,7 @@ def heterogeneous_choice(world: int, tensor_parallel: tuple[int, ...], pipeline_
         if homogeneous is None:
             raise
         return homogeneous
-    return Choice(tp, 1, len(replicas), world, replicas, shares, True)
+    return Choice(max(replicas), 1, len(replicas), world, replicas, shares, True)
 
 
 def _shares(global_batch: int, replicas: tuple[int, ...]) -> tuple[int, ...]:
@@ -247,3 +257,28 @@ def cost_model_step_time(model: ModelConfig, gpu_memory_gib: float, global_batch
         return result.step_time_s if result.fits else None
 
     return seconds
+
+
+def cost_model_replicas(model: ModelConfig, gpu_memory_gib: float, global_batch: int, micro_batch: int, seq_len: int,
+                        zero_stage: int, tensor_parallel: tuple[int, ...]) -> ReplicaPlan:
+    """`ucp plan`'s search (`ucp.hmp.strategy.search`) for W ranks and `model`: the TP sizes (largest first) of the
+    fastest plan whose replicas are one stage each and whose largest TP size is an allowed one; None when it finds
+    none (the module docstring's rule then decides)."""
+    from ucp.hmp.strategy import CostModel, PlanError, Workload, search
+
+    def replicas(world: int) -> tuple[int, ...] | None:
+        cost = CostModel(gpu_memory_gib=gpu_memory_gib, reserve_gib=min(2.0, gpu_memory_gib / 8),
+                         zero_stage=min(zero_stage, 1), tp_max=min(max(tensor_parallel), world))
+        size = max(1, min(micro_batch, global_batch // world))   # micro-batches enough for a replica per rank
+        work = Workload(global_batch=size * -(-global_batch // size), seq_len=seq_len, micro_batch_size=size)
+        try:
+            plans = search(model, world, cost, work, top=50).plans
+        except PlanError:
+            return None
+        for plan in plans:
+            sizes = sorted((r.stages[0].tp for r in plan.replicas for _ in range(r.count)), reverse=True)
+            if all(len(r.stages) == 1 for r in plan.replicas) and sizes[0] in tensor_parallel:
+                return tuple(sizes)
+        return None
+
+    return replicas
