@@ -223,7 +223,7 @@ def _shares(global_batch: int, replicas: tuple[int, ...]) -> tuple[int, ...]:
 def hmp_layers(table: Iterable[ParamSpec]) -> int:
     """The layers a one-stage HMP layout of a model with this parameter table spans: its highest layer index (the
     final norm and head sit one past the last layer, as in Megatron's table; one stage holds everything anyway)."""
-    return max(1, *(spec.layer for spec in table))
+    return max([1, *(spec.layer for spec in table)])
 
 
 def _one_stage(replicas: tuple[int, ...], micro_batches: tuple[int, ...], layers: int) -> Layout:
