@@ -25,7 +25,8 @@ layout for the ranks there are (4 ranks and `--tp-sizes 2`: two TP-2 replicas; 3
 the model is built for this rank's replica, `"load": "auto"` resumes from the newest save in `--save-dir` (saved at
 any layout), and the loop is the plain elastic one:
 
-    torchrun --nnodes 1:4 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint localhost:29400 --max-restarts 10 \
+    ucp-torchrun --nnodes=1:4 --nproc-per-node=1 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:29400 \\
+        --rdzv-id=hmp --max-restarts=10 --monitor-interval=1 --rdzv-conf=last_call_timeout=2 \\
         examples/hmp/train.py --elastic --tp-sizes 2 --deepspeed --zero 1 --save-dir /tmp/hmp-elastic --steps 40
 """
 from __future__ import annotations
