@@ -19,6 +19,16 @@ the sync then runs inside `engine.step` (`ucp.deepspeed.hmp_sync`), and the loop
 layout (`"save": {"every": --save-every, "keep": --keep}`), `--load DIR/global_stepN` resumes from one saved at
 any layout (`--load auto`: from the newest in --save-dir, `"load": "auto"`), and `--plain-dp` (TP sizes of 1)
 runs DeepSpeed's own data parallelism instead: the homogeneous run.
+
+With `--elastic` the job runs under torchrun's elastic agent and `--tp-sizes` lists the TP sizes it may use
+(`"elastic": {"tensor_parallel": [...], "heterogeneous": true}`): at each start `ucp.elastic.layout()` chooses the
+layout for the ranks there are (4 ranks and `--tp-sizes 2`: two TP-2 replicas; 3 ranks: TP 2 + 1, shares by speed),
+the model is built for this rank's replica, `"load": "auto"` resumes from the newest save in `--save-dir` (saved at
+any layout), and the loop is the plain elastic one:
+
+    ucp-torchrun --nnodes=1:4 --nproc-per-node=1 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:29400 \\
+        --rdzv-id=hmp --max-restarts=10 --monitor-interval=1 --rdzv-conf=last_call_timeout=2 \\
+        examples/hmp/train.py --elastic --tp-sizes 2 --deepspeed --zero 1 --save-dir /tmp/hmp-elastic --steps 40
 """
 from __future__ import annotations
 
@@ -86,6 +96,14 @@ def main(args: argparse.Namespace) -> None:
     init_distributed("gloo" if args.device == "cpu" else "nccl")
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if args.elastic:
+        if not (args.deepspeed and args.save_dir) or args.load or args.plain_dp or args.sync != "weighted":
+            raise ConfigError("--elastic runs DeepSpeed engines that resume from --save-dir: add --deepspeed and "
+                              "--save-dir (not --load, --plain-dp or --sync)")
+        train_elastic(args, tp_sizes, Config())
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     world = dist.get_world_size()
     if sum(tp_sizes) != world:
         raise ConfigError(f"--tp-sizes {args.tp_sizes} adds up to {sum(tp_sizes)} ranks, but torchrun started "
@@ -208,13 +226,56 @@ def train_deepspeed(args: argparse.Namespace, layout: Layout, shares: tuple[int,
     write_params(args, model, where.replica)
 
 
-def write_loss(args: argparse.Namespace, step: int, summed: float) -> None:
+def train_elastic(args: argparse.Namespace, tp_sizes: list[int], cfg: Config) -> None:
+    """The elastic loop: the layout of this start from `ucp.elastic.layout()`, the model built for its replica."""
+    import ucp.deepspeed
+    import ucp.elastic
+    from ucp.deepspeed.hmp_sync import RankAloneMpu
+
+    elastic = {"global_batch": args.global_batch, "micro_batch": args.global_batch, "tensor_parallel": tp_sizes,
+               "heterogeneous": True}
+    save = {"dir": args.save_dir, "every": args.save_every or 1, **({"keep": args.keep} if args.keep else {})}
+    config: dict = {"zero_optimization": {"stage": args.zero}, "steps_per_print": 10**9, "gradient_clipping": 0.0,
+                    "ucp": {"elastic": elastic, "load": "auto", "save": save}}
+    if args.bf16:
+        config["bf16"] = {"enabled": True}
+        if args.zero == 1:
+            config["data_types"] = {"grad_accum_dtype": "fp32"}
+    place = ucp.elastic.layout(config)   # the same layout on every rank; no spares: unequal replicas use them all
+    layout = place.hmp_layout(cfg.layers)
+    mpu = RankAloneMpu.for_layout(layout)  # every rank: every TP group, then every rank's group of one
+    model = TPModel(layout, dist.get_rank(), cfg, mpu.tp_group, init_weights(cfg, args.seed)).to(args.device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    engine, _, _, _ = ucp.deepspeed.initialize(model=model, optimizer=optimizer, config=config, mpu=mpu)
+    dataset = Sequences(cfg)
+    sampler = ucp.elastic.ElasticBatchSampler(dataset, engine, shuffle=True, seed=args.seed)  # this replica's share
+    first = place.tp_rank == 0
+    summed = 0.0
+    while engine.global_steps < args.steps:
+        for indices in sampler:
+            tokens = torch.stack([dataset[i] for i in indices]).to(args.device)
+            logits = engine(tokens[:, :-1]).float()
+            loss = F.cross_entropy(logits.reshape(-1, cfg.vocab), tokens[:, 1:].reshape(-1))
+            engine.backward(loss * sampler.loss_weight(len(indices)))
+            summed += loss.item() * len(indices) if first else 0.0
+            before = engine.global_steps
+            engine.step()
+            if engine.global_steps != before:
+                write_loss(args, engine.global_steps, summed, {"world": place.world, "tp": list(place.choice.replicas),
+                                                               "pid": os.getpid()})
+                summed = 0.0
+            if engine.global_steps >= args.steps:
+                break
+    ucp.deepspeed.wait(engine)  # the last save is committed
+
+
+def write_loss(args: argparse.Namespace, step: int, summed: float, extra: dict | None = None) -> None:
     """Rank 0 appends the step's global mean loss: the sum over every replica's samples (from its first rank)."""
     total = torch.tensor([summed / args.global_batch], dtype=torch.float64, device=args.device)
     dist.all_reduce(total)
     if dist.get_rank() == 0 and args.losses_out:
         with open(args.losses_out, "a") as f:
-            f.write(json.dumps({"step": step, "loss": total.item()}) + "\n")
+            f.write(json.dumps({"step": step, "loss": total.item(), **(extra or {})}) + "\n")
 
 
 def write_params(args: argparse.Namespace, model: TPModel, replica: int) -> None:
@@ -249,6 +310,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--in-place-elements", type=int, default=IN_PLACE_ELEMENTS,
                    help="the sync reduces gradient pieces cut along dim 0 of at least this many elements in place")
     p.add_argument("--deepspeed", action="store_true", help="a DeepSpeed engine per rank, the sync inside engine.step")
+    p.add_argument("--elastic", action="store_true", help="with --deepspeed and --save-dir: under torchrun's elastic "
+                   "agent, --tp-sizes lists the TP sizes the job may use; each start takes ucp.elastic.layout()'s "
+                   "layout (heterogeneous where the ranks leave no homogeneous one without spares)")
     p.add_argument("--zero", type=int, choices=(0, 1), default=0, help="with --deepspeed: the ZeRO stage")
     p.add_argument("--bf16", action="store_true", help="with --deepspeed: bf16 (ZeRO-1: fp32 gradient accumulation)")
     p.add_argument("--lr", type=float, default=1e-2)

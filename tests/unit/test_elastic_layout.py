@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from ucp.elastic.layout_choice import Choice, RankLayout, allowed_sizes, choose_layout, cost_model_step_time
+from ucp.elastic.layout_choice import (
+    Choice,
+    RankLayout,
+    allowed_sizes,
+    choose_layout,
+    cost_model_replicas,
+    cost_model_step_time,
+    heterogeneous_choice,
+    hmp_layers,
+)
 from ucp.errors import ConfigError
 from ucp.hmp.model_shapes import ModelConfig
 
@@ -79,7 +88,7 @@ def test_no_possible_layout_is_one_line():
 
 
 def test_bad_cost_model_keys_are_one_line():
-    from ucp.elastic.ranks import _step_time
+    from ucp.elastic.ranks import _cost_model_inputs as _step_time
 
     for key, value in (("gpu_memory", 0), ("gpu_memory", "80"), ("seq_len", -1), ("model", 7)):
         with pytest.raises(ConfigError, match=f'"{key}"'):
@@ -104,3 +113,73 @@ def test_autotp_size_is_set_for_the_layout():
     assert two["tensor_parallel"] == {"autotp_size": 2} and "train_batch_size" not in two
     assert "tensor_parallel" not in with_layout_keys(config, RankLayout.of(Choice(1, 1, 3, 3), 0), autotp=True)
     assert with_layout_keys(config, RankLayout.of(Choice(2, 1, 2, 4), 0), autotp=False) == config   # mpu, pipeline
+
+
+def test_heterogeneous_uses_the_ranks_a_homogeneous_layout_leaves_spare():
+    """3 ranks and TP 2: TP 2 + 1 (5 and 3 samples of 8, by the cost model's TP efficiency), no spare. Negative
+    control: the same ranks without "heterogeneous" leave one spare."""
+    assert choose_layout(3, (2,), (1,), 8, 8).spares == 1
+    choice = heterogeneous_choice(3, (2,), (1,), 8, 8)
+    assert choice == Choice(2, 1, 2, 3, (2, 1), (5, 3), True)
+    assert choice.spares == 0 and choice.heterogeneous
+    assert choice.describe() == "heterogeneous tensor_parallel 2 + 1 (one replica each, batch shares 5 + 3)"
+    places = [RankLayout.of(choice, r) for r in range(3)]
+    assert [(p.tp, p.tp_rank, p.dp_rank, p.role) for p in places] == [(2, 0, 0, "train"), (2, 1, 0, "train"),
+                                                                       (1, 0, 1, "train")]
+    assert places[2].choice == choice
+    layout = places[0].hmp_layout(2)
+    assert [r.stages[0].ranks for r in layout.replicas] == [(0, 1), (2,)]
+    assert [r.micro_batches for r in layout.replicas] == [5, 3] and layout.num_layers == 2
+    # 7 ranks and TP 4: 4 + 2 + 1 (the remainder's powers of two, as `ucp plan` deals TP_max 4)
+    assert heterogeneous_choice(7, (4,), (1,), 16, 16).replicas == (4, 2, 1)
+    # fewer ranks than the smallest TP size: one TP-1 replica, not a refusal
+    assert heterogeneous_choice(1, (2,), (1,), 8, 8).replicas == (1,)
+
+
+def test_heterogeneous_keeps_a_homogeneous_layout_that_uses_every_rank():
+    """4 ranks and TP 2: TP 2 x 2, given as two equal replicas (4 and 4 samples) for the HMP path."""
+    choice = heterogeneous_choice(4, (2,), (1,), 8, 8)
+    assert choice == Choice(2, 1, 2, 4, (2, 2), (4, 4), True) and not choice.heterogeneous
+    assert choice.describe() == "tensor_parallel 2 x pipeline_parallel 1 x data_parallel 2"
+    assert [(p.tp_rank, p.dp_rank) for p in (RankLayout.of(choice, r) for r in range(4))] == [(0, 0), (1, 0), (0, 1),
+                                                                                              (1, 1)]
+    # a pipeline layout stays as it is (the HMP path on DeepSpeed takes one-stage replicas)
+    assert heterogeneous_choice(4, (2,), (2,), 8, 8) == Choice(2, 2, 1, 4)
+    with pytest.raises(ConfigError, match="one-stage"):
+        Choice(2, 2, 1, 4).hmp_layout(2)
+
+
+def test_heterogeneous_replicas_that_cannot_share_the_batch_keep_the_spare():
+    """5 ranks and TP 2: TP 2 + 2 + 1 needs a sample per replica; a global batch of 3 has them, one of 2 does not,
+    and the homogeneous choice (TP 2 x 2 and a spare) stands."""
+    assert heterogeneous_choice(5, (2,), (1,), 3, 1).replicas == (2, 2, 1)
+    kept = heterogeneous_choice(5, (2,), (1,), 2, 1)
+    assert kept.replicas == (2, 2) and kept.spares == 1 and kept.hmp
+    assert heterogeneous_choice(3, (2,), (1,), 1, 1) == Choice(2, 1, 1, 3, (2,), (1,), True)   # one sample: TP 2
+
+
+def test_heterogeneous_flag_and_layers():
+    from ucp.elastic.ranks import _heterogeneous
+    from ucp.hmp.layout import ParamSpec
+
+    assert _heterogeneous({}) is False and _heterogeneous({"heterogeneous": True}) is True
+    with pytest.raises(ConfigError, match='"heterogeneous": 1}}: must be true or false'):
+        _heterogeneous({"heterogeneous": 1})
+    table = [ParamSpec("embed", (4, 2), 0, -1), ParamSpec("fc", (2, 2), 0, 0), ParamSpec("head", (4, 2), 0, 2)]
+    assert hmp_layers(table) == 2 and hmp_layers(table[:1]) == 1
+
+
+def test_with_the_models_shape_the_replicas_are_ucp_plans():
+    """With the model's shape, the replicas are those of `ucp plan`'s fastest one-stage plan: for the tiny Llama on 3
+    ranks TP 2 + 1 (its fastest plan overall is one two-stage replica, which DeepSpeed's HMP path cannot run); on 7
+    ranks with TP 4 allowed, 2 + 2 + 2 + 1, not the rule's 4 + 2 + 1 (4 does not divide its 2 KV heads)."""
+    plan = cost_model_replicas(TINY, 8.0, 8, 8, 6, 1, (2,))
+    assert plan(3) == (2, 1)
+    assert heterogeneous_choice(3, (2,), (1,), 8, 8, None, plan).replicas == (2, 1)
+    wide = cost_model_replicas(TINY, 8.0, 16, 16, 6, 1, (4, 2))
+    assert wide(7) == (2, 2, 2, 1)
+    assert heterogeneous_choice(7, (4, 2), (1,), 16, 16, None, wide) == Choice(2, 1, 4, 7, (2, 2, 2, 1), (5, 4, 4, 3),
+                                                                               True)
+    assert heterogeneous_choice(7, (4, 2), (1,), 16, 16).replicas == (4, 2, 1)   # control: without the shape
+    # no plan of an allowed size (TP 4 only, which the model cannot take): the rule decides
+    assert cost_model_replicas(TINY, 8.0, 8, 8, 6, 1, (4,))(5) is None

@@ -6,9 +6,10 @@ import pytest
 
 from ucp.deepspeed.config import ucp_options
 from ucp.deepspeed.hmp_sync import hmp_batch, replica_batch_keys
-from ucp.deepspeed.hook import _hmp_batch
+from ucp.deepspeed.hook import _elastic_hmp_options, _hmp_batch
+from ucp.elastic.layout_choice import Choice, RankLayout
 from ucp.errors import ConfigError
-from ucp.hmp.layout import Layout, Replica, Stage
+from ucp.hmp.layout import Layout, ParamSpec, Replica, Stage
 
 LAYOUT = Layout(2, (Replica((Stage((0, 2), (0, 1)),), 1), Replica((Stage((0, 2), (2,)),), 1)))  # TP 2 + TP 1
 
@@ -46,7 +47,7 @@ def test_bad_sections_are_refused_in_one_line(section, message):
     ({"hmp": {"global_batch": 8, "micro_batch": 5}, "layout": LAYOUT.to_json(),
       "save": {"dir": "/x", "every": 1, "memory": {"every": 1}}}, 'with "save": {"memory": ...} is not supported yet'),
     ({"hmp": {"global_batch": 8, "micro_batch": 5}, "layout": LAYOUT.to_json(),
-      "elastic": {"global_batch": 8, "micro_batch": 5}}, 'with "elastic" is not supported yet'),
+      "elastic": {"global_batch": 8, "micro_batch": 5}}, 'give "elastic": {..., "heterogeneous": true} without'),
 ])
 def test_what_does_not_go_with_hmp_is_refused(options, message):
     with pytest.raises(ConfigError) as caught:
@@ -56,3 +57,20 @@ def test_what_does_not_go_with_hmp_is_refused(options, message):
     assert _hmp_batch({"hmp": options["hmp"], "layout": LAYOUT.to_json()}).global_batch == 8
     assert _hmp_batch({"hmp": options["hmp"], "layout": LAYOUT.to_json(),
                        "save": {"dir": "/x", "every": 1, "keep": 2}}).global_batch == 8
+
+
+def test_an_elastic_heterogeneous_start_gets_the_layout_and_hmp_sections():
+    """`"elastic": {..., "heterogeneous": true}`: the hook trains this start's layout through the `"hmp"` path."""
+    place = RankLayout.of(Choice(2, 1, 2, 3, (2, 1), (5, 3), True), 2)
+    model = type("M", (), {"ucp_param_table": [ParamSpec("fc", (4, 2), 0, 0), ParamSpec("head", (4, 2), 0, 2)]})()
+    elastic = {"global_batch": 8, "micro_batch": 8, "tensor_parallel": 2, "heterogeneous": True}
+    options = _elastic_hmp_options({"elastic": elastic, "load": "auto"}, place, model)
+    assert options["hmp"] == {"global_batch": 8, "micro_batch": 8, "shares": [5, 3]} and options["load"] == "auto"
+    assert Layout.from_json(options["layout"]) == Layout(2, (
+        Replica((Stage((0, 2), (0, 1)),), 5), Replica((Stage((0, 2), (2,)),), 3)))
+    for extra, message in (({"layout": LAYOUT.to_json()}, 'leave out "layout"'),
+                           ({"save": {"dir": "/x", "every": 1, "memory": {"every": 1}}}, '"memory": ...} is not')):
+        with pytest.raises(ConfigError, match=message):
+            _elastic_hmp_options({"elastic": elastic, **extra}, place, model)
+    with pytest.raises(ConfigError, match="ucp_param_table"):
+        _elastic_hmp_options({"elastic": elastic}, place, object())

@@ -31,7 +31,10 @@ committed, and runs at exit too; see `ucp.deepspeed.life`). The `"ucp"` config s
   With `"tensor_parallel"` / `"pipeline_parallel"` (sizes the job may use) each start takes one
   T x P x D layout (`ucp.elastic.layout_choice`; `ucp.elastic.layout()` returns it, spares wait in
   `ucp.elastic.spare_loop`): B is shared over the D data-parallel ranks, and an AutoTP engine (no `mpu`,
-  not a `PipelineModule`) gets `"tensor_parallel": {"autotp_size": T}`.
+  not a `PipelineModule`) gets `"tensor_parallel": {"autotp_size": T}`. With `"heterogeneous": true` a start
+  whose ranks no homogeneous layout uses without spares takes one-stage replicas of unequal TP size, and every
+  start of the job trains through the `"layout"` + `"hmp"` path below (`_elastic_hmp_options`; the script builds
+  its replica from `ucp.elastic.layout().hmp_layout(...)` and passes `RankAloneMpu`).
 * `bypass` (bool, default true): redundancy-bypassing read. Each rank reads its own ZeRO
   partitions straight from storage, and every tensor that all ranks of the data-parallel group
   need whole (ZeRO-0 models, frozen parameters, buffers) is read by one rank, chosen to balance
@@ -96,6 +99,7 @@ from ucp.deepspeed.hmp_sync import hmp_batch, install_sync, replica_batch_keys
 from ucp.deepspeed.life import StepBook, life_of, save, wait
 from ucp.deepspeed.placement import as_layout
 from ucp.deepspeed.save_cadence import SaveEvery
+from ucp.elastic.layout_choice import RankLayout, hmp_layers
 from ucp.elastic.ranks import layout as elastic_layout
 from ucp.elastic.ranks import spare_loop
 from ucp.elastic.rendezvous import warn_shared_rendezvous_store
@@ -134,7 +138,11 @@ def initialize(*args: Any, **kwargs: Any) -> Any:
     if "elastic" in options:  # this start's T x P x D (the same on every rank); a spare waits in spare_loop
         place = elastic_layout(config, kwargs.get("model"))
         spare_loop()
-        batch = ElasticBatch.from_config(options["elastic"], place.dp)
+        if place.hmp:  # "heterogeneous": true: the layout's replicas train through the HMP sync, loaded by the layout
+            options = _elastic_hmp_options(options, place, kwargs.get("model"))
+            hmp = hmp_batch(options["hmp"], as_layout(options["layout"]))
+        else:
+            batch = ElasticBatch.from_config(options["elastic"], place.dp)
     if options and isinstance(config, dict):  # options come from a dict config's "ucp" section
         ds_config = without_ucp(config)
         if batch is not None and place is not None:
@@ -150,7 +158,10 @@ def initialize(*args: Any, **kwargs: Any) -> Any:
     if batch is not None:
         check_engine(engine, batch)
         engine.ucp_elastic = batch
+    if place is not None:
         engine.ucp_layout = place
+        if place.hmp:  # ElasticBatchSampler serves each replica (its dp_rank) its share
+            engine.ucp_elastic = hmp
     if hmp is not None:
         synced = install_sync(engine, as_layout(options["layout"]), hmp)
         life_of(engine).run_before_step(synced.before_step)
@@ -164,7 +175,7 @@ def initialize(*args: Any, **kwargs: Any) -> Any:
         load(engine, options["load"], **load_options(options))
     if batch is not None:
         life_of(engine).count_samples(batch.global_batch)
-    if batch is not None or auto_dir is not None:
+    if place is not None or auto_dir is not None:
         life_of(engine).keep_book(StepBook(engine, auto_dir, resumed, called))
     if save_every is not None:
         life_of(engine).save_every(save_every)
@@ -177,9 +188,28 @@ def _hmp_batch(options: dict[str, Any]) -> ElasticBatch:
         raise ConfigError('"ucp": {"hmp": ...} trains on an explicit layout: add "layout" (the JSON that '
                           "`Layout.to_json()` or `ucp plan --json` writes)")
     if "elastic" in options:
-        raise ConfigError('"ucp": {"hmp": ...} with "elastic" is not supported yet (issue #30); train without '
-                          '"elastic"')
+        raise ConfigError('"ucp": {"hmp": ...} with "elastic": an elastic job chooses its layout at each start; give '
+                          '"elastic": {..., "heterogeneous": true} without "hmp" and "layout"')
     if isinstance(options.get("save"), dict) and "memory" in options["save"]:
         raise ConfigError('"ucp": {"hmp": ...} with "save": {"memory": ...} is not supported yet (the host-memory '
                           'tier does not save HMP layouts); save to disk only')
     return hmp_batch(options["hmp"], as_layout(options["layout"]))
+
+
+def _elastic_hmp_options(options: dict[str, Any], place: RankLayout, model: Any) -> dict[str, Any]:
+    """`options` with the `"layout"` and `"hmp"` sections of this start's layout (`"heterogeneous": true`): the
+    one-stage replicas `ucp.elastic.layout()` chose, over the layers of the model's parameter table."""
+    if "layout" in options:
+        raise ConfigError('"ucp": {"elastic": {"heterogeneous": true}} chooses the layout at each start: leave out '
+                          '"layout"')
+    if isinstance(options.get("save"), dict) and "memory" in options["save"]:
+        raise ConfigError('"ucp": {"elastic": {"heterogeneous": true}} with "save": {"memory": ...} is not supported '
+                          "yet (the host-memory tier does not save HMP layouts); save to disk only")
+    table = getattr(model, "ucp_param_table", None)
+    if not table:
+        raise ConfigError('"ucp": {"elastic": {"heterogeneous": true}} trains by a layout: give the module a '
+                          "`ucp_param_table` (a list of ucp.hmp.layout.ParamSpec), built for ucp.elastic.layout()")
+    layout = place.hmp_layout(hmp_layers(table))
+    section = options["elastic"]
+    hmp = {"global_batch": section["global_batch"], "micro_batch": section["micro_batch"], "shares": list(place.shares)}
+    return {**options, "layout": layout.to_json(), "hmp": hmp}

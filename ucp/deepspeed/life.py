@@ -176,13 +176,15 @@ class StepBook:
 
     def _report(self, before: Progress, now: float) -> RestartReport:
         resumed = self.resumed or Resumed(None, 0, 0.0)
+        place = getattr(self.engine, "ucp_layout", None)  # an elastic job's layout (`ucp.elastic.RankLayout`)
         load_began = self.loaded_at - resumed.load_s
         started = min(max(self.called, before.time), load_began)
         return RestartReport(
             old_world=before.world, new_world=world_size(),
             checkpoint=str(resumed.path) if resumed.path else None, checkpoint_step=resumed.step,
             steps_redone=max(0, before.step - resumed.step), detection_s=started - before.time,
-            startup_s=load_began - started, load_s=resumed.load_s, first_step_s=now - self.loaded_at)
+            startup_s=load_began - started, load_s=resumed.load_s, first_step_s=now - self.loaded_at,
+            layout=place.choice.describe() if place is not None else None)
 
 
 def life_of(engine: DeepSpeedEngine) -> CheckpointLife:

@@ -13,6 +13,17 @@ config alone, so no rank needs to ask another:
    model's shape (from the module's Hugging Face config, or `"model": path` as `ucp plan` takes);
 4. then (and without a model shape) to the smaller T*P: less communication inside a replica; then to the smaller P.
 
+With `"heterogeneous": true` (Elastor's HMP), a world that rule 2 would leave with spares takes replicas of unequal
+tensor-parallel size instead, so every rank trains (`heterogeneous_choice`). Where the cost model knows the model's
+shape, the replicas are those of the fastest plan `ucp plan` finds for W (`ucp.hmp.strategy.search`) whose replicas
+are one stage each and whose largest TP size is allowed (`cost_model_replicas`); otherwise (or when it finds none)
+one-stage replicas of the largest allowed size T that fits, as many as fit, and the remainder W mod T as replicas
+of its powers of two (3 ranks and T=2: 2 + 1), as that search deals TP_max T with one replica per group. Each
+replica takes a share of the global batch in proportion to its speed under the cost model
+(`ucp.hmp.strategy.replica_speeds`, `ucp.elastic.shares.speed_shares`). `Choice.hmp_layout()` is that plan as a
+`ucp.hmp.layout.Layout`; with the flag on, homogeneous choices are given as such layouts too (equal replicas), so a job
+trains on one path at every size (`ucp.deepspeed.hmp_sync`).
+
 Ranks numbered from 0 take the layout in Megatron's order (TP fastest, then DP, then PP: DeepSpeed's AutoTP
 groups and `PipeModelDataParallelTopology` number them so too); ranks from D*T*P on are spares (`ucp.elastic.spares`).
 The choice is pure (`choose_layout`); `layout()` applies it to this process's world.
@@ -20,12 +31,13 @@ The choice is pure (`choose_layout`); `layout()` applies it to this process's wo
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ucp.elastic.shares import ElasticBatch
+from ucp.elastic.shares import ElasticBatch, speed_shares
 from ucp.errors import ConfigError
+from ucp.hmp.layout import Layout, ParamSpec, Replica, Stage
 
 if TYPE_CHECKING:
     from ucp.hmp.model_shapes import ModelConfig
@@ -33,24 +45,52 @@ if TYPE_CHECKING:
 SIZE_KEYS = ("tensor_parallel", "pipeline_parallel")
 # A layout's estimated step time in seconds, or None where it does not fit the ranks' memory: (tp, pp, dp) -> s.
 StepTime = Callable[[int, int, int], "float | None"]
+# The model's shape, the GiB per rank, the global batch, the micro-batch, the sequence length and the ZeRO stage.
+CostModelInputs = tuple["ModelConfig", float, int, int, int, int]
+# The TP sizes of one-stage replicas for W ranks that `ucp plan`'s search finds fastest, or None: W -> sizes.
+ReplicaPlan = Callable[[int], "tuple[int, ...] | None"]
 
 
 @dataclass(frozen=True)
 class Choice:
-    """The job's layout: T x P x D training ranks of `world`, the rest spares."""
+    """The job's layout: T x P x D training ranks of `world`, the rest spares. A heterogeneous one lists its
+    replicas' TP sizes in `replicas` (`tp` is the largest, `dp` their count, `pp` 1) and their shares of the
+    global batch in `shares`; `hmp` says the job trains through the HMP path (`"heterogeneous": true`)."""
 
     tp: int
     pp: int
     dp: int
     world: int
+    replicas: tuple[int, ...] = ()
+    shares: tuple[int, ...] = ()
+    hmp: bool = False
 
     @property
     def training(self) -> int:
-        return self.tp * self.pp * self.dp
+        return sum(self.replicas) if self.replicas else self.tp * self.pp * self.dp
 
     @property
     def spares(self) -> int:
         return self.world - self.training
+
+    @property
+    def heterogeneous(self) -> bool:
+        return len(set(self.replicas)) > 1
+
+    def describe(self) -> str:
+        """The layout in one phrase, for the start's log line and the restart line."""
+        if self.heterogeneous:
+            return (f"heterogeneous tensor_parallel {' + '.join(map(str, self.replicas))} (one replica each, "
+                    f"batch shares {' + '.join(map(str, self.shares))})")
+        return f"tensor_parallel {self.tp} x pipeline_parallel {self.pp} x data_parallel {self.dp}"
+
+    def hmp_layout(self, layers: int) -> Layout:
+        """The training ranks as a `ucp.hmp.layout.Layout` of one-stage replicas over `layers` layers, ranks in order
+        (TP fastest), each replica's `micro_batches` its share of the global batch."""
+        if self.pp != 1 or not self.hmp:
+            raise ConfigError(f"{self.describe()}: only a one-stage layout chosen with \"heterogeneous\": true is an "
+                              "HMP layout")
+        return _one_stage(self.replicas, self.shares, layers)
 
 
 @dataclass(frozen=True)
@@ -69,16 +109,31 @@ class RankLayout:
     pp_rank: int | None
     dp_rank: int | None
 
+    replicas: tuple[int, ...] = ()   # a heterogeneous layout: every replica's TP size (`tp` is this rank's)
+    shares: tuple[int, ...] = ()     # the replicas' shares of the global batch (HMP path)
+    hmp: bool = False                # the job trains through the HMP path (`"heterogeneous": true`)
+
     @classmethod
     def of(cls, choice: Choice, rank: int) -> RankLayout:
+        hmp = (choice.replicas, choice.shares, choice.hmp)
         if rank >= choice.training:
-            return cls(choice.tp, choice.pp, choice.dp, choice.world, rank, "spare", None, None, None)
+            return cls(choice.tp, choice.pp, choice.dp, choice.world, rank, "spare", None, None, None, *hmp)
+        if choice.replicas:
+            starts = [sum(choice.replicas[:i]) for i in range(len(choice.replicas))]
+            replica = max(i for i, first in enumerate(starts) if first <= rank)
+            return cls(choice.replicas[replica], 1, choice.dp, choice.world, rank, "train", rank - starts[replica], 0,
+                       replica, *hmp)
         tp, dp = choice.tp, choice.dp
         return cls(tp, choice.pp, dp, choice.world, rank, "train", rank % tp, rank // (tp * dp), rank // tp % dp)
 
     @property
     def choice(self) -> Choice:
-        return Choice(self.tp, self.pp, self.dp, self.world)
+        tp = max(self.replicas) if self.replicas else self.tp
+        return Choice(tp, self.pp, self.dp, self.world, self.replicas, self.shares, self.hmp)
+
+    def hmp_layout(self, layers: int) -> Layout:
+        """This start's layout as a `ucp.hmp.layout.Layout` (`Choice.hmp_layout`): build the model for it."""
+        return self.choice.hmp_layout(layers)
 
 
 def allowed_sizes(section: dict[str, Any], key: str) -> tuple[int, ...]:
@@ -120,6 +175,66 @@ def choose_layout(world: int, tensor_parallel: tuple[int, ...], pipeline_paralle
     return min(ranked, key=lambda item: item[0])[1]
 
 
+def heterogeneous_choice(world: int, tensor_parallel: tuple[int, ...], pipeline_parallel: tuple[int, ...],
+                         global_batch: int, micro_batch: int, step_time: StepTime | None = None,
+                         replica_plan: ReplicaPlan | None = None) -> Choice:
+    """With `"heterogeneous": true`: `choose_layout`'s choice as the HMP path takes it (equal one-stage replicas), or,
+    where it leaves spares or none fits, one-stage replicas of unequal TP size over all `world` ranks: those of
+    `replica_plan` (the cost model's search, when it knows the model's shape and finds such a plan), else the
+    module docstring's. Where those replicas cannot share the batch (fewer samples than micro-batches), the
+    homogeneous choice stands, spares and all; ConfigError when neither is possible."""
+    try:
+        homogeneous: Choice | None = choose_layout(world, tensor_parallel, pipeline_parallel, global_batch,
+                                                   micro_batch, step_time)
+    except ConfigError:
+        if 1 not in pipeline_parallel:
+            raise
+        homogeneous = None
+    if homogeneous is not None and homogeneous.pp != 1:
+        return homogeneous   # a pipeline layout: the HMP path on DeepSpeed takes one-stage replicas
+    if homogeneous is not None:
+        even = (homogeneous.tp,) * homogeneous.dp
+        homogeneous = Choice(homogeneous.tp, 1, homogeneous.dp, world, even, _shares(global_batch, even), True)
+        if not homogeneous.spares:
+            return homogeneous
+    replicas = replica_plan(world) if replica_plan is not None else None
+    if replicas is None:
+        tp = max((t for t in tensor_parallel if t <= world), default=1)
+        rest = world % tp
+        replicas = (tp,) * (world // tp) + tuple(1 << b for b in range(rest.bit_length() - 1, -1, -1) if rest >> b & 1)
+    try:
+        shares = _shares(global_batch, replicas)
+        ElasticBatch(global_batch, micro_batch, len(replicas), shares)
+    except ConfigError:
+        if homogeneous is None:
+            raise
+        return homogeneous
+    return Choice(max(replicas), 1, len(replicas), world, replicas, shares, True)
+
+
+def _shares(global_batch: int, replicas: tuple[int, ...]) -> tuple[int, ...]:
+    """The global batch cut by the replicas' speeds under the cost model's TP efficiency (one-stage replicas)."""
+    from ucp.hmp.strategy import CostModel, replica_speeds
+
+    speeds = replica_speeds(_one_stage(replicas, (1,) * len(replicas), 1), CostModel(80.0))
+    return speed_shares(global_batch, speeds)
+
+
+def hmp_layers(table: Iterable[ParamSpec]) -> int:
+    """The layers a one-stage HMP layout of a model with this parameter table spans: its highest layer index (the
+    final norm and head sit one past the last layer, as in Megatron's table; one stage holds everything anyway)."""
+    return max([1, *(spec.layer for spec in table)])
+
+
+def _one_stage(replicas: tuple[int, ...], micro_batches: tuple[int, ...], layers: int) -> Layout:
+    """One-stage replicas of these TP sizes over `layers` layers, ranks in order (TP fastest)."""
+    out, rank = [], 0
+    for tp, count in zip(replicas, micro_batches):
+        out.append(Replica((Stage((0, layers), tuple(range(rank, rank + tp))),), count))
+        rank += tp
+    return Layout(layers, tuple(out))
+
+
 def cost_model_step_time(model: ModelConfig, gpu_memory_gib: float, global_batch: int, micro_batch: int, seq_len: int,
                          zero_stage: int) -> StepTime:
     """`ucp.hmp`'s estimate for a homogeneous T x P x D layout of `model` (a `ucp.hmp.model_shapes.ModelConfig`):
@@ -142,3 +257,28 @@ def cost_model_step_time(model: ModelConfig, gpu_memory_gib: float, global_batch
         return result.step_time_s if result.fits else None
 
     return seconds
+
+
+def cost_model_replicas(model: ModelConfig, gpu_memory_gib: float, global_batch: int, micro_batch: int, seq_len: int,
+                        zero_stage: int, tensor_parallel: tuple[int, ...]) -> ReplicaPlan:
+    """`ucp plan`'s search (`ucp.hmp.strategy.search`) for W ranks and `model`: the TP sizes (largest first) of the
+    fastest plan whose replicas are one stage each and whose largest TP size is an allowed one; None when it finds
+    none (the module docstring's rule then decides)."""
+    from ucp.hmp.strategy import CostModel, PlanError, Workload, search
+
+    def replicas(world: int) -> tuple[int, ...] | None:
+        cost = CostModel(gpu_memory_gib=gpu_memory_gib, reserve_gib=min(2.0, gpu_memory_gib / 8),
+                         zero_stage=min(zero_stage, 1), tp_max=min(max(tensor_parallel), world))
+        size = max(1, min(micro_batch, global_batch // world))   # micro-batches enough for a replica per rank
+        work = Workload(global_batch=size * -(-global_batch // size), seq_len=seq_len, micro_batch_size=size)
+        try:
+            plans = search(model, world, cost, work, top=50).plans
+        except PlanError:
+            return None
+        for plan in plans:
+            sizes = sorted((r.stages[0].tp for r in plan.replicas for _ in range(r.count)), reverse=True)
+            if all(len(r.stages) == 1 for r in plan.replicas) and sizes[0] in tensor_parallel:
+                return tuple(sizes)
+        return None
+
+    return replicas

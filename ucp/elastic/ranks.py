@@ -37,11 +37,13 @@ import torch.distributed as dist
 from ucp.elastic.layout_choice import (
     SIZE_KEYS,
     Choice,
+    CostModelInputs,
     RankLayout,
-    StepTime,
     allowed_sizes,
     choose_layout,
+    cost_model_replicas,
     cost_model_step_time,
+    heterogeneous_choice,
 )
 from ucp.elastic.shares import ElasticBatch
 from ucp.errors import ConfigError
@@ -100,13 +102,18 @@ def layout(config: dict[str, Any] | None = None, module: Any = None) -> RankLayo
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
     ElasticBatch.from_config(section, 1)   # the batch keys are there, and no unknown key
-    step_time = _step_time(section, config, module)
+    inputs = _cost_model_inputs(section, config, module)
+    step_time = cost_model_step_time(*inputs) if inputs is not None else None
     sizes = allowed_sizes(section, "tensor_parallel"), allowed_sizes(section, "pipeline_parallel")
-    choice = choose_layout(world, *sizes, section["global_batch"], section["micro_batch"], step_time)
+    if _heterogeneous(section):
+        plan = cost_model_replicas(*inputs, sizes[0]) if inputs is not None else None
+        choice = heterogeneous_choice(world, *sizes, section["global_batch"], section["micro_batch"], step_time, plan)
+    else:
+        choice = choose_layout(world, *sizes, section["global_batch"], section["micro_batch"], step_time)
     _chosen = RankLayout.of(choice, rank)
     if rank == 0:
-        logger.warning("ucp: %d ranks: tensor_parallel %d x pipeline_parallel %d x data_parallel %d%s", world,
-                       choice.tp, choice.pp, choice.dp, f", {choice.spares} spare(s)" if choice.spares else "")
+        logger.warning("ucp: %d ranks: %s%s", world, choice.describe(),
+                       f", {choice.spares} spare(s)" if choice.spares else "")
     _copies, _config = None, config
     if choice.spares and dist.is_initialized():
         _leave_spares_out(choice, rank, _has_memory_tier(config))
@@ -210,9 +217,18 @@ def _wait_as_spare(place: RankLayout) -> NoReturn:
     os._exit(0 if released else 1)   # no process group to tear down; nothing of the training to finalize
 
 
-def _step_time(section: dict[str, Any], config: dict[str, Any], module: Any) -> StepTime | None:
-    """The cost model's estimate where the section lists model-parallel sizes and the model's shape is known
-    (`"model"`, or the module's Hugging Face config of a shape `ucp plan` reads), else None."""
+def _heterogeneous(section: dict[str, Any]) -> bool:
+    """`"heterogeneous"`: whether a world the homogeneous layouts leave spares in takes unequal replicas."""
+    value = section.get("heterogeneous", False)
+    if not isinstance(value, bool):
+        raise ConfigError(f'"ucp": {{"elastic": {{"heterogeneous": {value!r}}}}}: must be true or false')
+    return value
+
+
+def _cost_model_inputs(section: dict[str, Any], config: dict[str, Any], module: Any) -> CostModelInputs | None:
+    """What the cost model needs (`cost_model_step_time`, `cost_model_replicas`) where the section lists
+    model-parallel sizes and the model's shape is known (`"model"`, or the module's Hugging Face config of a shape
+    `ucp plan` reads), else None."""
     from ucp.hmp.model_shapes import ModelConfig, ModelConfigError, load_model_config
 
     for key, fix in (("gpu_memory", "GiB per rank, e.g. 80"), ("seq_len", "tokens per sample, e.g. 4096")):
@@ -235,8 +251,8 @@ def _step_time(section: dict[str, Any], config: dict[str, Any], module: Any) -> 
         return None
     gpu_memory = section.get("gpu_memory") or _smallest_memory_gib()
     stage = int(config.get("zero_optimization", {}).get("stage", 0))
-    return cost_model_step_time(model, float(gpu_memory), section["global_batch"], section["micro_batch"],
-                                int(section.get("seq_len", 4096)), stage)
+    return (model, float(gpu_memory), section["global_batch"], section["micro_batch"],
+            int(section.get("seq_len", 4096)), stage)
 
 
 def _smallest_memory_gib() -> float:

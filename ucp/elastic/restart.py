@@ -133,6 +133,7 @@ class RestartReport:
     startup_s: float           # -> start of the load (deepspeed.initialize)
     load_s: float
     first_step_s: float        # end of the load -> end of the first step after it
+    layout: str | None = None  # the layout this start trains on (`ucp.elastic.layout_choice.Choice.describe`)
 
     @property
     def restart_s(self) -> float:
@@ -149,5 +150,5 @@ class RestartReport:
         return (f"ucp: restart {self.old_world} -> {self.new_world} ranks: {loaded}, {redone}; fault to first step "
                 f"{self.fault_to_first_step_s:.1f} s = restart {self.restart_s:.1f} s (detection and relaunch "
                 f"{self.detection_s:.1f} s + engine start-up {self.startup_s:.1f} s) + load {self.load_s:.1f} s + "
-                f"first step {self.first_step_s:.1f} s")
+                f"first step {self.first_step_s:.1f} s" + (f"; layout {self.layout}" if self.layout else ""))
 

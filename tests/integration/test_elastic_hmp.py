@@ -1,0 +1,78 @@
+"""Heterogeneous restarts in the elastic loop (issue #30, item 5): examples/hmp/train.py --elastic under torchrun's
+own agents, `"elastic": {"tensor_parallel": [2], "heterogeneous": true}`. 4 ranks take two TP-2 replicas; a lost
+node leaves 3, which no TP-2 layout uses without a spare, so they take one TP-2 and one TP-1 replica (5 and 3
+samples of each global batch of 8, by the cost model's speeds), trained by the HMP sync and loaded by the layout;
+a node joins and the job goes back to TP 2 x 2, loading the save made at TP 2 + 1. Every step's loss is the
+uninterrupted run's. The negative control of the sync (unweighted replicas diverge) is test_hmp_train's; that
+of the choice (heterogeneous off leaves a spare) is tests/unit/test_elastic_layout.py's."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from support.elastic_agents import (
+    ElasticJob,
+    assert_restarts_redo_at_most,
+    assert_same_losses,
+    by_step,
+    first_losses,
+    reached,
+    read_losses,
+)
+from support.launch import run_torchrun
+from support.processes import wait_for
+
+pytestmark = pytest.mark.slow
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "hmp" / "train.py"
+STEPS = 8
+ARGS = ["--elastic", "--tp-sizes", "2", "--deepspeed", "--zero", "1", "--global-batch", "8", "--steps", STEPS]
+# fp32: the layouts sum the same gradients in another order (TP's partial sums, the replicas' weighted shares against
+# equal ones), a few ulps a step; test_hmp_train measured at most 3e-7 relative over 12 AdamW steps.
+RTOL = 1e-6
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[int, float]:
+    """The uninterrupted run of the same model, global batch and sample order in one process (plain AdamW, no
+    DeepSpeed): what every layout must train, to rounding. Cheaper than an uninterrupted 4-rank run, and a stronger
+    check (test_hmp_train shows DeepSpeed's HMP and homogeneous engines train its losses)."""
+    tmp = tmp_path_factory.mktemp("reference-hmp-elastic")
+    run_torchrun(EXAMPLE, ["--tp-sizes", "1", "--global-batch", "8", "--steps", STEPS,
+                           "--losses-out", tmp / "losses.jsonl"], 1, tmp / "log")
+    return first_losses(tmp / "losses.jsonl")
+
+
+def test_a_lost_node_trains_on_unequal_replicas_then_goes_back(tmp_path, reference):
+    from ucp.checkpoint import open_checkpoint
+
+    losses, ckpt = tmp_path / "losses.jsonl", tmp_path / "ckpt"
+    with ElasticJob(EXAMPLE, [*ARGS, "--save-dir", ckpt, "--losses-out", losses], tmp_path / "agents") as job:
+        for _ in range(4):
+            job.start_agent()
+        wait_for(reached(losses, 2, world=4), 300, "step 2 on 4 ranks")
+        job.lose_node(3)                                  # 3 ranks: TP 2 + TP 1, no spare
+        wait_for(reached(losses, 5, world=3), 300, "step 5 on 3 ranks")
+        job.join_while_paused()                           # back to TP 2 x 2 at the next restart
+        codes = job.wait(timeout=600)
+    assert set(codes.values()) == {0}, job.logs()
+    records = read_losses(losses)
+    assert {(r["world"], tuple(r["tp"])) for r in records} == {(4, (2, 2)), (3, (2, 1))}
+    assert records[-1]["world"] == 4 and records[-1]["step"] == STEPS
+    assert sorted(by_step(records)) == list(range(1, STEPS + 1))
+    assert_same_losses(records, reference, RTOL)
+    assert_restarts_redo_at_most(records, every=1, restarts=2)
+    logs = job.logs(tail=None)
+    hmp = "heterogeneous tensor_parallel 2 + 1 (one replica each, batch shares 5 + 3)"
+    assert f"ucp: 3 ranks: {hmp}" in logs and "is a spare" not in logs
+    assert f"ucp: restart 4 -> 3 ranks: loaded {ckpt}/global_step" in logs and f"layout {hmp}" in logs
+    assert "ucp: restart 3 -> 4 ranks: loaded" in logs
+    assert "layout tensor_parallel 2 x pipeline_parallel 1 x data_parallel 2" in logs
+    # The saves record the layout that wrote them: a step first logged on 3 ranks, then the last one (on 4).
+    at_three = min(r["step"] for r in records if r["world"] == 3)
+    for step, tp_sizes in ((at_three, [2, 1]), (STEPS, [2, 2])):
+        saved = open_checkpoint(ckpt / f"global_step{step}")
+        assert saved.verify() == []
+        assert [len(r["stages"][0]["ranks"]) for r in saved.source["layout"]["replicas"]] == tp_sizes, step
+        assert saved.training["global_samples"] == step * 8   # B per step at every layout
