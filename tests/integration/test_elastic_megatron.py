@@ -9,6 +9,9 @@ The layouts `ucp.elastic.layout_choice` picks, given the model's shape (`"model"
 * 3 ranks: T=2 x P=1 x D=1 and one spare. T=1 x P=1 x D=3, the one layout that would use all 3, cannot share the
   batch (4 samples over 3 ranks: some would run fewer micro-batches of 1 sample than others); of the 2-rank
   layouts the cost model prefers T=2 over P=2.
+
+The same layers in a plain module with the `mpu` passed to `initialize` (no PipelineModule, `--no-pipeline`),
+`"tensor_parallel": 2, "pipeline_parallel": 1`: T=2 x D=2 on 4 ranks, T=2 x D=1 and a spare on 3, T=2 x D=2 again.
 """
 from __future__ import annotations
 
@@ -71,6 +74,44 @@ def test_tp_x_pp_loses_a_node_then_gets_it_back(tmp_path, reference):
     assert "of 3 is a spare" in logs
     # Each restart's report (a pipeline engine steps in train_batch, which ucp's bookkeeping wraps): 4 training ranks
     # -> 2 (and the spare) -> 4.
+    assert "ucp: restart 4 -> 2 ranks: loaded" in logs and "ucp: restart 2 -> 4 ranks: loaded" in logs
+
+
+@pytest.fixture(scope="module")
+def plain_reference(tmp_path_factory) -> dict[int, float]:
+    """The uninterrupted 4-rank run of the plain module (T=2 x D=2), without ucp's saves."""
+    tmp = tmp_path_factory.mktemp("reference-megatron-plain")
+    run_torchrun(SCRIPT, ["--no-pipeline", "--save-dir", tmp / "ds", "--steps", STEPS, "--stock", "--losses-out",
+                          tmp / "losses.jsonl"], 4, tmp / "log")
+    assert {(r["tp"], r["pp"], r["dp"]) for r in read_losses(tmp / "losses.jsonl")} == {(2, 1, 2)}
+    return first_losses(tmp / "losses.jsonl")
+
+
+def test_an_mpu_without_a_pipeline_loses_a_node_then_gets_it_back(tmp_path, plain_reference):
+    """Elastic restarts of a Megatron-style mpu in a plain module: the layout follows the ranks, each restart
+    loads the last save by its TP boxes (`ucp.deepspeed.mpu_target`), and every step's loss is the uninterrupted
+    run's (D changes 2 -> 1 -> 2: the gradient's sum runs in another order, hence RTOL rather than equality)."""
+    losses = tmp_path / "losses.jsonl"
+    with ElasticJob(SCRIPT, ["--no-pipeline", "--save-dir", tmp_path / "ckpt", "--steps", STEPS, "--every", 1,
+                             "--losses-out", losses], tmp_path / "agents") as job:
+        for _ in range(4):
+            job.start_agent()
+        wait_for(reached(losses, 2, world=4), 300, "step 2 on 4 ranks")
+        job.lose_node(3)                                  # 3 ranks: T=2 x D=1 and a spare
+        wait_for(reached(losses, 4, world=3), 300, "step 4 on 3 ranks")
+        job.join_while_paused()                           # back to T=2 x D=2 at the next restart
+        codes = job.wait(timeout=600)
+    assert set(codes.values()) == {0}, job.logs()
+    records = read_losses(losses)
+    assert {(r["world"], r["tp"], r["pp"], r["dp"]) for r in records} == {(4, 2, 1, 2), (3, 2, 1, 1)}
+    assert records[-1]["world"] == 4 and records[-1]["step"] == STEPS
+    assert sorted(by_step(records)) == list(range(1, STEPS + 1))
+    assert_same_losses(records, plain_reference, RTOL)
+    # the check can fail: a restart from scratch (or from another step) would log another loss at those steps
+    assert all(plain_reference[s] != pytest.approx(plain_reference[1], rel=RTOL) for s in range(2, STEPS + 1))
+    assert_restarts_redo_at_most(records, every=1, restarts=2)
+    logs = job.logs(tail=None)
+    assert "ucp: 3 ranks: tensor_parallel 2 x pipeline_parallel 1 x data_parallel 1, 1 spare(s)" in logs
     assert "ucp: restart 4 -> 2 ranks: loaded" in logs and "ucp: restart 2 -> 4 ranks: loaded" in logs
 
 

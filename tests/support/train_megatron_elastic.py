@@ -12,6 +12,12 @@ resume at another TP continues the run exactly. Batches come from `ElasticBatchS
 `engine.train_batch(data_iter)`. Rank 0 appends {step, loss, world, tp, pp, dp, pid} per step to `--losses-out`.
 With `--stock` DeepSpeed saves every step and ucp neither saves nor resumes (the uninterrupted reference run; with
 `--load-tag`, DeepSpeed's own resume: the negative control).
+
+With `--no-pipeline` the same layers train in a plain module (`train_megatron.GPTModel`), the `mpu` passed to
+`initialize`, and `"elastic": {..., "tensor_parallel": 2, "pipeline_parallel": 1}`: T=2 x D=2 on 4 ranks, T=2 x D=1
+and a spare on 3. Each step runs the engine's gradient-accumulation micro-batches from the sampler through
+`engine(...)`, `engine.backward`, `engine.step`; the loss logged is their mean over the data-parallel ranks, as a
+pipeline's `train_batch` reports it.
 """
 import argparse
 import json
@@ -48,6 +54,7 @@ def main() -> None:
     p.add_argument("--losses-out", required=True)
     p.add_argument("--stock", action="store_true", help="DeepSpeed saves every step (engine.save_checkpoint)")
     p.add_argument("--load-tag", help="with --stock: engine.load_checkpoint of this tag first")
+    p.add_argument("--no-pipeline", action="store_true", help="an mpu without a PipelineModule (TP 2 x DP)")
     args = p.parse_args()
 
     import deepspeed
@@ -65,6 +72,8 @@ def main() -> None:
     dist.barrier()
     elastic = {"global_batch": 4, "micro_batch": 1, "tensor_parallel": [2, 1], "pipeline_parallel": [2, 1],
                "model": shape, "seq_len": gpt.SEQ}
+    if args.no_pipeline:
+        elastic.update({"tensor_parallel": 2, "pipeline_parallel": 1})
     config = {"optimizer": {"type": "AdamW", "params": {"lr": 2e-2, "betas": [0.9, 0.95], "weight_decay": 0.05,
                                                       "torch_adam": True}},
               "zero_optimization": {"stage": 1, "reduce_bucket_size": 10**6, "allgather_bucket_size": 10**6},
@@ -75,8 +84,10 @@ def main() -> None:
     ucp.elastic.spare_loop()   # a spare waits here for the next restart
     deepspeed.init_distributed("gloo")   # PipelineModule asks DeepSpeed's comm for ranks: the training group
     gpt.use_layout(place.tp, place.pp, sync_scale=True)
-    model = gpt.build()
-    engine, *_ = ucp.deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config)
+    model = gpt.build_plain() if args.no_pipeline else gpt.build()
+    mpu = {"mpu": gpt.MPU} if args.no_pipeline else {}  # a PipelineModule hands DeepSpeed its mpu itself
+    engine, *_ = ucp.deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config,
+                                          **mpu)
     dataset = Tokens()
     sampler = ucp.elastic.ElasticBatchSampler(dataset, engine, shuffle=True, seed=0)
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler)
@@ -89,7 +100,7 @@ def main() -> None:
         engine.load_checkpoint(args.save_dir, tag=args.load_tag)
     data = micro_batches()
     while engine.global_steps < args.steps:
-        loss = float(engine.train_batch(data))
+        loss = plain_step(engine, data) if args.no_pipeline else float(engine.train_batch(data))
         if args.stock:
             engine.save_checkpoint(args.save_dir)
         if dist.get_rank() == 0:
@@ -98,6 +109,23 @@ def main() -> None:
                                     "pp": place.pp, "dp": place.dp, "pid": os.getpid()}) + "\n")
     if not args.stock:
         ucp.deepspeed.wait(engine)
+
+
+def plain_step(engine, data) -> float:
+    """One optimizer step of the plain module: this rank's micro-batches, their loss averaged over them and the
+    data-parallel ranks."""
+    import torch.distributed as dist
+
+    total, count = torch.zeros(()), engine.gradient_accumulation_steps()
+    for _ in range(count):
+        tokens, targets = next(data)
+        loss = engine(tokens, targets)
+        engine.backward(loss)
+        engine.step()
+        total += loss.detach().float()
+    total /= count * gpt.MPU.get_data_parallel_world_size()
+    dist.all_reduce(total, group=gpt.MPU.get_data_parallel_group())
+    return float(total)
 
 
 if __name__ == "__main__":
