@@ -87,6 +87,27 @@ def test_no_possible_layout_is_one_line():
         choose_layout(8, (1,), (1,), 4, 2)
 
 
+def test_expert_parallel_keeps_d_a_multiple_of_the_ep_size():
+    """MoE with ep_size 2: 3 ranks train D=2 and leave a spare (DeepSpeed's expert groups need E | D); 4 and 5 ranks
+    D=4. Negative control: without "expert_parallel" 3 ranks train D=3, which DeepSpeed's MoE cannot group."""
+    assert choose_layout(3, (1,), (1,), 6, 1, expert_parallel=2) == Choice(1, 1, 2, 3)
+    assert choose_layout(3, (1,), (1,), 6, 1) == Choice(1, 1, 3, 3)
+    assert choose_layout(5, (1,), (1,), 4, 1, expert_parallel=2) == Choice(1, 1, 4, 5)
+    assert choose_layout(4, (2, 1), (1,), 8, 1, expert_parallel=2) == Choice(1, 1, 4, 4)
+    assert choose_layout(6, (2,), (1,), 8, 1, expert_parallel=2) == Choice(2, 1, 2, 6)   # T=2 x D=2, 2 spares
+    with pytest.raises(ConfigError, match=r"T=1 x P=1 with expert_parallel 2 needs 2 ranks"):
+        choose_layout(1, (1,), (1,), 4, 1, expert_parallel=2)
+
+
+def test_expert_parallel_key_is_checked_in_one_line():
+    from ucp.elastic.ranks import _expert_parallel
+
+    assert _expert_parallel({}) == 1 and _expert_parallel({"expert_parallel": 2}) == 2
+    for bad in (0, True, "2", [2]):
+        with pytest.raises(ConfigError, match='"expert_parallel": .*must be the ep_size'):
+            _expert_parallel({"expert_parallel": bad})
+
+
 def test_bad_cost_model_keys_are_one_line():
     from ucp.elastic.ranks import _cost_model_inputs as _step_time
 

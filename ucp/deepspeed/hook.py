@@ -28,10 +28,11 @@ committed, and runs at exit too; see `ucp.deepspeed.life`). The `"ucp"` config s
   current world size so that every optimizer step sees the same B samples at any world size, in
   uneven shares where B does not divide (`ucp.elastic.shares`); pair it with
   `ucp.elastic.ElasticBatchSampler`, which continues one global sample order from the checkpoint.
-  With `"tensor_parallel"` / `"pipeline_parallel"` (sizes the job may use) each start takes one
-  T x P x D layout (`ucp.elastic.layout_choice`; `ucp.elastic.layout()` returns it, spares wait in
-  `ucp.elastic.spare_loop`): B is shared over the D data-parallel ranks, and an AutoTP engine (no `mpu`,
-  not a `PipelineModule`) gets `"tensor_parallel": {"autotp_size": T}`. With `"heterogeneous": true` a start
+  With `"tensor_parallel"` / `"pipeline_parallel"` (sizes the job may use; `"expert_parallel"`: the MoE
+  layers' ep_size, which D stays a multiple of) each start takes one T x P x D layout
+  (`ucp.elastic.layout_choice`; `ucp.elastic.layout()` returns it, spares wait in `ucp.elastic.spare_loop`):
+  B is shared over the D data-parallel ranks, and an AutoTP engine (no `mpu`, not a `PipelineModule`) gets
+  `"tensor_parallel": {"autotp_size": T}`. With `"heterogeneous": true` a start
   whose ranks no homogeneous layout uses without spares takes one-stage replicas of unequal TP size, and every
   start of the job trains through the `"layout"` + `"hmp"` path below (`_elastic_hmp_options`; the script builds
   its replica from `ucp.elastic.layout().hmp_layout(...)` and passes `RankAloneMpu`).

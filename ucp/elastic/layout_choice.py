@@ -8,7 +8,8 @@ config alone, so no rank needs to ask another:
 
 1. a layout whose D cannot share the global batch (`ucp.elastic.shares`), or that does not fit the ranks' memory
    under `ucp.hmp`'s cost model, is never chosen;
-2. of the others, the one that uses the most ranks (D*T*P) wins;
+2. of the others, the one that uses the most ranks (D*T*P) wins; with `"expert_parallel": E` (the ep_size of the
+   model's MoE layers) D is a multiple of E, as DeepSpeed's expert groups need, so ranks beyond it are spares;
 3. ties go to the lower step time the cost model estimates (`ucp.hmp.strategy.estimate`), when it knows the
    model's shape (from the module's Hugging Face config, or `"model": path` as `ucp plan` takes);
 4. then (and without a model shape) to the smaller T*P: less communication inside a replica; then to the smaller P.
@@ -148,15 +149,19 @@ def allowed_sizes(section: dict[str, Any], key: str) -> tuple[int, ...]:
 
 
 def choose_layout(world: int, tensor_parallel: tuple[int, ...], pipeline_parallel: tuple[int, ...],
-                  global_batch: int, micro_batch: int, step_time: StepTime | None = None) -> Choice:
-    """The layout for `world` ranks by the rule of the module docstring; ConfigError when none is possible."""
+                  global_batch: int, micro_batch: int, step_time: StepTime | None = None,
+                  expert_parallel: int = 1) -> Choice:
+    """The layout for `world` ranks by the rule of the module docstring; ConfigError when none is possible.
+    With `expert_parallel` E > 1 (the ep_size of the model's MoE layers) D is a multiple of E, as DeepSpeed's
+    expert groups need: the ranks beyond the largest such D are spares."""
     ranked: list[tuple[tuple[float, ...], Choice]] = []
     refusals: list[str] = []
     for tp in tensor_parallel:
         for pp in pipeline_parallel:
-            dp = world // (tp * pp)
+            dp = world // (tp * pp) // expert_parallel * expert_parallel
             if dp < 1:
-                refusals.append(f"T={tp} x P={pp} needs {tp * pp} ranks")
+                experts = f" with expert_parallel {expert_parallel}" if expert_parallel > 1 else ""
+                refusals.append(f"T={tp} x P={pp}{experts} needs {tp * pp * expert_parallel} ranks")
                 continue
             try:
                 ElasticBatch(global_batch, micro_batch, dp)

@@ -105,11 +105,15 @@ def layout(config: dict[str, Any] | None = None, module: Any = None) -> RankLayo
     inputs = _cost_model_inputs(section, config, module)
     step_time = cost_model_step_time(*inputs) if inputs is not None else None
     sizes = allowed_sizes(section, "tensor_parallel"), allowed_sizes(section, "pipeline_parallel")
+    experts = _expert_parallel(section)
     if _heterogeneous(section):
+        if experts > 1:
+            raise ConfigError('"ucp": {"elastic": {"heterogeneous": true, "expert_parallel": ...}}: unequal replicas '
+                              "do not train MoE expert parallelism yet; leave out one of the two")
         plan = cost_model_replicas(*inputs, sizes[0]) if inputs is not None else None
         choice = heterogeneous_choice(world, *sizes, section["global_batch"], section["micro_batch"], step_time, plan)
     else:
-        choice = choose_layout(world, *sizes, section["global_batch"], section["micro_batch"], step_time)
+        choice = choose_layout(world, *sizes, section["global_batch"], section["micro_batch"], step_time, experts)
     _chosen = RankLayout.of(choice, rank)
     if rank == 0:
         logger.warning("ucp: %d ranks: %s%s", world, choice.describe(),
@@ -215,6 +219,15 @@ def _wait_as_spare(place: RankLayout) -> NoReturn:
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     os._exit(0 if released else 1)   # no process group to tear down; nothing of the training to finalize
+
+
+def _expert_parallel(section: dict[str, Any]) -> int:
+    """`"expert_parallel"`: the ep_size of the model's MoE layers (1 when absent); D is a multiple of it."""
+    value = section.get("expert_parallel", 1)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f'"ucp": {{"elastic": {{"expert_parallel": {value!r}}}}}: must be the ep_size of the '
+                          "model's MoE layers, an int of at least 1")
+    return value
 
 
 def _heterogeneous(section: dict[str, Any]) -> bool:
