@@ -12,16 +12,12 @@ from pathlib import Path
 import pytest
 
 from support.elastic_agents import (
-    ElasticJob,
-    assert_restarts_redo_at_most,
-    assert_same_losses,
-    by_step,
+    assert_continues_the_run,
     first_losses,
-    reached,
+    lose_a_node_then_get_it_back,
     read_losses,
 )
 from support.launch import run_torchrun
-from support.processes import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -48,22 +44,12 @@ def test_a_lost_node_trains_on_unequal_replicas_then_goes_back(tmp_path, referen
     from ucp.checkpoint import open_checkpoint
 
     losses, ckpt = tmp_path / "losses.jsonl", tmp_path / "ckpt"
-    with ElasticJob(EXAMPLE, [*ARGS, "--save-dir", ckpt, "--losses-out", losses], tmp_path / "agents") as job:
-        for _ in range(4):
-            job.start_agent()
-        wait_for(reached(losses, 2, world=4), 300, "step 2 on 4 ranks")
-        job.lose_node(3)                                  # 3 ranks: TP 2 + TP 1, no spare
-        wait_for(reached(losses, 5, world=3), 300, "step 5 on 3 ranks")
-        job.join_while_paused()                           # back to TP 2 x 2 at the next restart
-        codes = job.wait(timeout=600)
-    assert set(codes.values()) == {0}, job.logs()
+    # 4 ranks: TP 2 x 2; 3 ranks: TP 2 + TP 1, no spare; a node back: TP 2 x 2 again
+    logs = lose_a_node_then_get_it_back(EXAMPLE, [*ARGS, "--save-dir", ckpt, "--losses-out", losses],
+                                        tmp_path / "agents", losses, on_three=5)
     records = read_losses(losses)
     assert {(r["world"], tuple(r["tp"])) for r in records} == {(4, (2, 2)), (3, (2, 1))}
-    assert records[-1]["world"] == 4 and records[-1]["step"] == STEPS
-    assert sorted(by_step(records)) == list(range(1, STEPS + 1))
-    assert_same_losses(records, reference, RTOL)
-    assert_restarts_redo_at_most(records, every=1, restarts=2)
-    logs = job.logs(tail=None)
+    assert_continues_the_run(records, reference, STEPS, RTOL)
     hmp = "heterogeneous tensor_parallel 2 + 1 (one replica each, batch shares 5 + 3)"
     assert f"ucp: 3 ranks: {hmp}" in logs and "is a spare" not in logs
     assert f"ucp: restart 4 -> 3 ranks: loaded {ckpt}/global_step" in logs and f"layout {hmp}" in logs

@@ -208,3 +208,30 @@ def assert_stock_resume_is_not_the_run(script: Path, save_dir: Path, reference: 
 def reached(path: Path, step: int, world: int | None = None):
     """A predicate for `wait_for`: a step >= `step` was logged (at `world` ranks, when given)."""
     return lambda: any(r["step"] >= step and (world is None or r["world"] == world) for r in read_losses(path))
+
+
+def lose_a_node_then_get_it_back(script: Path, args: list, workdir: Path, losses: Path, on_three: int = 4) -> str:
+    """The failure trace most elastic tests run: 4 agents of one worker each; after step 2 on 4 ranks one node is
+    lost; after step `on_three` on the 3 left a node joins while the job is paused; every agent then ends with 0.
+    Returns all agents' logs."""
+    with ElasticJob(script, args, workdir) as job:
+        for _ in range(4):
+            job.start_agent()
+        wait_for(reached(losses, 2, world=4), 300, "step 2 on 4 ranks")
+        job.lose_node(3)
+        wait_for(reached(losses, on_three, world=3), 300, f"step {on_three} on 3 ranks")
+        job.join_while_paused()
+        codes = job.wait(timeout=600)
+    assert set(codes.values()) == {0}, job.logs()
+    return job.logs(tail=None)
+
+
+def assert_continues_the_run(records: list[dict], reference: dict[int, float], steps: int, rtol: float) -> None:
+    """After `lose_a_node_then_get_it_back`: the job ended on 4 ranks at `steps`, logged every step, each with the
+    uninterrupted run's loss within `rtol`, and redid at most one step per restart (a save every step). The check can
+    fail: the reference's losses differ step to step, so a restart from scratch or another step would show."""
+    assert records[-1]["world"] == 4 and records[-1]["step"] == steps
+    assert sorted(by_step(records)) == list(range(1, steps + 1))
+    assert_same_losses(records, reference, rtol)
+    assert all(reference[s] != pytest.approx(reference[1], rel=rtol) for s in range(2, steps + 1))
+    assert_restarts_redo_at_most(records, every=1, restarts=2)

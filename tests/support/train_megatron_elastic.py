@@ -19,7 +19,6 @@ and a spare on 3. Each step runs the engine's gradient-accumulation micro-batche
 `engine(...)`, `engine.backward`, `engine.step`; the loss logged is their mean over the data-parallel ranks, as a
 pipeline's `train_batch` reports it.
 """
-import argparse
 import json
 import os
 
@@ -28,30 +27,14 @@ import torch
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import train_megatron as gpt  # noqa: E402
+from elastic_steps import Tokens, accumulated_step, arguments, endless  # noqa: E402
 
 SHAPE = {"model_type": "llama", "hidden_size": gpt.HIDDEN, "intermediate_size": gpt.FFN, "num_hidden_layers": 2,
          "num_attention_heads": gpt.HEADS, "num_key_value_heads": gpt.KV_HEADS, "vocab_size": gpt.VOCAB}
 
 
-class Tokens(torch.utils.data.Dataset):
-    """24 fixed sequences and their targets (the model learns targets = 3 * tokens + 1 mod the vocabulary)."""
-
-    def __init__(self, n: int = 24):
-        self.tokens = torch.randint(0, gpt.VOCAB, (n, gpt.SEQ), generator=torch.Generator().manual_seed(7))
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    def __getitem__(self, i: int):
-        return self.tokens[i], (self.tokens[i] * 3 + 1) % gpt.VOCAB
-
-
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--save-dir", required=True)
-    p.add_argument("--steps", type=int, required=True)
-    p.add_argument("--every", type=int, default=1)
-    p.add_argument("--losses-out", required=True)
+    p = arguments()
     p.add_argument("--stock", action="store_true", help="DeepSpeed saves every step (engine.save_checkpoint)")
     p.add_argument("--load-tag", help="with --stock: engine.load_checkpoint of this tag first")
     p.add_argument("--no-pipeline", action="store_true", help="an mpu without a PipelineModule (TP 2 x DP)")
@@ -88,19 +71,18 @@ def main() -> None:
     mpu = {"mpu": gpt.MPU} if args.no_pipeline else {}  # a PipelineModule hands DeepSpeed its mpu itself
     engine, *_ = ucp.deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config,
                                           **mpu)
-    dataset = Tokens()
+    dataset = Tokens(24, gpt.VOCAB, gpt.SEQ, scale=3, shift=1)
     sampler = ucp.elastic.ElasticBatchSampler(dataset, engine, shuffle=True, seed=0)
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler)
 
-    def micro_batches():
-        while True:
-            yield from loader
-
     if args.stock and args.load_tag:
         engine.load_checkpoint(args.save_dir, tag=args.load_tag)
-    data = micro_batches()
+    data = endless(loader)
     while engine.global_steps < args.steps:
-        loss = plain_step(engine, data) if args.no_pipeline else float(engine.train_batch(data))
+        if args.no_pipeline:
+            loss = accumulated_step(engine, data, place.dp, gpt.MPU.get_data_parallel_group())
+        else:
+            loss = float(engine.train_batch(data))
         if args.stock:
             engine.save_checkpoint(args.save_dir)
         if dist.get_rank() == 0:
@@ -109,23 +91,6 @@ def main() -> None:
                                     "pp": place.pp, "dp": place.dp, "pid": os.getpid()}) + "\n")
     if not args.stock:
         ucp.deepspeed.wait(engine)
-
-
-def plain_step(engine, data) -> float:
-    """One optimizer step of the plain module: this rank's micro-batches, their loss averaged over them and the
-    data-parallel ranks."""
-    import torch.distributed as dist
-
-    total, count = torch.zeros(()), engine.gradient_accumulation_steps()
-    for _ in range(count):
-        tokens, targets = next(data)
-        loss = engine(tokens, targets)
-        engine.backward(loss)
-        engine.step()
-        total += loss.detach().float()
-    total /= count * gpt.MPU.get_data_parallel_world_size()
-    dist.all_reduce(total, group=gpt.MPU.get_data_parallel_group())
-    return float(total)
 
 
 if __name__ == "__main__":

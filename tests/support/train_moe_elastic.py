@@ -8,10 +8,10 @@ torchrun's agents.
 ranks train D=4 and 3 ranks D=2 with a spare. Each micro-batch of 3 samples is routed on its own rank (the
 gate's capacity covers every token), so a sample's loss is the same at every D. Batches come from
 `ElasticBatchSampler`; each step runs the engine's gradient-accumulation micro-batches through `engine(...)`,
-`engine.backward`, `engine.step`. Rank 0 appends {step, loss, world, dp, pid} per step to `--losses-out`.
+`engine.backward`, `engine.step` (`elastic_steps.accumulated_step`). Rank 0 appends {step, loss, world, dp, pid}
+per step to `--losses-out`.
 With `--stock` ucp neither saves nor resumes (the uninterrupted reference run).
 """
-import argparse
 import json
 import os
 
@@ -20,29 +20,13 @@ import torch
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import train_moe as moe  # noqa: E402
+from elastic_steps import Tokens, accumulated_step, arguments, endless  # noqa: E402
 
 EP_SIZE = 2
 
 
-class Tokens(torch.utils.data.Dataset):
-    """48 fixed sequences and their targets (the model learns targets = 5 * tokens + 2 mod the vocabulary)."""
-
-    def __init__(self, n: int = 48):
-        self.tokens = torch.randint(0, moe.VOCAB, (n, moe.SEQ), generator=torch.Generator().manual_seed(7))
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    def __getitem__(self, i: int):
-        return self.tokens[i], (self.tokens[i] * 5 + 2) % moe.VOCAB
-
-
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--save-dir", required=True)
-    p.add_argument("--steps", type=int, required=True)
-    p.add_argument("--every", type=int, default=1)
-    p.add_argument("--losses-out", required=True)
+    p = arguments()
     p.add_argument("--stock", action="store_true", help="ucp neither saves nor resumes (the reference run)")
     args = p.parse_args()
 
@@ -68,28 +52,17 @@ def main() -> None:
     groups = split_params_into_different_moe_groups_for_optimizer(
         [{"params": list(model.parameters()), "name": "all"}])
     engine, *_ = ucp.deepspeed.initialize(model=model, model_parameters=groups, config=config)
-    dataset = Tokens()
+    dataset = Tokens(48, moe.VOCAB, moe.SEQ, scale=5, shift=2)
     sampler = ucp.elastic.ElasticBatchSampler(dataset, engine, shuffle=True, seed=0)
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler)
 
-    def micro_batches():
-        while True:
-            yield from loader
-
-    data = micro_batches()
+    data = endless(loader)
     while engine.global_steps < args.steps:
-        total, count = torch.zeros(()), engine.gradient_accumulation_steps()
-        for _ in range(count):
-            tokens, targets = next(data)
-            loss = engine(tokens, targets)
-            engine.backward(loss)
-            engine.step()
-            total += loss.detach().float()
-        dist.all_reduce(total)   # the training ranks' group: the mean over the step's micro-batches
+        loss = accumulated_step(engine, data, place.dp)   # every training rank is a data-parallel rank
         if rank == 0:
             with open(args.losses_out, "a") as f:
-                f.write(json.dumps({"step": engine.global_steps, "loss": float(total) / (count * place.dp),
-                                    "world": place.world, "dp": place.dp, "pid": os.getpid()}) + "\n")
+                f.write(json.dumps({"step": engine.global_steps, "loss": loss, "world": place.world, "dp": place.dp,
+                                    "pid": os.getpid()}) + "\n")
     if not args.stock:
         ucp.deepspeed.wait(engine)
 

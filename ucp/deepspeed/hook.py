@@ -191,10 +191,15 @@ def _hmp_batch(options: dict[str, Any]) -> ElasticBatch:
     if "elastic" in options:
         raise ConfigError('"ucp": {"hmp": ...} with "elastic": an elastic job chooses its layout at each start; give '
                           '"elastic": {..., "heterogeneous": true} without "hmp" and "layout"')
-    if isinstance(options.get("save"), dict) and "memory" in options["save"]:
-        raise ConfigError('"ucp": {"hmp": ...} with "save": {"memory": ...} is not supported yet (the host-memory '
-                          'tier does not save HMP layouts); save to disk only')
+    _refuse_memory_tier(options, '"ucp": {"hmp": ...}')
     return hmp_batch(options["hmp"], as_layout(options["layout"]))
+
+
+def _refuse_memory_tier(options: dict[str, Any], section: str) -> None:
+    """The host-memory tier does not save HMP layouts: `section` with `"save": {"memory": ...}` is refused."""
+    if isinstance(options.get("save"), dict) and "memory" in options["save"]:
+        raise ConfigError(f'{section} with "save": {{"memory": ...}} is not supported yet (the host-memory tier does '
+                          "not save HMP layouts); save to disk only")
 
 
 def _elastic_hmp_options(options: dict[str, Any], place: RankLayout, model: Any) -> dict[str, Any]:
@@ -203,9 +208,7 @@ def _elastic_hmp_options(options: dict[str, Any], place: RankLayout, model: Any)
     if "layout" in options:
         raise ConfigError('"ucp": {"elastic": {"heterogeneous": true}} chooses the layout at each start: leave out '
                           '"layout"')
-    if isinstance(options.get("save"), dict) and "memory" in options["save"]:
-        raise ConfigError('"ucp": {"elastic": {"heterogeneous": true}} with "save": {"memory": ...} is not supported '
-                          "yet (the host-memory tier does not save HMP layouts); save to disk only")
+    _refuse_memory_tier(options, '"ucp": {"elastic": {"heterogeneous": true}}')
     table = getattr(model, "ucp_param_table", None)
     if not table:
         raise ConfigError('"ucp": {"elastic": {"heterogeneous": true}} trains by a layout: give the module a '
