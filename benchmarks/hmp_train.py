@@ -132,11 +132,7 @@ def engine_worker(kind: str, tp_sizes: list[int], zero: int, repeat: int, out: P
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = Config(**ENGINE_MODEL)
     sizes = tp_sizes if kind == "hmp" else [1] * world
-    replicas, first = [], 0
-    for tp in sizes:
-        replicas.append(Replica((Stage((0, cfg.layers), tuple(range(first, first + tp))),), 1))
-        first += tp
-    layout = Layout(cfg.layers, tuple(replicas))
+    layout = Layout.one_stage(sizes, [1] * len(sizes), cfg.layers)
     config: dict = {"zero_optimization": {"stage": zero}, "steps_per_print": 10**9, "gradient_clipping": 0.0,
                     "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1}
     if kind == "hmp":

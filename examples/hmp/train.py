@@ -46,7 +46,7 @@ from tp_model import Config, TPModel, init_weights, param_table
 from ucp.elastic import ElasticBatch, ElasticBatchSampler, init_distributed, speed_shares
 from ucp.errors import ConfigError, UcpError
 from ucp.hmp.grad_sync import IN_PLACE_ELEMENTS, GradSync
-from ucp.hmp.layout import Layout, Replica, Stage
+from ucp.hmp.layout import Layout
 from ucp.hmp.strategy import CostModel, replica_speeds
 
 SEQ = 8          # tokens per sample
@@ -68,15 +68,6 @@ class Sequences(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> torch.Tensor:
         return self.tokens[i]
-
-
-def layout_of(tp_sizes: list[int], shares: tuple[int, ...], layers: int) -> Layout:
-    """One single-stage replica per TP size, ranks in order."""
-    replicas, rank = [], 0
-    for tp, share in zip(tp_sizes, shares):
-        replicas.append(Replica((Stage((0, layers), tuple(range(rank, rank + tp))),), share))
-        rank += tp
-    return Layout(layers, tuple(replicas))
 
 
 def parse_sizes(text: str, what: str, kind=int) -> list:
@@ -109,7 +100,7 @@ def main(args: argparse.Namespace) -> None:
         raise ConfigError(f"--tp-sizes {args.tp_sizes} adds up to {sum(tp_sizes)} ranks, but torchrun started "
                           f"{world}; pass --nproc-per-node {sum(tp_sizes)}")
     cfg = Config()
-    probe = layout_of(tp_sizes, (1,) * len(tp_sizes), cfg.layers)
+    probe = Layout.one_stage(tp_sizes, (1,) * len(tp_sizes), cfg.layers)
     speeds = parse_sizes(args.speeds, "--speeds", float) if args.speeds else replica_speeds(probe, CostModel(80.0))
     if len(speeds) != len(tp_sizes):
         raise ConfigError(f"--speeds {args.speeds}: one speed per replica ({len(tp_sizes)})")
@@ -118,7 +109,7 @@ def main(args: argparse.Namespace) -> None:
         raise ConfigError(f"--plain-dp: DeepSpeed's own data parallelism takes TP sizes of 1 and equal shares "
                           f"(got --tp-sizes {args.tp_sizes}, shares {list(shares)} of --global-batch "
                           f"{args.global_batch})")
-    layout = layout_of(tp_sizes, shares, cfg.layers)
+    layout = Layout.one_stage(tp_sizes, shares, cfg.layers)
     if args.deepspeed:
         train_deepspeed(args, layout, shares, cfg)
     else:

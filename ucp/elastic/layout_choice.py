@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from ucp.elastic.shares import ElasticBatch, speed_shares
 from ucp.errors import ConfigError
-from ucp.hmp.layout import Layout, ParamSpec, Replica, Stage
+from ucp.hmp.layout import Layout, ParamSpec
 
 if TYPE_CHECKING:
     from ucp.hmp.model_shapes import ModelConfig
@@ -91,7 +91,7 @@ class Choice:
         if self.pp != 1 or not self.hmp:
             raise ConfigError(f"{self.describe()}: only a one-stage layout chosen with \"heterogeneous\": true is an "
                               "HMP layout")
-        return _one_stage(self.replicas, self.shares, layers)
+        return Layout.one_stage(self.replicas, self.shares, layers)
 
 
 @dataclass(frozen=True)
@@ -221,7 +221,7 @@ def _shares(global_batch: int, replicas: tuple[int, ...]) -> tuple[int, ...]:
     """The global batch cut by the replicas' speeds under the cost model's TP efficiency (one-stage replicas)."""
     from ucp.hmp.strategy import CostModel, replica_speeds
 
-    speeds = replica_speeds(_one_stage(replicas, (1,) * len(replicas), 1), CostModel(80.0))
+    speeds = replica_speeds(Layout.one_stage(replicas, (1,) * len(replicas), 1), CostModel(80.0))
     return speed_shares(global_batch, speeds)
 
 
@@ -229,15 +229,6 @@ def hmp_layers(table: Iterable[ParamSpec]) -> int:
     """The layers a one-stage HMP layout of a model with this parameter table spans: its highest layer index (the
     final norm and head sit one past the last layer, as in Megatron's table; one stage holds everything anyway)."""
     return max([1, *(spec.layer for spec in table)])
-
-
-def _one_stage(replicas: tuple[int, ...], micro_batches: tuple[int, ...], layers: int) -> Layout:
-    """One-stage replicas of these TP sizes over `layers` layers, ranks in order (TP fastest)."""
-    out, rank = [], 0
-    for tp, count in zip(replicas, micro_batches):
-        out.append(Replica((Stage((0, layers), tuple(range(rank, rank + tp))),), count))
-        rank += tp
-    return Layout(layers, tuple(out))
 
 
 def cost_model_step_time(model: ModelConfig, gpu_memory_gib: float, global_batch: int, micro_batch: int, seq_len: int,

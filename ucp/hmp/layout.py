@@ -124,6 +124,15 @@ class Layout:
             for d in range(dp))
         return cls(num_layers, replicas, zero_stage)
 
+    @classmethod
+    def one_stage(cls, tp_sizes: Iterable[int], micro_batches: Iterable[int], num_layers: int) -> Layout:
+        """One single-stage replica per TP size, each with its micro-batches, ranks in order (TP fastest)."""
+        replicas, rank = [], 0
+        for tp, count in zip(tp_sizes, micro_batches, strict=True):
+            replicas.append(Replica((Stage((0, num_layers), tuple(range(rank, rank + tp))),), count))
+            rank += tp
+        return cls(num_layers, tuple(replicas))
+
     def to_json(self) -> dict:
         return {"num_layers": self.num_layers, "zero_stage": self.zero_stage,
                 "replicas": [{"micro_batches": r.micro_batches,
