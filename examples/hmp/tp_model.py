@@ -1,4 +1,4 @@
-"""A small Megatron-style model that trains with any TP size per replica (one pipeline stage per replica).
+"""A small Megatron-style model that trains with any TP size per pipeline stage, any stages per replica.
 
 Vocab-parallel embedding and LM head, and per layer LayerNorm → column-parallel `fc1` → GELU →
 row-parallel `fc2` → residual, the layers of tests/support/reference_tp.py with Megatron's two
@@ -6,6 +6,9 @@ autograd-aware TP operators: `_copy` (identity forward, all-reduce of the gradie
 before a column-parallel layer and `_reduce` (all-reduce forward, identity backward) after a
 row-parallel one. Each rank holds exactly the slices its layout gives it (`Layout.slice_of`),
 named as the full model's parameters, so `ucp.hmp.grad_sync.GradSync` and ucp's loaders find them.
+
+A rank holds its stage's part: the first stage the embedding, each stage its layers `[a, b)`, the last
+the final norm and head. Between stages the activations travel point to point (`pipeline.StageLinks`).
 """
 from __future__ import annotations
 
@@ -103,14 +106,15 @@ class _GatherVocab(torch.autograd.Function):
 
 
 class TPModel(torch.nn.Module):
-    """One rank's slices of the model for a layout whose replicas are one stage each."""
+    """One rank's slices of the model: those of its pipeline stage, cut for its stage's TP size."""
 
     def __init__(self, layout: Layout, rank: int, cfg: Config, group, weights: dict[str, torch.Tensor]):
         super().__init__()
         where = layout.placement(rank)
-        if len(layout.replicas[where.replica].stages) != 1:
-            raise ValueError("TPModel runs one pipeline stage per replica")
+        stages = layout.replicas[where.replica].stages
         self.cfg, self.group, self.tp = cfg, group, where.tp_size
+        self.layer_range = stages[where.stage].layers  # [a, b); "layers" is the submodule
+        self.first, self.last = where.stage == 0, where.stage == len(stages) - 1
         self.ucp_param_table = param_table(cfg)  # the whole model's, for ucp.deepspeed
         self.boxes = {n: s.box for n, s in layout.rank_slices(rank, self.ucp_param_table).items()}
         for name, box in self.boxes.items():  # nested modules, so each parameter has the full model's name
@@ -129,22 +133,28 @@ class TPModel(torch.nn.Module):
         """The parameters by the full model's names (what `GradSync` and the param table call them)."""
         return dict(self.named_parameters())
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """The full vocabulary's logits, on every rank of the TP group."""
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        """The first stage takes token ids, the others the previous stage's activations. The last stage returns
+        the full vocabulary's logits, the others their activations; either is the same on every rank of the TP group."""
         w = self.named_slices()
-        lo, hi = self.boxes["embed.weight"][0]
-        mine = ((tokens >= lo) & (tokens < hi)).unsqueeze(-1)
-        x = self._reduce(w["embed.weight"][(tokens - lo).clamp(0, hi - lo - 1)] * mine)
-        for i in range(self.cfg.layers):
+        x = self._embed(inputs, w) if self.first else inputs
+        for i in range(*self.layer_range):
             p = f"layers.{i}."
             h = self._copy(F.layer_norm(x, (self.cfg.hidden,), w[p + "norm.weight"], w[p + "norm.bias"]))
             a = F.gelu(F.linear(h, w[p + "fc1.weight"], w[p + "fc1.bias"]))
             x = x + self._reduce(F.linear(a, w[p + "fc2.weight"])) + w[p + "fc2.bias"]
+        if not self.last:
+            return x
         x = self._copy(F.layer_norm(x, (self.cfg.hidden,), w["norm.weight"], w["norm.bias"]))
         local = F.linear(x, w["head.weight"])
         if self.tp == 1:
             return local
         return _GatherVocab.apply(local, self.boxes["head.weight"][0][0], self.cfg.vocab, self.group)
+
+    def _embed(self, tokens: torch.Tensor, w: dict[str, torch.nn.Parameter]) -> torch.Tensor:
+        lo, hi = self.boxes["embed.weight"][0]
+        mine = ((tokens >= lo) & (tokens < hi)).unsqueeze(-1)
+        return self._reduce(w["embed.weight"][(tokens - lo).clamp(0, hi - lo - 1)] * mine)
 
     def _copy(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.tp == 1 else _Copy.apply(x, self.group)

@@ -41,12 +41,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from layout_file import read_layout
+from pipeline import StageLinks, forward_backward
 from tp_model import Config, TPModel, init_weights, param_table
 
 from ucp.elastic import ElasticBatch, ElasticBatchSampler, init_distributed, speed_shares
 from ucp.errors import ConfigError, UcpError
 from ucp.hmp.grad_sync import IN_PLACE_ELEMENTS, GradSync
-from ucp.hmp.layout import Layout
+from ucp.hmp.layout import Layout, Placement
 from ucp.hmp.strategy import CostModel, replica_speeds
 
 SEQ = 8          # tokens per sample
@@ -83,7 +85,11 @@ def parse_sizes(text: str, what: str, kind=int) -> list:
 def main(args: argparse.Namespace) -> None:
     if (args.save_dir or args.load or args.plain_dp) and not args.deepspeed:
         raise ConfigError("--save-dir, --load and --plain-dp run DeepSpeed engines: add --deepspeed")
-    tp_sizes = parse_sizes(args.tp_sizes, "--tp-sizes")
+    if (args.tp_sizes is None) == (args.layout is None):
+        raise ConfigError("pass one of --tp-sizes (one-stage replicas) and --layout (a layout or plan JSON file)")
+    if args.layout and (args.elastic or args.plain_dp or args.speeds):
+        raise ConfigError("--layout gives the replicas and their shares: drop --elastic, --plain-dp and --speeds")
+    cfg = Config(layers=args.layers)
     init_distributed("gloo" if args.device == "cpu" else "nccl")
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -91,15 +97,35 @@ def main(args: argparse.Namespace) -> None:
         if not (args.deepspeed and args.save_dir) or args.load or args.plain_dp or args.sync != "weighted":
             raise ConfigError("--elastic runs DeepSpeed engines that resume from --save-dir: add --deepspeed and "
                               "--save-dir (not --load, --plain-dp or --sync)")
-        train_elastic(args, tp_sizes, Config())
+        train_elastic(args, parse_sizes(args.tp_sizes, "--tp-sizes"), cfg)
         dist.barrier()
         dist.destroy_process_group()
         return
+    layout, shares = layout_and_shares(args, cfg)
+    if args.deepspeed:
+        train_deepspeed(args, layout, shares, cfg)
+    else:
+        train_plain(args, layout, shares, cfg)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def layout_and_shares(args: argparse.Namespace, cfg: Config) -> tuple[Layout, tuple[int, ...]]:
+    """The layout to train on (`--layout`'s, or one-stage replicas of `--tp-sizes`) and each replica's samples."""
     world = dist.get_world_size()
+    if args.layout:
+        layout, shares = read_layout(args.layout, args.plan_index, cfg.layers, SEQ)
+        if layout.world_size != world:
+            raise ConfigError(f"--layout {args.layout} places {layout.world_size} ranks, but torchrun started "
+                              f"{world}; pass --nproc-per-node {layout.world_size}")
+        if sum(shares) != args.global_batch:
+            raise ConfigError(f"--layout {args.layout}: the replicas take {sum(shares)} samples per step, not "
+                              f"--global-batch {args.global_batch}; pass --global-batch {sum(shares)}")
+        return layout, shares
+    tp_sizes = parse_sizes(args.tp_sizes, "--tp-sizes")
     if sum(tp_sizes) != world:
         raise ConfigError(f"--tp-sizes {args.tp_sizes} adds up to {sum(tp_sizes)} ranks, but torchrun started "
                           f"{world}; pass --nproc-per-node {sum(tp_sizes)}")
-    cfg = Config()
     probe = Layout.one_stage(tp_sizes, (1,) * len(tp_sizes), cfg.layers)
     speeds = parse_sizes(args.speeds, "--speeds", float) if args.speeds else replica_speeds(probe, CostModel(80.0))
     if len(speeds) != len(tp_sizes):
@@ -109,21 +135,15 @@ def main(args: argparse.Namespace) -> None:
         raise ConfigError(f"--plain-dp: DeepSpeed's own data parallelism takes TP sizes of 1 and equal shares "
                           f"(got --tp-sizes {args.tp_sizes}, shares {list(shares)} of --global-batch "
                           f"{args.global_batch})")
-    layout = Layout.one_stage(tp_sizes, shares, cfg.layers)
-    if args.deepspeed:
-        train_deepspeed(args, layout, shares, cfg)
-    else:
-        train_plain(args, layout, shares, cfg)
-    dist.barrier()
-    dist.destroy_process_group()
+    return Layout.one_stage(tp_sizes, shares, cfg.layers), shares
 
 
 def train_plain(args: argparse.Namespace, layout: Layout, shares: tuple[int, ...], cfg: Config) -> None:
     """Plain AdamW, with `GradSync` called between backward and step."""
     rank = dist.get_rank()
     where = layout.placement(rank)
-    tp_ranks = layout.replicas[where.replica].stages[0].ranks
-    tp_groups = {r.stages[0].ranks: dist.new_group(list(r.stages[0].ranks)) for r in layout.replicas}  # all ranks
+    tp_ranks = layout.replicas[where.replica].stages[where.stage].ranks
+    tp_groups = {s.ranks: dist.new_group(list(s.ranks)) for r in layout.replicas for s in r.stages}  # all ranks
     model = TPModel(layout, rank, cfg, tp_groups[tp_ranks], init_weights(cfg, args.seed)).to(args.device)
     table = param_table(cfg)
     # --sync unweighted / off: negative controls, a plain average of unequal shares or no sync at all
@@ -134,20 +154,18 @@ def train_plain(args: argparse.Namespace, layout: Layout, shares: tuple[int, ...
     dataset = Sequences(cfg)
     batch = ElasticBatch(args.global_batch, max(shares), len(shares), shares)  # one micro-batch per replica and step
     sampler = ElasticBatchSampler.for_replica(dataset, batch, where.replica, shuffle=True, seed=args.seed)
-    first = tp_ranks[0] == rank
+    links = StageLinks.for_rank(layout, rank)
     step = 0
     while step < args.steps:
         for indices in sampler:
             tokens = torch.stack([dataset[i] for i in indices]).to(args.device)
-            logits = model(tokens[:, :-1])
-            loss = F.cross_entropy(logits.reshape(-1, cfg.vocab), tokens[:, 1:].reshape(-1))  # mean over the share
-            loss.backward()
+            loss = forward_backward(links, model, lambda x, _: x.backward(), tokens, cfg.hidden, torch.float32)
             if sync is not None:
                 sync()
             optimizer.step()
             optimizer.zero_grad()
             step += 1
-            write_loss(args, step, loss.item() * len(indices) if first else 0.0)
+            write_loss(args, step, loss.item() * len(indices) if holds_loss(links, where) else 0.0)
             if step == args.steps:
                 break
     write_params(args, model, where.replica)
@@ -194,16 +212,20 @@ def train_deepspeed(args: argparse.Namespace, layout: Layout, shares: tuple[int,
     # After a load, the stream goes on after the samples the checkpoint consumed (B per step at any layout).
     sampler = ElasticBatchSampler.for_replica(dataset, batch, where.replica, int(engine.global_samples),
                                               shuffle=True, seed=args.seed)
-    first = layout.replicas[where.replica].ranks[0] == rank
+    links = StageLinks.for_rank(layout, rank)
+    dtype = next(engine.module.parameters()).dtype  # of the activations between stages
+
+    def backward(x: torch.Tensor, is_loss: bool) -> None:  # DeepSpeed divides the loss by the accumulation steps
+        engine.backward(x, scale_wrt_gas=is_loss)           # once: the gradients sent back already carry it
+
     summed = 0.0
     while engine.global_steps < args.steps:
         for indices in sampler:
             tokens = torch.stack([dataset[i] for i in indices]).to(args.device)
-            logits = engine(tokens[:, :-1]).float()
-            loss = F.cross_entropy(logits.reshape(-1, cfg.vocab), tokens[:, 1:].reshape(-1))  # mean over the batch
             # "unweighted": negative control, every micro-batch's mean loss as it is, whatever its size
-            engine.backward(loss * (1.0 if args.sync == "unweighted" else sampler.loss_weight(len(indices))))
-            summed += loss.item() * len(indices) if first else 0.0
+            weight = 1.0 if args.sync == "unweighted" else sampler.loss_weight(len(indices))
+            loss = forward_backward(links, engine, backward, tokens, cfg.hidden, dtype, weight)
+            summed += loss.item() * len(indices) if holds_loss(links, where) else 0.0
             before = engine.global_steps
             engine.step()
             if engine.global_steps != before:
@@ -260,8 +282,13 @@ def train_elastic(args: argparse.Namespace, tp_sizes: list[int], cfg: Config) ->
     ucp.deepspeed.wait(engine)  # the last save is committed
 
 
+def holds_loss(links: StageLinks, where: Placement) -> bool:
+    """Whether this rank reports its replica's loss: the first TP rank of the last stage (one per replica)."""
+    return links.last and where.tp_rank == 0
+
+
 def write_loss(args: argparse.Namespace, step: int, summed: float, extra: dict | None = None) -> None:
-    """Rank 0 appends the step's global mean loss: the sum over every replica's samples (from its first rank)."""
+    """Rank 0 appends the step's global mean loss: the sum over every replica's samples (from `holds_loss` ranks)."""
     total = torch.tensor([summed / args.global_batch], dtype=torch.float64, device=args.device)
     dist.all_reduce(total)
     if dist.get_rank() == 0 and args.losses_out:
@@ -282,7 +309,13 @@ def write_params(args: argparse.Namespace, model: TPModel, replica: int) -> None
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tp-sizes", required=True, help="one replica per entry, its TP size: 2,1 (1,1 is plain DP)")
+    p.add_argument("--tp-sizes", help="one replica per entry, its TP size: 2,1 (1,1 is plain DP); or --layout")
+    p.add_argument("--layout", help="train on this layout: Layout.to_json()'s JSON, or ucp plan --json's output (its "
+                   "plan --plan-index); replicas may run pipeline stages of different TP sizes")
+    p.add_argument("--plan-index", type=int, default=0, help="with --layout from ucp plan --json: which plan (0: the "
+                   "fastest)")
+    p.add_argument("--layers", type=int, default=Config.layers, help="the model's layers (a plan's layout must "
+                   "have as many)")
     p.add_argument("--steps", type=int, default=10, help="optimizer steps")
     p.add_argument("--global-batch", type=int, default=16, help="samples per optimizer step, over all replicas")
     p.add_argument("--losses-out", help='rank 0 appends {"step": t, "loss": global mean loss} per step (JSON lines)')

@@ -10,6 +10,11 @@ With `--deepspeed` each rank runs a DeepSpeed engine and the sync runs inside `e
 fp32 trains the same losses and parameters within the same tolerances, ZeRO-1 in bf16 the losses
 within bf16 rounding, and the same engines without the sync (negative control) leave that band. Their saves
 (fp32 and bf16) equal the homogeneous DeepSpeed runs' saves within the tolerances the comments state.
+
+With `--layout` a replica may be a pipeline: TP sizes 2, 2, 1 where the second replica runs the embedding and
+layer 0 on a TP-2 stage and layer 1 and the head on a TP-1 stage train the same losses and parameters, plain and on
+ZeRO-1 engines, whose save is the homogeneous run's; so does the fastest plan `ucp plan --json` prints for the
+example model on 5 GPUs (examples/hmp/model.json). Negative control: the pipeline with the shares unweighted.
 """
 from __future__ import annotations
 
@@ -26,8 +31,15 @@ import torch
 from support.launch import ds_env, free_port, run_torchrun
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "hmp" / "train.py"
+MODEL = EXAMPLE.parent / "model.json"  # the example model's shape as a Hugging Face config, for ucp plan
 STEPS, BATCH = 12, 8
-RUNS = {  # name: (--tp-sizes, ranks, extra flags)
+# TP sizes 2, 2, 1 with a pipeline split in one replica: replica 0 one TP-2 stage (ranks 0-1, 5 samples per step);
+# replica 1 (3 samples) a TP-2 stage with the embedding and layer 0 (ranks 2-3), then a TP-1 stage with layer 1 and
+# the head (rank 4), which takes the activations of rank 2 and sends their gradients back to ranks 2 and 3.
+PIPE_LAYOUT = {"num_layers": 2, "replicas": [
+    {"micro_batches": 5, "stages": [{"layers": [0, 2], "ranks": [0, 1]}]},
+    {"micro_batches": 3, "stages": [{"layers": [0, 1], "ranks": [2, 3]}, {"layers": [1, 2], "ranks": [4]}]}]}
+RUNS = {  # name: (--tp-sizes, or None for a --layout run; ranks, extra flags)
     "single": ("1", 1, []),
     "dp": ("1,1", 2, []),
     "hmp": ("2,1", 3, []),
@@ -54,7 +66,16 @@ RUNS = {  # name: (--tp-sizes, ranks, extra flags)
     "ds_auto": ("2,1", 3, ["--deepspeed", "--zero", "1", "--save-dir", "{save}", "--load", "auto"]),
     # the homogeneous bf16 run (DeepSpeed's own 2-rank data parallelism), saving at step 12 as "ds_bf16" does
     "ds_dp_bf16": ("1,1", 2, ["--deepspeed", "--zero", "1", "--bf16", "--plain-dp", "--save-dir", "{save}"]),
+    # PIPE_LAYOUT ({pipe}), plain and on ZeRO-1 engines saving at step 12, and with the shares unweighted (control)
+    "pipe": (None, 5, ["--layout", "{pipe}"]),
+    "pipe_ds": (None, 5, ["--layout", "{pipe}", "--deepspeed", "--zero", "1", "--save-dir", "{save}"]),
+    "pipe_unweighted": (None, 5, ["--layout", "{pipe}", "--sync", "unweighted"]),
+    # the fastest plan of `ucp plan --gpus 5 --model examples/hmp/model.json ... --json` ({plan}; two of its three
+    # replicas are two-stage pipelines of TP 1)
+    "plan": (None, 5, ["--layout", "{plan}"]),
 }
+PLAN_FLAGS = ["--gpus", "5", "--model", str(MODEL), "--gpu-memory", "4", "--global-batch", str(BATCH),
+              "--seq-len", "8", "--json"]
 # fp32 throughout. The runs differ only in the order of sums: TP's partial sums in the row-parallel layers,
 # the sum of the replicas' weighted means against one mean over the batch. Each is a few ulps (fp32 eps is
 # 1.2e-7); over 12 AdamW steps they stay below 1e-6 relative in the loss (measured: at most 3e-7) and below
@@ -75,12 +96,18 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hmp-train")
+    (root / "pipe.json").write_text(json.dumps(PIPE_LAYOUT))
+    plan = subprocess.run([sys.executable, "-m", "ucp.cli.main", "plan", *PLAN_FLAGS], capture_output=True, text=True,
+                          timeout=120, check=True)
+    (root / "plan.json").write_text(plan.stdout)
     for name, (tp_sizes, ranks, extra) in RUNS.items():
         (root / name).mkdir()
-        extra = [a.format(save=root / name / "ckpt", ds=root / "ds" / "ckpt") for a in extra]
+        extra = [a.format(save=root / name / "ckpt", ds=root / "ds" / "ckpt", pipe=root / "pipe.json",
+                          plan=root / "plan.json") for a in extra]
         if name == "ds_auto":
             shutil.copytree(root / "ds" / "ckpt" / AUTO_SEEDED, root / name / "ckpt" / AUTO_SEEDED)
-        run_torchrun(EXAMPLE, ["--tp-sizes", tp_sizes, "--steps", str(STEPS), "--global-batch", str(BATCH),
+        layout = ["--tp-sizes", tp_sizes] if tp_sizes else []  # else extra holds --layout
+        run_torchrun(EXAMPLE, [*layout, "--steps", str(STEPS), "--global-batch", str(BATCH),
                                "--losses-out", root / name / "losses.jsonl", "--params-out", root / name / "params",
                                *extra], ranks, root / name / "run.log", timeout=300)
     return {name: root / name for name in RUNS}
@@ -109,7 +136,7 @@ def _relative_gap(losses: list[float], reference: list[float]) -> float:
     return max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
 
 
-@pytest.mark.parametrize("name", ["hmp", "hmp3", "dp", "ds"])
+@pytest.mark.parametrize("name", ["hmp", "hmp3", "dp", "ds", "pipe", "pipe_ds", "plan"])
 def test_hmp_trains_the_losses_of_the_homogeneous_run(runs, name):
     reference = _losses(runs["single"])
     assert reference[-1] < reference[0] / 2  # it does train
@@ -118,11 +145,12 @@ def test_hmp_trains_the_losses_of_the_homogeneous_run(runs, name):
     assert _relative_gap(_losses(runs["unweighted"]), reference) > 1e-3
 
 
-@pytest.mark.parametrize("name", ["hmp", "hmp3", "dp", "ds"])
+@pytest.mark.parametrize("name", ["hmp", "hmp3", "dp", "ds", "pipe", "pipe_ds"])
 def test_hmp_parameters_equal_the_homogeneous_run(runs, name):
     [reference] = _replicas(runs["single"])
     replicas = _replicas(runs[name])
-    assert len(replicas) == len(RUNS[name][0].split(","))
+    tp_sizes = RUNS[name][0]
+    assert len(replicas) == (len(tp_sizes.split(",")) if tp_sizes else len(PIPE_LAYOUT["replicas"]))
     for replica in replicas:
         assert set(replica) == set(reference)
         for pname, want in reference.items():
@@ -132,6 +160,20 @@ def test_hmp_parameters_equal_the_homogeneous_run(runs, name):
     assert all(torch.equal(replicas[0][p], other[p]) for other in replicas[1:] for p in reference)
     control = _replicas(runs["unweighted"])[0]
     assert max((control[p] - reference[p]).abs().max().item() for p in reference) > 1e-3
+
+
+def test_a_pipeline_split_trains_the_homogeneous_losses_only_with_the_weighted_sync(runs):
+    """The check above can fail on a pipeline: the same layout, the replicas' shares (5 and 3) averaged unweighted."""
+    reference = _losses(runs["single"])
+    assert _relative_gap(_losses(runs["pipe"]), reference) <= LOSS_RTOL
+    assert _relative_gap(_losses(runs["pipe_unweighted"]), reference) > 1e-3
+
+
+def test_the_plan_trained_is_ucp_plans_fastest_and_has_a_pipeline(runs):
+    plan = json.loads((runs["plan"].parent / "plan.json").read_text())
+    layout = plan["plans"][0]["layout"]
+    assert max(len(r["stages"]) for r in layout["replicas"]) > 1, layout  # a pipeline split within a replica
+    assert sum(len(s["ranks"]) for r in layout["replicas"] for s in r["stages"]) == 5
 
 
 def test_hmp_on_deepspeed_engines_needs_the_sync(runs):
@@ -165,6 +207,16 @@ def test_bad_flags_are_refused_in_one_line(tmp_path):
     assert wrong.returncode == 2
     assert wrong.stderr.strip().splitlines()[-1] == ("error: --tp-sizes 2,1 adds up to 3 ranks, but torchrun started "
                                                      "1; pass --nproc-per-node 3")
+    both = run("--tp-sizes", "1", "--layout", str(tmp_path / "layout.json"))
+    assert both.stderr.strip().splitlines() == ["error: pass one of --tp-sizes (one-stage replicas) and --layout (a "
+                                                "layout or plan JSON file)"]
+    deeper = tmp_path / "deeper.json"
+    deeper.write_text(json.dumps({"num_layers": 3, "replicas": [{"micro_batches": 2, "stages": [
+        {"layers": [0, 1], "ranks": [0]}, {"layers": [1, 3], "ranks": [1]}]}]}))
+    layers = run("--layout", str(deeper), "--global-batch", "2")
+    assert layers.returncode == 2
+    assert layers.stderr.strip().splitlines()[-1] == (f"error: --layout {deeper}: the layout has 3 layers, the model "
+                                                      "2; pass --layers 3")
 
 
 # The HMP save against the homogeneous run's, after the same 12 steps. Both are fp32 and differ only in the order
@@ -218,6 +270,25 @@ def test_a_save_from_the_hmp_layout_is_the_homogeneous_runs_save(runs):
     assert saved.source["layout"]["replicas"] and saved.source["dp"] == 2
     # "keep": 2 removed step 5's save once step 12's was committed; step 10's (asynchronous) is what ds_resumed loads.
     assert sorted(p.name for p in (runs["ds"] / "ckpt").glob("global_step*")) == ["global_step10", "global_step12"]
+    # Negative control: HMP engines that average the replicas without their shares save another model.
+    wrong = open_checkpoint(runs["ds_unweighted"] / "ckpt" / f"global_step{STEPS}")
+    assert max(_state_gaps(wrong, reference).values()) > 100 * SAVE_TOL
+
+
+def test_a_save_from_a_pipeline_split_is_the_homogeneous_runs_save(runs):
+    """ZeRO-1 engines on PIPE_LAYOUT save (synchronously, at the last step) what the homogeneous 2-rank run saves. The
+    writing replica is the pipeline (3 ranks): each stage's ranks write their layers' boxes."""
+    from ucp.checkpoint import open_checkpoint
+
+    saved = open_checkpoint(runs["pipe_ds"] / "ckpt" / f"global_step{STEPS}")
+    reference = open_checkpoint(runs["ds_dp"] / "ckpt" / f"global_step{STEPS}")
+    assert saved.verify() == []
+    assert saved.source["pp"] == 2 and saved.source["layout"]["replicas"][1]["stages"][1]["ranks"] == [4]
+    gaps = _state_gaps(saved, reference)
+    assert {state for _, state in gaps} == {"fp32", "exp_avg", "exp_avg_sq", "step"}
+    assert max(gaps.values()) <= SAVE_TOL, max(gaps.items(), key=lambda kv: kv[1])
+    for key in ("global_steps", "global_samples"):
+        assert saved.training[key] == reference.training[key], key
     # Negative control: HMP engines that average the replicas without their shares save another model.
     wrong = open_checkpoint(runs["ds_unweighted"] / "ckpt" / f"global_step{STEPS}")
     assert max(_state_gaps(wrong, reference).values()) > 100 * SAVE_TOL
