@@ -12,13 +12,22 @@ weighted by the samples each replica computed, so each step is the homogeneous d
 the same global batch, and so are the losses. Rank 0 appends {"step": t, "loss": global mean loss} per
 optimizer step to `--losses-out`.
 
+`--layout FILE` trains on any layout instead, pipeline splits within a replica included: `Layout.to_json()`'s JSON
+(each replica's `micro_batches` are its samples per step) or the plans `ucp plan --json` prints (the fastest, or
+`--plan-index K`). Each rank then holds its stage's part of the model and activations go stage to stage point to
+point (`pipeline.py`); the replica's loss is its last stage's:
+
+    ucp plan --gpus 5 --model examples/hmp/model.json --gpu-memory 4 --global-batch 16 --seq-len 8 --json > plan.json
+    torchrun --nproc-per-node 5 examples/hmp/train.py --layout plan.json --steps 20 --global-batch 16
+
 With `--deepspeed` every rank runs a DeepSpeed engine (`--zero 0|1`, `--bf16`) built by
 `ucp.deepspeed.initialize` with `"ucp": {"layout": ..., "hmp": {"global_batch", "micro_batch", "shares"}}`:
 the sync then runs inside `engine.step` (`ucp.deepspeed.hmp_sync`), and the loop is DeepSpeed's own,
-`engine.backward(loss * sampler.loss_weight(n)); engine.step()`. `--save-dir DIR` saves ucp checkpoints from the
-layout (`"save": {"every": --save-every, "keep": --keep}`), `--load DIR/global_stepN` resumes from one saved at
-any layout (`--load auto`: from the newest in --save-dir, `"load": "auto"`), and `--plain-dp` (TP sizes of 1)
-runs DeepSpeed's own data parallelism instead: the homogeneous run.
+`engine.backward(loss * sampler.loss_weight(n)); engine.step()` (a stage before the last back-propagates
+`(out * grad_from_next).sum()`, not divided by the accumulation steps again). `--save-dir DIR` saves ucp
+checkpoints from the layout (`"save": {"every": --save-every, "keep": --keep}`), `--load DIR/global_stepN`
+resumes from one saved at any layout (`--load auto`: from the newest in --save-dir, `"load": "auto"`), and
+`--plain-dp` (TP sizes of 1) runs DeepSpeed's own data parallelism instead: the homogeneous run.
 
 With `--elastic` the job runs under torchrun's elastic agent and `--tp-sizes` lists the TP sizes it may use
 (`"elastic": {"tensor_parallel": [...], "heterogeneous": true}`): at each start `ucp.elastic.layout()` chooses the
