@@ -29,6 +29,7 @@ import pytest
 import torch
 
 from support.launch import ds_env, free_port, run_torchrun
+from ucp.hmp.layout import Layout
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "hmp" / "train.py"
 MODEL = EXAMPLE.parent / "model.json"  # the example model's shape as a Hugging Face config, for ucp plan
@@ -217,6 +218,16 @@ def test_bad_flags_are_refused_in_one_line(tmp_path):
     assert layers.returncode == 2
     assert layers.stderr.strip().splitlines()[-1] == (f"error: --layout {deeper}: the layout has 3 layers, the model "
                                                       "2; pass --layers 3")
+    longer = tmp_path / "plan.json"  # a plan for longer sequences than the example trains
+    longer.write_text(json.dumps({"workload": {"global_batch": 2, "seq_len": 16, "micro_batch_size": 1},
+                                  "plans": [{"layout": Layout.one_stage([1], [2], 2).to_json()}]}))
+    seq = run("--layout", str(longer), "--global-batch", "2")
+    assert seq.returncode == 2
+    assert seq.stderr.strip().splitlines()[-1] == (f"error: --layout {longer}: the plan is for sequences of 16 tokens, "
+                                                   "the example trains 8; run ucp plan with --seq-len 8")
+    # Control: the same plan for 8-token sequences trains.
+    longer.write_text(longer.read_text().replace('"seq_len": 16', '"seq_len": 8'))
+    assert run("--layout", str(longer), "--global-batch", "2", "--steps", "1").returncode == 0
 
 
 # The HMP save against the homogeneous run's, after the same 12 steps. Both are fp32 and differ only in the order
