@@ -85,6 +85,10 @@ def parse_sizes(text: str, what: str, kind=int) -> list:
 def main(args: argparse.Namespace) -> None:
     if (args.save_dir or args.load or args.plain_dp) and not args.deepspeed:
         raise ConfigError("--save-dir, --load and --plain-dp run DeepSpeed engines: add --deepspeed")
+    if args.memory_every and not args.save_dir:
+        raise ConfigError("--memory-every saves beside the disk tier: add --save-dir")
+    if args.stop_after and (not args.deepspeed or args.elastic):
+        raise ConfigError("--stop-after stops a --deepspeed run without --elastic")
     tp_sizes = parse_sizes(args.tp_sizes, "--tp-sizes")
     init_distributed("gloo" if args.device == "cpu" else "nccl")
     if args.device == "cuda":

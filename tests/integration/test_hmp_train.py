@@ -161,6 +161,11 @@ def test_bad_flags_are_refused_in_one_line(tmp_path):
         "error: ucp.deepspeed.save: this engine has an HMP rank's mpu (RankAloneMpu) but no gradient sync, so its "
         'replicas train apart and hold no one model; add "layout" and "hmp" to the "ucp" config section '
         "(ucp.deepspeed.hmp_sync)")
+    for flags, message in ((["--deepspeed", "--memory-every", "1"], "--memory-every saves beside the disk tier: add "
+                                                                    "--save-dir"),
+                           (["--stop-after", "3"], "--stop-after stops a --deepspeed run without --elastic")):
+        refused = run("--tp-sizes", "1", *flags)
+        assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [f"error: {message}"]
     wrong = run("--tp-sizes", "2,1")
     assert wrong.returncode == 2
     assert wrong.stderr.strip().splitlines()[-1] == ("error: --tp-sizes 2,1 adds up to 3 ranks, but torchrun started "
