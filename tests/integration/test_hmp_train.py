@@ -9,7 +9,8 @@ weights (what a plain DP all-reduce does) diverges.
 With `--deepspeed` each rank runs a DeepSpeed engine and the sync runs inside `engine.step`: ZeRO-1 in
 fp32 trains the same losses and parameters within the same tolerances, ZeRO-1 in bf16 the losses
 within bf16 rounding, and the same engines without the sync (negative control) leave that band. Their saves
-(fp32 and bf16) equal the homogeneous DeepSpeed runs' saves within the tolerances the comments state.
+(fp32 and bf16) equal the homogeneous DeepSpeed runs' saves within the tolerances the comments state, and so does
+the host-memory tier's (MEMORY_RUNS), which "load": "auto" resumes from at another HMP layout and a homogeneous one.
 """
 from __future__ import annotations
 
@@ -373,7 +374,8 @@ def test_a_homogeneous_run_resumes_from_the_hmp_memory_tier_with_two_nodes_lost(
 
 def test_the_memory_checkpoint_from_an_hmp_layout_is_its_disk_save(runs, memory_runs):
     """At TP sizes 1,2 the step-12 memory save is the disk save of the step, state for state; and, resumed from the
-    memory tier at another layout, the uninterrupted run's save within SAVE_TOL (the order of sums differs)."""
+    memory tier at another layout, the uninterrupted run's save within SAVE_TOL (the order of sums differs; measured
+    3.5e-7)."""
     from support.atomic import assert_same_checkpoint
     from ucp.checkpoint import open_checkpoint
 
