@@ -25,9 +25,11 @@ With `--deepspeed` every rank runs a DeepSpeed engine (`--zero 0|1`, `--bf16`) b
 the sync then runs inside `engine.step` (`ucp.deepspeed.hmp_sync`), and the loop is DeepSpeed's own,
 `engine.backward(loss * sampler.loss_weight(n)); engine.step()` (a stage before the last back-propagates
 `(out * grad_from_next).sum()`, not divided by the accumulation steps again). `--save-dir DIR` saves ucp
-checkpoints from the layout (`"save": {"every": --save-every, "keep": --keep}`), `--load DIR/global_stepN`
-resumes from one saved at any layout (`--load auto`: from the newest in --save-dir, `"load": "auto"`), and
-`--plain-dp` (TP sizes of 1) runs DeepSpeed's own data parallelism instead: the homogeneous run.
+checkpoints from the layout (`"save": {"every": --save-every, "keep": --keep}`; with `--memory-every N` also into
+host memory, `"memory": {"every": N, "replicas": --replicas, "dir": --memory-dir}`), `--load DIR/global_stepN`
+resumes from one saved at any layout (`--load auto`: from the newest in --save-dir or the memory tier,
+`"load": "auto"`), and `--plain-dp` (TP sizes of 1) runs DeepSpeed's own data parallelism instead: the
+homogeneous run. `--stop-after K` ends after step K without the last save, as a lost job would.
 
 With `--elastic` the job runs under torchrun's elastic agent and `--tp-sizes` lists the TP sizes it may use
 (`"elastic": {"tensor_parallel": [...], "heterogeneous": true}`): at each start `ucp.elastic.layout()` chooses the
@@ -99,6 +101,10 @@ def main(args: argparse.Namespace) -> None:
     if args.layout and (args.elastic or args.plain_dp or args.speeds):
         raise ConfigError("--layout gives the replicas and their shares: drop --elastic, --plain-dp and --speeds")
     cfg = Config(layers=args.layers)
+    if args.memory_every and not args.save_dir:
+        raise ConfigError("--memory-every saves beside the disk tier: add --save-dir")
+    if args.stop_after and (not args.deepspeed or args.elastic):
+        raise ConfigError("--stop-after stops a --deepspeed run without --elastic")
     init_distributed("gloo" if args.device == "cpu" else "nccl")
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -194,6 +200,8 @@ def train_deepspeed(args: argparse.Namespace, layout: Layout, shares: tuple[int,
         options["save"] = {"dir": args.save_dir, "every": args.save_every or args.steps}
         if args.keep:
             options["save"]["keep"] = args.keep
+        if args.memory_every:
+            options["save"]["memory"] = memory_tier(args)
     if args.load:
         options["load"] = args.load  # loaded by the layout: each rank reads its slices
     config: dict = {"zero_optimization": {"stage": args.zero}, "steps_per_print": 10**9,
@@ -228,7 +236,8 @@ def train_deepspeed(args: argparse.Namespace, layout: Layout, shares: tuple[int,
         engine.backward(x, scale_wrt_gas=is_loss)           # once: the gradients sent back already carry it
 
     summed = 0.0
-    while engine.global_steps < args.steps:
+    steps = min(args.steps, args.stop_after or args.steps)
+    while engine.global_steps < steps:
         for indices in sampler:
             tokens = torch.stack([dataset[i] for i in indices]).to(args.device)
             # "unweighted": negative control, every micro-batch's mean loss as it is, whatever its size
@@ -240,9 +249,10 @@ def train_deepspeed(args: argparse.Namespace, layout: Layout, shares: tuple[int,
             if engine.global_steps != before:
                 write_loss(args, engine.global_steps, summed)
                 summed = 0.0
-            if engine.global_steps == args.steps:
+            if engine.global_steps == steps:
                 break
-    if args.save_dir and engine.global_steps % (args.save_every or args.steps):  # the last step, not saved yet
+    last = args.save_dir and not args.stop_after  # a stopped job saves only on its cadence, as a lost one did
+    if last and engine.global_steps % (args.save_every or args.steps):  # the last step, not saved yet
         ucp.deepspeed.save(engine, args.save_dir, async_=False)
     ucp.deepspeed.wait(engine)  # the save in flight is committed before the process group goes
     write_params(args, model, where.replica)
@@ -257,6 +267,8 @@ def train_elastic(args: argparse.Namespace, tp_sizes: list[int], cfg: Config) ->
     elastic = {"global_batch": args.global_batch, "micro_batch": args.global_batch, "tensor_parallel": tp_sizes,
                "heterogeneous": True}
     save = {"dir": args.save_dir, "every": args.save_every or 1, **({"keep": args.keep} if args.keep else {})}
+    if args.memory_every:
+        save["memory"] = memory_tier(args)
     config: dict = {"zero_optimization": {"stage": args.zero}, "steps_per_print": 10**9, "gradient_clipping": 0.0,
                     "ucp": {"elastic": elastic, "load": "auto", "save": save}}
     if args.bf16:
@@ -296,6 +308,12 @@ def holds_loss(links: StageLinks, where: Placement) -> bool:
     return links.last and where.tp_rank == 0
 
 
+def memory_tier(args: argparse.Namespace) -> dict:
+    """The `"memory"` section of `"save"` that --memory-every, --replicas and --memory-dir ask for."""
+    section = {"every": args.memory_every, "replicas": args.replicas}
+    return {**section, "dir": args.memory_dir} if args.memory_dir else section
+
+
 def write_loss(args: argparse.Namespace, step: int, summed: float, extra: dict | None = None) -> None:
     """Rank 0 appends the step's global mean loss: the sum over every replica's samples (from `holds_loss` ranks)."""
     total = torch.tensor([summed / args.global_batch], dtype=torch.float64, device=args.device)
@@ -332,6 +350,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--save-every", type=int, help="with --save-dir: save every this many steps (asynchronously), and "
                    "the last step (synchronously; default: only the last)")
     p.add_argument("--keep", type=int, help="with --save-dir: keep the newest this many checkpoints")
+    p.add_argument("--memory-every", type=int, help="with --save-dir: also save into host memory every this many "
+                   'steps ("save": {"memory": {"every": N, "replicas": --replicas, "dir": --memory-dir}})')
+    p.add_argument("--memory-dir", help="with --memory-every: the memory folder ($VARS expanded by each rank; "
+                   "default: one in /dev/shm named after --save-dir)")
+    p.add_argument("--replicas", type=int, default=1, help="with --memory-every: other nodes that keep a copy of "
+                   "each node's pieces")
+    p.add_argument("--stop-after", type=int, help="with --deepspeed: stop after this step as a lost job would, "
+                   "without saving the last step beyond the cadence (a later --load auto goes on to --steps)")
     p.add_argument("--load", help="with --deepspeed: resume from this ucp checkpoint (saved at any layout); \"auto\": "
                    "from the newest in --save-dir, if any")
     p.add_argument("--plain-dp", action="store_true",

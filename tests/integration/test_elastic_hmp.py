@@ -62,3 +62,26 @@ def test_a_lost_node_trains_on_unequal_replicas_then_goes_back(tmp_path, referen
         assert saved.verify() == []
         assert [len(r["stages"][0]["ranks"]) for r in saved.source["layout"]["replicas"]] == tp_sizes, step
         assert saved.training["global_samples"] == step * 8   # B per step at every layout
+
+
+def test_the_memory_tier_carries_the_restarts_through_the_hmp_layout(tmp_path, reference):
+    """The same trace with the memory tier every step and the disk tier only at the last step: the restart to 3 ranks
+    loads the memory checkpoint of TP 2 x 2 into TP 2 + 1, the one back to 4 ranks the memory checkpoint saved from
+    TP 2 + 1, and every step's loss is the uninterrupted run's."""
+    losses, ckpt, memory = tmp_path / "losses.jsonl", tmp_path / "ckpt", tmp_path / "memory"
+    logs = lose_a_node_then_get_it_back(EXAMPLE, [*ARGS, "--save-dir", ckpt, "--save-every", STEPS, "--memory-every", 1,
+                                                  "--memory-dir", memory, "--losses-out", losses],
+                                        tmp_path / "agents", losses, on_three=5)
+    records = read_losses(losses)
+    assert {(r["world"], tuple(r["tp"])) for r in records} == {(4, (2, 2)), (3, (2, 1))}
+    assert_continues_the_run(records, reference, STEPS, RTOL)
+    # Negative control: the disk tier holds no step before the last, so a restart that did not load from memory
+    # would have started over, and failed the losses above.
+    assert sorted(p.name for p in ckpt.glob("global_step*")) == [f"global_step{STEPS}"]
+    loaded = {}
+    for line in logs.splitlines():
+        for restart in ("4 -> 3", "3 -> 4"):
+            if f"ucp: restart {restart} ranks: loaded {memory}/global_step" in line:
+                loaded[restart] = int(line.split(f"{memory}/global_step", 1)[1].split(" ", 1)[0])
+    assert set(loaded) == {"4 -> 3", "3 -> 4"}, logs[-4000:]
+    assert loaded["3 -> 4"] in {r["step"] for r in records if r["world"] == 3}  # saved from TP 2 + 1

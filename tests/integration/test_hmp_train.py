@@ -9,7 +9,8 @@ weights (what a plain DP all-reduce does) diverges.
 With `--deepspeed` each rank runs a DeepSpeed engine and the sync runs inside `engine.step`: ZeRO-1 in
 fp32 trains the same losses and parameters within the same tolerances, ZeRO-1 in bf16 the losses
 within bf16 rounding, and the same engines without the sync (negative control) leave that band. Their saves
-(fp32 and bf16) equal the homogeneous DeepSpeed runs' saves within the tolerances the comments state.
+(fp32 and bf16) equal the homogeneous DeepSpeed runs' saves within the tolerances the comments state, and so does
+the host-memory tier's (MEMORY_RUNS), which "load": "auto" resumes from at another HMP layout and a homogeneous one.
 
 With `--layout` a replica may be a pipeline: TP sizes 2, 2, 1 where the second replica runs the embedding and
 layer 0 on a TP-2 stage and layer 1 and the head on a TP-1 stage train the same losses and parameters, plain and on
@@ -204,6 +205,11 @@ def test_bad_flags_are_refused_in_one_line(tmp_path):
         "error: ucp.deepspeed.save: this engine has an HMP rank's mpu (RankAloneMpu) but no gradient sync, so its "
         'replicas train apart and hold no one model; add "layout" and "hmp" to the "ucp" config section '
         "(ucp.deepspeed.hmp_sync)")
+    for flags, message in ((["--deepspeed", "--memory-every", "1"], "--memory-every saves beside the disk tier: add "
+                                                                    "--save-dir"),
+                           (["--stop-after", "3"], "--stop-after stops a --deepspeed run without --elastic")):
+        refused = run("--tp-sizes", "1", *flags)
+        assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [f"error: {message}"]
     wrong = run("--tp-sizes", "2,1")
     assert wrong.returncode == 2
     assert wrong.stderr.strip().splitlines()[-1] == ("error: --tp-sizes 2,1 adds up to 3 ranks, but torchrun started "
@@ -364,3 +370,105 @@ def test_an_hmp_job_resumes_auto_from_its_own_newest_save(runs):
     # started fresh, leaves the step-10 or the initial model, not this one).
     seeded = open_checkpoint(runs["ds_auto"] / "ckpt" / AUTO_SEEDED)
     assert max(_state_gaps(seeded, uninterrupted).values()) > 100 * SAVE_TOL
+
+
+# The host-memory tier from an HMP layout. "stopped": TP sizes 2,1 (ZeRO-1, fp32) save to disk every 4 steps and to
+# memory every step, each rank its own simulated node (memory folder node<LOCAL_RANK>) with a peer copy on the next
+# ("replicas": 1), and stop after step 9: the disk tier's newest is step 8, the memory tier's step 9. Each restart
+# below starts from a copy of that state at the same paths (a memory checkpoint belongs to the job of its save
+# folder): "mem_hmp" resumes ("load": "auto") at TP sizes 1,2, whose writing replica is the other one; "mem_dp" as
+# the homogeneous 2-rank run with nodes 0 and 2 lost (node 1's copy holds the writing ranks 0 and 1's pieces and
+# rank 2 saved none); "mem_off" without the memory tier (negative control) resumes from the disk tier's step 8.
+MEMORY = ["--deepspeed", "--zero", "1", "--save-dir", "{job}/ckpt", "--save-every", "4"]
+MEMORY_TIER = ["--memory-every", "1", "--memory-dir", "{job}/node$LOCAL_RANK"]
+MEMORY_RUNS = {  # name: (--tp-sizes, ranks, extra flags, node folders lost before the start)
+    "mem_hmp": ("1,2", 3, [*MEMORY, *MEMORY_TIER, "--load", "auto"], ()),
+    "mem_dp": ("1,1", 2, [*MEMORY, *MEMORY_TIER, "--plain-dp", "--load", "auto"], ("node0", "node2")),
+    "mem_off": ("2,1", 3, [*MEMORY, "--load", "auto", "--steps", "9"], ()),
+}
+STOPPED = 9
+
+
+@pytest.fixture(scope="module")
+def memory_runs(tmp_path_factory) -> dict[str, Path]:
+    """Each run's folder (its job folder, moved there after the run, its log and losses): "stopped" and the
+    restarts of MEMORY_RUNS; the job folder's paths in the logs are `<root>/job`."""
+    root = tmp_path_factory.mktemp("hmp-memory")
+    job = root / "job"
+
+    def launch(name: str, tp_sizes: str, ranks: int, extra: list[str]) -> None:
+        (root / name).mkdir()
+        run_torchrun(EXAMPLE, ["--tp-sizes", tp_sizes, "--steps", str(STEPS), "--global-batch", str(BATCH),
+                               "--losses-out", root / name / "losses.jsonl", *[a.format(job=job) for a in extra]],
+                     ranks, root / name / "run.log", timeout=300)
+        job.rename(root / name / "job")
+
+    launch("stopped", "2,1", 3, [*MEMORY, *MEMORY_TIER, "--stop-after", str(STOPPED)])
+    for name, (tp_sizes, ranks, extra, lost) in MEMORY_RUNS.items():
+        subprocess.run(["cp", "-a", str(root / "stopped" / "job"), str(job)], check=True)  # keeps the folders' modes
+        for node in lost:
+            shutil.rmtree(job / node)
+        launch(name, tp_sizes, ranks, extra)
+    return {"root": root, **{name: root / name for name in ("stopped", *MEMORY_RUNS)}}
+
+
+def _loss_lines(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "losses.jsonl").read_text().splitlines()]
+
+
+def _resumed_from(run: Path, root: Path) -> list[str]:
+    """What the run's "ucp: resuming from" line names, relative to the job folder."""
+    prefix = f"ucp: resuming from {root / 'job'}/"
+    return [line.split(prefix, 1)[1] for line in (run / "run.log").read_text().splitlines() if prefix in line]
+
+
+def test_an_hmp_job_resumes_from_its_memory_tier_newer_than_disk(runs, memory_runs):
+    """The memory tier saves from TP sizes 2,1; "auto" resumes from its step 9 (disk: step 8) at TP sizes 1,2, and
+    the run trains the uninterrupted HMP run's steps 10-12."""
+    root = memory_runs["root"]
+    assert [line["step"] for line in _loss_lines(memory_runs["stopped"])] == list(range(1, STOPPED + 1))
+    stopped = memory_runs["stopped"] / "job"
+    assert sorted(p.name for p in (stopped / "ckpt").glob("global_step*")) == ["global_step4", "global_step8"]
+    assert _resumed_from(memory_runs["mem_hmp"], root) == [f"node0/global_step{STOPPED} (step {STOPPED}) on 3 ranks"]
+    uninterrupted = _losses(runs["ds"])
+    assert _relative_gap(_losses(memory_runs["mem_hmp"], first=STOPPED + 1), uninterrupted[STOPPED:]) <= LOSS_RTOL
+    # Negative control: without the memory tier the job resumes from disk step 8 and trains step 9 again.
+    control = memory_runs["mem_off"]
+    assert _resumed_from(control, root) == ["ckpt/global_step8 (step 8) on 3 ranks"]
+    assert [line["step"] for line in _loss_lines(control)] == [STOPPED]
+
+
+def test_a_homogeneous_run_resumes_from_the_hmp_memory_tier_with_two_nodes_lost(runs, memory_runs):
+    """DeepSpeed's own 2-rank data parallelism resumes from the memory checkpoint saved at TP sizes 2,1, with the
+    nodes of ranks 0 and 2 gone: node 1 holds the writing replica's pieces (its own and rank 0's peer copy), rank 2
+    saved none, and the new node 0 fetches the checkpoint from node 1."""
+    root = memory_runs["root"]
+    manifest = json.loads((memory_runs["stopped"] / "job" / "node1" / f"global_step{STOPPED}" / "ucp_memory.json")
+                          .read_text())
+    assert manifest["holds"]["2"] == [] and sorted(manifest["holds"]) == ["0", "1", "2"]
+    run = memory_runs["mem_dp"]
+    assert _resumed_from(run, root) == [f"node0/global_step{STOPPED} (step {STOPPED}) on 2 ranks"]
+    assert f"filled the memory checkpoint global_step{STOPPED} from peer copies" in (run / "run.log").read_text()
+    assert _relative_gap(_losses(run, first=STOPPED + 1), _losses(runs["ds"])[STOPPED:]) <= LOSS_RTOL
+    # Negative control: the losses of these steps are not those of the steps before (the run did go on).
+    assert _relative_gap(_losses(run, first=STOPPED + 1), _losses(runs["ds"])[STOPPED - 3:STOPPED]) > 1e-3
+
+
+def test_the_memory_checkpoint_from_an_hmp_layout_is_its_disk_save(runs, memory_runs):
+    """At TP sizes 1,2 the step-12 memory save is the disk save of the step, state for state; and, resumed from the
+    memory tier at another layout, the uninterrupted run's save within SAVE_TOL (the order of sums differs; measured
+    3.5e-7)."""
+    from support.atomic import assert_same_checkpoint
+    from ucp.checkpoint import open_checkpoint
+
+    job = memory_runs["mem_hmp"] / "job"
+    # The writing replica is ranks 1 and 2; node 2 holds both (its own and rank 1's peer copy), rank 0 saved none.
+    manifest = json.loads((job / "node2" / f"global_step{STEPS}" / "ucp_memory.json").read_text())
+    assert manifest["holds"]["0"] == [] and sorted(manifest["holds"]) == ["0", "1", "2"]
+    memory = open_checkpoint(job / "node2" / f"global_step{STEPS}")
+    disk = open_checkpoint(job / "ckpt" / f"global_step{STEPS}")
+    assert memory.verify() == [] and memory.source["layout"]["replicas"]
+    assert_same_checkpoint(memory, disk)
+    assert max(_state_gaps(memory, open_checkpoint(runs["ds"] / "ckpt" / f"global_step{STEPS}")).values()) <= SAVE_TOL
+    with pytest.raises(AssertionError):  # negative control: another step's disk save differs
+        assert_same_checkpoint(memory, open_checkpoint(job / "ckpt" / "global_step8"))

@@ -45,18 +45,16 @@ def test_bad_sections_are_refused_in_one_line(section, message):
 @pytest.mark.parametrize("options, message", [
     ({"hmp": {"global_batch": 8, "micro_batch": 5}}, 'trains on an explicit layout: add "layout"'),
     ({"hmp": {"global_batch": 8, "micro_batch": 5}, "layout": LAYOUT.to_json(),
-      "save": {"dir": "/x", "every": 1, "memory": {"every": 1}}}, 'with "save": {"memory": ...} is not supported yet'),
-    ({"hmp": {"global_batch": 8, "micro_batch": 5}, "layout": LAYOUT.to_json(),
       "elastic": {"global_batch": 8, "micro_batch": 5}}, 'give "elastic": {..., "heterogeneous": true} without'),
 ])
 def test_what_does_not_go_with_hmp_is_refused(options, message):
     with pytest.raises(ConfigError) as caught:
         _hmp_batch(options)
     assert message in str(caught.value)
-    # Control: the same section with its layout and nothing else is taken, and so is a save to disk.
+    # Control: the same section with its layout and nothing else is taken, and so is a save to disk and memory.
     assert _hmp_batch({"hmp": options["hmp"], "layout": LAYOUT.to_json()}).global_batch == 8
     assert _hmp_batch({"hmp": options["hmp"], "layout": LAYOUT.to_json(),
-                       "save": {"dir": "/x", "every": 1, "keep": 2}}).global_batch == 8
+                       "save": {"dir": "/x", "every": 1, "keep": 2, "memory": {"every": 1}}}).global_batch == 8
 
 
 def test_an_elastic_heterogeneous_start_gets_the_layout_and_hmp_sections():
@@ -68,9 +66,9 @@ def test_an_elastic_heterogeneous_start_gets_the_layout_and_hmp_sections():
     assert options["hmp"] == {"global_batch": 8, "micro_batch": 8, "shares": [5, 3]} and options["load"] == "auto"
     assert Layout.from_json(options["layout"]) == Layout(2, (
         Replica((Stage((0, 2), (0, 1)),), 5), Replica((Stage((0, 2), (2,)),), 3)))
-    for extra, message in (({"layout": LAYOUT.to_json()}, 'leave out "layout"'),
-                           ({"save": {"dir": "/x", "every": 1, "memory": {"every": 1}}}, '"memory": ...} is not')):
-        with pytest.raises(ConfigError, match=message):
-            _elastic_hmp_options({"elastic": elastic, **extra}, place, model)
+    with pytest.raises(ConfigError, match='leave out "layout"'):
+        _elastic_hmp_options({"elastic": elastic, "layout": LAYOUT.to_json()}, place, model)
+    memory = {"dir": "/x", "every": 1, "memory": {"every": 1}}  # the memory tier goes with it, as with "hmp"
+    assert _elastic_hmp_options({"elastic": elastic, "save": memory}, place, model)["save"] == memory
     with pytest.raises(ConfigError, match="ucp_param_table"):
         _elastic_hmp_options({"elastic": elastic}, place, object())

@@ -23,6 +23,8 @@ def test_each_rank_sends_to_its_place_on_the_next_nodes():
     assert peer_pairs([[0, 1]], 1) == [] and peer_pairs(nodes, 0) == []
     assert peer_pairs([[0, 1, 2], [3]], 1) == [(0, 3), (1, 3), (2, 3), (3, 0)]  # uneven nodes
     assert held_by([2, 3], peer_pairs(nodes, 1)) == [0, 1, 2, 3]
+    # A rank that saves no pieces (an HMP replica that does not write) is held by every node.
+    assert held_by([2, 3], peer_pairs(nodes, 1), idle=[5]) == [0, 1, 2, 3, 5]
 
 
 def copy(tag: str, holds: set[int], fingerprint: str = "f", ranks: int = 4) -> NodeCopy:

@@ -35,7 +35,7 @@ committed, and runs at exit too; see `ucp.deepspeed.life`). The `"ucp"` config s
   `"tensor_parallel": {"autotp_size": T}`. With `"heterogeneous": true` a start
   whose ranks no homogeneous layout uses without spares takes one-stage replicas of unequal TP size, and every
   start of the job trains through the `"layout"` + `"hmp"` path below (`_elastic_hmp_options`; the script builds
-  its replica from `ucp.elastic.layout().hmp_layout(...)` and passes `RankAloneMpu`).
+  its replica from `ucp.elastic.layout().hmp_layout(...)` and passes `RankAloneMpu`), the memory tier included.
 * `bypass` (bool, default true): redundancy-bypassing read. Each rank reads its own ZeRO
   partitions straight from storage, and every tensor that all ranks of the data-parallel group
   need whole (ZeRO-0 models, frozen parameters, buffers) is read by one rank, chosen to balance
@@ -72,8 +72,8 @@ committed, and runs at exit too; see `ucp.deepspeed.life`). The `"ucp"` config s
 * `hmp` (dict): `{"global_batch": B, "micro_batch": m, "shares": [...]}` with a `layout`: train on it. Each
   engine gets one replica's batch keys, and the gradient sync across replicas of unequal TP size runs
   inside `engine.step` (`ucp.deepspeed.hmp_sync`; `engine.ucp_hmp.batch` serves the sampler and loss weights).
-  `save` (not its `memory` tier) and `ucp.deepspeed.save` write the checkpoint a homogeneous run writes
-  (`ucp.deepspeed.hmp_save`).
+  `save` (its `memory` tier too) and `ucp.deepspeed.save` write the checkpoint a homogeneous run writes
+  (`ucp.deepspeed.hmp_save`), and `"load": "auto"` resumes from either tier at any layout.
 
 The load pipeline is `ucp.deepspeed.engine_load`; the save, its cadence and the rest of the engine's checkpoint
 life are `ucp.deepspeed.life`. This module wires them into `initialize`.
@@ -191,15 +191,7 @@ def _hmp_batch(options: dict[str, Any]) -> ElasticBatch:
     if "elastic" in options:
         raise ConfigError('"ucp": {"hmp": ...} with "elastic": an elastic job chooses its layout at each start; give '
                           '"elastic": {..., "heterogeneous": true} without "hmp" and "layout"')
-    _refuse_memory_tier(options, '"ucp": {"hmp": ...}')
     return hmp_batch(options["hmp"], as_layout(options["layout"]))
-
-
-def _refuse_memory_tier(options: dict[str, Any], section: str) -> None:
-    """The host-memory tier does not save HMP layouts: `section` with `"save": {"memory": ...}` is refused."""
-    if isinstance(options.get("save"), dict) and "memory" in options["save"]:
-        raise ConfigError(f'{section} with "save": {{"memory": ...}} is not supported yet (the host-memory tier does '
-                          "not save HMP layouts); save to disk only")
 
 
 def _elastic_hmp_options(options: dict[str, Any], place: RankLayout, model: Any) -> dict[str, Any]:
@@ -208,7 +200,6 @@ def _elastic_hmp_options(options: dict[str, Any], place: RankLayout, model: Any)
     if "layout" in options:
         raise ConfigError('"ucp": {"elastic": {"heterogeneous": true}} chooses the layout at each start: leave out '
                           '"layout"')
-    _refuse_memory_tier(options, '"ucp": {"elastic": {"heterogeneous": true}}')
     table = getattr(model, "ucp_param_table", None)
     if not table:
         raise ConfigError('"ucp": {"elastic": {"heterogeneous": true}} trains by a layout: give the module a '

@@ -16,9 +16,11 @@ older memory checkpoints. So a node holds at most two: the one being written and
 
 `ucp.deepspeed.memory_resume` restores from these copies at any world size.
 
-Every engine the saver serves has a memory tier: under AutoTP, a pipeline or MoE the saving group is the whole
-job and the pieces are each rank's share of the full tensors (`ucp.deepspeed.save_plan`), so a memory
-checkpoint is the one the disk save of the same step writes, and loads at any layout.
+Every engine the saver serves has a memory tier: under AutoTP, a pipeline, MoE or HMP the saving group is the
+whole job and the pieces are each rank's share of the full tensors (`ucp.deepspeed.save_plan`), so a memory
+checkpoint is the one the disk save of the same step writes, and loads at any layout. Under HMP only the writing
+replica's ranks have pieces (`ucp.deepspeed.hmp_save`); the others save none, so every node's manifest counts
+them as held (`ucp.elastic.memory_plan.held_by`) and losing their nodes loses nothing.
 """
 from __future__ import annotations
 
@@ -170,8 +172,9 @@ class MemoryTier:
         for f in prepared.files.files:
             os.replace(partial_path(tag_dir, f.name), tag_dir / f.name)
         fsync_dir(tag_dir)
+        idle = [r for r, i in self.index.items() if not runs[i]]  # HMP: the ranks of the replicas that do not write
         holds = {self.index[r]: tuple((file, begin, end) for file, begin, end, _ in runs[self.index[r]])
-                 for r in held_by(self.node, self.pairs)}
+                 for r in held_by(self.node, self.pairs, idle)}
         step = int(index.run.training["global_steps"])
         write_manifest(tag_dir, Manifest(tag, step, index.run.source["fingerprint"], self.config.job, len(runs), holds,
                                          tuple((f.name, f.size, len(f.header)) for f in prepared.files.files)))

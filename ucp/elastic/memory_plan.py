@@ -4,8 +4,9 @@ checkpoint is complete on the nodes that survived, and what each node must fetch
 A memory save (`ucp.deepspeed.memory_tier`) writes each rank's pieces into its node's directory (a sparse
 copy of the checkpoint's data files), and `replicas` copies of them into the directories of the next nodes
 (node i's ranks send to nodes i+1 .. i+replicas, mod the node count). A node's manifest lists the saving
-ranks whose pieces it holds. A memory checkpoint is complete when the nodes alive now hold, between them,
-every saving rank's pieces. Ranks are numbered by their place in the saving group; nodes by their lowest
+ranks whose pieces it holds, and every saving rank that has none (under HMP, the ranks of the replicas that do not
+write): those are held wherever the checkpoint is. A memory checkpoint is complete when the nodes alive now hold,
+between them, every saving rank's pieces. Ranks are numbered by their place in the saving group; nodes by their lowest
 rank. Pure: no I/O.
 """
 from __future__ import annotations
@@ -35,10 +36,11 @@ def peer_pairs(nodes: Sequence[Sequence[int]], replicas: int) -> list[tuple[int,
     return pairs
 
 
-def held_by(node: Sequence[int], pairs: Sequence[tuple[int, int]]) -> list[int]:
-    """The ranks whose pieces `node` holds after a save: its own and those its ranks receive."""
+def held_by(node: Sequence[int], pairs: Sequence[tuple[int, int]], idle: Sequence[int] = ()) -> list[int]:
+    """The ranks whose pieces `node` holds after a save: its own, those its ranks receive, and the `idle` ranks,
+    which save no pieces (so that losing their nodes loses nothing)."""
     mine = set(node)
-    return sorted(mine | {src for src, dst in pairs if dst in mine})
+    return sorted(mine | {src for src, dst in pairs if dst in mine} | set(idle))
 
 
 @dataclass(frozen=True)
