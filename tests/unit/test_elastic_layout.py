@@ -175,6 +175,7 @@ def test_heterogeneous_keeps_a_homogeneous_layout_that_uses_every_rank():
     for rank in range(8):   # each rank's place is the layout's
         place, where = RankLayout.of(piped, rank), layout.placement(rank)
         assert (place.tp_rank, place.pp_rank, place.dp_rank) == (where.tp_rank, where.stage, where.replica)
+        assert place.hmp and place.choice == piped and place.hmp_layout(4) == layout
     # negative control: without "heterogeneous" the choice is not an HMP layout
     with pytest.raises(ConfigError, match="only a layout chosen with"):
         Choice(2, 2, 1, 4).hmp_layout(2)

@@ -151,7 +151,8 @@ class RankLayout:
             return cls(choice.replicas[replica], 1, choice.dp, choice.world, rank, "train", rank - starts[replica], 0,
                        replica, *hmp)
         tp, dp = choice.tp, choice.dp
-        return cls(tp, choice.pp, dp, choice.world, rank, "train", rank % tp, rank // (tp * dp), rank // tp % dp)
+        return cls(tp, choice.pp, dp, choice.world, rank, "train", rank % tp, rank // (tp * dp), rank // tp % dp,
+                   *hmp)
 
     @property
     def choice(self) -> Choice:
