@@ -51,7 +51,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from layout_file import read_layout
 from pipeline import StageLinks, forward_backward
 from tp_model import Config, TPModel, init_weights, param_table
@@ -108,6 +107,9 @@ def main(args: argparse.Namespace) -> None:
     init_distributed("gloo" if args.device == "cpu" else "nccl")
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if (args.model or args.pipeline_parallel) and not args.elastic:
+        raise ConfigError("--model and --pipeline-parallel choose the layout of an --elastic job: add --elastic, or "
+                          "train on a plan with --layout")
     if args.elastic:
         if not (args.deepspeed and args.save_dir) or args.load or args.plain_dp or args.sync != "weighted":
             raise ConfigError("--elastic runs DeepSpeed engines that resume from --save-dir: add --deepspeed and "
@@ -259,13 +261,18 @@ def train_deepspeed(args: argparse.Namespace, layout: Layout, shares: tuple[int,
 
 
 def train_elastic(args: argparse.Namespace, tp_sizes: list[int], cfg: Config) -> None:
-    """The elastic loop: the layout of this start from `ucp.elastic.layout()`, the model built for its replica."""
+    """The elastic loop: the layout of this start from `ucp.elastic.layout()` (with `--model`, `ucp plan`'s plan,
+    pipelines within replicas included), the model built for this rank's stage."""
     import ucp.deepspeed
     import ucp.elastic
     from ucp.deepspeed.hmp_sync import RankAloneMpu
 
     elastic = {"global_batch": args.global_batch, "micro_batch": args.global_batch, "tensor_parallel": tp_sizes,
                "heterogeneous": True}
+    if args.pipeline_parallel:
+        elastic["pipeline_parallel"] = parse_sizes(args.pipeline_parallel, "--pipeline-parallel")
+    if args.model:  # the model's shape for the cost model and the search: every layout is ucp plan's
+        elastic.update(model=args.model, gpu_memory=args.gpu_memory, seq_len=SEQ)
     save = {"dir": args.save_dir, "every": args.save_every or 1, **({"keep": args.keep} if args.keep else {})}
     if args.memory_every:
         save["memory"] = memory_tier(args)
@@ -277,26 +284,32 @@ def train_elastic(args: argparse.Namespace, tp_sizes: list[int], cfg: Config) ->
             config["data_types"] = {"grad_accum_dtype": "fp32"}
     place = ucp.elastic.layout(config)   # the same layout on every rank; no spares: unequal replicas use them all
     layout = place.hmp_layout(cfg.layers)
+    rank = dist.get_rank()
     mpu = RankAloneMpu.for_layout(layout)  # every rank: every TP group, then every rank's group of one
-    model = TPModel(layout, dist.get_rank(), cfg, mpu.tp_group, init_weights(cfg, args.seed)).to(args.device)
+    model = TPModel(layout, rank, cfg, mpu.tp_group, init_weights(cfg, args.seed)).to(args.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     engine, _, _, _ = ucp.deepspeed.initialize(model=model, optimizer=optimizer, config=config, mpu=mpu)
     dataset = Sequences(cfg)
     sampler = ucp.elastic.ElasticBatchSampler(dataset, engine, shuffle=True, seed=args.seed)  # this replica's share
-    first = place.tp_rank == 0
+    links, where = StageLinks.for_rank(layout, rank), layout.placement(rank)
+    dtype = next(engine.module.parameters()).dtype  # of the activations between stages
+
+    def backward(x: torch.Tensor, is_loss: bool) -> None:  # as in train_deepspeed
+        engine.backward(x, scale_wrt_gas=is_loss)
+
+    stages = [[[s.tp, *s.layers] for s in r.stages] for r in layout.replicas]  # logged: TP size, layers [a, b)
     summed = 0.0
     while engine.global_steps < args.steps:
         for indices in sampler:
             tokens = torch.stack([dataset[i] for i in indices]).to(args.device)
-            logits = engine(tokens[:, :-1]).float()
-            loss = F.cross_entropy(logits.reshape(-1, cfg.vocab), tokens[:, 1:].reshape(-1))
-            engine.backward(loss * sampler.loss_weight(len(indices)))
-            summed += loss.item() * len(indices) if first else 0.0
+            loss = forward_backward(links, engine, backward, tokens, cfg.hidden, dtype,
+                                    sampler.loss_weight(len(indices)))
+            summed += loss.item() * len(indices) if holds_loss(links, where) else 0.0
             before = engine.global_steps
             engine.step()
             if engine.global_steps != before:
                 write_loss(args, engine.global_steps, summed, {"world": place.world, "tp": list(place.choice.replicas),
-                                                               "pid": os.getpid()})
+                                                               "stages": stages, "pid": os.getpid()})
                 summed = 0.0
             if engine.global_steps >= args.steps:
                 break
@@ -372,6 +385,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--elastic", action="store_true", help="with --deepspeed and --save-dir: under torchrun's elastic "
                    "agent, --tp-sizes lists the TP sizes the job may use; each start takes ucp.elastic.layout()'s "
                    "layout (heterogeneous where the ranks leave no homogeneous one without spares)")
+    p.add_argument("--pipeline-parallel", help="with --elastic: the pipeline stage counts the job may use, e.g. 2,1 "
+                   "(default 1)")
+    p.add_argument("--model", help="with --elastic: the model's shape as a Hugging Face config "
+                   "(examples/hmp/model.json): each start takes the fastest plan ucp plan finds for its ranks")
+    p.add_argument("--gpu-memory", type=float, default=4.0, help="with --model: GiB per rank for the cost model")
     p.add_argument("--zero", type=int, choices=(0, 1), default=0, help="with --deepspeed: the ZeRO stage")
     p.add_argument("--bf16", action="store_true", help="with --deepspeed: bf16 (ZeRO-1: fp32 gradient accumulation)")
     p.add_argument("--lr", type=float, default=1e-2)

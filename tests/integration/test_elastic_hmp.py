@@ -4,9 +4,16 @@ node leaves 3, which no TP-2 layout uses without a spare, so they take one TP-2 
 samples of each global batch of 8, by the cost model's speeds), trained by the HMP sync and loaded by the layout;
 a node joins and the job goes back to TP 2 x 2, loading the save made at TP 2 + 1. Every step's loss is the
 uninterrupted run's. The negative control of the sync (unweighted replicas diverge) is test_hmp_train's; that
-of the choice (heterogeneous off leaves a spare) is tests/unit/test_elastic_layout.py's."""
+of the choice (heterogeneous off leaves a spare) is tests/unit/test_elastic_layout.py's.
+
+With the model's shape (`--model examples/hmp/model.json`) and two pipeline stages allowed, every start takes the
+layout the cost model chooses: 4 ranks a TP 2 x PP 2 pipeline, 3 ranks the plan `ucp plan --gpus 3` prints first
+(one replica, a TP-1 stage then a TP-2 stage), trained through the pipeline and loaded between the layouts."""
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +29,7 @@ from support.launch import run_torchrun
 pytestmark = pytest.mark.slow
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "hmp" / "train.py"
+MODEL = EXAMPLE.parent / "model.json"
 STEPS = 8
 ARGS = ["--elastic", "--tp-sizes", "2", "--deepspeed", "--zero", "1", "--global-batch", "8", "--steps", STEPS]
 # fp32: the layouts sum the same gradients in another order (TP's partial sums, the replicas' weighted shares against
@@ -85,3 +93,30 @@ def test_the_memory_tier_carries_the_restarts_through_the_hmp_layout(tmp_path, r
                 loaded[restart] = int(line.split(f"{memory}/global_step", 1)[1].split(" ", 1)[0])
     assert set(loaded) == {"4 -> 3", "3 -> 4"}, logs[-4000:]
     assert loaded["3 -> 4"] in {r["step"] for r in records if r["world"] == 3}  # saved from TP 2 + 1
+
+
+def test_with_the_models_shape_each_start_takes_ucp_plans_plan_pipelines_included(tmp_path, reference):
+    from ucp.checkpoint import open_checkpoint
+    from ucp.hmp.layout import Layout
+
+    printed = subprocess.run([sys.executable, "-m", "ucp.cli.main", "plan", "--gpus", "3", "--model", MODEL,
+                              "--gpu-memory", "4", "--global-batch", "8", "--seq-len", "8", "--tp-max", "2", "--json"],
+                             capture_output=True, text=True, timeout=120, check=True)
+    first = Layout.from_json(json.loads(printed.stdout)["plans"][0]["layout"])
+    planned = [[[s.tp, *s.layers] for s in r.stages] for r in first.replicas]
+    assert any(len(r) > 1 for r in planned)   # the premise: ucp plan's plan for 3 ranks has a pipeline
+    losses, ckpt = tmp_path / "losses.jsonl", tmp_path / "ckpt"
+    logs = lose_a_node_then_get_it_back(EXAMPLE, [*ARGS, "--model", MODEL, "--pipeline-parallel", "2,1", "--save-dir",
+                                                  ckpt, "--losses-out", losses], tmp_path / "agents", losses,
+                                        on_three=5)
+    records = read_losses(losses)
+    pipeline = [[[2, 0, 1], [2, 1, 2]]]   # TP 2 x PP 2: layer 0 on ranks 0-1, layer 1 (and the head) on ranks 2-3
+    assert {(r["world"], json.dumps(r["stages"])) for r in records} == {(4, json.dumps(pipeline)),
+                                                                       (3, json.dumps(planned))}
+    assert_continues_the_run(records, reference, STEPS, RTOL)
+    assert "ucp: 3 ranks: heterogeneous replicas TP1 | TP2" in logs and "is a spare" not in logs
+    assert "layout tensor_parallel 2 x pipeline_parallel 2 x data_parallel 1" in logs
+    at_three = min(r["step"] for r in records if r["world"] == 3)
+    saved = open_checkpoint(ckpt / f"global_step{at_three}")
+    assert saved.verify() == []
+    assert Layout.from_json(saved.source["layout"]).replicas[0].stages == first.replicas[0].stages

@@ -15,6 +15,7 @@ from ucp.elastic.layout_choice import (
     hmp_layers,
 )
 from ucp.errors import ConfigError
+from ucp.hmp.layout import Layout, Replica, Stage
 from ucp.hmp.model_shapes import ModelConfig
 
 # tests/support/train_llama_tp.py's tiny Llama, and a 7B one
@@ -164,9 +165,19 @@ def test_heterogeneous_keeps_a_homogeneous_layout_that_uses_every_rank():
     assert choice.describe() == "tensor_parallel 2 x pipeline_parallel 1 x data_parallel 2"
     assert [(p.tp_rank, p.dp_rank) for p in (RankLayout.of(choice, r) for r in range(4))] == [(0, 0), (1, 0), (0, 1),
                                                                                               (1, 1)]
-    # a pipeline layout stays as it is (the HMP path on DeepSpeed takes one-stage replicas)
-    assert heterogeneous_choice(4, (2,), (2,), 8, 8) == Choice(2, 2, 1, 4)
-    with pytest.raises(ConfigError, match="one-stage"):
+    # a pipeline layout is given as equal pipelines, ranks in Megatron's order (TP fastest, then DP, then PP)
+    piped = heterogeneous_choice(8, (2,), (2,), 8, 8)
+    assert piped == Choice(2, 2, 2, 8, (), (4, 4), True)
+    layout = piped.hmp_layout(4)
+    assert [[s.ranks for s in r.stages] for r in layout.replicas] == [[(0, 1), (4, 5)], [(2, 3), (6, 7)]]
+    assert [[s.layers for s in r.stages] for r in layout.replicas] == [[(0, 2), (2, 4)]] * 2
+    assert [r.micro_batches for r in layout.replicas] == [4, 4]
+    for rank in range(8):   # each rank's place is the layout's
+        place, where = RankLayout.of(piped, rank), layout.placement(rank)
+        assert (place.tp_rank, place.pp_rank, place.dp_rank) == (where.tp_rank, where.stage, where.replica)
+        assert place.hmp and place.choice == piped and place.hmp_layout(4) == layout
+    # negative control: without "heterogeneous" the choice is not an HMP layout
+    with pytest.raises(ConfigError, match="only a layout chosen with"):
         Choice(2, 2, 1, 4).hmp_layout(2)
 
 
@@ -190,17 +201,55 @@ def test_heterogeneous_flag_and_layers():
     assert hmp_layers(table) == 2 and hmp_layers(table[:1]) == 1
 
 
+def _stages(layout):
+    return [[(s.tp, s.layers) for s in r.stages] for r in layout.replicas]
+
+
 def test_with_the_models_shape_the_replicas_are_ucp_plans():
-    """With the model's shape, the replicas are those of `ucp plan`'s fastest one-stage plan: for the tiny Llama on 3
-    ranks TP 2 + 1 (its fastest plan overall is one two-stage replica, which DeepSpeed's HMP path cannot run); on 7
-    ranks with TP 4 allowed, 2 + 2 + 2 + 1, not the rule's 4 + 2 + 1 (4 does not divide its 2 KV heads)."""
+    """With the model's shape, the replicas are those of `ucp plan`'s fastest allowed plan: for the tiny Llama on 3
+    ranks with one stage allowed, TP 2 + 1; on 7 ranks with TP 4 allowed, 2 + 2 + 2 + 1, not the rule's 4 + 2 + 1 (4
+    does not divide its 2 KV heads)."""
     plan = cost_model_replicas(TINY, 8.0, 8, 8, 6, 1, (2,))
-    assert plan(3) == (2, 1)
+    assert _stages(plan(3)) == [[(2, (0, 2))], [(1, (0, 2))]]
     assert heterogeneous_choice(3, (2,), (1,), 8, 8, None, plan).replicas == (2, 1)
     wide = cost_model_replicas(TINY, 8.0, 16, 16, 6, 1, (4, 2))
-    assert wide(7) == (2, 2, 2, 1)
+    assert [r.stages[0].tp for r in wide(7).replicas] == [2, 2, 2, 1]
     assert heterogeneous_choice(7, (4, 2), (1,), 16, 16, None, wide) == Choice(2, 1, 4, 7, (2, 2, 2, 1), (5, 4, 4, 3),
                                                                                True)
     assert heterogeneous_choice(7, (4, 2), (1,), 16, 16).replicas == (4, 2, 1)   # control: without the shape
     # no plan of an allowed size (TP 4 only, which the model cannot take): the rule decides
     assert cost_model_replicas(TINY, 8.0, 8, 8, 6, 1, (4,))(5) is None
+
+
+def test_with_pipelines_allowed_the_replicas_are_ucp_plans_fastest_plan_with_its_stages():
+    """With two stages allowed, 3 ranks take the tiny Llama's fastest plan overall, as `ucp plan` prints it first:
+    one replica of two stages of unequal TP size. Every rank's place is the plan's, the layout is the plan's with
+    the batch shares, and a table of other layers is refused in one line."""
+    from ucp.hmp.strategy import CostModel, Workload, search
+
+    piped = cost_model_replicas(TINY, 8.0, 8, 8, 6, 1, (2,), (2, 1))
+    first = search(TINY, 3, CostModel(gpu_memory_gib=8.0, reserve_gib=1.0, zero_stage=1, tp_max=2),
+                   Workload(global_batch=8, seq_len=6, micro_batch_size=2), top=1).plans[0].layout()
+    assert any(len(r.stages) > 1 for r in first.replicas)   # the premise: a plan with a pipeline is the fastest
+    assert _stages(piped(3)) == _stages(first)
+    choice = heterogeneous_choice(3, (2,), (2, 1), 8, 8, None, piped)
+    assert choice.plan is not None and choice.spares == 0 and choice.heterogeneous
+    assert choice.replicas == tuple(len(r.ranks) for r in first.replicas) and sum(choice.shares) == 8
+    assert choice.describe().startswith("heterogeneous replicas ") and "|" in choice.describe()
+    layout = choice.hmp_layout(TINY.num_layers)
+    assert _stages(layout) == _stages(first) and [r.micro_batches for r in layout.replicas] == list(choice.shares)
+    for rank in range(3):
+        place, where = RankLayout.of(choice, rank), layout.placement(rank)
+        assert (place.tp, place.tp_rank, place.pp_rank, place.dp_rank) == (where.tp_size, where.tp_rank, where.stage,
+                                                                           where.replica)
+        assert place.choice == choice and place.hmp_layout(TINY.num_layers) == layout
+    with pytest.raises(ConfigError, match="layers of the model's config"):
+        choice.hmp_layout(TINY.num_layers + 1)
+    # 5 ranks: equal pipelines of TP 2 x 2 would leave a spare, so the plan for 5 is taken
+    five = Layout(2, (Replica((Stage((0, 1), (0,)), Stage((1, 2), (1, 2))), 1), Replica((Stage((0, 2), (3, 4)),), 1)))
+    assert heterogeneous_choice(5, (2,), (2, 1), 8, 8, None, lambda world: five).plan == five
+    assert heterogeneous_choice(5, (2,), (2, 1), 8, 8).spares == 0   # control: without a plan, one-stage 2 + 2 + 1
+    assert heterogeneous_choice(4, (2,), (2,), 8, 8, None, lambda world: five).plan is None   # no spare: kept
+    # control: one stage allowed, the fastest one-stage plan (no pipeline)
+    one_stage = cost_model_replicas(TINY, 8.0, 8, 8, 6, 1, (2,))
+    assert heterogeneous_choice(3, (2,), (1,), 8, 8, None, one_stage).plan is None

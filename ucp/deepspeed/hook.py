@@ -196,7 +196,8 @@ def _hmp_batch(options: dict[str, Any]) -> ElasticBatch:
 
 def _elastic_hmp_options(options: dict[str, Any], place: RankLayout, model: Any) -> dict[str, Any]:
     """`options` with the `"layout"` and `"hmp"` sections of this start's layout (`"heterogeneous": true`): the
-    one-stage replicas `ucp.elastic.layout()` chose, over the layers of the model's parameter table."""
+    replicas `ucp.elastic.layout()` chose (pipelines where the search's plan has them), over the layers of the
+    model's parameter table."""
     if "layout" in options:
         raise ConfigError('"ucp": {"elastic": {"heterogeneous": true}} chooses the layout at each start: leave out '
                           '"layout"')

@@ -16,8 +16,9 @@ config alone, so no rank needs to ask another:
 
 With `"heterogeneous": true` (Elastor's HMP), a world that rule 2 would leave with spares takes replicas of unequal
 tensor-parallel size instead, so every rank trains (`heterogeneous_choice`). Where the cost model knows the model's
-shape, the replicas are those of the fastest plan `ucp plan` finds for W (`ucp.hmp.strategy.search`) whose replicas
-are one stage each and whose largest TP size is allowed (`cost_model_replicas`); otherwise (or when it finds none)
+shape, the replicas are those of the fastest plan `ucp plan` finds for W (`ucp.hmp.strategy.search`) whose largest TP
+size is allowed and whose replicas have an allowed number of pipeline stages (`"pipeline_parallel"`; a replica may be
+a pipeline of stages of unequal TP size, `Choice.plan`) (`cost_model_replicas`); otherwise (or when it finds none)
 one-stage replicas of the largest allowed size T that fits, as many as fit, and the remainder W mod T as replicas
 of its powers of two (3 ranks and T=2: 2 + 1), as that search deals TP_max T with one replica per group. Each
 replica takes a share of the global batch in proportion to its speed under the cost model
@@ -26,14 +27,15 @@ replica takes a share of the global batch in proportion to its speed under the c
 trains on one path at every size (`ucp.deepspeed.hmp_sync`).
 
 Ranks numbered from 0 take the layout in Megatron's order (TP fastest, then DP, then PP: DeepSpeed's AutoTP
-groups and `PipeModelDataParallelTopology` number them so too); ranks from D*T*P on are spares (`ucp.elastic.spares`).
+groups and `PipeModelDataParallelTopology` number them so too), the search's plans replica by replica, stage by
+stage, TP fastest (`ucp.hmp.strategy.Plan.layout`); ranks from D*T*P on are spares (`ucp.elastic.spares`).
 The choice is pure (`choose_layout`); `layout()` applies it to this process's world.
 """
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from ucp.elastic.shares import ElasticBatch, speed_shares
@@ -48,15 +50,18 @@ SIZE_KEYS = ("tensor_parallel", "pipeline_parallel")
 StepTime = Callable[[int, int, int], "float | None"]
 # The model's shape, the GiB per rank, the global batch, the micro-batch, the sequence length and the ZeRO stage.
 CostModelInputs = tuple["ModelConfig", float, int, int, int, int]
-# The TP sizes of one-stage replicas for W ranks that `ucp plan`'s search finds fastest, or None: W -> sizes.
-ReplicaPlan = Callable[[int], "tuple[int, ...] | None"]
+# The layout of the plan for W ranks that `ucp plan`'s search finds fastest among those the job allows (replicas
+# of unequal TP size and stage count), or None: W -> layout.
+ReplicaPlan = Callable[[int], "Layout | None"]
 
 
 @dataclass(frozen=True)
 class Choice:
     """The job's layout: T x P x D training ranks of `world`, the rest spares. A heterogeneous one lists its
-    replicas' TP sizes in `replicas` (`tp` is the largest, `dp` their count, `pp` 1) and their shares of the
-    global batch in `shares`; `hmp` says the job trains through the HMP path (`"heterogeneous": true`)."""
+    replicas' rank counts in `replicas` (their TP sizes where each is one stage; `tp` is the largest TP size, `pp`
+    the most stages, `dp` the replica count) and their shares of the global batch in `shares`; `hmp` says the job
+    trains through the HMP path (`"heterogeneous": true`); `plan` holds the replicas' stages where the search's plan
+    has replicas of more than one stage (its layers are the model's)."""
 
     tp: int
     pp: int
@@ -65,6 +70,7 @@ class Choice:
     replicas: tuple[int, ...] = ()
     shares: tuple[int, ...] = ()
     hmp: bool = False
+    plan: Layout | None = None
 
     @property
     def training(self) -> int:
@@ -76,21 +82,35 @@ class Choice:
 
     @property
     def heterogeneous(self) -> bool:
-        return len(set(self.replicas)) > 1
+        return len(set(self.replicas)) > 1 or self.plan is not None
 
     def describe(self) -> str:
         """The layout in one phrase, for the start's log line and the restart line."""
+        if self.plan is not None:
+            stages = [" | ".join(f"TP{s.tp}" for s in r.stages) for r in self.plan.replicas]
+            return (f"heterogeneous replicas {' + '.join(stages)} (a pipeline's stages joined by |, batch "
+                    f"shares "
+                    f"{' + '.join(map(str, self.shares))})")
         if self.heterogeneous:
             return (f"heterogeneous tensor_parallel {' + '.join(map(str, self.replicas))} (one replica each, "
                     f"batch shares {' + '.join(map(str, self.shares))})")
         return f"tensor_parallel {self.tp} x pipeline_parallel {self.pp} x data_parallel {self.dp}"
 
     def hmp_layout(self, layers: int) -> Layout:
-        """The training ranks as a `ucp.hmp.layout.Layout` of one-stage replicas over `layers` layers, ranks in order
-        (TP fastest), each replica's `micro_batches` its share of the global batch."""
-        if self.pp != 1 or not self.hmp:
-            raise ConfigError(f"{self.describe()}: only a one-stage layout chosen with \"heterogeneous\": true is an "
-                              "HMP layout")
+        """The training ranks as a `ucp.hmp.layout.Layout` over `layers` layers, each replica's `micro_batches` its
+        share of the global batch: the search's plan, or one-stage replicas in rank order (TP fastest), or equal
+        pipelines in Megatron's order (TP fastest, then DP, then PP)."""
+        if not self.hmp:
+            raise ConfigError(f"{self.describe()}: only a layout chosen with \"heterogeneous\": true is an HMP layout")
+        if self.plan is not None:
+            if self.plan.num_layers != layers:
+                raise ConfigError(f"{self.describe()}: the plan splits the {self.plan.num_layers} layers of the "
+                                  f"model's config, the module's table has {layers}; give \"model\" the config of "
+                                  "the model trained")
+            return Layout(layers, tuple(replace(r, micro_batches=n) for r, n in zip(self.plan.replicas, self.shares)))
+        if self.pp != 1:
+            even = Layout.homogeneous(self.dp, self.tp, self.pp, layers)
+            return Layout(layers, tuple(replace(r, micro_batches=n) for r, n in zip(even.replicas, self.shares)))
         return Layout.one_stage(self.replicas, self.shares, layers)
 
 
@@ -113,22 +133,32 @@ class RankLayout:
     replicas: tuple[int, ...] = ()   # a heterogeneous layout: every replica's TP size (`tp` is this rank's)
     shares: tuple[int, ...] = ()     # the replicas' shares of the global batch (HMP path)
     hmp: bool = False                # the job trains through the HMP path (`"heterogeneous": true`)
+    plan: Layout | None = None       # the search's plan, where its replicas have stages (`Choice.plan`)
 
     @classmethod
     def of(cls, choice: Choice, rank: int) -> RankLayout:
-        hmp = (choice.replicas, choice.shares, choice.hmp)
+        hmp = (choice.replicas, choice.shares, choice.hmp, choice.plan)
         if rank >= choice.training:
             return cls(choice.tp, choice.pp, choice.dp, choice.world, rank, "spare", None, None, None, *hmp)
+        if choice.plan is not None:
+            where = choice.plan.placement(rank)
+            stages = len(choice.plan.replicas[where.replica].stages)
+            return cls(where.tp_size, stages, choice.dp, choice.world, rank, "train", where.tp_rank, where.stage,
+                       where.replica, *hmp)
         if choice.replicas:
             starts = [sum(choice.replicas[:i]) for i in range(len(choice.replicas))]
             replica = max(i for i, first in enumerate(starts) if first <= rank)
             return cls(choice.replicas[replica], 1, choice.dp, choice.world, rank, "train", rank - starts[replica], 0,
                        replica, *hmp)
         tp, dp = choice.tp, choice.dp
-        return cls(tp, choice.pp, dp, choice.world, rank, "train", rank % tp, rank // (tp * dp), rank // tp % dp)
+        return cls(tp, choice.pp, dp, choice.world, rank, "train", rank % tp, rank // (tp * dp), rank // tp % dp,
+                   *hmp)
 
     @property
     def choice(self) -> Choice:
+        if self.plan is not None:
+            return Choice(max(self.plan.tp_sizes), max(len(r.stages) for r in self.plan.replicas), self.dp,
+                          self.world, self.replicas, self.shares, self.hmp, self.plan)
         tp = max(self.replicas) if self.replicas else self.tp
         return Choice(tp, self.pp, self.dp, self.world, self.replicas, self.shares, self.hmp)
 
@@ -183,11 +213,11 @@ def choose_layout(world: int, tensor_parallel: tuple[int, ...], pipeline_paralle
 def heterogeneous_choice(world: int, tensor_parallel: tuple[int, ...], pipeline_parallel: tuple[int, ...],
                          global_batch: int, micro_batch: int, step_time: StepTime | None = None,
                          replica_plan: ReplicaPlan | None = None) -> Choice:
-    """With `"heterogeneous": true`: `choose_layout`'s choice as the HMP path takes it (equal one-stage replicas), or,
-    where it leaves spares or none fits, one-stage replicas of unequal TP size over all `world` ranks: those of
-    `replica_plan` (the cost model's search, when it knows the model's shape and finds such a plan), else the
-    module docstring's. Where those replicas cannot share the batch (fewer samples than micro-batches), the
-    homogeneous choice stands, spares and all; ConfigError when neither is possible."""
+    """With `"heterogeneous": true`: `choose_layout`'s choice as the HMP path takes it (equal replicas), or, where it
+    leaves spares or none fits, replicas of unequal size over all `world` ranks: those of `replica_plan` (the cost
+    model's search, when it knows the model's shape and finds such a plan; its replicas may be pipelines), else the
+    module docstring's one-stage replicas. Where those replicas cannot share the batch (fewer samples than
+    micro-batches), the homogeneous choice stands, spares and all; ConfigError when neither is possible."""
     try:
         homogeneous: Choice | None = choose_layout(world, tensor_parallel, pipeline_parallel, global_batch,
                                                    micro_batch, step_time)
@@ -195,34 +225,43 @@ def heterogeneous_choice(world: int, tensor_parallel: tuple[int, ...], pipeline_
         if 1 not in pipeline_parallel:
             raise
         homogeneous = None
-    if homogeneous is not None and homogeneous.pp != 1:
-        return homogeneous   # a pipeline layout: the HMP path on DeepSpeed takes one-stage replicas
     if homogeneous is not None:
         even = (homogeneous.tp,) * homogeneous.dp
-        homogeneous = Choice(homogeneous.tp, 1, homogeneous.dp, world, even, _shares(global_batch, even), True)
+        if homogeneous.pp != 1:   # equal pipelines, ranks in Megatron's order
+            homogeneous = replace(homogeneous, shares=_shares(global_batch, even), hmp=True)
+        else:
+            homogeneous = Choice(homogeneous.tp, 1, homogeneous.dp, world, even, _shares(global_batch, even), True)
         if not homogeneous.spares:
             return homogeneous
-    replicas = replica_plan(world) if replica_plan is not None else None
-    if replicas is None:
+    plan = replica_plan(world) if replica_plan is not None else None
+    if plan is not None:
+        replicas = tuple(len(r.ranks) for r in plan.replicas)
+        staged = plan if any(len(r.stages) > 1 for r in plan.replicas) else None
+    else:
         tp = max((t for t in tensor_parallel if t <= world), default=1)
         rest = world % tp
         replicas = (tp,) * (world // tp) + tuple(1 << b for b in range(rest.bit_length() - 1, -1, -1) if rest >> b & 1)
+        staged = None
     try:
-        shares = _shares(global_batch, replicas)
+        shares = _shares(global_batch, staged or replicas)
         ElasticBatch(global_batch, micro_batch, len(replicas), shares)
     except ConfigError:
         if homogeneous is None:
             raise
         return homogeneous
+    if staged is not None:
+        return Choice(max(staged.tp_sizes), max(len(r.stages) for r in staged.replicas), len(replicas), world,
+                      replicas, shares, True, staged)
     return Choice(max(replicas), 1, len(replicas), world, replicas, shares, True)
 
 
-def _shares(global_batch: int, replicas: tuple[int, ...]) -> tuple[int, ...]:
-    """The global batch cut by the replicas' speeds under the cost model's TP efficiency (one-stage replicas)."""
+def _shares(global_batch: int, replicas: tuple[int, ...] | Layout) -> tuple[int, ...]:
+    """The global batch cut by the replicas' speeds under the cost model's TP efficiency: of `replicas`' layout, or
+    of one-stage replicas of these TP sizes."""
     from ucp.hmp.strategy import CostModel, replica_speeds
 
-    speeds = replica_speeds(Layout.one_stage(replicas, (1,) * len(replicas), 1), CostModel(80.0))
-    return speed_shares(global_batch, speeds)
+    layout = replicas if isinstance(replicas, Layout) else Layout.one_stage(replicas, (1,) * len(replicas), 1)
+    return speed_shares(global_batch, replica_speeds(layout, CostModel(80.0)))
 
 
 def hmp_layers(table: Iterable[ParamSpec]) -> int:
@@ -256,13 +295,14 @@ def cost_model_step_time(model: ModelConfig, gpu_memory_gib: float, global_batch
 
 
 def cost_model_replicas(model: ModelConfig, gpu_memory_gib: float, global_batch: int, micro_batch: int, seq_len: int,
-                        zero_stage: int, tensor_parallel: tuple[int, ...]) -> ReplicaPlan:
-    """`ucp plan`'s search (`ucp.hmp.strategy.search`) for W ranks and `model`: the TP sizes (largest first) of the
-    fastest plan whose replicas are one stage each and whose largest TP size is an allowed one; None when it finds
-    none (the module docstring's rule then decides)."""
+                        zero_stage: int, tensor_parallel: tuple[int, ...],
+                        pipeline_parallel: tuple[int, ...] = (1,)) -> ReplicaPlan:
+    """`ucp plan`'s search (`ucp.hmp.strategy.search`) for W ranks and `model`: the layout of the fastest plan whose
+    largest TP size is an allowed one and whose replicas have an allowed number of stages (one-stage replicas
+    ordered largest first); None when it finds none (the module docstring's rule then decides)."""
     from ucp.hmp.strategy import CostModel, PlanError, Workload, search
 
-    def replicas(world: int) -> tuple[int, ...] | None:
+    def fastest(world: int) -> Layout | None:
         cost = CostModel(gpu_memory_gib=gpu_memory_gib, reserve_gib=min(2.0, gpu_memory_gib / 8),
                          zero_stage=min(zero_stage, 1), tp_max=min(max(tensor_parallel), world))
         size = max(1, min(micro_batch, global_batch // world))   # micro-batches enough for a replica per rank
@@ -272,9 +312,13 @@ def cost_model_replicas(model: ModelConfig, gpu_memory_gib: float, global_batch:
         except PlanError:
             return None
         for plan in plans:
-            sizes = sorted((r.stages[0].tp for r in plan.replicas for _ in range(r.count)), reverse=True)
-            if all(len(r.stages) == 1 for r in plan.replicas) and sizes[0] in tensor_parallel:
-                return tuple(sizes)
+            layout = plan.layout()
+            if (max(layout.tp_sizes) in tensor_parallel
+                    and all(len(r.stages) in pipeline_parallel for r in layout.replicas)):
+                if all(len(r.stages) == 1 for r in layout.replicas):
+                    sizes = sorted((r.stages[0].tp for r in layout.replicas), reverse=True)
+                    return Layout.one_stage(sizes, (1,) * len(sizes), layout.num_layers)
+                return replace(layout, zero_stage=0)
         return None
 
-    return replicas
+    return fastest

@@ -110,7 +110,7 @@ def layout(config: dict[str, Any] | None = None, module: Any = None) -> RankLayo
         if experts > 1:
             raise ConfigError('"ucp": {"elastic": {"heterogeneous": true, "expert_parallel": ...}}: unequal replicas '
                               "do not train MoE expert parallelism yet; leave out one of the two")
-        plan = cost_model_replicas(*inputs, sizes[0]) if inputs is not None else None
+        plan = cost_model_replicas(*inputs, *sizes) if inputs is not None else None
         choice = heterogeneous_choice(world, *sizes, section["global_batch"], section["micro_batch"], step_time, plan)
     else:
         choice = choose_layout(world, *sizes, section["global_batch"], section["micro_batch"], step_time, experts)
