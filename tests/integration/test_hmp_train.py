@@ -72,8 +72,8 @@ RUNS = {  # name: (--tp-sizes, or None for a --layout run; ranks, extra flags)
     "pipe": (None, 5, ["--layout", "{pipe}"]),
     "pipe_ds": (None, 5, ["--layout", "{pipe}", "--deepspeed", "--zero", "1", "--save-dir", "{save}"]),
     "pipe_unweighted": (None, 5, ["--layout", "{pipe}", "--sync", "unweighted"]),
-    # the fastest plan of `ucp plan --gpus 5 --model examples/hmp/model.json ... --json` ({plan}; two of its three
-    # replicas are two-stage pipelines of TP 1)
+    # the fastest plan of `ucp plan --gpus 5 --model examples/hmp/model.json ... --json` ({plan}; one replica, a
+    # pipeline of a TP-1 stage and a TP-4 stage)
     "plan": (None, 5, ["--layout", "{plan}"]),
 }
 PLAN_FLAGS = ["--gpus", "5", "--model", str(MODEL), "--gpu-memory", "4", "--global-batch", str(BATCH),

@@ -33,7 +33,8 @@ committed, and runs at exit too; see `ucp.deepspeed.life`). The `"ucp"` config s
   (`ucp.elastic.layout_choice`; `ucp.elastic.layout()` returns it, spares wait in `ucp.elastic.spare_loop`):
   B is shared over the D data-parallel ranks, and an AutoTP engine (no `mpu`, not a `PipelineModule`) gets
   `"tensor_parallel": {"autotp_size": T}`. With `"heterogeneous": true` a start
-  whose ranks no homogeneous layout uses without spares takes one-stage replicas of unequal TP size, and every
+  whose ranks no homogeneous layout uses without spares takes replicas of unequal TP size (pipelines where the
+  search's plan has them, `"pipeline_parallel"` allowing), and every
   start of the job trains through the `"layout"` + `"hmp"` path below (`_elastic_hmp_options`; the script builds
   its replica from `ucp.elastic.layout().hmp_layout(...)` and passes `RankAloneMpu`), the memory tier included.
 * `bypass` (bool, default true): redundancy-bypassing read. Each rank reads its own ZeRO

@@ -265,8 +265,8 @@ def _shares(global_batch: int, replicas: tuple[int, ...] | Layout) -> tuple[int,
 
 
 def hmp_layers(table: Iterable[ParamSpec]) -> int:
-    """The layers a one-stage HMP layout of a model with this parameter table spans: its highest layer index (the
-    final norm and head sit one past the last layer, as in Megatron's table; one stage holds everything anyway)."""
+    """The layers the HMP layouts of a model with this parameter table split: its highest layer index (the final
+    norm and head sit one past the last layer, as in Megatron's table, and go with the last stage)."""
     return max([1, *(spec.layer for spec in table)])
 
 
