@@ -31,7 +31,7 @@ from ucp.format.index import ExtraFile, Index, NotSaved, ParamEntry, StoredState
 from ucp.format.locations import Location, ObjectPath, location
 from ucp.format.safetensors_stream import read_stored
 from ucp.format.splits import from_split_major
-from ucp.format.storage import is_file, list_names, read_small
+from ucp.format.storage import is_file, is_remote, list_names, read_small
 from ucp.plan.plan import ParamPlan
 
 STEP_STATE = "step"
@@ -352,17 +352,15 @@ def open_checkpoint(path: str | os.PathLike[str] | ObjectPath, tag: str | None =
     latest = latest_checkpoint(place) if tag is None else None  # a ucp.deepspeed.save directory
     if latest is not None:
         return AtomicCheckpoint(latest)
-    if isinstance(place, ObjectPath):
-        if any(n.startswith(DATA_PREFIX) for n in list_names(place)):
-            return AtomicCheckpoint(place)  # raises IncompleteCheckpointError with the fix
+    if any(n.startswith(DATA_PREFIX) for n in list_names(place)):
+        return AtomicCheckpoint(place)  # raises IncompleteCheckpointError with the fix
+    if is_remote(place):  # DeepSpeed's torch files are read from local folders
         refuse_deepspeed_objects(place)
         raise CheckpointNotFoundError(f"{place}: holds no ucp checkpoint (no {INDEX_NAME}, no latest naming one); "
                                       "write one there with ucp convert --output, or convert a DeepSpeed checkpoint "
                                       "from a local folder")
     if not place.is_dir():
         raise CheckpointNotFoundError(f"{place}: no such directory")
-    if any(n.startswith(DATA_PREFIX) for n in os.listdir(place)):
-        return AtomicCheckpoint(place)  # raises IncompleteCheckpointError with the fix
     return PlannedCheckpoint(place, tag)
 
 

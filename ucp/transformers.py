@@ -62,7 +62,7 @@ from ucp.elastic.trainer_folders import missing_files
 from ucp.errors import CheckpointNotFoundError, ConfigError
 from ucp.format.folder import INDEX_NAME, latest_checkpoint
 from ucp.format.locations import Location, ObjectPath, location
-from ucp.format.storage import is_file, list_folders, list_names
+from ucp.format.storage import is_file, is_remote, list_folders, list_names
 
 TRAINER_STATE = "trainer_state.json"
 SCHEDULER_FILE = "scheduler.pt"
@@ -176,7 +176,7 @@ def trainer_folder(path: str | os.PathLike[str] | ObjectPath | Literal[True],
                                           "resume_from_checkpoint=PATH")
         path = last_complete(output_dir)
     place = location(path)  # a URL no installed filesystem serves is refused in one line
-    if isinstance(place, ObjectPath):
+    if is_remote(place):
         return _object_folder(place)
     folder = place
     if not folder.is_dir():
@@ -184,15 +184,16 @@ def trainer_folder(path: str | os.PathLike[str] | ObjectPath | Literal[True],
                                       "or its ucp conversion")
     if not (folder / TRAINER_STATE).is_file() and checkpoint_folders(folder):
         folder = last_complete(folder)  # an output_dir, as `ucp convert --input OUTPUT_DIR` takes it
-    found = latest_checkpoint(folder)
-    folder = found if isinstance(found, Path) else folder
-    if not (folder / TRAINER_STATE).is_file():
-        raise _no_trainer_state(folder)
-    return folder
+    found = latest_checkpoint(folder) or folder
+    if not is_file(found / TRAINER_STATE):
+        raise _no_trainer_state(found, written_by_trainer=True)
+    return found
 
 
-def _no_trainer_state(folder: Location) -> CheckpointNotFoundError:
-    if isinstance(folder, Path) and CHECKPOINT_RE.search(folder.name):
+def _no_trainer_state(folder: Location, written_by_trainer: bool) -> CheckpointNotFoundError:
+    """`written_by_trainer`: `folder` is a local one the Trainer may have written, where a `checkpoint-N`
+    without the file is a save cut short (a ucp conversion in a store is committed by its index)."""
+    if written_by_trainer and CHECKPOINT_RE.search(folder.name):
         return CheckpointNotFoundError(
             f"{folder}: no {TRAINER_STATE}, which the Trainer writes last, so the save that wrote it did not finish; "
             "pass an earlier checkpoint-N, or resume_from_checkpoint=\"auto\" (the newest complete one)")
@@ -201,7 +202,7 @@ def _no_trainer_state(folder: Location) -> CheckpointNotFoundError:
         "checkpoint-N folder the Trainer wrote, or a ucp conversion of it (ucp convert --input checkpoint-N)")
 
 
-def _object_folder(place: ObjectPath) -> ObjectPath:
+def _object_folder(place: ObjectPath) -> Location:
     """`trainer_folder` for an `s3://` prefix, which must hold a ucp checkpoint (DeepSpeed's own files are read
     from local folders only): the prefix itself, its last complete `checkpoint-N`, or what its `latest` names."""
     names = list_names(place)
@@ -210,17 +211,18 @@ def _object_folder(place: ObjectPath) -> ObjectPath:
         if folders:
             refuse_deepspeed_objects(folders[-1], "resume from")
             place = _last_complete(place, folders, _object_incomplete, "conversion or upload")
+    folder: Location = place
     if not is_file(place / INDEX_NAME):
         found = latest_checkpoint(place)  # a ucp save folder
-        if not isinstance(found, ObjectPath):
+        if found is None:
             refuse_deepspeed_objects(place, "resume from")
             raise CheckpointNotFoundError(f"{place}: holds no ucp checkpoint (no {INDEX_NAME}); convert the "
                                           f"Trainer's checkpoint-N there: ucp convert --input checkpoint-N --output "
                                           f"{place}")
-        place = found
-    if TRAINER_STATE not in AtomicCheckpoint(place).extra_files:
-        raise _no_trainer_state(place)
-    return place
+        folder = found
+    if TRAINER_STATE not in AtomicCheckpoint(folder).extra_files:
+        raise _no_trainer_state(folder, written_by_trainer=False)
+    return folder
 
 
 def _object_checkpoint_folders(prefix: ObjectPath) -> list[ObjectPath]:
@@ -239,7 +241,7 @@ def _trainer_files(folder: Location) -> Iterator[Path]:
     """The local folder the Trainer reads its own files from (`trainer_state.json`, ...): `folder` itself, or for
     an object-store checkpoint a temporary one holding the extra files its conversion carried, each checked
     against the index's size and CRC-32, removed afterwards."""
-    if isinstance(folder, Path):
+    if not is_remote(folder):
         yield folder
         return
     ckpt = AtomicCheckpoint(folder)

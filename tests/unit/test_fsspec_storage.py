@@ -277,3 +277,42 @@ def test_deletes_and_locks_take_any_location(tmp_path):
         storage.delete_tree(folder)
         assert storage.list_names(folder) == []
     assert not local.exists() and not (tmp_path / ".lock").exists()
+
+
+def test_what_a_location_can_do_is_asked_of_storage(tmp_path, monkeypatch):
+    """The capabilities callers ask instead of a location's kind: a local folder is reached through the file
+    system, takes locks, is made with its parents and is made absolute against the working directory; a
+    `memory://` prefix is remote, has no locks, needs no making (nothing appears) and stays as it is. `location`
+    of either is the same object (an operation resolves its path once and passes the `Location` down)."""
+    from ucp.format import storage
+
+    monkeypatch.chdir(tmp_path)
+    local = Path("run1") / "global_step1"
+    prefix = location(f"memory://capabilities-{uuid.uuid4().hex}/run1/global_step1")
+    assert not storage.is_remote(local) and storage.has_locks(local)
+    assert storage.is_remote(prefix) and not storage.has_locks(prefix)
+    assert location(local) is local and location(prefix) is prefix  # resolved once: a Location is itself
+    assert storage.absolute(local) == tmp_path / "run1" / "global_step1"
+    assert storage.absolute(prefix) is prefix
+    storage.make_folder(local)
+    storage.make_folder(local)  # already there: no error
+    assert (tmp_path / "run1" / "global_step1").is_dir()
+    storage.make_folder(prefix)
+    assert storage.list_names(prefix.parent) == [] and storage.list_folders(prefix.parent) == []
+
+
+def test_read_file_is_none_where_no_file_stands(tmp_path):
+    """`storage.read_file` reads a small file whole, and is None where there is none, locally also where a
+    folder stands under the name (negative control: `read_small` refuses the folder)."""
+    from ucp.errors import CorruptCheckpointError
+    from ucp.format import storage
+
+    prefix = location(f"memory://read-file-{uuid.uuid4().hex}/run1")
+    for folder in (tmp_path, prefix):
+        assert storage.read_file(folder / "a") is None
+        storage.write_whole(folder / "a", b"abc")
+        assert storage.read_file(folder / "a", limit=3) == b"abc"
+    (tmp_path / "sub").mkdir()
+    assert storage.read_file(tmp_path / "sub") is None
+    with pytest.raises(CorruptCheckpointError):
+        storage.read_small(tmp_path / "sub")

@@ -42,6 +42,7 @@ from ucp.accelerate import data_order
 from ucp.deepspeed.config import AUTO, load_options, ucp_options
 from ucp.errors import CheckpointNotFoundError, ConfigError
 from ucp.format.locations import Location, ObjectPath, local_only, location
+from ucp.format.storage import is_remote
 
 logger = logging.getLogger("ucp.accelerate")
 
@@ -152,7 +153,7 @@ def engine_source(input_dir: str | os.PathLike | ObjectPath,
     place = location(input_dir)
     if _is_ucp_checkpoint(place):
         return place
-    if isinstance(place, ObjectPath):
+    if is_remote(place):
         from ucp.checkpoint import refuse_deepspeed_objects
         from ucp.format.folder import INDEX_NAME
 
@@ -176,7 +177,7 @@ def _accelerate_folder(input_dir: str | os.PathLike | ObjectPath) -> Iterator[st
     """The local folder `accelerator.load_state` reads Accelerate's own files from: `input_dir`, or an empty
     temporary one for an `s3://` ucp checkpoint given alone (which holds none of them)."""
     place = location(input_dir)
-    if isinstance(place, Path):
+    if not is_remote(place):
         yield str(place)
         return
     with tempfile.TemporaryDirectory(prefix="ucp-accelerate-") as empty:

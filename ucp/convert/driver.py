@@ -36,7 +36,7 @@ from ucp.convert.manifest import (
     reusable_bin,
     write_manifest,
 )
-from ucp.convert.object_input import staged_source
+from ucp.convert.object_input import local_source
 from ucp.convert.result import ConvertResult
 from ucp.convert.source_check import check_sources
 from ucp.convert.split_policy import SplitPolicy, apply_split_policy
@@ -56,9 +56,10 @@ from ucp.format.folder import (
     tensor_key,
 )
 from ucp.format.index import FORMAT_NAME, ExtraFile, stored_shape
-from ucp.format.locations import Location, ObjectPath, location
+from ucp.format.locations import Location, location
 from ucp.format.safetensors_stream import StoredTensor, TensorSlot
 from ucp.format.splits import to_split_major
+from ucp.format.storage import is_remote
 from ucp.plan.balance import plan_bins
 from ucp.plan.index_builder import WrittenFile, build_index, records_of
 from ucp.plan.plan import ConversionPlan, ParamPlan, StateSource
@@ -94,7 +95,7 @@ def convert(input_dir: str | os.PathLike[str], output_dir: str | os.PathLike[str
 
     source = location(input_dir)  # a URL no installed filesystem serves is refused before anything is read or written
     output = location(output_dir)
-    if isinstance(output, ObjectPath) and (fmt != "ucp" or resume):
+    if is_remote(output) and (fmt != "ucp" or resume):
         raise UnsupportedStorageError(f"{output}: --output s3:// takes --format ucp without --resume (an interrupted "
                                       "conversion to object storage is converted again); convert to a local folder "
                                       "for --format deepspeed")
@@ -106,8 +107,7 @@ def convert(input_dir: str | os.PathLike[str], output_dir: str | os.PathLike[str
     if splits is not None and fmt != "ucp":
         raise UcpError("--splits works with --format ucp only")
     executor = executor or LocalExecutor(workers, progress=progress)
-    staging = staged_source(source, tag) if isinstance(source, ObjectPath) else contextlib.nullcontext(source)
-    with staging as local:
+    with local_source(source, tag) as local:
         plan = plan_deepspeed(local, tag, param_names, patterns)
         if local != source and fmt == "ucp":  # the index names the URL (the deepspeed format reads the copy)
             plan.source["path"] = plan.source["path"].replace(str(local.resolve()), str(source), 1)
@@ -125,7 +125,7 @@ def _write(plan: ConversionPlan, output: Location, executor: Executor, *, fmt: s
 
         return write_deepspeed_universal(plan, local_path(output, "ucp convert --format deepspeed --output"),
                                          executor, strict=strict)
-    if isinstance(output, ObjectPath):
+    if is_remote(output):
         from ucp.convert.object_output import convert_to_object_store
 
         return convert_to_object_store(output, source_fingerprint(plan, chunk_bytes), lambda staging: write_atomic(

@@ -21,14 +21,18 @@ from ucp.converters.tag_folder import MODEL_FILE, OPTIM_FILE
 from ucp.converters.trainer_folders import last_checkpoint
 from ucp.errors import CheckpointNotFoundError, UcpError
 from ucp.format.folder import check_tag, read_latest
-from ucp.format.locations import ObjectPath
-from ucp.format.storage import download, list_folders, list_names
+from ucp.format.locations import Location, ObjectPath
+from ucp.format.storage import download, is_remote, list_folders, list_names
 
 
 @contextmanager
-def staged_source(source: ObjectPath, tag: str | None) -> Iterator[Path]:
-    """A local copy of the DeepSpeed checkpoint at `source` that `tag` (or `latest`, ...) picks, for the body
-    to convert; an error the body raises names `source`, not the staging folder."""
+def local_source(source: Location, tag: str | None) -> Iterator[Path]:
+    """The local folder of the DeepSpeed checkpoint at `source`, for the body to convert: `source` itself in a
+    local folder; from a store, a local copy of the checkpoint that `tag` (or `latest`, ...) picks, and an error
+    the body raises names `source`, not the staging folder."""
+    if not is_remote(source):
+        yield source
+        return
     if tag is not None:
         check_tag(tag)
     with tempfile.TemporaryDirectory(prefix="ucp-input-", dir=os.environ.get("UCP_STAGING_DIR")) as staging:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import os
 import sys
 import time
 import weakref
@@ -49,8 +48,8 @@ from ucp.deepspeed.save_writer import BackgroundSave
 from ucp.deepspeed.targets import Target, target_for
 from ucp.errors import ConfigError, OutputExistsError, SaveError
 from ucp.format.folder import INDEX_NAME
-from ucp.format.locations import Location, ObjectPath, location
-from ucp.format.storage import is_file
+from ucp.format.locations import Location
+from ucp.format.storage import absolute, is_file, is_remote, make_folder
 
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
@@ -116,13 +115,12 @@ class Saver:
     def leader(self) -> bool:
         return self.rank == self.ranks[0]
 
-    def save(self, save_dir: str | os.PathLike[str], tag: str | None = None,
+    def save(self, save_dir: Location, tag: str | None = None,
              client_state: dict[str, Any] | None = None, async_: bool = True) -> SaveStats:
         began = time.perf_counter()
         tag = tag or f"global_step{self.engine.global_steps}"
         self.job.wait_turn(tag)  # the buffer is reused: let the previous save finish (raises its failure)
-        place = location(save_dir)
-        folder = place.resolve() if isinstance(place, Path) else place
+        folder = absolute(save_dir)
         tag_dir = folder / tag
         if is_file(tag_dir / INDEX_NAME):
             raise OutputExistsError(f"{tag_dir}: already holds a committed checkpoint; pass another tag or delete it")
@@ -131,7 +129,7 @@ class Saver:
         self.stats = stats
 
         def work() -> None:
-            if isinstance(folder, ObjectPath):
+            if is_remote(folder):
                 write_object(self, prepared, folder, tag, meta, event)
             else:
                 write_local(self, prepared, folder, tag, meta, event)
@@ -167,8 +165,7 @@ class Saver:
                   ) -> tuple[Prepared, dict[str, Any] | None, torch.cuda.Event | None, SaveStats]:
         """Copy this rank's pieces into the snapshot buffer (and on rank 0 take the metadata); training goes on
         once this returns."""
-        if isinstance(tag_dir, Path):
-            tag_dir.mkdir(parents=True, exist_ok=True)
+        make_folder(tag_dir)
         prepared = self._prepare(tier)
         event = copy_into(prepared, self.before_snapshot)
         meta = (metadata(self.engine, self.target, len(self.ranks), prepared, tag, tag_dir, client_state)

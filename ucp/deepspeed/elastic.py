@@ -32,7 +32,7 @@ from ucp.elastic.layout_choice import RankLayout
 from ucp.elastic.resume import candidates, set_aside, tag_step
 from ucp.elastic.shares import BATCH_KEYS, ElasticBatch
 from ucp.errors import CheckpointMismatchError, ConfigError, CorruptCheckpointError, UnsupportedLayoutError
-from ucp.format.locations import Location, location
+from ucp.format.locations import Location
 
 logger = logging.getLogger("ucp.elastic")
 
@@ -105,7 +105,7 @@ class Resumed:
     load_s: float
 
 
-def resume_auto(engine, save_dir: str | os.PathLike, load: Callable[..., dict], memory: MemoryEvery | None = None,
+def resume_auto(engine, save_dir: Location, load: Callable[..., dict], memory: MemoryEvery | None = None,
                 **load_kwargs) -> Resumed:
     """Load the newest committed checkpoint of `save_dir` that passes its checks, or start fresh; with `memory`,
     a newer memory checkpoint that the nodes hold completely comes first (`ucp.deepspeed.memory_resume`).
@@ -113,20 +113,20 @@ def resume_auto(engine, save_dir: str | os.PathLike, load: Callable[..., dict], 
     Rank 0 lists the candidates and every rank tries the same ones in the same order; `load` raises the
     same error on every rank, with the engine untouched (`check_first`), so all fall back together.
     """
-    box = [[str(p) for p in candidates(save_dir)] if _rank() == 0 else []]  # the other ranks get rank 0's
+    box = [candidates(save_dir) if _rank() == 0 else []]  # the other ranks get rank 0's
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(box, src=0)
-    found = box[0]
+    found: list[Location] = box[0]
     in_memory = None  # this rank's node copy of the memory checkpoint tried first (each rank names its own)
     if memory is not None:
-        newest = tag_step(location(found[0])) if found else -1
+        newest = tag_step(found[0]) if found else -1
         fallback = (f"resuming from the disk tier ({found[0]}, step {newest})" if found
                     else "starting fresh (no disk checkpoint)")
         point = memory_resume_point(memory, newest, fallback)
         if point is not None:
-            in_memory = str(point)
+            in_memory = point
             found = [in_memory, *found]
-    failed: list[tuple[str, str]] = []
+    failed: list[tuple[Location, str]] = []
     for path in found:
         began = time.perf_counter()
         try:
@@ -140,15 +140,15 @@ def resume_auto(engine, save_dir: str | os.PathLike, load: Callable[..., dict], 
                 logger.warning("ucp: %s fails its checks (%s); %s", path, exc,
                                f"falling back to {later}" if later else "no older committed checkpoint is left")
             continue
-        on_disk = [location(p) for p, _ in failed if p != in_memory]
+        on_disk = [p for p, _ in failed if p != in_memory]
         if on_disk and _rank() == 0:
-            moved = set_aside(on_disk, location(path))
+            moved = set_aside(on_disk, path)
             logger.warning("ucp: set aside %s, so that training saves those steps again", ", ".join(map(str, moved)))
         if on_disk and dist.is_available() and dist.is_initialized():
             dist.barrier()  # every rank's first save comes after the renames
         if _rank() == 0:
             logger.warning("ucp: resuming from %s (step %d) on %d ranks", path, engine.global_steps, world_size())
-        return Resumed(location(path), engine.global_steps, time.perf_counter() - began)
+        return Resumed(path, engine.global_steps, time.perf_counter() - began)
     if failed:
         listed = "; ".join(f"{p}: {e}" for p, e in failed)
         raise CorruptCheckpointError(f"{save_dir}: every committed checkpoint fails its checks ({listed}); restore "

@@ -62,7 +62,8 @@ from ucp.deepspeed.targets import OPTIMIZER_STATES, Target, TargetTensor, module
 from ucp.errors import CheckpointMismatchError, CorruptCheckpointError, UcpError, UnsupportedLayoutError
 from ucp.format import loss_scale
 from ucp.format.folder import INDEX_NAME, latest_checkpoint, reading
-from ucp.format.locations import Location, ObjectPath, location
+from ucp.format.locations import Location, location
+from ucp.format.storage import has_locks, is_file
 from ucp.hmp.layout import Layout, ParamSpec
 
 if TYPE_CHECKING:
@@ -124,7 +125,7 @@ def load(engine: DeepSpeedEngine, path: str | os.PathLike[str], *, bypass: bool 
 
 def _tag_folder(path: Location) -> Location:
     """The checkpoint folder `path` names (a save folder's `latest`), for the reading lock."""
-    if isinstance(path, ObjectPath) or (path / INDEX_NAME).is_file():  # an object store has no locks
+    if not has_locks(path) or is_file(path / INDEX_NAME):
         return path
     try:
         return latest_checkpoint(path) or path

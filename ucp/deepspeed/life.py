@@ -153,9 +153,10 @@ class StepBook:
     """Bookkeeping after each optimizer step: records the job's progress, and after the first step of a restarted
     job logs what the restart cost (`ucp.elastic.restart`) and sets `engine.ucp_restart`."""
 
-    def __init__(self, engine: DeepSpeedEngine, progress_dir: str | None, resumed: Resumed | None, called: float):
+    def __init__(self, engine: DeepSpeedEngine, progress_dir: Location | None, resumed: Resumed | None,
+                 called: float):
         self.engine = engine
-        place = location(progress_dir) if progress_dir is not None and collectives.rank() == 0 else None
+        place = progress_dir if collectives.rank() == 0 else None
         self.progress = ProgressRecorder(place) if place is not None else None
         self.resumed = resumed
         self.called = called  # time.time() when ucp.deepspeed.initialize was called
@@ -209,8 +210,8 @@ def save(engine: DeepSpeedEngine, path: str | os.PathLike[str], tag: str | None 
     the checkpoint is committed). A save still writing when the next one starts is waited for,
     with a warning in the log. A failed save raises `SaveError` from the next `save` or `wait`.
     """
-    location(path)  # a URL no storage takes is refused before the engine is touched
-    return saver_for(engine).save(path, tag, client_state, async_)
+    place = location(path)  # a URL no storage takes is refused before the engine is touched
+    return saver_for(engine).save(place, tag, client_state, async_)
 
 
 def wait(engine: DeepSpeedEngine) -> SaveStats | None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from ucp.deepspeed.memory_files import MemoryEvery
 from ucp.errors import ConfigError
-from ucp.format.locations import location
+from ucp.format.locations import Location, location
 
 
 @dataclass(frozen=True)
@@ -16,7 +16,7 @@ class SaveEvery:
     keep the newest `keep` committed checkpoints there (all when None; `ucp.elastic.resume.prune`); with
     `memory`, save into the host-memory tier too (`ucp.deepspeed.memory_tier`)."""
 
-    dir: str
+    dir: Location
     every: int
     keep: int | None = None
     memory: MemoryEvery | None = None
@@ -37,9 +37,9 @@ class SaveEvery:
         if unknown:
             raise ConfigError(f'"ucp": {{"save": ...}}: unknown key {sorted(unknown)[0]!r}; known: "dir", "every", '
                               '"keep", "memory"')
-        location(options["dir"])  # a URL no storage takes is refused in one line, before training
+        folder = location(options["dir"])  # a URL no storage takes is refused in one line, before training
         memory = MemoryEvery.from_config(options["memory"], os.fspath(options["dir"])) if "memory" in options else None
-        return cls(os.fspath(options["dir"]), options["every"], options.get("keep"), memory)
+        return cls(folder, options["every"], options.get("keep"), memory)
 
     def disk_due(self, steps: int, last: int | None) -> bool:
         """Whether the optimizer step that made `steps` calls for a disk save (`last`: the step last saved)."""

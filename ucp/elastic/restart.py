@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from ucp.errors import UcpError
 from ucp.format.fields import Fields
 from ucp.format.index import MAX_STEP
-from ucp.format.locations import Location, ObjectPath
-from ucp.format.storage import read_json, write_whole
+from ucp.format.locations import Location
+from ucp.format.storage import is_remote, read_json, write_whole
 
 PROGRESS_NAME = "ucp_progress.json"
 PROGRESS_MAX_BYTES = 4096  # three numbers
@@ -69,7 +69,7 @@ def read_progress(save_dir: Location) -> Progress | None:
 
 
 class ProgressRecorder:
-    """Records progress into `save_dir` after each step: in place for a local folder; for an object store
+    """Records progress into `save_dir` after each step: in place for a local folder; for a remote store
     from a background thread, which sends the newest record not yet sent (one PUT in flight at most), so a
     slow or failing store never holds training, and a failure is logged once (it is a measurement). At exit
     the thread sends what is pending and stops (it is never cut off inside a request)."""
@@ -81,7 +81,7 @@ class ProgressRecorder:
         self._wake = threading.Condition()
         self._failed = False
         self._thread: threading.Thread | None = None
-        if isinstance(save_dir, ObjectPath):
+        if is_remote(save_dir):
             self._thread = threading.Thread(target=self._send, name="ucp-progress", daemon=True)
             self._thread.start()
             atexit.register(self.close)

@@ -22,14 +22,13 @@ copied to `<tag>.damaged/` and deleted, and a checkpoint is removed by deleting 
 from __future__ import annotations
 
 import logging
-import os
 import re
 
 from ucp.errors import CorruptCheckpointError, UcpError
 from ucp.format.fields import Fields
 from ucp.format.folder import INDEX_NAME, commit_latest, index_max_bytes, locked_for_removal, read_latest
 from ucp.format.index import FORMAT_NAME, MAX_STEP
-from ucp.format.locations import Location, ObjectPath, location
+from ucp.format.locations import Location
 from ucp.format.storage import delete, delete_tree, is_file, list_folders, list_names, move_tree, read_json
 
 logger = logging.getLogger("ucp.elastic")
@@ -37,11 +36,11 @@ logger = logging.getLogger("ucp.elastic")
 _STEP_TAG = re.compile(r"global_step(\d+)")
 
 
-def candidates(save_dir: str | os.PathLike[str] | ObjectPath) -> list[Location]:
+def candidates(save_dir: Location) -> list[Location]:
     """The committed checkpoints of `save_dir`, newest (highest step its index records) first; those passed over
     are named in a warning each (module docstring). A save killed between its index and `latest` leaves `latest`
     one behind: the newest committed is still the newest."""
-    sound, passed = _committed(location(save_dir))
+    sound, passed = _committed(save_dir)
     for problem in passed:
         logger.warning("ucp: %s", problem)
     return sound
@@ -97,17 +96,16 @@ def set_aside(failed: list[Location], loaded: Location) -> list[Location]:
     return moved
 
 
-def prune(save_dir: str | os.PathLike[str] | ObjectPath, keep: int) -> list[Location]:
+def prune(save_dir: Location, keep: int) -> list[Location]:
     """Remove all but the newest `keep` committed checkpoints of `save_dir`, and the abandoned partial ones
     older than the newest committed; returns what was removed. Never the one `latest` names, nor one being
     read, nor one passed over (module docstring). Each is uncommitted first (its index removed), so a crash
     midway leaves no folder that looks whole."""
-    place = location(save_dir)
-    committed, _ = _committed(place)
+    committed, _ = _committed(save_dir)
     if not committed:
         return []
-    latest, newest = _latest_name(place), tag_step(committed[0])
-    doomed = committed[keep:] + [tag for tag in _tags(place)
+    latest, newest = _latest_name(save_dir), tag_step(committed[0])
+    doomed = committed[keep:] + [tag for tag in _tags(save_dir)
                                  if tag_step(tag) < newest and not is_file(tag / INDEX_NAME)]
     removed: list[Location] = []
     for tag in doomed:

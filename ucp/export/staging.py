@@ -22,7 +22,7 @@ from ucp.errors import ExportError, OutputExistsError
 from ucp.format.fileio import writing_alone
 from ucp.format.folder import fsync_dir
 from ucp.format.locations import Location, ObjectPath
-from ucp.format.storage import abort_uploads, list_folders, list_names, upload_file
+from ucp.format.storage import abort_uploads, is_remote, list_folders, list_names, upload_file
 
 _FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -50,7 +50,7 @@ def staged_output(output: Location, last: str) -> Iterator[Path]:
     """A fresh hidden folder beside `output` to write into; renamed to `output` when the body returns. For an
     s3:// `output`, a local staging folder uploaded when the body returns, file `last` (the one a reader opens
     first) after every other, so an export cut short is not taken for a complete one."""
-    if isinstance(output, ObjectPath):
+    if is_remote(output):
         with _staged_upload(output, last) as staging:
             yield staging
         return

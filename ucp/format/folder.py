@@ -24,7 +24,7 @@ from ucp.errors import (
 from ucp.format.index import Index, index_json, parse_index
 from ucp.format.locations import Location, ObjectPath, local_only, location
 from ucp.format.storage import PARTIAL_SUFFIX as PARTIAL_SUFFIX  # re-exported: the format's names live here
-from ucp.format.storage import exclusive_lock, is_file, list_names, read_small, shared_lock, write_whole
+from ucp.format.storage import exclusive_lock, is_file, list_names, read_file, read_small, shared_lock, write_whole
 from ucp.format.storage import fsync_dir as fsync_dir
 
 INDEX_NAME = "ucp_index.json"
@@ -127,12 +127,12 @@ def _lock_path(directory: Location) -> Location:
 
 
 @contextmanager
-def reading(directory: str | os.PathLike[str] | ObjectPath) -> Iterator[None]:
+def reading(directory: Location) -> Iterator[None]:
     """Hold a shared lock on a checkpoint folder while reading it, so retention (`"keep"`) leaves it alone.
 
     Where the lock cannot be taken (a read-only folder, an object store, which has no locks), the read goes on
     without it."""
-    with shared_lock(_lock_path(location(directory))):
+    with shared_lock(_lock_path(directory)):
         yield
 
 
@@ -153,7 +153,7 @@ def read_index(directory: str | os.PathLike[str] | ObjectPath) -> Index:
     saying why there is none."""
     directory = location(directory)
     path = directory / INDEX_NAME
-    raw = read_small(path, limit=index_max_bytes()) if isinstance(path, ObjectPath) or path.is_file() else None
+    raw = read_file(path, limit=index_max_bytes())
     if raw is None:
         if any(n.startswith(DATA_PREFIX) for n in list_names(directory)):
             raise IncompleteCheckpointError(

@@ -23,8 +23,8 @@ from typing import Any
 from ucp.errors import CorruptCheckpointError
 from ucp.format.crc import CHUNK_BYTES, chunk_bounds
 from ucp.format.fields import Fields
-from ucp.format.locations import Location, ObjectPath, location
-from ucp.format.storage import read_ranges
+from ucp.format.locations import Location, ObjectPath
+from ucp.format.storage import is_remote, read_ranges
 from ucp.version import __version__
 
 DTYPE_SIZES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
@@ -202,12 +202,10 @@ class _Fields(Fields):
         super().__init__(where, value, path, _FIX)
 
 
-def parse_index(raw: object, directory: str | os.PathLike[str] | ObjectPath,
-                index_path: str | os.PathLike[str] | ObjectPath | None = None) -> Index:
+def parse_index(raw: object, directory: Location, index_path: Location | None = None) -> Index:
     """The typed, fully checked index of the checkpoint in `directory` (its data files are stat-ed
     and their header lengths read; no tensor byte is read)."""
-    directory = location(directory)
-    path = location(index_path) if index_path is not None else directory / "ucp_index.json"
+    path = index_path if index_path is not None else directory / "ucp_index.json"
     if not isinstance(raw, dict) or raw.get("format") != FORMAT_NAME:
         raise CorruptCheckpointError(f"{path}: not a {FORMAT_NAME} index; convert the checkpoint again")
     version = raw.get("format_version")
@@ -318,7 +316,7 @@ def _run_record(top: _Fields, path: Location) -> RunRecord:
 def _data_file(directory: Location, path: Location, name: str, recorded: int) -> DataFile:
     if not plain_name(name):
         raise _bad(path, f"files[{name!r}]", "is not a plain file name inside the checkpoint folder")
-    if isinstance(directory, ObjectPath):
+    if is_remote(directory):
         return _data_object(directory / name, name, recorded)
     file_path = directory / name
     try:

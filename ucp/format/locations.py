@@ -39,7 +39,7 @@ def location(path: str | os.PathLike[str] | ObjectPath) -> Location:
     serves (`gs://bucket/prefix` with gcsfs, `hdfs://namenode/path`, `memory://...`), an `ObjectPath`;
     `file:///abs/path` is the local path `/abs/path`. Any other URL is refused in one line (taken for a path,
     `gs://bucket/run` would read or write a local folder named `gs:`)."""
-    if isinstance(path, ObjectPath):
+    if isinstance(path, (Path, ObjectPath)):  # already resolved
         return path
     text = os.fspath(path)
     scheme = url_scheme(text)

@@ -10,7 +10,10 @@ caller's buffer, the size of a file, whole small files, list, delete, writes at 
 (`write_ranges`: the host-memory tier's copies in /dev/shm, staging copies), writes that commit by order
 (`write_whole` for the index and `latest`, written last; `upload_file` for data, multipart when large), uploads
 several writers fill by parts (`start_upload` ... `complete_upload`), and readers' locks (`shared_lock`; an object
-store has none). Callers never ask which kind of location they hold.
+store has none). Callers never ask which kind of location they hold; where the work differs they ask what it can
+do: whether it is reached by requests (`is_remote`: no writes at offsets, renames or locks there; the libraries
+that open local files read a local copy), takes locks (`has_locks`), and get it made absolute (`absolute`) or its
+folder made (`make_folder`) by the storage.
 """
 from __future__ import annotations
 
@@ -21,11 +24,14 @@ import shutil
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError
 from ucp.format.fileio import ReadCounter, open_regular, read_exactly, read_regular, write_exactly
 from ucp.format.locations import Location, ObjectPath
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs
 
 PARTIAL_SUFFIX = ".partial"  # a file being written under its final name plus this, renamed when whole
 
@@ -70,6 +76,31 @@ def _store(path: ObjectPath) -> Store:
     return fsspec_store
 
 
+def is_remote(location: Location) -> TypeIs[ObjectPath]:
+    """Whether `location` is in a store reached by requests, any of which may be slow or fail, rather than in
+    this machine's file system. Such a store takes whole files and uploads: no writes at offsets, renames or
+    locks, so a conversion to it is staged and uploaded, and DeepSpeed's torch files and Accelerate's and the
+    Trainer's own files, which their libraries open as local files, are read from a local copy or folder."""
+    return isinstance(location, ObjectPath)
+
+
+def has_locks(location: Location) -> bool:
+    """Whether readers' locks (`shared_lock`) are taken at `location`: in a local folder; an object store has none."""
+    return not isinstance(location, ObjectPath)
+
+
+def absolute(location: Location) -> Location:
+    """`location` independent of the working directory: a local path resolved, a URL as it is."""
+    return location if isinstance(location, ObjectPath) else location.resolve()
+
+
+def make_folder(folder: Location) -> None:
+    """Make `folder` and its parents where the storage keeps folders (locally); an object store's prefix needs no
+    making, its objects make it."""
+    if not isinstance(folder, ObjectPath):
+        folder.mkdir(parents=True, exist_ok=True)
+
+
 def is_file(path: Location) -> bool:
     """Whether a file (an object) is at `path`."""
     if isinstance(path, ObjectPath):
@@ -95,6 +126,14 @@ def read_small(path: Location, limit: int | None = None, follow: bool = True) ->
     if not os.path.lexists(path):
         return None
     return read_regular(str(path), follow=follow, limit=limit)
+
+
+def read_file(path: Location, limit: int | None = None) -> bytes | None:
+    """`read_small`, for a file that may be absent: None also where a local folder or a special file stands at
+    `path` (an object store holds files only, so it is one request there)."""
+    if not isinstance(path, ObjectPath) and not path.is_file():
+        return None
+    return read_small(path, limit)
 
 
 def read_json(path: Location, limit: int, fix: str) -> object | None:
