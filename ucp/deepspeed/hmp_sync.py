@@ -145,7 +145,8 @@ def install_sync(engine: DeepSpeedEngine, layout: Layout, batch: ElasticBatch,
                                      "`ucp_param_table` (a list of ucp.hmp.layout.ParamSpec)")
     if getattr(engine, "pipeline_parallelism", False):
         raise UnsupportedLayoutError('"ucp": {"hmp": ...}: a PipelineModule engine steps inside train_batch, where '
-                                     "the sync cannot run; on HMP each stage is an engine of its own (examples/hmp/pipeline.py)")
+                                     "the sync cannot run; on HMP each stage is an engine of its own "
+                                     "(examples/hmp/pipeline.py)")
     if engine.zero_optimization_stage() > 1:
         raise UnsupportedLayoutError(f'"ucp": {{"hmp": ...}}: ZeRO stage {engine.zero_optimization_stage()} is not '
                                      "supported under HMP (each rank is its own data-parallel group); use stage 0 or 1")
