@@ -6,6 +6,7 @@ are pickled as torch's ``*_object`` collectives do: they are records this job's 
 """
 from __future__ import annotations
 
+import os
 import pickle
 from collections.abc import Sequence
 from typing import Any, TypeVar
@@ -24,6 +25,11 @@ def initialized() -> bool:
 def rank() -> int:
     """This process's global rank (0 without torch.distributed)."""
     return dist.get_rank() if initialized() else 0
+
+
+def world_size() -> int:
+    """This run's world size: torch.distributed's when it is up, else the launcher's WORLD_SIZE."""
+    return dist.get_world_size() if initialized() else int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def all_gather_objects(value: T, group: Any) -> list[T]:

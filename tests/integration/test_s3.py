@@ -360,10 +360,11 @@ def test_a_save_whose_uploads_fail_commits_nothing_and_training_is_told(s3, ckpt
 
 
 def test_auto_and_keep_over_an_object_store_prefix(s3, converted):
-    """`candidates`, `set_aside` and `prune` (ucp.elastic.resume) on an s3:// save prefix, without training:
-    copies of the converted checkpoint as tags 1 and 2 (each index recording its tag's step, as a save's does),
-    and a tag 0 that never committed (data, no index)."""
-    from ucp.elastic.resume import candidates, prune, set_aside
+    """`candidates`, `set_aside` (ucp.elastic.resume) and `prune` (ucp.elastic.retention) on an s3:// save prefix,
+    without training: copies of the converted checkpoint as tags 1 and 2 (each index recording its tag's step, as a
+    save's does), and a tag 0 that never committed (data, no index)."""
+    from ucp.elastic.resume import candidates, set_aside
+    from ucp.elastic.retention import prune
     from ucp.format.folder import commit_latest
     from ucp.format.locations import location
 

@@ -1,4 +1,5 @@
-"""Which checkpoints "load": "auto" tries and "keep" removes (ucp.elastic.resume), on real folders."""
+"""Which checkpoints "load": "auto" tries (ucp.elastic.resume) and "keep" removes (ucp.elastic.retention), on real
+folders."""
 from __future__ import annotations
 
 import logging
@@ -6,7 +7,8 @@ import threading
 from pathlib import Path
 
 from support.atomic import saved_at
-from ucp.elastic.resume import candidates, prune, set_aside
+from ucp.elastic.resume import candidates, set_aside
+from ucp.elastic.retention import prune
 from ucp.format.folder import INDEX_NAME, locked_for_removal, reading
 
 

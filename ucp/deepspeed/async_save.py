@@ -8,7 +8,7 @@ AutoTP, a pipeline, MoE or HMP), the save in flight and the snapshot buffers. A 
 
 1. (training thread) copies exactly what this rank writes into its snapshot buffer
    (`ucp.deepspeed.save_snapshot`); rank 0 also takes the step, hyper-parameters, scheduler and client state
-   (`ucp.deepspeed.save_index.metadata`). Then training goes on.
+   (`ucp.deepspeed.save_metadata`). Then training goes on.
 2. (writer thread) writes the snapshot into the data files, whose arrangement every rank computes alike
    (`ucp.deepspeed.save_files`), and reports per-piece CRCs to rank 0 (`ucp.deepspeed.save_stores`: a local
    folder, or an object store through uploads).
@@ -40,8 +40,8 @@ import torch.distributed as dist
 from ucp import collectives
 from ucp.deepspeed.autotp import tp_size, with_tensor_parallel
 from ucp.deepspeed.hmp_save import engine_hmp, place_target
-from ucp.deepspeed.save_index import metadata
 from ucp.deepspeed.save_layout import average_partials, mpu_tp_size, refuse_unsupported
+from ucp.deepspeed.save_metadata import metadata
 from ucp.deepspeed.save_snapshot import Prepared, Preparing, copy_into, every_holding, prepare
 from ucp.deepspeed.save_stores import write_local, write_object
 from ucp.deepspeed.save_writer import BackgroundSave

@@ -12,7 +12,7 @@ committed, and runs at exit too; see `ucp.deepspeed.life`). The `"ucp"` config s
   without conversion (`ucp.deepspeed.load_source`); or
   `"auto"`: the newest committed checkpoint of the `save` folder that passes its checks (an older one,
   with a warning naming both, when the newest is damaged), or a fresh start when there is none; one
-  line on rank 0 says which (`ucp.deepspeed.elastic.resume_auto`). The same command then serves the
+  line on rank 0 says which (`ucp.deepspeed.auto_resume`). The same command then serves the
   first start and every restart.
 * `save` (dict): `{"dir": str, "every": int, "keep": int}` saves asynchronously into
   `<dir>/global_step<N>` after every `every`-th optimizer step (`engine.step` is wrapped, `train_batch`
@@ -88,14 +88,9 @@ import time
 from typing import Any
 
 from ucp.deepspeed.async_save import SaveStats
+from ucp.deepspeed.auto_resume import resume_auto
 from ucp.deepspeed.config import AUTO, load_options, ucp_options, without_ucp
-from ucp.deepspeed.elastic import (
-    check_engine,
-    resume_auto,
-    uses_autotp,
-    with_batch_keys,
-    with_layout_keys,
-)
+from ucp.deepspeed.elastic import check_engine, uses_autotp, with_batch_keys, with_layout_keys
 from ucp.deepspeed.engine_load import LoadStats, load
 from ucp.deepspeed.hmp_sync import hmp_batch, install_sync, replica_batch_keys
 from ucp.deepspeed.life import StepBook, life_of, save, wait

@@ -5,11 +5,11 @@
 
 `CheckpointLife` holds everything of an engine's checkpoints that outlives one call: the saver with the save in
 flight (`ucp.deepspeed.async_save.Saver`, created on the first save), the save cadence of the disk and memory
-tiers (`ucp.deepspeed.save_cadence`), retention (`"keep"`), the step bookkeeping of elastic training and the
-restart report (`StepBook`), and what runs before each step (the HMP gradient sync,
-`ucp.deepspeed.hmp_sync`). It wraps the engine's step once, when `ucp.deepspeed.initialize` gives it something
-to do at each step: `engine.step`, or `train_batch` on a pipeline engine (whose `step` refuses to be called). The
-engine carries it as one attribute, `engine._ucp_life`.
+tiers (`ucp.deepspeed.save_cadence`), retention (`"keep"`: the saver runs `ucp.elastic.retention.retain` after
+each commit), the step bookkeeping of elastic training and the restart report (`StepBook`), and what runs before
+each step (the HMP gradient sync, `ucp.deepspeed.hmp_sync`). It wraps the engine's step once, when
+`ucp.deepspeed.initialize` gives it something to do at each step: `engine.step`, or `train_batch` on a pipeline
+engine (whose `step` refuses to be called). The engine carries it as one attribute, `engine._ucp_life`.
 
 What users read and set stays on the engine: `engine.ucp_client_state` (client state of the periodic saves),
 `engine.ucp_save_dir` (where they go), `engine.ucp_restart` (the restart report), `engine.ucp_load_stats`.
@@ -20,22 +20,21 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from ucp import collectives
 from ucp.deepspeed.async_save import Saver, SaveStats
-from ucp.deepspeed.elastic import Resumed, world_size
+from ucp.deepspeed.auto_resume import Resumed
 from ucp.deepspeed.memory_tier import MemoryTier
 from ucp.deepspeed.save_cadence import SaveEvery
 from ucp.elastic.restart import Progress, ProgressRecorder, RestartReport, read_progress
-from ucp.elastic.resume import prune
-from ucp.errors import UcpError
+from ucp.elastic.retention import retain
 from ucp.format.locations import Location, location
 
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
 
-logger = logging.getLogger("ucp.save")
 restart_log = logging.getLogger("ucp.elastic")
 
 
@@ -56,7 +55,6 @@ class CheckpointLife:
         """The engine's saver, created on first use (collectively: every rank must reach this together)."""
         if self._saver is None:
             self._saver = Saver(self.engine)
-            self._saver.after_commit = self._retain
         return self._saver
 
     @property
@@ -70,6 +68,8 @@ class CheckpointLife:
         saver = self.saver
         if cadence.memory is not None:
             saver.memory = MemoryTier(saver, cadence.memory, self.engine.global_steps)
+        if cadence.keep is not None:
+            saver.after_commit = partial(retain, keep=cadence.keep)
         self.cadence = cadence
         self.engine.ucp_save_dir = cadence.dir
         saver.last_step = self.engine.global_steps
@@ -121,59 +121,50 @@ class CheckpointLife:
             if self.book is not None:
                 self.book.after_step()
         if self.cadence is not None:
-            self.saver.prepare_ahead()  # the first save's layout and buffer, off the training thread
             self._save_if_due(self.cadence)
         return result
 
     def _save_if_due(self, cadence: SaveEvery) -> None:
         saver, steps = self.saver, self.engine.global_steps
-        client_state = getattr(self.engine, "ucp_client_state", None)
         memory = saver.memory
-        if memory is not None and cadence.memory_due(steps, memory.last_step):
+        to_memory = memory is not None and cadence.memory_due(steps, memory.last_step)
+        to_disk = cadence.disk_due(steps, saver.last_step)
+        saver.prepare_ahead()  # the first save's layout and buffer, off the training thread
+        client_state = getattr(self.engine, "ucp_client_state", None)
+        if to_memory:
             saver.save_memory(client_state)
-        if cadence.disk_due(steps, saver.last_step):
+        if to_disk:
             saver.save(cadence.dir, None, client_state, True)
-
-    def _retain(self, save_dir: Location) -> None:
-        """Retention after a commit (rank 0's writer thread); a checkpoint that cannot be removed stays, said in
-        the log (the save stands)."""
-        keep = self.cadence.keep if self.cadence is not None else None
-        if keep is None:
-            return
-        try:
-            removed = prune(save_dir, keep)
-        except (OSError, UcpError) as exc:
-            logger.warning("ucp: keeping old checkpoints in %s: %s", save_dir, exc)
-            return
-        for tag in removed:
-            logger.info("ucp: removed %s (\"keep\": %d)", tag, keep)
 
 
 class StepBook:
     """Bookkeeping after each optimizer step: records the job's progress, and after the first step of a restarted
-    job logs what the restart cost (`ucp.elastic.restart`) and sets `engine.ucp_restart`."""
+    job logs what the restart cost (`ucp.elastic.restart`) and sets `engine.ucp_restart`. The progress a previous
+    run recorded is read at that first step, just before this run's record replaces it."""
 
     def __init__(self, engine: DeepSpeedEngine, progress_dir: Location | None, resumed: Resumed | None,
                  called: float):
         self.engine = engine
-        place = progress_dir if collectives.rank() == 0 else None
-        self.progress = ProgressRecorder(place) if place is not None else None
+        self.progress_dir = progress_dir if collectives.rank() == 0 else None
+        self.progress: ProgressRecorder | None = None  # from the first step on
         self.resumed = resumed
         self.called = called  # time.time() when ucp.deepspeed.initialize was called
-        self.before = read_progress(place) if place is not None else None
         self.loaded_at = time.time()
 
     def after_step(self) -> None:
         engine = self.engine
-        if self.progress is None:
+        if self.progress_dir is None:
             return
         now = time.time()
-        self.progress.record(Progress(engine.global_steps, now, world_size()))
-        if self.before is not None:
-            report = self._report(self.before, now)
+        before = None
+        if self.progress is None:  # the first step: the previous run's record, before this run's replaces it
+            before = read_progress(self.progress_dir)
+            self.progress = ProgressRecorder(self.progress_dir)
+        self.progress.record(Progress(engine.global_steps, now, collectives.world_size()))
+        if before is not None:
+            report = self._report(before, now)
             engine.ucp_restart = report
             restart_log.warning("%s", report.line())
-            self.before = None
 
     def _report(self, before: Progress, now: float) -> RestartReport:
         resumed = self.resumed or Resumed(None, 0, 0.0)
@@ -181,7 +172,7 @@ class StepBook:
         load_began = self.loaded_at - resumed.load_s
         started = min(max(self.called, before.time), load_began)
         return RestartReport(
-            old_world=before.world, new_world=world_size(),
+            old_world=before.world, new_world=collectives.world_size(),
             checkpoint=str(resumed.path) if resumed.path else None, checkpoint_step=resumed.step,
             steps_redone=max(0, before.step - resumed.step), detection_s=started - before.time,
             startup_s=load_began - started, load_s=resumed.load_s, first_step_s=now - self.loaded_at,

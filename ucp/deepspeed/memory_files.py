@@ -9,7 +9,7 @@ is refused in one line (`ConfigError`) on every rank, before any memory checkpoi
 A node copy is used only when it is a folder of the memory folder itself (symbolic links are never listed,
 so nothing outside the folder is read or removed through one), committed, with a sound manifest, written by
 this job (the manifest names the save folder), and its index records the step the manifest and the folder's
-name say (`ucp.elastic.resume.indexed_step`). Any other is passed over with a warning naming it.
+name say (`ucp.format.save_folder.indexed_step`). Any other is passed over with a warning naming it.
 """
 from __future__ import annotations
 
@@ -24,10 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ucp.deepspeed.memory_manifest import Manifest, read_manifest
-from ucp.elastic.resume import indexed_step, tag_step
 from ucp.errors import ConfigError, UcpError, UnsupportedStorageError
 from ucp.format.folder import INDEX_NAME, local_path, locked_for_removal
 from ucp.format.locations import url_scheme
+from ucp.format.save_folder import indexed_step, tag_step
 from ucp.format.storage import list_folders
 
 logger = logging.getLogger("ucp.save")

@@ -13,7 +13,7 @@ from ucp.format.locations import Location, location
 @dataclass(frozen=True)
 class SaveEvery:
     """The `"save"` section of the `"ucp"` config: save into `dir` after every `every`-th optimizer step, and
-    keep the newest `keep` committed checkpoints there (all when None; `ucp.elastic.resume.prune`); with
+    keep the newest `keep` committed checkpoints there (all when None; `ucp.elastic.retention.prune`); with
     `memory`, save into the host-memory tier too (`ucp.deepspeed.memory_tier`)."""
 
     dir: Location

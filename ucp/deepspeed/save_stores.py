@@ -11,7 +11,8 @@ a local staging copy and uploads it through the `Store` protocol's shared upload
 file, each part by one rank (`ucp.deepspeed.object_save`); rank 0 completes the uploads before the index object
 and `latest`.
 
-After a commit, rank 0 calls the saver's `after_commit` (retention, `ucp.deepspeed.life`).
+After a commit, rank 0 calls the saver's `after_commit` (retention, `ucp.elastic.retention.retain`, which
+`ucp.deepspeed.life` sets).
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 * `ElasticBatch` (`shares`): a fixed global batch shared by any number of ranks, uneven where it must be;
   `speed_shares` cuts it by replica speed (heterogeneous model parallelism).
 * `ElasticBatchSampler` (`sampler`): one global sample order, continued from the checkpoint at any world size.
-* `candidates` / `prune` (`resume`): which checkpoints `"load": "auto"` tries, and what `"keep"` removes.
+* `candidates` (`resume`): which checkpoints `"load": "auto"` tries; `prune` (`retention`): what `"keep"` removes.
 * `layout` / `spare_loop` (`ranks`): the tensor x pipeline x data-parallel layout of this start, chosen by
   `layout_choice`, and where this rank sits in it; ranks beyond it wait as spares.
 * `init_distributed` (`rendezvous`): the process group, with a store of its own at each torchrun restart.

@@ -1,0 +1,67 @@
+"""Retention: what `"ucp": {"save": {"keep": N}}` removes after each save commits (`retain`, which the engine's
+checkpoint life, `ucp.deepspeed.life`, gives the saver to run after each commit).
+
+`prune` keeps the newest N committed checkpoints of the save folder (newest by the step each index records,
+`ucp.format.save_folder`), never the one `latest` names nor one a reader holds (`ucp.format.folder.reading`).
+Tag folders that never committed (a save killed mid-write) and are older than the newest committed one are
+removed with them: nothing will ever complete them. A folder the listing passes over is never removed.
+
+In an object store (`s3://bucket/prefix`) there is no lock: a checkpoint is removed by deleting its index object
+first.
+"""
+from __future__ import annotations
+
+import logging
+
+from ucp.errors import UcpError
+from ucp.format.folder import INDEX_NAME, locked_for_removal, read_latest
+from ucp.format.locations import Location
+from ucp.format.save_folder import committed_tags, step_tags, tag_step
+from ucp.format.storage import delete, delete_tree, is_file
+
+logger = logging.getLogger("ucp.elastic")
+save_log = logging.getLogger("ucp.save")  # retention is part of each save: what it could not remove is said there
+
+
+def retain(save_dir: Location, keep: int) -> None:
+    """Retention after a commit (the saver's `after_commit`, on rank 0's writer thread): `prune`; a checkpoint that
+    cannot be removed stays, said in the log (the save stands)."""
+    try:
+        removed = prune(save_dir, keep)
+    except (OSError, UcpError) as exc:
+        save_log.warning("ucp: keeping old checkpoints in %s: %s", save_dir, exc)
+        return
+    for tag in removed:
+        save_log.info("ucp: removed %s (\"keep\": %d)", tag, keep)
+
+
+def prune(save_dir: Location, keep: int) -> list[Location]:
+    """Remove all but the newest `keep` committed checkpoints of `save_dir`, and the abandoned partial ones
+    older than the newest committed; returns what was removed. Never the one `latest` names, nor one being
+    read, nor one passed over (module docstring). Each is uncommitted first (its index removed), so a crash
+    midway leaves no folder that looks whole."""
+    committed, _ = committed_tags(save_dir)
+    if not committed:
+        return []
+    latest, newest = _latest_name(save_dir), tag_step(committed[0])
+    doomed = committed[keep:] + [tag for tag in step_tags(save_dir)
+                                 if tag_step(tag) < newest and not is_file(tag / INDEX_NAME)]
+    removed: list[Location] = []
+    for tag in doomed:
+        if tag.name == latest:
+            continue
+        with locked_for_removal(tag) as free:  # free at once in an object store, which has no readers' locks
+            if not free:
+                logger.info("ucp: keeping %s: a reader holds it", tag)
+                continue
+            delete(tag / INDEX_NAME)  # uncommitted first
+            delete_tree(tag)
+        removed.append(tag)
+    return removed
+
+
+def _latest_name(save_dir: Location) -> str | None:
+    try:
+        return read_latest(save_dir)
+    except (OSError, UcpError):  # no tag can be told from it: every committed one beyond `keep` may go
+        return None
