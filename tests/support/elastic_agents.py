@@ -60,10 +60,7 @@ class ElasticJob:
 
     def pause(self) -> list[psutil.Process]:
         """Stop (SIGSTOP) every running worker, so that nothing moves while a test changes the scene; the workers."""
-        workers = [p for i, a in enumerate(self.agents) if a.poll() is None for p in self.workers(i)]
-        for p in workers:
-            p.suspend()
-        return workers
+        return _suspend([p for i, a in enumerate(self.agents) if a.poll() is None for p in self.workers(i)])
 
     @staticmethod
     def resume(workers: list[psutil.Process]) -> None:
@@ -83,10 +80,8 @@ class ElasticJob:
         """Start one more agent while every worker is stopped (SIGSTOP), so that the job cannot finish before the
         new agent is waiting in the rendezvous; the running agents then restart their workers with it."""
         running = [i for i, a in enumerate(self.agents) if a.poll() is None]
-        workers = [p for i in running for p in self.workers(i)]
         seen = self._detections(running)
-        for p in workers:
-            p.suspend()
+        workers = _suspend([p for i in running for p in self.workers(i)])
         try:
             index = self.start_agent()
             wait_for(lambda: self._detections(running) > seen, 300, f"the running agents to see agent {index} wait")
@@ -130,6 +125,19 @@ class ElasticJob:
         """Every agent's log (the last `tail` characters of each; all with None)."""
         texts = [(self.workdir / f"agent{i}.log").read_text(errors="replace") for i in range(len(self.agents))]
         return "\n".join(f"--- agent {i} ---\n" + (t if tail is None else t[-tail:]) for i, t in enumerate(texts))
+
+
+def _suspend(processes: list[psutil.Process]) -> list[psutil.Process]:
+    """SIGSTOP each process still there; those stopped. A worker's child that ended since it was listed (a compiler
+    run, a helper process) is left out: there is nothing of it to stop."""
+    stopped = []
+    for p in processes:
+        try:
+            p.suspend()
+        except psutil.NoSuchProcess:  # ZombieProcess included
+            continue
+        stopped.append(p)
+    return stopped
 
 
 def _cmdline(process: psutil.Process) -> str:
