@@ -40,6 +40,10 @@ any layout), and the loop is the plain elastic one:
     ucp-torchrun --nnodes=1:4 --nproc-per-node=1 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:29400 \\
         --rdzv-id=hmp --max-restarts=10 --monitor-interval=1 --rdzv-conf=last_call_timeout=2 \\
         examples/hmp/train.py --elastic --tp-sizes 2 --deepspeed --zero 1 --save-dir /tmp/hmp-elastic --steps 40
+
+With `--model examples/hmp/model.json --pipeline-parallel 2,1` each start takes the cost model's layout: where the
+ranks leave spares, the plan `ucp plan` prints first for them, a replica may be a pipeline of stages of unequal TP
+size (3 ranks: a TP-1 stage, then a TP-2 stage), trained through the same stage links.
 """
 from __future__ import annotations
 
