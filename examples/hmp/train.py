@@ -235,28 +235,7 @@ def train_deepspeed(args: argparse.Namespace, layout: Layout, shares: tuple[int,
     # After a load, the stream goes on after the samples the checkpoint consumed (B per step at any layout).
     sampler = ElasticBatchSampler.for_replica(dataset, batch, where.replica, int(engine.global_samples),
                                               shuffle=True, seed=args.seed)
-    links = StageLinks.for_rank(layout, rank)
-    dtype = next(engine.module.parameters()).dtype  # of the activations between stages
-
-    def backward(x: torch.Tensor, is_loss: bool) -> None:  # DeepSpeed divides the loss by the accumulation steps
-        engine.backward(x, scale_wrt_gas=is_loss)           # once: the gradients sent back already carry it
-
-    summed = 0.0
-    steps = min(args.steps, args.stop_after or args.steps)
-    while engine.global_steps < steps:
-        for indices in sampler:
-            tokens = torch.stack([dataset[i] for i in indices]).to(args.device)
-            # "unweighted": negative control, every micro-batch's mean loss as it is, whatever its size
-            weight = 1.0 if args.sync == "unweighted" else sampler.loss_weight(len(indices))
-            loss = forward_backward(links, engine, backward, tokens, cfg.hidden, dtype, weight)
-            summed += loss.item() * len(indices) if holds_loss(links, where) else 0.0
-            before = engine.global_steps
-            engine.step()
-            if engine.global_steps != before:
-                write_loss(args, engine.global_steps, summed)
-                summed = 0.0
-            if engine.global_steps == steps:
-                break
+    engine_steps(args, engine, layout, sampler, dataset, cfg, min(args.steps, args.stop_after or args.steps))
     last = args.save_dir and not args.stop_after  # a stopped job saves only on its cadence, as a lost one did
     if last and engine.global_steps % (args.save_every or args.steps):  # the last step, not saved yet
         ucp.deepspeed.save(engine, args.save_dir, async_=False)
@@ -295,29 +274,39 @@ def train_elastic(args: argparse.Namespace, tp_sizes: list[int], cfg: Config) ->
     engine, _, _, _ = ucp.deepspeed.initialize(model=model, optimizer=optimizer, config=config, mpu=mpu)
     dataset = Sequences(cfg)
     sampler = ucp.elastic.ElasticBatchSampler(dataset, engine, shuffle=True, seed=args.seed)  # this replica's share
+    stages = [[[s.tp, *s.layers] for s in r.stages] for r in layout.replicas]  # logged: TP size, layers [a, b)
+    engine_steps(args, engine, layout, sampler, dataset, cfg, args.steps,
+                 {"world": place.world, "tp": list(place.choice.replicas), "stages": stages, "pid": os.getpid()})
+    ucp.deepspeed.wait(engine)  # the last save is committed
+
+
+def engine_steps(args: argparse.Namespace, engine, layout: Layout, sampler, dataset: Sequences, cfg: Config,
+                 steps: int, logged: dict | None = None) -> None:
+    """DeepSpeed's loop on this rank's stage until the engine has taken `steps` steps: each micro-batch through the
+    stage links, `engine.step()`, and the global loss of each optimizer step (with `logged`'s fields) to
+    --losses-out."""
+    rank = dist.get_rank()
     links, where = StageLinks.for_rank(layout, rank), layout.placement(rank)
     dtype = next(engine.module.parameters()).dtype  # of the activations between stages
 
-    def backward(x: torch.Tensor, is_loss: bool) -> None:  # as in train_deepspeed
-        engine.backward(x, scale_wrt_gas=is_loss)
+    def backward(x: torch.Tensor, is_loss: bool) -> None:  # DeepSpeed divides the loss by the accumulation steps
+        engine.backward(x, scale_wrt_gas=is_loss)           # once: the gradients sent back already carry it
 
-    stages = [[[s.tp, *s.layers] for s in r.stages] for r in layout.replicas]  # logged: TP size, layers [a, b)
     summed = 0.0
-    while engine.global_steps < args.steps:
+    while engine.global_steps < steps:
         for indices in sampler:
             tokens = torch.stack([dataset[i] for i in indices]).to(args.device)
-            loss = forward_backward(links, engine, backward, tokens, cfg.hidden, dtype,
-                                    sampler.loss_weight(len(indices)))
+            # "unweighted": negative control, every micro-batch's mean loss as it is, whatever its size
+            weight = 1.0 if args.sync == "unweighted" else sampler.loss_weight(len(indices))
+            loss = forward_backward(links, engine, backward, tokens, cfg.hidden, dtype, weight)
             summed += loss.item() * len(indices) if holds_loss(links, where) else 0.0
             before = engine.global_steps
             engine.step()
             if engine.global_steps != before:
-                write_loss(args, engine.global_steps, summed, {"world": place.world, "tp": list(place.choice.replicas),
-                                                               "stages": stages, "pid": os.getpid()})
+                write_loss(args, engine.global_steps, summed, logged)
                 summed = 0.0
-            if engine.global_steps >= args.steps:
+            if engine.global_steps >= steps:
                 break
-    ucp.deepspeed.wait(engine)  # the last save is committed
 
 
 def holds_loss(links: StageLinks, where: Placement) -> bool:

@@ -72,6 +72,12 @@ class Choice:
     hmp: bool = False
     plan: Layout | None = None
 
+    @classmethod
+    def of_plan(cls, plan: Layout, world: int, shares: tuple[int, ...]) -> Choice:
+        """The HMP choice of the search's `plan` (replicas with stages) on `world` ranks, with these batch shares."""
+        return cls(max(plan.tp_sizes), max(len(r.stages) for r in plan.replicas), len(plan.replicas), world,
+                   tuple(len(r.ranks) for r in plan.replicas), shares, True, plan)
+
     @property
     def training(self) -> int:
         return sum(self.replicas) if self.replicas else self.tp * self.pp * self.dp
@@ -88,8 +94,7 @@ class Choice:
         """The layout in one phrase, for the start's log line and the restart line."""
         if self.plan is not None:
             stages = [" | ".join(f"TP{s.tp}" for s in r.stages) for r in self.plan.replicas]
-            return (f"heterogeneous replicas {' + '.join(stages)} (a pipeline's stages joined by |, batch "
-                    f"shares "
+            return (f"heterogeneous replicas {' + '.join(stages)} (a pipeline's stages joined by |, batch shares "
                     f"{' + '.join(map(str, self.shares))})")
         if self.heterogeneous:
             return (f"heterogeneous tensor_parallel {' + '.join(map(str, self.replicas))} (one replica each, "
@@ -107,11 +112,12 @@ class Choice:
                 raise ConfigError(f"{self.describe()}: the plan splits the {self.plan.num_layers} layers of the "
                                   f"model's config, the module's table has {layers}; give \"model\" the config of "
                                   "the model trained")
-            return Layout(layers, tuple(replace(r, micro_batches=n) for r, n in zip(self.plan.replicas, self.shares)))
-        if self.pp != 1:
-            even = Layout.homogeneous(self.dp, self.tp, self.pp, layers)
-            return Layout(layers, tuple(replace(r, micro_batches=n) for r, n in zip(even.replicas, self.shares)))
-        return Layout.one_stage(self.replicas, self.shares, layers)
+            stages = self.plan
+        elif self.pp != 1:
+            stages = Layout.homogeneous(self.dp, self.tp, self.pp, layers)
+        else:
+            return Layout.one_stage(self.replicas, self.shares, layers)
+        return Layout(layers, tuple(replace(r, micro_batches=n) for r, n in zip(stages.replicas, self.shares)))
 
 
 @dataclass(frozen=True)
@@ -157,8 +163,7 @@ class RankLayout:
     @property
     def choice(self) -> Choice:
         if self.plan is not None:
-            return Choice(max(self.plan.tp_sizes), max(len(r.stages) for r in self.plan.replicas), self.dp,
-                          self.world, self.replicas, self.shares, self.hmp, self.plan)
+            return Choice.of_plan(self.plan, self.world, self.shares)
         tp = max(self.replicas) if self.replicas else self.tp
         return Choice(tp, self.pp, self.dp, self.world, self.replicas, self.shares, self.hmp)
 
@@ -250,8 +255,7 @@ def heterogeneous_choice(world: int, tensor_parallel: tuple[int, ...], pipeline_
             raise
         return homogeneous
     if staged is not None:
-        return Choice(max(staged.tp_sizes), max(len(r.stages) for r in staged.replicas), len(replicas), world,
-                      replicas, shares, True, staged)
+        return Choice.of_plan(staged, world, shares)
     return Choice(max(replicas), 1, len(replicas), world, replicas, shares, True)
 
 
