@@ -77,7 +77,6 @@ UCP_SECTIONS = (
     ("ucp.deepspeed.auto_resume", "candidates", "engine init: auto search, disk candidates"),
     ("ucp.deepspeed.auto_resume", "memory_resume_point", "engine init: auto search, memory tier"),
     ("ucp.deepspeed.life:StepBook", "__init__", "engine init: step book"),
-    ("ucp.deepspeed.life:CheckpointLife", "save_every", "engine init: saver and memory tier setup"),
     ("ucp.deepspeed.hook", "load", "load"),
     ("ucp.deepspeed.engine_load", "target_for", "load: engine's layout (target)"),
     ("ucp.deepspeed.engine_load", "open_checkpoint", "load: open the checkpoint (index)"),
@@ -91,6 +90,7 @@ UCP_SECTIONS = (
     ("ucp.deepspeed.targets:_FlatPartitionTarget", "finish",
      "load: module weights from the masters (DeepSpeed's update_lp_params: an all-gather)"),
     ("ucp.deepspeed.life:StepBook", "after_step", "first step: step book (progress, restart report)"),
+    ("ucp.deepspeed.life:CheckpointLife", "_new_saver", "first step: saver and memory tier setup"),
     ("ucp.deepspeed.async_save:Saver", "save_memory", "first step: memory save (blocked)"),
     ("ucp.deepspeed.async_save:Saver", "_prepare", "first step: memory save, snapshot buffer"),
 )

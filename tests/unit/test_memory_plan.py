@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
+from ucp.deepspeed.config import SaveOptions
 from ucp.deepspeed.memory_files import MemoryEvery
-from ucp.deepspeed.save_cadence import SaveEvery
 from ucp.elastic.memory_plan import BASE, Fill, NodeCopy, choose, fills, held_by, nodes_of, peer_pairs
 from ucp.errors import ConfigError
 
@@ -57,10 +57,10 @@ def test_each_node_fetches_what_it_lacks_from_the_first_node_that_holds_it():
 
 
 def test_the_memory_section_is_checked():
-    save = SaveEvery.from_config({"dir": "/ckpt", "every": 4, "memory": {"every": 1}})
+    save = SaveOptions.from_config({"dir": "/ckpt", "every": 4, "memory": {"every": 1}})
     assert save.memory is not None and (save.memory.every, save.memory.replicas) == (1, 1)
     assert save.memory.dir.startswith("/dev/shm/ucp-")  # the default: one folder per save folder (job)
-    assert SaveEvery.from_config({"dir": "/ckpt", "every": 4}).memory is None
+    assert SaveOptions.from_config({"dir": "/ckpt", "every": 4}).memory is None
     for bad, says in [({"every": 0}, '"every": 0'), ({"every": 1, "replicas": -1}, '"replicas": -1'),
                       ({"every": 1, "replica": 1}, "unknown key 'replica'"), ([1], "must be an object"),
                       ({"every": 1, "dir": 3}, '"dir": 3'), ({"every": 1, "dir": "s3://b/m"}, "s3://"),
@@ -68,7 +68,7 @@ def test_the_memory_section_is_checked():
                       ({"every": 1, "dir": ""}, "must be an absolute path"),
                       ({"every": 1, "dir": "shm/job"}, "must be an absolute path")]:
         with pytest.raises(ConfigError, match=None) as raised:
-            SaveEvery.from_config({"dir": "/ckpt", "every": 4, "memory": bad})
+            SaveOptions.from_config({"dir": "/ckpt", "every": 4, "memory": bad})
         assert says in str(raised.value), (bad, str(raised.value))
 
 

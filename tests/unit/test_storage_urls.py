@@ -21,7 +21,7 @@ import pytest
 import ucp
 import ucp.deepspeed
 from ucp.convert.driver import convert
-from ucp.deepspeed.save_cadence import SaveEvery
+from ucp.deepspeed.config import SaveOptions
 from ucp.errors import UnsupportedStorageError
 from ucp.export import to_dcp, to_hf
 from ucp.format.folder import local_path
@@ -113,7 +113,7 @@ def test_options_without_object_storage_refuse_s3_before_touching_disk(call, tmp
     lambda tmp, url: to_dcp(tmp / "in", url, progress=False),
     lambda tmp, url: ucp.open_checkpoint(url),
     lambda tmp, url: ucp.deepspeed.load(object(), url),
-    lambda tmp, url: SaveEvery.from_config({"dir": url, "every": 1}),
+    lambda tmp, url: SaveOptions.from_config({"dir": url, "every": 1}),
     lambda tmp, url: ucp.deepspeed.save(object(), url),
 ], ids=["convert-output", "convert-input", "to_hf", "to_dcp", "open_checkpoint", "deepspeed.load", "save-config",
         "deepspeed.save"])

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import difflib
 import os
+from dataclasses import dataclass
 
+from ucp.deepspeed.memory_files import MemoryEvery
 from ucp.errors import ConfigError
+from ucp.format.locations import Location, location
 
 CONFIG_KEY = "ucp"
 AUTO = "auto"  # "load": resume from the save folder's newest committed checkpoint, or start fresh
@@ -46,6 +49,39 @@ def ucp_options(config: dict | None) -> dict:
         if key == "check_keep_bytes" and (isinstance(value, bool) or value < 0):
             raise ConfigError(f'"ucp": {{"check_keep_bytes": {value!r}}}: must be a number of bytes, 0 or more')
     return dict(section)
+
+
+@dataclass(frozen=True)
+class SaveOptions:
+    """The `"save"` section: save into `dir` after every `every`-th optimizer step (`ucp.deepspeed.save_cadence`
+    says when), and keep the newest `keep` committed checkpoints there (all when None;
+    `ucp.elastic.retention.prune`); with `memory`, save into the host-memory tier too
+    (`ucp.deepspeed.memory_tier`). Read here with the rest of the section, before DeepSpeed runs."""
+
+    dir: Location
+    every: int
+    keep: int | None = None
+    memory: MemoryEvery | None = None
+
+    @classmethod
+    def from_config(cls, options: object) -> SaveOptions:
+        if not isinstance(options, dict) or not isinstance(options.get("dir"), (str, os.PathLike)):
+            raise ConfigError(f'"ucp": {{"save": {options!r}}}: needs "dir", the folder to save into, e.g. '
+                              '{"dir": "/ckpt/ucp", "every": 100}')
+        for key in ("every", "keep"):
+            value = options.get(key)
+            if key == "keep" and value is None:
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                what = "optimizer steps" if key == "every" else "checkpoints to keep (at least 1)"
+                raise ConfigError(f'"ucp": {{"save": {{"{key}": {value!r}}}}}: must be a positive number of {what}')
+        unknown = set(options) - {"dir", "every", "keep", "memory"}
+        if unknown:
+            raise ConfigError(f'"ucp": {{"save": ...}}: unknown key {sorted(unknown)[0]!r}; known: "dir", "every", '
+                              '"keep", "memory"')
+        folder = location(options["dir"])  # a URL no storage takes is refused in one line, before training
+        memory = MemoryEvery.from_config(options["memory"], os.fspath(options["dir"])) if "memory" in options else None
+        return cls(folder, options["every"], options.get("keep"), memory)
 
 
 def without_ucp(config: dict) -> dict:

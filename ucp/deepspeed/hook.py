@@ -89,13 +89,12 @@ from typing import Any
 
 from ucp.deepspeed.async_save import SaveStats
 from ucp.deepspeed.auto_resume import resume_auto
-from ucp.deepspeed.config import AUTO, load_options, ucp_options, without_ucp
+from ucp.deepspeed.config import AUTO, SaveOptions, load_options, ucp_options, without_ucp
 from ucp.deepspeed.elastic import check_engine, uses_autotp, with_batch_keys, with_layout_keys
 from ucp.deepspeed.engine_load import LoadStats, load
 from ucp.deepspeed.hmp_sync import hmp_batch, install_sync, replica_batch_keys
 from ucp.deepspeed.life import StepBook, life_of, save, wait
 from ucp.deepspeed.placement import as_layout
-from ucp.deepspeed.save_cadence import SaveEvery
 from ucp.elastic.layout_choice import RankLayout, hmp_layers
 from ucp.elastic.ranks import layout as elastic_layout
 from ucp.elastic.ranks import spare_loop
@@ -122,7 +121,7 @@ def initialize(*args: Any, **kwargs: Any) -> Any:
         with open(config) as f:
             config = json.load(f)
     options = ucp_options(config)
-    save_every = SaveEvery.from_config(options["save"]) if "save" in options else None
+    save_every = SaveOptions.from_config(options["save"]) if "save" in options else None
     auto_dir = None  # the save folder "load": "auto" resumes from
     if options.get("load") == AUTO:
         if save_every is None:

@@ -4,12 +4,18 @@
     ucp.deepspeed.wait(engine)                # the save is durable and committed once this returns
 
 `CheckpointLife` holds everything of an engine's checkpoints that outlives one call: the saver with the save in
-flight (`ucp.deepspeed.async_save.Saver`, created on the first save), the save cadence of the disk and memory
-tiers (`ucp.deepspeed.save_cadence`), retention (`"keep"`: the saver runs `ucp.elastic.retention.retain` after
-each commit), the step bookkeeping of elastic training and the restart report (`StepBook`), and what runs before
+flight (`ucp.deepspeed.async_save.Saver`), the `"save"` section with the cadence of the disk and memory tiers
+(`ucp.deepspeed.save_cadence`), retention (`"keep"`: the saver runs `ucp.elastic.retention.retain` after each
+commit), the step bookkeeping of elastic training and the restart report (`StepBook`), and what runs before
 each step (the HMP gradient sync, `ucp.deepspeed.hmp_sync`). It wraps the engine's step once, when
 `ucp.deepspeed.initialize` gives it something to do at each step: `engine.step`, or `train_batch` on a pipeline
 engine (whose `step` refuses to be called). The engine carries it as one attribute, `engine._ucp_life`.
+
+The saver, with its memory tier, is made on first use: the first save, or the first step of an engine that saves
+by a cadence (collectively: every rank steps, and every rank saves). `initialize` only hands the life the
+section, so a restart enters the life once, after the load, and each save module once, at the first step
+(docs/ARCHITECTURE.md, "One restart of an elastic job"). What the saver cannot save is refused at the start all
+the same (`save_layout.refuse_unsupported`).
 
 What users read and set stays on the engine: `engine.ucp_client_state` (client state of the periodic saves),
 `engine.ucp_save_dir` (where they go), `engine.ucp_restart` (the restart report), `engine.ucp_load_stats`.
@@ -26,8 +32,10 @@ from typing import TYPE_CHECKING, Any
 from ucp import collectives
 from ucp.deepspeed.async_save import Saver, SaveStats
 from ucp.deepspeed.auto_resume import Resumed
+from ucp.deepspeed.config import SaveOptions
 from ucp.deepspeed.memory_tier import MemoryTier
-from ucp.deepspeed.save_cadence import SaveEvery
+from ucp.deepspeed.save_cadence import disk_due, memory_due
+from ucp.deepspeed.save_layout import refuse_unsupported
 from ucp.elastic.restart import Progress, ProgressRecorder, RestartReport, read_progress
 from ucp.elastic.retention import retain
 from ucp.format.locations import Location, location
@@ -43,7 +51,8 @@ class CheckpointLife:
 
     def __init__(self, engine: DeepSpeedEngine):
         self.engine = engine
-        self.cadence: SaveEvery | None = None
+        self.save_options: SaveOptions | None = None
+        self.start_step = engine.global_steps  # when handed the section: the step loaded (0 fresh), not saved again
         self.book: StepBook | None = None
         self.before_step: Callable[[], None] | None = None
         self.samples_per_step: int | None = None
@@ -54,25 +63,33 @@ class CheckpointLife:
     def saver(self) -> Saver:
         """The engine's saver, created on first use (collectively: every rank must reach this together)."""
         if self._saver is None:
-            self._saver = Saver(self.engine)
+            self._saver = self._new_saver()
         return self._saver
 
     @property
     def saver_if_any(self) -> Saver | None:
         return self._saver
 
+    def _new_saver(self) -> Saver:
+        """A saver with what the `"save"` section asks of it: the memory tier, retention after each commit."""
+        saver = Saver(self.engine)
+        save = self.save_options
+        if save is not None:
+            if save.memory is not None:
+                saver.memory = MemoryTier(saver, save.memory, self.start_step)
+            if save.keep is not None:
+                saver.after_commit = partial(retain, keep=save.keep)
+            saver.last_step = self.start_step
+        return saver
+
     # -- what initialize hands over
 
-    def save_every(self, cadence: SaveEvery) -> None:
-        """Save by `cadence` after each optimizer step (and into the memory tier, when it has one)."""
-        saver = self.saver
-        if cadence.memory is not None:
-            saver.memory = MemoryTier(saver, cadence.memory, self.engine.global_steps)
-        if cadence.keep is not None:
-            saver.after_commit = partial(retain, keep=cadence.keep)
-        self.cadence = cadence
-        self.engine.ucp_save_dir = cadence.dir
-        saver.last_step = self.engine.global_steps
+    def save_every(self, save: SaveOptions) -> None:
+        """Save by `save`'s cadence after each optimizer step (and into the memory tier, when it has one)."""
+        refuse_unsupported(self.engine)  # before training: what the saver (made at the first step) cannot save
+        self.save_options = save
+        self.start_step = self.engine.global_steps
+        self.engine.ucp_save_dir = save.dir
         self._wrap()
 
     def keep_book(self, book: StepBook) -> None:
@@ -120,21 +137,23 @@ class CheckpointLife:
                 engine.global_samples = samples + self.samples_per_step
             if self.book is not None:
                 self.book.after_step()
-        if self.cadence is not None:
-            self._save_if_due(self.cadence)
+        if self.save_options is not None:
+            self._save_if_due(self.save_options)
         return result
 
-    def _save_if_due(self, cadence: SaveEvery) -> None:
-        saver, steps = self.saver, self.engine.global_steps
-        memory = saver.memory
-        to_memory = memory is not None and cadence.memory_due(steps, memory.last_step)
-        to_disk = cadence.disk_due(steps, saver.last_step)
+    def _save_if_due(self, save: SaveOptions) -> None:
+        steps, saver = self.engine.global_steps, self._saver
+        # The cadence first, then the saver (made at the first step), so that a step enters each module once.
+        memory = saver.memory if saver is not None else None
+        to_memory = memory_due(save, steps, memory.last_step if memory is not None else self.start_step)
+        to_disk = disk_due(save, steps, saver.last_step if saver is not None else self.start_step)
+        saver = self.saver
         saver.prepare_ahead()  # the first save's layout and buffer, off the training thread
         client_state = getattr(self.engine, "ucp_client_state", None)
         if to_memory:
             saver.save_memory(client_state)
         if to_disk:
-            saver.save(cadence.dir, None, client_state, True)
+            saver.save(save.dir, None, client_state, True)
 
 
 class StepBook:

@@ -95,10 +95,10 @@ class SpareTargets:
 def receive_copies(place: RankLayout, config: dict[str, Any], channel: SpareCopies) -> Callable[[], None] | None:
     """The spare's side (registered with `ucp.elastic.ranks.on_spare`): what to do at each poll, or None when
     the config has no memory tier."""
-    from ucp.deepspeed.save_cadence import SaveEvery
+    from ucp.deepspeed.config import SaveOptions
 
     save = config.get("ucp", {}).get("save")
-    memory = SaveEvery.from_config(save).memory if isinstance(save, dict) else None
+    memory = SaveOptions.from_config(save).memory if isinstance(save, dict) else None
     if memory is None:
         return None
     folder, problem = checked_folder(memory, create=True)
