@@ -150,6 +150,15 @@ def write_exactly(fd: int, data: memoryview, offset: int, chunk: int | None = No
         done += os.pwrite(fd, data[done:done + chunk] if chunk else data[done:], offset + done)
 
 
+def fsync_dir(directory: Path) -> None:
+    """fsync `directory` itself, so that a file renamed or created in it survives a crash."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def pread_into(path: str, out: ArrayT, offset: int, counter: ReadCounter | None = None) -> ArrayT:
     """Fill contiguous `out` with the bytes of `path` starting at `offset`; returns `out`."""
     view = tensor_bytes(out)
