@@ -31,6 +31,7 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -39,7 +40,8 @@ import torch.distributed as dist
 
 from ucp import collectives
 from ucp.deepspeed.autotp import tp_size, with_tensor_parallel
-from ucp.deepspeed.hmp_save import engine_hmp, place_target
+from ucp.deepspeed.hmp_save import place_target
+from ucp.deepspeed.placement import engine_hmp
 from ucp.deepspeed.save_layout import average_partials, mpu_tp_size, refuse_unsupported
 from ucp.deepspeed.save_metadata import metadata
 from ucp.deepspeed.save_snapshot import Prepared, Preparing, copy_into, every_holding, prepare
@@ -100,6 +102,7 @@ class Saver:
             self.ranks = dist.get_process_group_ranks(self.target.dp_group)
         else:
             self.ranks = list(range(dist.get_world_size()))
+        self.leader = self.rank == self.ranks[0]  # builds the index and commits
         # A group of its own: the writer thread's collectives must never interleave with training's.
         self.group = dist.new_group(self.ranks, backend="gloo") if len(self.ranks) > 1 else None
         self.job = BackgroundSave()
@@ -110,10 +113,6 @@ class Saver:
         self._prepared: dict[str, Prepared] = {}  # per tier ("disk", "memory"): each has a buffer of its own
         self._preparing: dict[str, Preparing] = {}  # per tier: the next layout, prepared ahead (`prepare_ahead`)
         _LIVE.add(self)
-
-    @property
-    def leader(self) -> bool:
-        return self.rank == self.ranks[0]
 
     def save(self, save_dir: Location, tag: str | None = None,
              client_state: dict[str, Any] | None = None, async_: bool = True) -> SaveStats:
@@ -198,8 +197,8 @@ class Saver:
             return
         every = every_holding(self.target, self.rank, self.ranks, moments, alone=self.group is None)
         for tier in stale:
-            self._preparing[tier] = Preparing(moments, lambda: prepare(self.engine, self.target, moments, self.rank,
-                                                                       self.leader, every))
+            self._preparing[tier] = Preparing(moments, partial(prepare, self.engine, self.target, moments, self.rank,
+                                                               self.leader, every))
 
     def _moments_of(self, tier: str) -> tuple[str, ...] | None:
         """The optimizer states of the tier's newest layout, prepared or under way."""

@@ -92,3 +92,24 @@ def without_ucp(config: dict) -> dict:
 def load_options(options: dict) -> dict:
     """The keyword arguments of `ucp.deepspeed.load` among checked `options`."""
     return {k: v for k, v in options.items() if k in LOAD_OPTIONS}
+
+
+@dataclass(frozen=True)
+class Section:
+    """`ucp.deepspeed.initialize`'s reading of a DeepSpeed config, all at once before DeepSpeed runs: the checked
+    `"ucp"` options, their `"save"` section, the keyword arguments of `ucp.deepspeed.load` among them, and the
+    config DeepSpeed is given (without the section; None when the options do not come from a dict)."""
+
+    options: dict
+    save: SaveOptions | None
+    load: dict
+    deepspeed: dict | None
+
+
+def read_section(config: dict | None) -> Section:
+    """`config`'s `"ucp"` section, read and checked (`ucp_options`, `SaveOptions`)."""
+    options = ucp_options(config)
+    save = SaveOptions.from_config(options["save"]) if "save" in options else None
+    deepspeed = without_ucp(config) if options and isinstance(config, dict) else None
+    return Section(options, save, load_options(options), deepspeed)
+

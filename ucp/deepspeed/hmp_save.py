@@ -25,13 +25,7 @@ from ucp.deepspeed.targets import Target
 from ucp.hmp.layout import Layout
 
 if TYPE_CHECKING:
-    from deepspeed import DeepSpeedEngine
-
-
-def engine_hmp(engine: DeepSpeedEngine) -> EngineHmp | None:
-    """What `ucp.deepspeed.initialize` attached for `"ucp": {"hmp": ...}`; None for any other engine."""
-    hmp = getattr(engine, "ucp_hmp", None)
-    return hmp if isinstance(hmp, EngineHmp) else None
+    pass
 
 
 def place_target(target: Target, hmp: EngineHmp, rank: int) -> Target:

@@ -89,7 +89,7 @@ from typing import Any
 
 from ucp.deepspeed.async_save import SaveStats
 from ucp.deepspeed.auto_resume import resume_auto
-from ucp.deepspeed.config import AUTO, SaveOptions, load_options, ucp_options, without_ucp
+from ucp.deepspeed.config import AUTO, read_section
 from ucp.deepspeed.elastic import check_engine, uses_autotp, with_batch_keys, with_layout_keys
 from ucp.deepspeed.engine_load import LoadStats, load
 from ucp.deepspeed.hmp_sync import hmp_batch, install_sync, replica_batch_keys
@@ -120,8 +120,8 @@ def initialize(*args: Any, **kwargs: Any) -> Any:
     if isinstance(config, (str, os.PathLike)):
         with open(config) as f:
             config = json.load(f)
-    options = ucp_options(config)
-    save_every = SaveOptions.from_config(options["save"]) if "save" in options else None
+    section = read_section(config)
+    options, save_every, load_kwargs = section.options, section.save, section.load
     auto_dir = None  # the save folder "load": "auto" resumes from
     if options.get("load") == AUTO:
         if save_every is None:
@@ -136,11 +136,12 @@ def initialize(*args: Any, **kwargs: Any) -> Any:
         spare_loop()
         if place.hmp:  # "heterogeneous": true: the layout's replicas train through the HMP sync, loaded by the layout
             options = _elastic_hmp_options(options, place, kwargs.get("model"))
+            load_kwargs = {**load_kwargs, "layout": options["layout"]}
             hmp = hmp_batch(options["hmp"], as_layout(options["layout"]))
         else:
             batch = ElasticBatch.from_config(options["elastic"], place.dp)
-    if options and isinstance(config, dict):  # options come from a dict config's "ucp" section
-        ds_config = without_ucp(config)
+    if section.deepspeed is not None:  # options come from a dict config's "ucp" section
+        ds_config = section.deepspeed
         if batch is not None and place is not None:
             ds_config = with_layout_keys(with_batch_keys(ds_config, batch), place, uses_autotp(kwargs))
         if hmp is not None:
@@ -166,9 +167,9 @@ def initialize(*args: Any, **kwargs: Any) -> Any:
     if auto_dir is not None:
         warn_shared_rendezvous_store()
         memory = save_every.memory if save_every is not None else None
-        resumed = resume_auto(engine, auto_dir, load, memory, **load_options(options))
+        resumed = resume_auto(engine, auto_dir, load, memory, **load_kwargs)
     elif options.get("load"):
-        load(engine, options["load"], **load_options(options))
+        load(engine, options["load"], **load_kwargs)
     if batch is not None:
         life_of(engine).count_samples(batch.global_batch)
     if place is not None or auto_dir is not None:

@@ -137,8 +137,10 @@ class CheckpointLife:
                 engine.global_samples = samples + self.samples_per_step
             if self.book is not None:
                 self.book.after_step()
-        if self.save_options is not None:
-            self._save_if_due(self.save_options)
+            if self.save_options is not None:
+                self._save_if_due(self.save_options)
+        elif self.save_options is not None:  # a micro-step: the next save's layout, off the training thread
+            self.saver.prepare_ahead()
         return result
 
     def _save_if_due(self, save: SaveOptions) -> None:
@@ -195,7 +197,7 @@ class StepBook:
             checkpoint=str(resumed.path) if resumed.path else None, checkpoint_step=resumed.step,
             steps_redone=max(0, before.step - resumed.step), detection_s=started - before.time,
             startup_s=load_began - started, load_s=resumed.load_s, first_step_s=now - self.loaded_at,
-            layout=place.choice.describe() if place is not None else None)
+            layout=place.described if place is not None else None)
 
 
 def life_of(engine: DeepSpeedEngine) -> CheckpointLife:

@@ -14,10 +14,15 @@ import json
 import os
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from ucp.deepspeed.hmp_sync import EngineHmp
 from ucp.deepspeed.targets import Target
 from ucp.errors import UnsupportedLayoutError
 from ucp.hmp.layout import Layout, LayoutError, ParamSpec
+
+if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
 
 
 def as_layout(layout: Layout | dict | str | os.PathLike) -> Layout:
@@ -64,3 +69,9 @@ def place_by_layout(target: Target, layout: Layout, table: Iterable[ParamSpec], 
                           "but its module lacks it; build the module from the same layout")
     target.tensors = placed
     return set(specs)
+
+
+def engine_hmp(engine: DeepSpeedEngine) -> EngineHmp | None:
+    """What `ucp.deepspeed.initialize` attached for `"ucp": {"hmp": ...}`; None for any other engine."""
+    hmp = getattr(engine, "ucp_hmp", None)
+    return hmp if isinstance(hmp, EngineHmp) else None

@@ -23,10 +23,11 @@ import torch.distributed as dist
 
 from ucp.converters.deepspeed_declared import affine_params, declared_layout
 from ucp.deepspeed.autotp import UNIVERSAL_CHECKPOINT_INFO, tp_size
-from ucp.deepspeed.hmp_save import engine_hmp, writing_holdings
+from ucp.deepspeed.hmp_save import writing_holdings
 from ucp.deepspeed.hmp_sync import RankAloneMpu
 from ucp.deepspeed.moe_target import checkpoint_name, local_expert_tensors
 from ucp.deepspeed.mpu_plan import first_stage_only, place_shards, tp_layout
+from ucp.deepspeed.placement import engine_hmp
 from ucp.deepspeed.save_plan import Holding, Shard, full_box
 from ucp.deepspeed.targets import Target, TargetTensor
 from ucp.errors import UnsupportedLayoutError

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ucp.deepspeed.autotp import tp_size
-from ucp.deepspeed.hmp_save import engine_hmp
 from ucp.deepspeed.hmp_save import source_record as hmp_source
+from ucp.deepspeed.placement import engine_hmp
 from ucp.deepspeed.save_layout import mpu_tp_size
 from ucp.deepspeed.save_plan import Holding
 from ucp.deepspeed.save_snapshot import Prepared

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from ucp.elastic.shares import ElasticBatch, speed_shares
@@ -140,9 +140,14 @@ class RankLayout:
     shares: tuple[int, ...] = ()     # the replicas' shares of the global batch (HMP path)
     hmp: bool = False                # the job trains through the HMP path (`"heterogeneous": true`)
     plan: Layout | None = None       # the search's plan, where its replicas have stages (`Choice.plan`)
+    described: str = field(default="", compare=False)  # the layout in words (`Choice.describe`), as logged
 
     @classmethod
     def of(cls, choice: Choice, rank: int) -> RankLayout:
+        return replace(cls._place(choice, rank), described=choice.describe())
+
+    @classmethod
+    def _place(cls, choice: Choice, rank: int) -> RankLayout:
         hmp = (choice.replicas, choice.shares, choice.hmp, choice.plan)
         if rank >= choice.training:
             return cls(choice.tp, choice.pp, choice.dp, choice.world, rank, "spare", None, None, None, *hmp)

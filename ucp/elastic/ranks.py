@@ -116,7 +116,7 @@ def layout(config: dict[str, Any] | None = None, module: Any = None) -> RankLayo
         choice = choose_layout(world, *sizes, section["global_batch"], section["micro_batch"], step_time, experts)
     _chosen = RankLayout.of(choice, rank)
     if rank == 0:
-        logger.warning("ucp: %d ranks: %s%s", world, choice.describe(),
+        logger.warning("ucp: %d ranks: %s%s", world, _chosen.described,
                        f", {choice.spares} spare(s)" if choice.spares else "")
     _copies, _config = None, config
     if choice.spares and dist.is_initialized():

@@ -1,0 +1,36 @@
+"""The walk of one elastic restart through `ucp.deepspeed` and `ucp.elastic` (docs/ARCHITECTURE.md, "One restart
+of an elastic job"), recorded from a real restart of the torchrun example (2 ranks, then 1) by
+`tests/support/restart_walk.py`: each module is entered once, in the order the documentation gives, but for the
+two that the documentation names with their reason."""
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+from tests.support.launch import run_torchrun
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "elastic" / "torchrun" / "train.py"
+WALKER = ROOT / "tests" / "support" / "restart_walk.py"
+# In the order of docs/ARCHITECTURE.md's count.
+ORDER = ["hook", "config", "elastic.ranks", "elastic.layout_choice", "elastic", "elastic.rendezvous", "auto_resume",
+         "elastic.resume", "engine_load", "life", "async_save", "save_snapshot", "elastic.restart", "save_cadence",
+         "save_metadata", "save_stores", "save_index", "elastic.retention"]
+# Entered again, for the reasons docs/ARCHITECTURE.md gives: the batch's arithmetic, a value every step of the
+# start asks; the saver, which prepares the first save during the micro-steps before the first optimizer step.
+AGAIN = {"elastic.shares": 3, "async_save": 2, "save_snapshot": 2}
+
+
+def test_one_restart_enters_each_module_once(tmp_path):
+    save = tmp_path / "save"
+    run_torchrun(EXAMPLE, ["--save-dir", save, "--steps", 2], 2, tmp_path / "first.log")
+    walk_file = tmp_path / "walk.json"
+    run_torchrun(WALKER, [walk_file, EXAMPLE, "--save-dir", save, "--steps", 3], 1, tmp_path / "restart.log")
+    walk = json.loads(walk_file.read_text())
+    walk = [m for i, m in enumerate(walk) if i == 0 or walk[i - 1] != m]  # the script between start and step
+    again = {m: n for m, n in Counter(walk).items() if n > 1}
+    assert again == AGAIN, walk
+    firsts = [m for i, m in enumerate(walk) if m not in walk[:i] and m != "elastic.shares"]
+    assert firsts == ORDER, walk
+    assert len(walk) == 23 and len(set(walk)) == 19, walk
