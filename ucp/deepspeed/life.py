@@ -56,6 +56,7 @@ class CheckpointLife:
         self.book: StepBook | None = None
         self.before_step: Callable[[], None] | None = None
         self.samples_per_step: int | None = None
+        self._due: tuple[int, bool, bool] | None = None  # what the optimizer step under way saves (`_due_at`)
         self._saver: Saver | None = None
         self._wrapped = False
 
@@ -127,28 +128,40 @@ class CheckpointLife:
         self._wrapped = True
 
     def _step(self, method: str, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        engine = self.engine
+        """Before an optimizer step's first micro-step, what the step will save (the cadence); each micro-step, the
+        next save's layout prepared off the training thread; after the optimizer step, its saves, then the book.
+        In this order a step enters each module once (docs/ARCHITECTURE.md, "One restart of an elastic job")."""
+        engine, save = self.engine, self.save_options
         if self.before_step is not None:
             self.before_step()
         steps, samples = engine.global_steps, engine.global_samples
+        if save is not None and (self._due is None or self._due[0] != steps + 1):
+            self._due = self._due_at(save, steps + 1)
         result = step(*args, **kwargs)
-        if engine.global_steps != steps:
-            if self.samples_per_step is not None:
-                engine.global_samples = samples + self.samples_per_step
-            if self.book is not None:
-                self.book.after_step()
-            if self.save_options is not None:
-                self._save_if_due(self.save_options)
-        elif self.save_options is not None:  # a micro-step: the next save's layout, off the training thread
-            self.saver.prepare_ahead()
+        if engine.global_steps == steps:  # a micro-step
+            if save is not None:
+                self.saver.prepare_ahead()
+            return result
+        stepped = time.time()
+        if self.samples_per_step is not None:
+            engine.global_samples = samples + self.samples_per_step
+        if save is not None:
+            due, self._due = self._due, None
+            if due is None or due[0] != engine.global_steps:  # the step count moved by other than one
+                due = self._due_at(save, engine.global_steps)
+            self._save(save, *due[1:])
+        if self.book is not None:
+            self.book.after_step(stepped)
         return result
 
-    def _save_if_due(self, save: SaveOptions) -> None:
-        steps, saver = self.engine.global_steps, self._saver
-        # The cadence first, then the saver (made at the first step), so that a step enters each module once.
+    def _due_at(self, save: SaveOptions, steps: int) -> tuple[int, bool, bool]:
+        """(`steps`, whether the step that makes `steps` saves into the memory tier, to disk)."""
+        saver = self._saver  # read, not made: the saver is made after the cadence, at the first micro-step
         memory = saver.memory if saver is not None else None
-        to_memory = memory_due(save, steps, memory.last_step if memory is not None else self.start_step)
-        to_disk = disk_due(save, steps, saver.last_step if saver is not None else self.start_step)
+        return (steps, memory_due(save, steps, memory.last_step if memory is not None else self.start_step),
+                disk_due(save, steps, saver.last_step if saver is not None else self.start_step))
+
+    def _save(self, save: SaveOptions, to_memory: bool, to_disk: bool) -> None:
         saver = self.saver
         saver.prepare_ahead()  # the first save's layout and buffer, off the training thread
         client_state = getattr(self.engine, "ucp_client_state", None)
@@ -172,11 +185,11 @@ class StepBook:
         self.called = called  # time.time() when ucp.deepspeed.initialize was called
         self.loaded_at = time.time()
 
-    def after_step(self) -> None:
+    def after_step(self, now: float) -> None:
+        """After the optimizer step that ended at `now` (time.time())."""
         engine = self.engine
         if self.progress_dir is None:
             return
-        now = time.time()
         before = None
         if self.progress is None:  # the first step: the previous run's record, before this run's replaces it
             before = read_progress(self.progress_dir)
