@@ -80,11 +80,14 @@ class ElasticJob:
         """Start one more agent while every worker is stopped (SIGSTOP), so that the job cannot finish before the
         new agent is waiting in the rendezvous; the running agents then restart their workers with it."""
         running = [i for i, a in enumerate(self.agents) if a.poll() is None]
-        seen = self._detections(running)
+        seen = {i: self._detections([i]) for i in running}
         workers = _suspend([p for i in running for p in self.workers(i)])
         try:
             index = self.start_agent()
-            wait_for(lambda: self._detections(running) > seen, 300, f"the running agents to see agent {index} wait")
+            # Every agent, not one: a worker resumed under an agent that has not seen the new node yet trains on,
+            # and can finish the run before that agent restarts it.
+            wait_for(lambda: all(self._detections([i]) > seen[i] for i in running), 300,
+                     f"every running agent to see agent {index} wait")
         finally:
             for p in workers:
                 try:
