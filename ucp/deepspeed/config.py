@@ -112,4 +112,3 @@ def read_section(config: dict | None) -> Section:
     save = SaveOptions.from_config(options["save"]) if "save" in options else None
     deepspeed = without_ucp(config) if options and isinstance(config, dict) else None
     return Section(options, save, load_options(options), deepspeed)
-
