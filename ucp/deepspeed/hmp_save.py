@@ -16,16 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ucp.deepspeed.hmp_sync import EngineHmp
 from ucp.deepspeed.placement import place_by_layout
 from ucp.deepspeed.save_plan import Holding
 from ucp.deepspeed.targets import Target
 from ucp.hmp.layout import Layout
-
-if TYPE_CHECKING:
-    pass
 
 
 def place_target(target: Target, hmp: EngineHmp, rank: int) -> Target:
