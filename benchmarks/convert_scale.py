@@ -19,7 +19,7 @@ laid out as DeepSpeed lays it out, every tensor a lazy tensor as `converters/tor
 
 It then times the product code the driver runs, each stage on the previous stage's output:
 
-* plan: `converters.deepspeed_zero.plan_zero12` / `plan_zero3` (slice mappings -> fragments,
+* plan: `converters.deepspeed.zero.plan_zero12` / `plan_zero3` (slice mappings -> fragments,
   `patterns.recognize`, `plan_common.finish_plan`), `load_dict` answered from memory;
 * bins: `convert.balance.plan_bins` for --workers workers;
 * shuffle: the Ray backend's `ray_executor.shuffle_plan` over the driver's `WriteBin` tasks;
@@ -72,8 +72,9 @@ from convert import CKPT_NAME, DONE_MARKER  # noqa: E402
 from convert_ray import tiny_checkpoint  # noqa: E402
 from ucp.convert.driver import WriteBin  # noqa: E402
 from ucp.convert.ray_executor import shuffle_plan  # noqa: E402
-from ucp.converters import deepspeed_slices, deepspeed_zero3  # noqa: E402
-from ucp.converters.deepspeed_zero import plan_zero3, plan_zero12  # noqa: E402
+from ucp.converters.deepspeed import slices as deepspeed_slices  # noqa: E402
+from ucp.converters.deepspeed import zero3 as deepspeed_zero3  # noqa: E402
+from ucp.converters.deepspeed.zero import plan_zero3, plan_zero12  # noqa: E402
 from ucp.converters.tag_folder import TagDir  # noqa: E402
 from ucp.converters.torch_zip import DtypeName, LazyStorage, LazyTensor, load_lazy  # noqa: E402
 from ucp.format.crc import CHUNK_BYTES  # noqa: E402

@@ -9,7 +9,7 @@ against the best homogeneous layout on the same GPUs, through the cost model (an
 --zero, default 0): (i) DeepSpeed's own data parallelism, one engine per rank over the 3 ranks (TP 1 each): the
 time of its gradient reduce per step, `engine.allreduce_gradients` as `engine.backward` calls it; (ii) HMP
 engines on TP sizes --engine-tp-sizes (default 2,1) with `"ucp": {"layout", "hmp"}`: the time of the HMP sync
-per step (`ucp.deepspeed.hmp_sync.sync_engine_grads`, inside `engine.step`), and with it the engine's own reduce
+per step (`ucp.deepspeed.engine.hmp_sync.sync_engine_grads`, inside `engine.step`), and with it the engine's own reduce
 over its data-parallel group of one. Each timed call starts after a barrier, so a rank's time is the
 communication and copies, not the wait for a slower replica's backward. Median over --repeat steps (after one
 warm-up step) per rank, the slowest rank's median reported. Bytes: each rank's sends under a ring all-reduce,
@@ -125,7 +125,7 @@ def engine_worker(kind: str, tp_sizes: list[int], zero: int, repeat: int, out: P
     from tp_model import Config, TPModel, init_weights
 
     import ucp.deepspeed
-    from ucp.deepspeed import hmp_sync
+    from ucp.deepspeed.engine import hmp_sync
     from ucp.elastic import init_distributed
 
     init_distributed("gloo")

@@ -9,7 +9,7 @@ generated in memory on W/2 ranks and planned by the product's converter; then ea
 a ZeRO-3 target takes its partition of every state the way the hook does (`PlannedSource._reads`: the byte
 ranges of the rank files that hold it) and records the parts of zip entries it read
 (`ucp.convert.source_check.EntryParts`, the rank files' zip directories answered from memory). What a rank
-sends is `ucp.deepspeed.exchange.payloads` of those parts, exactly what `to_owners` passes to the all-to-all;
+sends is `ucp.deepspeed.loading.exchange.payloads` of those parts, exactly what `to_owners` passes to the all-to-all;
 what it receives is what the other ranks' payloads hold for the entries it owns; both plus the all-to-all's
 counts (8 bytes each way per rank), as `LoadStats.bytes_exchanged` counts them. Beside it: the all-gather the
 check used before (`all_gather_object` of every rank's parts), which hands each rank W copies of the largest
@@ -37,9 +37,9 @@ sys.path.insert(0, str(HERE))  # benchmarks/convert_scale.py, beside this script
 import ucp.convert.source_check as source_check  # noqa: E402
 from convert_scale import HEADER_BYTES, SMALL, plan_of, synthetic_zero1  # noqa: E402
 from ucp.converters.torch_zip import ZipEntry  # noqa: E402
-from ucp.deepspeed.exchange import payloads  # noqa: E402
-from ucp.deepspeed.load_source import PlannedSource  # noqa: E402
-from ucp.deepspeed.targets import TargetTensor  # noqa: E402
+from ucp.deepspeed.engine.targets import TargetTensor  # noqa: E402
+from ucp.deepspeed.loading.exchange import payloads  # noqa: E402
+from ucp.deepspeed.loading.source import PlannedSource  # noqa: E402
 from ucp.plan.plan import ConversionPlan  # noqa: E402
 
 STATES = 3  # fp32 masters, exp_avg, exp_avg_sq: each rank file stores one flat partition of each

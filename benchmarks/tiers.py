@@ -14,7 +14,7 @@ Writes a synthetic ucp checkpoint of `--params` million parameters (fp32 weights
   attempt counted), and MB/s. The local figure reads from the page cache (the folder was just written), so it
   is the upper bound of a local disk; the S3 one is moto's Python server on the same 2 cores.
 * the choice of client, which the issue asks to make by measurement: rank 0's coalesced ranges read without
-  checks by ucp's boto3 reader (`object_store.read_many`), and with --s3fs (pip install s3fs) through s3fs's
+  checks by ucp's boto3 reader (`s3.read_many`), and with --s3fs (pip install s3fs) through s3fs's
   `cat_ranges`, with --crt (pip install awscrt) through the AWS CRT S3 client (every range one GET it splits
   into parts itself, all in flight at once); with --crt also the data files uploaded by the CRT client
   (multipart above the part size) against ucp's boto3 upload of the same files.
@@ -66,10 +66,10 @@ class Requests:
     """HTTP requests (every attempt) and response bytes through ucp's boto3 client, from botocore's events."""
 
     def __init__(self) -> None:
-        from ucp.format import object_store
+        from ucp.storage import s3
 
         self.count = 0
-        object_store._client().meta.events.register("before-send.s3", self._sent)
+        s3._client().meta.events.register("before-send.s3", self._sent)
 
     def _sent(self, **kwargs) -> None:
         self.count += 1
@@ -77,7 +77,7 @@ class Requests:
 
 def load(root, index, ranks: int, requests: Requests | None) -> list[dict]:
     from ucp.format.box_read import read_boxes
-    from ucp.format.fileio import ReadCounter
+    from ucp.storage.fileio import ReadCounter
 
     out = []
     for rank in range(ranks):
@@ -111,12 +111,12 @@ def rank0_ranges(index, ranks: int) -> list:
 
 def boto3_rank0(url, index, ranks: int) -> tuple[list[bytearray], float]:
     """Rank 0's ranges read by ucp's boto3 reader into buffers, without the checks `load` includes."""
-    from ucp.format import object_store
+    from ucp.storage import s3
 
     ranges = rank0_ranges(index, ranks)
     buffers = [bytearray(r.end - r.begin) for r in ranges]
     start = time.perf_counter()
-    object_store.read_many([(url / r.file, r.begin, memoryview(b)) for r, b in zip(ranges, buffers)])
+    s3.read_many([(url / r.file, r.begin, memoryview(b)) for r, b in zip(ranges, buffers)])
     return buffers, time.perf_counter() - start
 
 
@@ -204,7 +204,7 @@ def main() -> None:
 
     from ucp.convert.object_output import upload
     from ucp.format.folder import read_index
-    from ucp.format.locations import location
+    from ucp.storage.locations import location
 
     boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="bench")
     try:

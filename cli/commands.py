@@ -47,7 +47,7 @@ def outlives_the_command(output: str) -> None:
     or export written there is gone the moment `ucp` exits (it used to report success). The Python API
     (`ucp.convert.convert`, `ucp.export`) still writes there, for a caller that reads it in the same process."""
     from ucp.errors import UnsupportedStorageError
-    from ucp.format.locations import url_scheme
+    from ucp.storage.locations import url_scheme
 
     if (url_scheme(output) or "").lower() == "memory":
         raise UnsupportedStorageError(f"--output {output}: memory:// lives inside this one process, so what ucp "

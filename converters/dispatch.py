@@ -10,13 +10,13 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from ucp.converters.deepspeed_megatron import is_tensor_pipeline, plan_megatron
-from ucp.converters.deepspeed_moe import is_moe, plan_moe
-from ucp.converters.deepspeed_pipe import is_pipeline, plan_pipe
-from ucp.converters.deepspeed_slices import load_dict
-from ucp.converters.deepspeed_tp import is_tensor_parallel, plan_tp
-from ucp.converters.deepspeed_zero import plan_zero0, plan_zero3, plan_zero12
-from ucp.converters.deepspeed_zero3 import zero3_model_files
+from ucp.converters.deepspeed.megatron import is_tensor_pipeline, plan_megatron
+from ucp.converters.deepspeed.moe import is_moe, plan_moe
+from ucp.converters.deepspeed.pipe import is_pipeline, plan_pipe
+from ucp.converters.deepspeed.slices import load_dict
+from ucp.converters.deepspeed.tp import is_tensor_parallel, plan_tp
+from ucp.converters.deepspeed.zero import plan_zero0, plan_zero3, plan_zero12
+from ucp.converters.deepspeed.zero3 import zero3_model_files
 from ucp.converters.tag_folder import MODEL_FILE, optim_files, resolve_tag
 from ucp.errors import CheckpointNotFoundError, UnsupportedLayoutError
 from ucp.plan.plan import ConversionPlan

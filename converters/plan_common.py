@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ucp.converters.deepspeed_slices import dtype_name, tied_aliases, whole
+from ucp.converters.deepspeed.slices import dtype_name, tied_aliases, whole
 from ucp.converters.tag_folder import TagDir
 from ucp.converters.torch_zip import LazyTensor, as_python
 from ucp.converters.trainer_folders import side_files

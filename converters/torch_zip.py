@@ -24,8 +24,8 @@ import numpy as np
 
 from ucp.errors import CorruptCheckpointError
 from ucp.format.dtypes import NUMPY_DTYPES, as_values, to_torch
-from ucp.format.fileio import ReadCounter, open_regular, pread_into
 from ucp.format.index import DTYPE_SIZES
+from ucp.storage.fileio import ReadCounter, open_regular, pread_into
 
 if TYPE_CHECKING:
     import torch

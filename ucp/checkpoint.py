@@ -17,7 +17,6 @@ from ucp.convert.source_check import EntryChecks
 from ucp.converters.trainer_folders import LINK_REASON
 from ucp.errors import CheckpointNotFoundError, CorruptCheckpointError, UcpError, UnsupportedStorageError
 from ucp.format.crc import crc32
-from ucp.format.fileio import ReadCounter, read_regular
 from ucp.format.folder import (
     DATA_PREFIX,
     INDEX_NAME,
@@ -28,11 +27,12 @@ from ucp.format.folder import (
     read_latest,
 )
 from ucp.format.index import ExtraFile, Index, NotSaved, ParamEntry, StoredState, header_problems
-from ucp.format.locations import Location, ObjectPath, location
 from ucp.format.safetensors_stream import read_stored
 from ucp.format.splits import from_split_major
-from ucp.format.storage import is_file, is_remote, list_names, read_small
 from ucp.plan.plan import ParamPlan
+from ucp.storage.fileio import ReadCounter, read_regular
+from ucp.storage.layer import is_file, is_remote, list_names, read_small
+from ucp.storage.locations import Location, ObjectPath, location
 
 STEP_STATE = "step"
 DEEPSPEED_RANK_FILES = ("model_states.pt", "optim_states.pt")  # mp_rank_00_model_states.pt, zero_pp_rank_*_optim_...

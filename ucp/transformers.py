@@ -61,8 +61,8 @@ from ucp.elastic.hf_trainer import auto_checkpoint, elastic_batches
 from ucp.elastic.trainer_folders import missing_files
 from ucp.errors import CheckpointNotFoundError, ConfigError
 from ucp.format.folder import INDEX_NAME, latest_checkpoint
-from ucp.format.locations import Location, ObjectPath, location
-from ucp.format.storage import is_file, is_remote, list_folders, list_names
+from ucp.storage.layer import is_file, is_remote, list_folders, list_names
+from ucp.storage.locations import Location, ObjectPath, location
 
 TRAINER_STATE = "trainer_state.json"
 SCHEDULER_FILE = "scheduler.pt"

@@ -22,7 +22,7 @@ point (`pipeline.py`); the replica's loss is its last stage's:
 
 With `--deepspeed` every rank runs a DeepSpeed engine (`--zero 0|1`, `--bf16`) built by
 `ucp.deepspeed.initialize` with `"ucp": {"layout": ..., "hmp": {"global_batch", "micro_batch", "shares"}}`:
-the sync then runs inside `engine.step` (`ucp.deepspeed.hmp_sync`), and the loop is DeepSpeed's own,
+the sync then runs inside `engine.step` (`ucp.deepspeed.engine.hmp_sync`), and the loop is DeepSpeed's own,
 `engine.backward(loss * sampler.loss_weight(n)); engine.step()` (a stage before the last back-propagates
 `(out * grad_from_next).sum()`, not divided by the accumulation steps again). `--save-dir DIR` saves ucp
 checkpoints from the layout (`"save": {"every": --save-every, "keep": --keep}`; with `--memory-every N` also into
@@ -195,7 +195,7 @@ def train_plain(args: argparse.Namespace, layout: Layout, shares: tuple[int, ...
 def train_deepspeed(args: argparse.Namespace, layout: Layout, shares: tuple[int, ...], cfg: Config) -> None:
     """A DeepSpeed engine per rank; `ucp.deepspeed.initialize` installs the sync inside `engine.step`."""
     import ucp.deepspeed
-    from ucp.deepspeed.hmp_sync import RankAloneMpu, hmp_batch, replica_batch_keys
+    from ucp.deepspeed.engine.hmp_sync import RankAloneMpu, hmp_batch, replica_batch_keys
 
     rank = dist.get_rank()
     mpu = RankAloneMpu.for_layout(layout)  # every rank: every TP group, then every rank's group of one
@@ -248,7 +248,7 @@ def train_elastic(args: argparse.Namespace, tp_sizes: list[int], cfg: Config) ->
     pipelines within replicas included), the model built for this rank's stage."""
     import ucp.deepspeed
     import ucp.elastic
-    from ucp.deepspeed.hmp_sync import RankAloneMpu
+    from ucp.deepspeed.engine.hmp_sync import RankAloneMpu
 
     elastic = {"global_batch": args.global_batch, "micro_batch": args.global_batch, "tensor_parallel": tp_sizes,
                "heterogeneous": True}

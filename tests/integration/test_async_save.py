@@ -33,14 +33,15 @@ from support.checkpoints import (
 )
 from ucp.cli.main import main as cli_main
 from ucp.convert import convert
-from ucp.deepspeed import save_files, save_writer
-from ucp.deepspeed.save_files import arrange_files, whole_crcs
-from ucp.deepspeed.save_writer import BackgroundSave, SavePiece, SnapshotBuffer, write_pieces
+from ucp.deepspeed.saving import files as save_files
+from ucp.deepspeed.saving import writer as save_writer
+from ucp.deepspeed.saving.files import arrange_files, whole_crcs
+from ucp.deepspeed.saving.writer import BackgroundSave, SavePiece, SnapshotBuffer, write_pieces
 from ucp.errors import IncompleteCheckpointError, SaveError
 from ucp.format.crc import chunk_bounds, crc32_combine
-from ucp.format.fileio import tensor_bytes
 from ucp.format.index import FORMAT_NAME
 from ucp.format.safetensors_stream import TORCH_DTYPES, StreamingWriter, TensorSlot
+from ucp.storage.fileio import tensor_bytes
 
 META = {"format": FORMAT_NAME}
 

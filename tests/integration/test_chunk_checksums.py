@@ -15,8 +15,8 @@ import ucp
 from support.checkpoints import TinySpec, ucp_load_errors
 from ucp.convert import convert
 from ucp.deepspeed import LoadStats
-from ucp.deepspeed.load_source import AtomicSource
-from ucp.deepspeed.targets import TargetTensor
+from ucp.deepspeed.engine.targets import TargetTensor
+from ucp.deepspeed.loading.source import AtomicSource
 from ucp.errors import CorruptCheckpointError
 from ucp.format.crc import chunk_bounds
 

@@ -33,7 +33,7 @@ from support.parallel import (
 )
 from ucp.cli.main import main
 from ucp.convert import convert
-from ucp.converters.deepspeed_declared import affine_params, declared_layout
+from ucp.converters.deepspeed.declared import affine_params, declared_layout
 from ucp.converters.dispatch import plan_deepspeed
 from ucp.errors import AmbiguousPatternError, CorruptCheckpointError, UnsupportedLayoutError
 from ucp.patterns import Pattern, PatternSpec

@@ -32,7 +32,7 @@ from support.parallel import (
 )
 from support.train_megatron import FFN, HEAD_DIM, HIDDEN, KV_HEADS, PADDED_VOCAB, VOCAB
 from ucp.convert import convert
-from ucp.converters.deepspeed_lists import list_layout
+from ucp.converters.deepspeed.lists import list_layout
 from ucp.converters.dispatch import plan_deepspeed
 from ucp.errors import AmbiguousPatternError, CheckpointNotFoundError, CorruptCheckpointError
 from ucp.patterns import Pattern

@@ -27,8 +27,8 @@ from support.parallel import (
     trainable_count,
 )
 from ucp.convert import convert
-from ucp.converters.deepspeed_slices import load_dict, read_slice
-from ucp.converters.deepspeed_zero0 import zero0_slice
+from ucp.converters.deepspeed.slices import load_dict, read_slice
+from ucp.converters.deepspeed.zero0 import zero0_slice
 from ucp.converters.tag_folder import model_files, optim_files
 from ucp.patterns import FragmentInfo, Pattern, PatternSpec
 from ucp.plan.assemble import assemble

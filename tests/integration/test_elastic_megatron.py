@@ -74,7 +74,7 @@ def plain_reference(tmp_path_factory) -> dict[int, float]:
 
 def test_an_mpu_without_a_pipeline_loses_a_node_then_gets_it_back(tmp_path, plain_reference):
     """Elastic restarts of a Megatron-style mpu in a plain module: the layout follows the ranks, each restart
-    loads the last save by its TP boxes (`ucp.deepspeed.mpu_target`), and every step's loss is the uninterrupted
+    loads the last save by its TP boxes (`ucp.deepspeed.loading.mpu`), and every step's loss is the uninterrupted
     run's (D changes 2 -> 1 -> 2: the gradient's sum runs in another order, hence RTOL rather than equality)."""
     losses = tmp_path / "losses.jsonl"
     # 4 ranks: T=2 x D=2; 3 ranks: T=2 x D=1 and a spare; a node back: T=2 x D=2 again

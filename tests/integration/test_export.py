@@ -24,7 +24,7 @@ from support.s3_proxy import BUCKET
 from support.train_hf_model import OPTIMIZER, load_dcp, probe_ids
 from ucp.cli.main import main
 from ucp.convert import convert
-from ucp.converters.deepspeed_slices import load_dict
+from ucp.converters.deepspeed.slices import load_dict
 from ucp.converters.torch_zip import read_tensor
 from ucp.errors import CheckpointNotFoundError, ExportError, OutputExistsError, UnsupportedLayoutError
 from ucp.export import to_dcp, to_hf

@@ -107,7 +107,7 @@ def test_convert_keeps_fp16_frozen_parameters_in_fp16(converted_pair):
 
 
 def test_hook_restores_the_loss_scale_into_deepspeeds_scaler(converted_pair):
-    from ucp.deepspeed.engine_load import _restore_loss_scale
+    from ucp.deepspeed.loading.load import _restore_loss_scale
 
     _, fp16, _ = converted_pair
     scaler = dynamic_scaler()

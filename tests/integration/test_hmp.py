@@ -22,8 +22,8 @@ from support.checkpoints import SUPPORT_DIR
 from support.launch import run_torchrun
 from support.reference_tp import RefConfig, StageModule, full_forward, init_weights, param_table
 from ucp.convert.split_policy import SplitPolicy
-from ucp.deepspeed.placement import place_by_layout
-from ucp.deepspeed.targets import Target, TargetTensor
+from ucp.deepspeed.engine.placement import place_by_layout
+from ucp.deepspeed.engine.targets import Target, TargetTensor
 from ucp.errors import UnsupportedLayoutError
 from ucp.format.index import stored_shape
 from ucp.format.safetensors_stream import read_stored

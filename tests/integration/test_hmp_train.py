@@ -49,7 +49,7 @@ RUNS = {  # name: (--tp-sizes, or None for a --layout run; ranks, extra flags)
     # reduced in place (the tiny model's pieces are all below the default size, so "hmp" packs them all)
     "hmp3": ("2,2,1", 5, ["--in-place-elements", "1"]),
     "unweighted": ("2,1", 3, ["--sync", "unweighted"]),
-    # DeepSpeed engines, the sync inside engine.step (ucp.deepspeed.hmp_sync): ZeRO-1 in fp32 (the sync reads and
+    # DeepSpeed engines, the sync inside engine.step (ucp.deepspeed.engine.hmp_sync): ZeRO-1 in fp32 (the sync reads and
     # writes the optimizer's partition through safe_get/set_full_grad), ZeRO-1 in bf16 with fp32 accumulation
     # (BF16_Optimizer: the sync reduces its fp32 buffers in place), and ZeRO-0 without the sync (negative control)
     "ds": ("2,1", 3, ["--deepspeed", "--zero", "1", "--save-dir", "{save}", "--save-every", "5", "--keep", "2"]),
@@ -204,7 +204,7 @@ def test_bad_flags_are_refused_in_one_line(tmp_path):
     assert unsynced.stderr.strip().splitlines()[-1] == (
         "error: ucp.deepspeed.save: this engine has an HMP rank's mpu (RankAloneMpu) but no gradient sync, so its "
         'replicas train apart and hold no one model; add "layout" and "hmp" to the "ucp" config section '
-        "(ucp.deepspeed.hmp_sync)")
+        "(ucp.deepspeed.engine.hmp_sync)")
     for flags, message in ((["--deepspeed", "--memory-every", "1"], "--memory-every saves beside the disk tier: add "
                                                                     "--save-dir"),
                            (["--stop-after", "3"], "--stop-after stops a --deepspeed run without --elastic")):

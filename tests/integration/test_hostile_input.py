@@ -24,7 +24,7 @@ import pytest
 import ucp
 from support.checkpoints import TinySpec, read_tag, ucp_load_errors
 from ucp.cli.main import main
-from ucp.converters.deepspeed_slices import load_dict
+from ucp.converters.deepspeed.slices import load_dict
 from ucp.converters.torch_zip import storage_entries
 from ucp.errors import CorruptCheckpointError, UcpError
 from ucp.format.folder import INDEX_NAME

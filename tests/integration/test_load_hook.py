@@ -43,7 +43,7 @@ def tolerance(source: TinySpec, target: TinySpec) -> float:
 
 
 def largest_layer_bytes(path) -> int:
-    from ucp.deepspeed.engine_load import layer_of
+    from ucp.deepspeed.loading.load import layer_of
 
     layers: dict[str, int] = {}
     for name, e in ucp.open_checkpoint(path).index.params.items():

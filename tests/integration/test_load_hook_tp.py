@@ -31,9 +31,9 @@ from support.atomic import stored_bytes
 from support.llama_tp_runs import build_sources, load_stats, losses, resume
 from ucp.convert import convert
 from ucp.convert.split_policy import SplitPolicy
-from ucp.converters.deepspeed_declared import RankBlock
-from ucp.deepspeed.autotp import rank_block, to_box
-from ucp.deepspeed.targets import TargetTensor
+from ucp.converters.deepspeed.declared import RankBlock
+from ucp.deepspeed.engine.autotp import rank_block, to_box
+from ucp.deepspeed.engine.targets import TargetTensor
 from ucp.errors import UnsupportedLayoutError
 from ucp.format.index import StoredState
 from ucp.format.safetensors_stream import TORCH_DTYPES

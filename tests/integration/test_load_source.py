@@ -17,16 +17,17 @@ from support.checkpoints import TinySpec
 from support.llama_tp_runs import build_sources
 from test_load_hook_tp import TRAIN
 from ucp.convert import convert
-from ucp.deepspeed import LoadStats, engine_load
-from ucp.deepspeed.flat_runs import FlatRun, flat_runs, run_reads
-from ucp.deepspeed.load_source import AtomicSource, PlannedSource, box_numel
-from ucp.deepspeed.targets import TargetTensor
+from ucp.deepspeed import LoadStats
+from ucp.deepspeed.engine.targets import TargetTensor
+from ucp.deepspeed.loading import load as engine_load
+from ucp.deepspeed.loading.flat_runs import FlatRun, flat_runs, run_reads
+from ucp.deepspeed.loading.source import AtomicSource, PlannedSource, box_numel
 from ucp.errors import CorruptCheckpointError
 from ucp.format.byte_ranges import ByteRange
-from ucp.format.fileio import tensor_bytes
 from ucp.format.safetensors_stream import TORCH_DTYPES
 from ucp.patterns import FragmentInfo, Pattern, PatternSpec
 from ucp.plan.plan import ConversionPlan, Fragment, ParamPlan, Piece, StateSource
+from ucp.storage.fileio import tensor_bytes
 
 SOURCES = ["z2-fp32-dp2", "z3-bf16-dp3", "autotp2-z1"]  # ZeRO partitions; bf16 frozen fragments; TP shards
 

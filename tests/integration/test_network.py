@@ -36,7 +36,7 @@ from ucp.convert.object_output import upload
 from ucp.convert.tensors import write_tensors
 from ucp.errors import CorruptCheckpointError
 from ucp.format.folder import read_index, read_latest
-from ucp.format.locations import location
+from ucp.storage.locations import location
 
 OPTIMIZER = {"type": "AdamW", "states": ["exp_avg"], "param_groups": [{"hyperparams": {"lr": 0.1},
                                                                       "params": ["a.weight", "b.weight"]}]}

@@ -34,7 +34,7 @@ from test_zero_conversion import compare_loads
 from ucp.cli.main import main as cli_main
 from ucp.convert import convert
 from ucp.errors import CheckpointNotFoundError, UnsupportedStorageError
-from ucp.format.locations import ObjectPath, location
+from ucp.storage.locations import ObjectPath, location
 
 SPEC = TinySpec(stage=2)  # saved on 2 ranks, loaded on 2
 
@@ -137,7 +137,7 @@ def test_convert_to_s3_errors_name_the_url_not_the_staging_folder(s3, tiny_check
     (`ucp.convert.convert`) refuses it, naming the folder; the control is that same refusal outside the upload."""
     from ucp.convert.object_output import convert_to_object_store
     from ucp.errors import OutputExistsError
-    from ucp.format.fileio import writing_alone
+    from ucp.storage.fileio import writing_alone
 
     monkeypatch.setenv("UCP_STAGING_DIR", str(tmp_path))
     save_dir, url = tiny_checkpoint(SPEC), f"s3://{BUCKET}/staging-named"
@@ -366,7 +366,7 @@ def test_auto_and_keep_over_an_object_store_prefix(s3, converted):
     from ucp.elastic.resume import candidates, set_aside
     from ucp.elastic.retention import prune
     from ucp.format.folder import commit_latest
-    from ucp.format.locations import location
+    from ucp.storage.locations import location
 
     def copy_tag(tag: str, skip_index: bool = False) -> None:
         for key in keys(s3, "run1/"):

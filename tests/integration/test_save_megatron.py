@@ -28,7 +28,7 @@ controls: each TP rank given the other's boxes, another step's save; ZeRO-2 is r
 
 Resumes, in the same launch (`RESUMES`): a run whose `mlp.input_scale` copies stay equal (its gradient all-reduced
 over TP) saves with ucp after 2 steps, and `ucp.deepspeed.load` puts that save into other layouts, each TP rank
-taking the boxes of its shards (`ucp.deepspeed.mpu_target`): the losses continue the uninterrupted run's at TP=2 x
+taking the boxes of its shards (`ucp.deepspeed.loading.mpu`): the losses continue the uninterrupted run's at TP=2 x
 PP=1 x DP=2 (ZeRO-1 and ZeRO-0) within 1e-6, and exactly at the same layout (through the config's `"load"`); at
 TP=1 x PP=2 x DP=2 every rank holds every state of the checkpoint. Negative controls: each TP rank given the other's
 boxes does not continue the losses; DeepSpeed's own `load_checkpoint` at TP=2 x PP=1 x DP=2 fails.

@@ -31,8 +31,8 @@ from support.checkpoints import (
 )
 from ucp.cli.main import main as cli_main
 from ucp.convert import convert
-from ucp.converters.deepspeed_slices import load_dict, tied_aliases
-from ucp.deepspeed.targets import module_aliases
+from ucp.converters.deepspeed.slices import load_dict, tied_aliases
+from ucp.deepspeed.engine.targets import module_aliases
 
 ALIASES = {"head.weight": "emb.weight"}
 TRAINABLE = {"emb.weight", "l1.weight", "l1.bias", "l2.weight", "l2.bias", "head.bias", "gain"}

@@ -18,7 +18,7 @@ import torch
 import ucp
 from ucp.convert.split_policy import SplitPolicy
 from ucp.convert.tensors import write_tensors
-from ucp.deepspeed.memory_manifest import Manifest, write_manifest
+from ucp.deepspeed.memory.manifest import Manifest, write_manifest
 from ucp.format.folder import INDEX_NAME, commit_index, read_index, tensor_key
 from ucp.format.index import ParamEntry, index_json
 from ucp.format.safetensors_stream import StreamingWriter, TensorSlot

@@ -25,8 +25,9 @@ from typing import Any
 PACKAGES = ("ucp.deepspeed.", "ucp.elastic.")
 # Below the modules the walk counts: what each rank holds and where bytes go (docs/ARCHITECTURE.md, the layers).
 HELPERS = frozenset(f"ucp.deepspeed.{name}" for name in (
-    "targets", "autotp", "moe_target", "mpu_target", "mpu_plan", "placement", "load_source", "flat_runs",
-    "readers", "exchange", "finish", "save_layout", "save_plan", "save_files", "save_writer"))
+    "engine.targets", "engine.autotp", "engine.moe", "engine.placement", "loading.mpu", "loading.source",
+    "loading.flat_runs", "loading.readers", "loading.exchange", "finish", "saving.mpu", "saving.layout", "saving.plan",
+    "saving.files", "saving.writer"))
 INITIALIZE = ("ucp.deepspeed.hook", "initialize")
 STEP = ("ucp.deepspeed.life", "_step")
 

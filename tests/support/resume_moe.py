@@ -62,7 +62,7 @@ def main(argv=None):
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
     import ucp.deepspeed
-    import ucp.deepspeed.moe_target
+    import ucp.deepspeed.engine.moe
 
     torch.use_deterministic_algorithms(True)
     deepspeed.init_distributed(dist_backend="gloo")
@@ -72,7 +72,7 @@ def main(argv=None):
                                                                     "name": "all"}])
     config = ds_config(argparse.Namespace(stage=args.zero_stage, dtype="fp32"))
     if args.experts_by_local_id:
-        ucp.deepspeed.moe_target.expert_parallel_rank = lambda group_name: 0
+        ucp.deepspeed.engine.moe.expert_parallel_rank = lambda group_name: 0
         engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
         try:
             ucp.deepspeed.load(engine, args.ucp_load)

@@ -17,7 +17,8 @@ def install(hold_dir: str | os.PathLike) -> None:
     """Make every save of this process meet the faults that files in `hold_dir` ask for."""
     import torch.distributed as dist
 
-    from ucp.deepspeed import save_stores, save_writer
+    from ucp.deepspeed.saving import stores as save_stores
+    from ucp.deepspeed.saving import writer as save_writer
 
     hold_dir = Path(hold_dir)
     write_pieces, pwrite_all = save_stores.write_pieces, save_writer._pwrite_all

@@ -194,7 +194,7 @@ def swap_row_parallel_blocks() -> None:
 
     (Swapping every split parameter would only permute attention heads and MLP units consistently,
     which computes the same function: only a tensor comparison could tell.)"""
-    import ucp.deepspeed.autotp as tp_target
+    import ucp.deepspeed.engine.autotp as tp_target
 
     declared_blocks = tp_target.declared_blocks
 

@@ -497,7 +497,7 @@ def resume(engine, run: dict) -> bool:
         return False
     if run.get("load_from"):
         if run.get("swap_tp_boxes"):  # negative control: each TP rank's boxes are the other TP rank's
-            import ucp.deepspeed.mpu_target as mpu_target
+            import ucp.deepspeed.loading.mpu as mpu_target
 
             real = mpu_target.tp_rank
             mpu_target.tp_rank = lambda engine: TP - 1 - real(engine)

@@ -1,5 +1,6 @@
 """The package structure of docs/ARCHITECTURE.md, enforced: no import cycle between ucp modules
-(imports inside functions included) and no import against the documented direction."""
+(imports inside functions included), no import against the documented direction, the format apart from the storage
+backends, and folders that stay small enough to read at a glance."""
 from __future__ import annotations
 
 import ast
@@ -16,6 +17,7 @@ SOURCES = {"ucp": "ucp", "converters": "ucp.converters", "patterns": "ucp.patter
 LAYERS = (
     ("ucp.errors", "ucp.version", "ucp.sizes", "ucp.progress", "ucp.collectives"),
     ("ucp.patterns",),
+    ("ucp.storage",),
     ("ucp.format",),
     ("ucp.plan",),
     ("ucp.converters",),
@@ -27,6 +29,14 @@ LAYERS = (
     ("ucp.cli",),
     ("ucp",),
 )
+
+
+# The storage backends (docs/ARCHITECTURE.md, "Storage"): reached only through `ucp.storage.layer`'s dispatch.
+BACKENDS = ("ucp.storage.local", "ucp.storage.remote", "ucp.storage.s3", "ucp.storage.fsspec")
+# The most modules (`__init__` aside) a folder of the package holds, and the most modules of one folder whose names
+# share a prefix (the words before the first "_": `save_plan`, `save_index` and `save_files` make a folder `save`).
+MAX_MODULES = 15
+MAX_SHARING_A_PREFIX = 2
 
 
 def modules() -> dict[str, Path]:
@@ -114,12 +124,62 @@ def test_imports_follow_the_documented_direction():
     assert wrong == []
 
 
+def format_imports_of_backends(edges: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{a} -> {b}" for a, targets in edges.items() for b in targets
+                  if (a == "ucp.format" or a.startswith("ucp.format.")) and b in BACKENDS)
+
+
+def test_the_format_imports_no_storage_backend():
+    # What the bytes mean never depends on where they live: the format reads and writes through ucp.storage.layer.
+    assert format_imports_of_backends(graph()) == []
+
+
+def folder_problems(names_by_folder: dict[str, list[str]]) -> list[str]:
+    """Each folder with more than MAX_MODULES modules, and each prefix shared by more than MAX_SHARING_A_PREFIX
+    modules of one folder (`names_by_folder`: a folder's module names, without `.py`)."""
+    out = []
+    for folder, names in sorted(names_by_folder.items()):
+        names = [n for n in names if n != "__init__"]
+        if len(names) > MAX_MODULES:
+            out.append(f"{folder}: {len(names)} modules")
+        prefixes: dict[str, list[str]] = {}
+        for name in names:
+            if "_" in name.strip("_"):
+                prefixes.setdefault(name.strip("_").split("_")[0], []).append(name)
+        out.extend(f"{folder}: {sorted(shared)} share {prefix}_" for prefix, shared in sorted(prefixes.items())
+                   if len(shared) > MAX_SHARING_A_PREFIX)
+    return out
+
+
+def source_folders() -> dict[str, list[str]]:
+    folders: dict[str, list[str]] = {}
+    for folder in SOURCES:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            folders.setdefault(str(path.parent.relative_to(ROOT)), []).append(path.stem)
+    return folders
+
+
+def test_folders_stay_small_and_a_shared_prefix_is_a_folder():
+    assert folder_problems(source_folders()) == []
+
+
+def test_the_checks_see_a_backend_import_a_big_folder_and_a_shared_prefix():
+    # Negative controls for the two checks above.
+    assert format_imports_of_backends({"ucp.format.index": {"ucp.storage.s3", "ucp.storage.layer"}}) == [
+        "ucp.format.index -> ucp.storage.s3"]
+    big = {"ucp/x": ["__init__", *(f"m{i}" for i in range(MAX_MODULES + 1))]}
+    assert folder_problems(big) == [f"ucp/x: {MAX_MODULES + 1} modules"]
+    assert folder_problems({"ucp/x": ["__init__", "save_plan", "save_index", "save_files", "plan_common"]}) == [
+        "ucp/x: ['save_files', 'save_index', 'save_plan'] share save_"]
+    assert folder_problems({"ucp/x": ["save_plan", "save_index", "_private", "index"]}) == []
+
+
 def test_the_checks_see_a_cycle_and_a_wrong_direction():
     # Negative controls for the two checks above, on a made-up graph.
     edges = {"ucp.format.a": {"ucp.convert.driver"}, "ucp.convert.driver": {"ucp.format.a"}}
     assert cycles(edges) == [["ucp.convert.driver", "ucp.format.a"]]
     assert layer_of("ucp.format.a") < layer_of("ucp.convert.driver")
-    assert layer_of("ucp.plan.plan") < layer_of("ucp.converters.deepspeed_zero") < layer_of("ucp.convert.driver")
+    assert layer_of("ucp.plan.plan") < layer_of("ucp.converters.deepspeed.zero") < layer_of("ucp.convert.driver")
 
 
 @pytest.mark.parametrize("module", sorted(modules()))

@@ -2,7 +2,7 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ucp.deepspeed.readers import assign_readers
+from ucp.deepspeed.loading.readers import assign_readers
 from ucp.format.byte_ranges import ByteRange, coalesce
 
 

@@ -29,7 +29,7 @@ from ucp.convert.tensors import write_tensors
 from ucp.errors import UnsupportedStorageError
 from ucp.export import to_dcp
 from ucp.format.folder import read_index
-from ucp.format.locations import ObjectPath, location
+from ucp.storage.locations import ObjectPath, location
 
 OPTIMIZER = {"type": "AdamW", "states": ["exp_avg"], "param_groups": [{"hyperparams": {"lr": 0.1},
                                                                       "params": ["a.weight", "b.weight"]}]}
@@ -136,7 +136,7 @@ def test_reads_are_ranged_the_bytes_of_the_tensor_asked_for(local):
 
 
 def test_ranged_reads_run_concurrently_and_bounded(local, monkeypatch):
-    from ucp.format.object_store import max_in_flight
+    from ucp.storage.s3 import max_in_flight
 
     url = uploaded(local, "ucpcount")
     try:
@@ -179,7 +179,7 @@ def test_writes_make_the_folders_a_file_system_needs_but_never_a_bucket(tmp_path
     """fsspec's local filesystem (under `local://`) wants a file's folder to exist, as HDFS does: a write makes it.
     Its URL's netloc plays a bucket's part: a missing one is refused, not created (gcsfs would create a bucket)."""
     from ucp.errors import StorageAccessError
-    from ucp.format.storage import read_small, write_whole
+    from ucp.storage.layer import read_small, write_whole
 
     target = location(f"local://{tmp_path}/new/sub/ucp_index.json")
     write_whole(target, b"{}")
@@ -197,7 +197,7 @@ def test_deleting_or_moving_a_tree_leaves_no_folder_behind(local, tmp_path, prot
     """Retention (`"keep"`) deletes a tag's files and setting a damaged checkpoint aside moves them; a filesystem
     that keeps folders (local://, HDFS; memory:// keeps pseudo-folders) must not keep the tag's empty folder,
     which a listing of the save folder would still show."""
-    from ucp.format.storage import delete_tree, list_folders, move_tree
+    from ucp.storage.layer import delete_tree, list_folders, move_tree
 
     root = f"memory://{uuid.uuid4().hex}" if protocol == "memory" else f"local://{tmp_path}/saves"
     try:
@@ -233,10 +233,10 @@ def test_an_unknown_protocol_is_refused_in_one_line(url):
 def test_an_upload_shared_by_writers_is_one_whole_part_on_fsspec(tmp_path):
     """The calls an asynchronous save uploads through (`storage.start_upload` ... `complete_upload`) are S3's
     multipart upload there, and here one part per file written whole by its uploader: the save's code is the same
-    for both (`ucp.deepspeed.object_save`); a part that is not the whole file is refused, and an abort removes
+    for both (`ucp.deepspeed.saving.uploads`); a part that is not the whole file is refused, and an abort removes
     what the upload wrote."""
     from ucp.errors import StorageAccessError
-    from ucp.format import storage
+    from ucp.storage import layer as storage
 
     folder = location(f"memory://uploads-{uuid.uuid4().hex}/run1/global_step1")
     source = tmp_path / "data.bin"
@@ -257,7 +257,7 @@ def test_deletes_and_locks_take_any_location(tmp_path):
     """`storage.delete`, `delete_tree` and the readers' locks work on a local folder and a prefix alike, so
     retention (`"keep"`) asks no caller which it holds; a held shared lock keeps the exclusive one from a remover
     (negative control: released, it is free), and an object store, which has no locks, is always free."""
-    from ucp.format import storage
+    from ucp.storage import layer as storage
 
     local = tmp_path / "global_step1"
     local.mkdir()
@@ -284,7 +284,7 @@ def test_what_a_location_can_do_is_asked_of_storage(tmp_path, monkeypatch):
     system, takes locks, is made with its parents and is made absolute against the working directory; a
     `memory://` prefix is remote, has no locks, needs no making (nothing appears) and stays as it is. `location`
     of either is the same object (an operation resolves its path once and passes the `Location` down)."""
-    from ucp.format import storage
+    from ucp.storage import layer as storage
 
     monkeypatch.chdir(tmp_path)
     local = Path("run1") / "global_step1"
@@ -305,7 +305,7 @@ def test_read_file_is_none_where_no_file_stands(tmp_path):
     """`storage.read_file` reads a small file whole, and is None where there is none, locally also where a
     folder stands under the name (negative control: `read_small` refuses the folder)."""
     from ucp.errors import CorruptCheckpointError
-    from ucp.format import storage
+    from ucp.storage import layer as storage
 
     prefix = location(f"memory://read-file-{uuid.uuid4().hex}/run1")
     for folder in (tmp_path, prefix):

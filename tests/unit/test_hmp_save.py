@@ -1,4 +1,4 @@
-"""Which ranks write a save from a heterogeneous layout (ucp.deepspeed.hmp_save): every element of every tensor
+"""Which ranks write a save from a heterogeneous layout (ucp.deepspeed.saving.hmp): every element of every tensor
 once across the job, by the replica with the most ranks. The save itself is run by
 tests/integration/test_hmp_train.py."""
 from __future__ import annotations
@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from ucp.deepspeed.hmp_save import writing_holdings, writing_replica
-from ucp.deepspeed.save_plan import Holding, pattern_of, writers
+from ucp.deepspeed.saving.hmp import writing_holdings, writing_replica
+from ucp.deepspeed.saving.plan import Holding, pattern_of, writers
 from ucp.hmp.layout import Layout, ParamSpec, Replica, Stage
 from ucp.patterns import Pattern
 
@@ -79,8 +79,8 @@ def test_an_hmp_ranks_mpu_is_not_taken_for_a_megatron_one():
     Megatron's `get_tensor_model_parallel_world_size`; the saver must still place its tensors by the layout, not as
     Megatron TP shards (that took the writing replica's patterns for `replicate`: issue #30, stop 36)."""
     from support.train_megatron import ParallelState
-    from ucp.deepspeed.hmp_sync import RankAloneMpu
-    from ucp.deepspeed.save_layout import is_megatron_mpu
+    from ucp.deepspeed.engine.hmp_sync import RankAloneMpu
+    from ucp.deepspeed.saving.layout import is_megatron_mpu
 
     hmp = RankAloneMpu(tp_group=None, tp_ranks=(0, 1), dp_group=None)
     assert not is_megatron_mpu(hmp)

@@ -1,11 +1,11 @@
-"""The `"hmp"` key of the `"ucp"` config section (ucp.deepspeed.hmp_sync): its batch, the engine's batch keys,
+"""The `"hmp"` key of the `"ucp"` config section (ucp.deepspeed.engine.hmp_sync): its batch, the engine's batch keys,
 and one-line refusals of what does not go with it. The sync itself is run by tests/integration/test_hmp_train.py."""
 from __future__ import annotations
 
 import pytest
 
 from ucp.deepspeed.config import ucp_options
-from ucp.deepspeed.hmp_sync import hmp_batch, replica_batch_keys
+from ucp.deepspeed.engine.hmp_sync import hmp_batch, replica_batch_keys
 from ucp.deepspeed.hook import _elastic_hmp_options, _hmp_batch
 from ucp.elastic.layout_choice import Choice, RankLayout
 from ucp.errors import ConfigError

@@ -22,18 +22,18 @@ def test_import_ucp_and_the_planning_side_pull_in_no_torch():
 
 
 def test_local_checkpoints_import_no_object_store_client():
-    """boto3 is imported by ucp.format.object_store alone, when an s3:// location is first used (issue #22)."""
-    assert imported("ucp, ucp.checkpoint, ucp.format.storage, ucp.format.folder, ucp.format.box_read, "
+    """boto3 is imported by ucp.storage.s3 alone, when an s3:// location is first used (issue #22)."""
+    assert imported("ucp, ucp.checkpoint, ucp.storage.layer, ucp.format.folder, ucp.format.box_read, "
                     "ucp.convert.driver, ucp.format.checked_read", ("boto3", "botocore", "s3fs", "fsspec")) == []
-    assert imported("ucp.format.object_store; ucp.format.object_store._client()", ("boto3",)) == ["boto3"]  # control
+    assert imported("ucp.storage.s3; ucp.storage.s3._client()", ("boto3",)) == ["boto3"]  # control
 
 
 def test_local_and_s3_locations_import_no_fsspec():
-    """fsspec is imported by ucp.format.fsspec_store alone, when a URL of another protocol is first seen."""
-    assert imported("ucp.format.locations; ucp.format.locations.location('ckpt/run1'); "
-                    "ucp.format.locations.location('file:///ckpt/run1'); "
-                    "ucp.format.locations.location('s3://bucket/run1')", ("fsspec",)) == []
-    assert imported("ucp.format.locations; ucp.format.locations.location('memory://bucket/run1')",
+    """fsspec is imported by ucp.storage.fsspec alone, when a URL of another protocol is first seen."""
+    assert imported("ucp.storage.locations; ucp.storage.locations.location('ckpt/run1'); "
+                    "ucp.storage.locations.location('file:///ckpt/run1'); "
+                    "ucp.storage.locations.location('s3://bucket/run1')", ("fsspec",)) == []
+    assert imported("ucp.storage.locations; ucp.storage.locations.location('memory://bucket/run1')",
                     ("fsspec",)) == ["fsspec"]  # control
 
 

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from ucp.errors import UnsupportedStorageError
-from ucp.format import storage
-from ucp.format.local_store import LocalStore
-from ucp.format.locations import location
+from ucp.storage import layer as storage
+from ucp.storage.local import LocalStore
+from ucp.storage.locations import location
 
 
 @pytest.fixture
@@ -81,7 +81,7 @@ def test_a_remote_store_refuses_writes_at_offsets():
 
 def loaded_after(statements: str) -> str:
     """Which of boto3 and fsspec a fresh interpreter has loaded after `statements`."""
-    code = (f"import sys; from pathlib import Path; from ucp.format import storage, locations; {statements}; "
+    code = (f"import sys; from pathlib import Path; from ucp.storage import layer as storage, locations; {statements}; "
             "print('loaded:' + ','.join(m for m in ('boto3', 'fsspec') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return out.stdout.strip().splitlines()[-1]

@@ -1,5 +1,5 @@
-"""Which node copies of a memory folder a job uses, and what it refuses (#32: `ucp.deepspeed.memory_files`,
-`memory_manifest`, `memory_resume`, `auto_resume.resume_auto`, `ucp.elastic.restart.read_progress`), on node copies
+"""Which node copies of a memory folder a job uses, and what it refuses (#32: `ucp.deepspeed.memory.files`,
+`memory.manifest`, `memory.resume`, `auto_resume.resume_auto`, `ucp.elastic.restart.read_progress`), on node copies
 as the memory tier writes them (`support.atomic.memory_copy`), then damaged. One process: no torch.distributed."""
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import pytest
 
 from support.atomic import memory_copy, saved_at
 from ucp.deepspeed.auto_resume import resume_auto
-from ucp.deepspeed.memory_files import MemoryEvery, read_copies, remove_copies, untrusted
-from ucp.deepspeed.memory_manifest import MANIFEST_NAME
-from ucp.deepspeed.memory_resume import memory_resume_point
+from ucp.deepspeed.memory.files import MemoryEvery, read_copies, remove_copies, untrusted
+from ucp.deepspeed.memory.manifest import MANIFEST_NAME
+from ucp.deepspeed.memory.resume import memory_resume_point
 from ucp.elastic.restart import PROGRESS_NAME, Progress, read_progress, record_progress
 from ucp.errors import CheckpointMismatchError, ConfigError
 from ucp.format.folder import INDEX_NAME

@@ -1,10 +1,10 @@
-"""The memory tier's plans (`ucp.elastic.memory_plan`) and its config section (`ucp.deepspeed.memory_files`)."""
+"""The memory tier's plans (`ucp.elastic.memory_plan`) and its config section (`ucp.deepspeed.memory.files`)."""
 from __future__ import annotations
 
 import pytest
 
 from ucp.deepspeed.config import SaveOptions
-from ucp.deepspeed.memory_files import MemoryEvery
+from ucp.deepspeed.memory.files import MemoryEvery
 from ucp.elastic.memory_plan import BASE, Fill, NodeCopy, choose, fills, held_by, nodes_of, peer_pairs
 from ucp.errors import ConfigError
 

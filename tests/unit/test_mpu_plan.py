@@ -1,4 +1,4 @@
-"""The boxes a Megatron-style TP shard fills in the full tensor (`ucp.deepspeed.mpu_plan`), against shards cut from a
+"""The boxes a Megatron-style TP shard fills in the full tensor (`ucp.deepspeed.saving.mpu`), against shards cut from a
 full tensor the way tests/support/train_megatron.py cuts them."""
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from ucp.deepspeed.load_source import piece_runs
-from ucp.deepspeed.mpu_plan import first_stage_only, pieces, place_shards, tp_layout
-from ucp.deepspeed.save_plan import Holding, Shard, box_runs
-from ucp.deepspeed.targets import TargetTensor
+from ucp.deepspeed.engine.targets import TargetTensor
+from ucp.deepspeed.loading.source import piece_runs
+from ucp.deepspeed.saving.mpu import first_stage_only, pieces, place_shards, tp_layout
+from ucp.deepspeed.saving.plan import Holding, Shard, box_runs
 from ucp.errors import UnsupportedLayoutError
 from ucp.patterns import Hints, Pattern
 
@@ -78,7 +78,7 @@ def test_a_fused_shard_is_not_one_block_of_rows():
 
 def _box_values(full: torch.Tensor, t: TargetTensor) -> torch.Tensor:
     """What a load reads for `t` from the checkpoint's `full` tensor: its run of its box, or of its pieces one after
-    another (`load_source.piece_runs`)."""
+    another (`loading.source.piece_runs`)."""
     if t.pieces is None:
         box = t.box or tuple((0, n) for n in full.shape)
         flat = full[tuple(slice(lo, hi) for lo, hi in box)].reshape(-1)
@@ -91,7 +91,7 @@ def _box_values(full: torch.Tensor, t: TargetTensor) -> torch.Tensor:
 @pytest.mark.parametrize("name,shape", [("1.mlp.dense_h_to_4h.weight", (12, 3)), ("1.mlp.dense_4h_to_h.weight", (3, 6)),
                                         ("embed.weight", (7, 2)), ("1.mlp.input_scale", (3,))])
 def test_a_load_gives_each_rank_its_shards_elements(name, shape, dp):
-    """The inverse of the save's plan (`ucp.deepspeed.mpu_target`): each TP rank's ZeRO run of its shard, placed by
+    """The inverse of the save's plan (`ucp.deepspeed.loading.mpu`): each TP rank's ZeRO run of its shard, placed by
     `pieces`, reads exactly the shard's elements from the full tensor (padding rows: none; "to average": the whole
     tensor, the saved mean)."""
     full = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)

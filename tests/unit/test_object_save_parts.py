@@ -1,11 +1,11 @@
 """How an asynchronous save to object storage shares each data file's multipart upload among the ranks
-(`ucp.deepspeed.save_files.plan_parts`, `bytes_to_send`): every part has one uploader, the rank holding most of
+(`ucp.deepspeed.saving.files.plan_parts`, `bytes_to_send`): every part has one uploader, the rank holding most of
 its bytes, and a rank sends each of its bytes that lie in another rank's part to that rank, and no others."""
 from __future__ import annotations
 
 import random
 
-from ucp.deepspeed.save_files import SaveFile, bytes_to_send, plan_parts
+from ucp.deepspeed.saving.files import SaveFile, bytes_to_send, plan_parts
 
 FILES = [SaveFile("a", b"h" * 10, 100), SaveFile("b", b"h" * 7, 41)]
 # Rank 0: bytes [10, 55) of a; rank 1: [55, 100) of a and [7, 20) of b; rank 2: [20, 41) of b.

@@ -6,7 +6,7 @@ import pytest
 
 from ucp.errors import CorruptCheckpointError
 from ucp.format.checked_read import OpenChunk, close_chunks
-from ucp.format.fileio import ReadCounter
+from ucp.storage.fileio import ReadCounter
 
 DATA = bytes(range(256)) * 4  # one chunk of 1,024 bytes at file offset 0
 

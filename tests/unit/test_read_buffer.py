@@ -1,4 +1,4 @@
-"""`ucp.format.fileio.read_buffer`: what a load reads into. A buffer from 1 MiB on is a mapping of its own, gone
+"""`ucp.storage.fileio.read_buffer`: what a load reads into. A buffer from 1 MiB on is a mapping of its own, gone
 from the process as soon as the last tensor viewing it is (a heap block of that size could stay with the
 allocator: glibc's mmap threshold rises to 32 MiB as blocks are freed)."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ucp.format.fileio import MAPPED_BUFFER_BYTES, read_buffer
+from ucp.storage.fileio import MAPPED_BUFFER_BYTES, read_buffer
 
 MAPS = Path("/proc/self/maps")
 PAGE = os.sysconf("SC_PAGE_SIZE")

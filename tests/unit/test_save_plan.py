@@ -6,7 +6,7 @@ import itertools
 import pytest
 import torch
 
-from ucp.deepspeed.save_plan import Holding, box_runs, full_box, pattern_of, writers
+from ucp.deepspeed.saving.plan import Holding, box_runs, full_box, pattern_of, writers
 from ucp.patterns import Hints, Pattern
 
 

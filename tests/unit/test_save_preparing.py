@@ -1,4 +1,4 @@
-"""`save_snapshot.Preparing`: the snapshot's layout and buffer prepared on a thread of its own, ahead of the first
+"""`saving.snapshot.Preparing`: the snapshot's layout and buffer prepared on a thread of its own, ahead of the first
 save (issue #28: the first save at a layout stalled training for them). The timing itself is measured in
 benchmarks/README.md (trace P); here: the work runs off the calling thread, `result` waits for it, and a failure
 reaches the caller instead of being lost with the thread."""
@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from ucp.deepspeed.save_snapshot import Preparing
+from ucp.deepspeed.saving.snapshot import Preparing
 
 
 def test_the_layout_is_prepared_off_the_calling_thread_and_result_waits_for_it():

@@ -25,7 +25,7 @@ from ucp.deepspeed.config import SaveOptions
 from ucp.errors import UnsupportedStorageError
 from ucp.export import to_dcp, to_hf
 from ucp.format.folder import local_path
-from ucp.format.locations import ObjectPath, location
+from ucp.storage.locations import ObjectPath, location
 
 # gs:// needs gcsfs, not installed here; hf+s3:// is no protocol fsspec knows
 URLS = ["s3://bucket/run1", "gs://bucket/run1", "hf+s3://x/y", "memory://bucket/run1"]
@@ -74,7 +74,7 @@ def test_other_protocols_are_refused_in_one_line(url):
 
 
 def test_s3_without_boto3_is_refused_in_one_line():
-    code = ("import sys; sys.modules['boto3'] = None; from ucp.format.locations import location; "
+    code = ("import sys; sys.modules['boto3'] = None; from ucp.storage.locations import location; "
             "location('s3://bucket/run1')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode != 0 and "UnsupportedStorageError: s3://bucket/run1: object storage needs boto3" in out.stderr
@@ -145,8 +145,8 @@ def test_cli_refuses_urls_in_one_line_and_writes_nothing(argv, tmp_path):
 def test_local_reads_fill_the_buffer_whether_named_by_str_or_path(kind, tmp_path):
     """A local file named by a plain `str` (as callers outside ucp do) is read like a `Path`: the layer once
     skipped it, leaving the caller's buffer as it was, so a checked read failed its checksum on intact bytes."""
-    from ucp.format.fileio import ReadCounter
-    from ucp.format.storage import read_ranges
+    from ucp.storage.fileio import ReadCounter
+    from ucp.storage.layer import read_ranges
 
     data = os.urandom(4096)
     (tmp_path / "f").write_bytes(data)

@@ -41,8 +41,8 @@ from pathlib import Path
 from ucp.accelerate import data_order
 from ucp.deepspeed.config import AUTO, load_options, ucp_options
 from ucp.errors import CheckpointNotFoundError, ConfigError
-from ucp.format.locations import Location, ObjectPath, local_only, location
-from ucp.format.storage import is_remote
+from ucp.storage.layer import is_remote
+from ucp.storage.locations import Location, ObjectPath, local_only, location
 
 logger = logging.getLogger("ucp.accelerate")
 
@@ -167,7 +167,7 @@ def engine_source(input_dir: str | os.PathLike | ObjectPath,
 
 def _is_ucp_checkpoint(path: Location) -> bool:
     from ucp.format.folder import INDEX_NAME, latest_checkpoint
-    from ucp.format.storage import is_file
+    from ucp.storage.layer import is_file
 
     return is_file(path / INDEX_NAME) or latest_checkpoint(path) is not None
 

@@ -33,13 +33,13 @@ import numpy as np
 
 from ucp.format.crc import chunk_bounds, crc32, join_segments
 from ucp.format.dtypes import NUMPY_DTYPES, cast
-from ucp.format.fileio import open_regular, read_exactly, tensor_bytes
 from ucp.format.index import DTYPE_SIZES
 from ucp.format.safetensors_stream import StoredTensor, TensorSlot, encode_header
 from ucp.format.splits import to_split_major
 from ucp.patterns.types import Pattern, PatternSpec
 from ucp.plan.assemble import assemble, read_fragment
 from ucp.plan.plan import ParamPlan, StateSource
+from ucp.storage.fileio import open_regular, read_exactly, tensor_bytes
 
 BLOCK_BYTES = 8 << 20  # a block: the bytes one thread copies as one task
 # A block moves through a buffer this large, a piece at a time: read, CRC'd and written while the

@@ -24,7 +24,7 @@ import torch
 from ucp.convert.deepspeed_keys import UNIVERSAL_CHECKPOINT_INFO, DeclaredPatterns, declared_patterns, universal_keys
 from ucp.convert.executor import Executor, Report
 from ucp.convert.result import ConvertResult
-from ucp.converters.deepspeed_slices import load_dict
+from ucp.converters.deepspeed.slices import load_dict
 from ucp.converters.torch_zip import Device, DtypeName, LazyTensor, Opaque, read_tensor
 from ucp.errors import CorruptCheckpointError, OutputExistsError, UnsupportedLayoutError
 from ucp.plan.assemble import materialize_tensor

@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ucp.converters.deepspeed_lists import REPLICATED, ROW_PARALLEL, SUB_PARAMS, TO_AVERAGE, TWO_SUB_PARAMS, VOCABULARY
+from ucp.converters.deepspeed.lists import REPLICATED, ROW_PARALLEL, SUB_PARAMS, TO_AVERAGE, TWO_SUB_PARAMS, VOCABULARY
 from ucp.converters.torch_zip import Opaque
 from ucp.patterns import Pattern, PatternSpec
 

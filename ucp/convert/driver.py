@@ -43,7 +43,6 @@ from ucp.convert.split_policy import SplitPolicy, apply_split_policy
 from ucp.converters.trainer_folders import left_out_summary
 from ucp.errors import CorruptCheckpointError, OutputExistsError, UcpError, UnsupportedStorageError
 from ucp.format.crc import CHUNK_BYTES, crc32, join_segments
-from ucp.format.fileio import read_regular, writing_alone
 from ucp.format.folder import (
     INDEX_NAME,
     PARTIAL_SUFFIX,
@@ -56,13 +55,14 @@ from ucp.format.folder import (
     tensor_key,
 )
 from ucp.format.index import FORMAT_NAME, ExtraFile, stored_shape
-from ucp.format.locations import Location, location
 from ucp.format.safetensors_stream import StoredTensor, TensorSlot
 from ucp.format.splits import to_split_major
-from ucp.format.storage import is_remote
 from ucp.plan.balance import plan_bins
 from ucp.plan.index_builder import WrittenFile, build_index, records_of
 from ucp.plan.plan import ConversionPlan, ParamPlan, StateSource
+from ucp.storage.fileio import read_regular, writing_alone
+from ucp.storage.layer import is_remote
+from ucp.storage.locations import Location, location
 
 logger = logging.getLogger("ucp.convert")
 

@@ -16,8 +16,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
-from ucp.format.fileio import drop_inherited_locks
 from ucp.progress import progress_bar
+from ucp.storage.fileio import drop_inherited_locks
 
 T = TypeVar("T")
 R = TypeVar("R")

@@ -17,11 +17,11 @@ from pathlib import Path
 
 from ucp.convert.executor import Report
 from ucp.format.crc import crc32
-from ucp.format.fileio import read_regular
 from ucp.format.folder import DATA_PREFIX, PARTIAL_SUFFIX, fsync_dir
 from ucp.format.index import Index, header_problems
 from ucp.format.safetensors_stream import StoredTensor
 from ucp.plan.index_builder import WrittenFile
+from ucp.storage.fileio import read_regular
 
 MANIFEST_SUFFIX = ".json"
 _CHUNK = 16 << 20

@@ -21,8 +21,8 @@ from ucp.converters.tag_folder import MODEL_FILE, OPTIM_FILE
 from ucp.converters.trainer_folders import last_checkpoint
 from ucp.errors import CheckpointNotFoundError, UcpError
 from ucp.format.folder import check_tag, read_latest
-from ucp.format.locations import Location, ObjectPath
-from ucp.format.storage import download, is_remote, list_folders, list_names
+from ucp.storage.layer import download, is_remote, list_folders, list_names
+from ucp.storage.locations import Location, ObjectPath
 
 
 @contextmanager

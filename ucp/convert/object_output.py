@@ -4,7 +4,7 @@ The conversion runs as it does for a local folder, into a staging folder ($UCP_S
 temporary folder; removed afterwards), and is then uploaded: every data file and carried extra file first
 (multipart, parts in parallel, when large), the index object last. Until the index object exists the prefix
 reads as incomplete, so a conversion interrupted at any point never looks complete (docs/FORMAT.md, "Object
-storage"); a failed multipart upload is aborted (`ucp.format.object_store`), and the uploads a conversion
+storage"); a failed multipart upload is aborted (`ucp.storage.s3`), and the uploads a conversion
 killed outright left open are aborted by the next one to the same prefix.
 """
 from __future__ import annotations
@@ -18,8 +18,8 @@ from ucp.convert.result import ConvertResult
 from ucp.errors import OutputExistsError, UcpError
 from ucp.format.folder import INDEX_NAME, commit_index, is_ucp_file, read_index
 from ucp.format.index import Index
-from ucp.format.locations import ObjectPath
-from ucp.format.storage import abort_uploads, delete, is_file, list_names, upload_file
+from ucp.storage.layer import abort_uploads, delete, is_file, list_names, upload_file
+from ucp.storage.locations import ObjectPath
 
 
 def convert_to_object_store(output: ObjectPath, fingerprint: str,

@@ -42,11 +42,11 @@ from ucp.convert.executor import Report, default_workers
 from ucp.errors import UcpError
 from ucp.format.crc import crc32
 from ucp.format.dtypes import NUMPY_DTYPES
-from ucp.format.fileio import pread_into
 from ucp.format.index import DTYPE_SIZES
 from ucp.plan.assemble import assemble
 from ucp.plan.plan import Fragment, Piece
 from ucp.sizes import human_bytes
+from ucp.storage.fileio import pread_into
 
 T = TypeVar("T")
 R = TypeVar("R")

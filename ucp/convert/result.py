@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ucp.format.locations import Location
+from ucp.storage.locations import Location
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ compares the result with the zip's CRC-32, before the index is committed. Small 
 Entries of tensors the conversion does not use at all (the model-states file's weights when the
 fp32 masters come from the optimizer files) are not read, so not checked.
 
-The zero-conversion load (`ucp.deepspeed.load_source`) checks the same way, across ranks: each rank CRCs the
+The zero-conversion load (`ucp.deepspeed.loading.source`) checks the same way, across ranks: each rank CRCs the
 parts of entries it reads for the load (`EntryParts`), the parts go to one owner rank per entry, and the
 owner joins them and reads only what no rank read (`close_entries`).
 """
@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from ucp.converters.torch_zip import ZipEntry, storage_entries
 from ucp.errors import CorruptCheckpointError
 from ucp.format.crc import crc32, crc32_combine
-from ucp.format.fileio import ReadCounter, open_regular
 from ucp.plan.plan import ConversionPlan, StateSource
+from ucp.storage.fileio import ReadCounter, open_regular
 
 SourceSegment = tuple[str, int, int, int]  # (path, begin, end, crc32) of bytes read from a rank file
 SMALL_ENTRY_BYTES = 64 << 10  # entries this small are checked whether or not a state reads them

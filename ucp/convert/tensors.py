@@ -19,11 +19,11 @@ from ucp.convert.split_policy import SplitPolicy, apply_split_policy
 from ucp.errors import OutputExistsError, UcpError
 from ucp.format.crc import CHUNK_BYTES
 from ucp.format.dtypes import from_torch
-from ucp.format.fileio import writing_alone
 from ucp.format.folder import commit_index, data_file_name, fsync_dir
 from ucp.patterns.types import Pattern, PatternSpec
 from ucp.plan.index_builder import build_index, records_of
 from ucp.plan.plan import TRAINABLE, ConversionPlan, ParamPlan, StateSource
+from ucp.storage.fileio import writing_alone
 
 if TYPE_CHECKING:
     import torch

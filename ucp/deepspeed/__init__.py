@@ -1,10 +1,11 @@
 """Resume a DeepSpeed engine from any checkpoint under its own layout, and save into the atomic format.
 
-The public interface is `initialize` (`ucp.deepspeed.hook`), `load` (`ucp.deepspeed.engine_load`), `save` and `wait`
-(`ucp.deepspeed.life`, the owner of an engine's checkpoint life), and `finish`, which
-ends a training process with its exit code (`ucp.deepspeed.finish`); the package
-also holds what the hook needs: the validated `"ucp"` config section, engine-family targets, AutoTP
-boxes, placement by an explicit layout, where the bytes come from, and the asynchronous saver.
+The public interface is `initialize` (`ucp.deepspeed.hook`), `load` (`ucp.deepspeed.loading.load`), `save` and `wait`
+(`ucp.deepspeed.life`, the owner of an engine's checkpoint life), and `finish`, which ends a training process with its
+exit code (`ucp.deepspeed.finish`). The top of the package holds the start (`hook`, `config`, `elastic`,
+`auto_resume`), the life and the exit; what they run lives in four rooms, each saying in its `__init__` what it owns
+and may import: `engine` (what each rank of an engine holds), `saving`, `loading` and `memory` (the host-memory tier).
+The rooms are not named `save` and `load`, which are this package's public functions.
 """
 from ucp.deepspeed.finish import finish
 from ucp.deepspeed.hook import CheckpointMismatchError, LoadStats, SaveStats, initialize, load, save, wait

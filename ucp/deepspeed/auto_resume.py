@@ -3,7 +3,7 @@
 `resume_auto` loads the newest committed checkpoint of the save folder that passes its checks (the candidates:
 `ucp.elastic.resume`), falling back to older ones with a warning naming both (the newer ones are set aside as
 `<tag>.damaged`), or starts fresh; every rank takes the same decision. With the memory tier, a newer memory
-checkpoint of this job that the nodes hold completely is tried first (`ucp.deepspeed.memory_resume`); one that
+checkpoint of this job that the nodes hold completely is tried first (`ucp.deepspeed.memory.resume`); one that
 fails its checks or does not fit the model is passed over with a warning, and the disk tier loads. `Resumed` says
 what the start loaded, for the restart report (`ucp.deepspeed.life.StepBook`).
 """
@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from ucp.collectives import rank, world_size
-from ucp.deepspeed.memory_files import MemoryEvery
-from ucp.deepspeed.memory_resume import memory_resume_point
+from ucp.deepspeed.memory.files import MemoryEvery
+from ucp.deepspeed.memory.resume import memory_resume_point
 from ucp.elastic.resume import candidates, set_aside
 from ucp.errors import CheckpointMismatchError, CorruptCheckpointError
-from ucp.format.locations import Location
 from ucp.format.save_folder import tag_step
+from ucp.storage.locations import Location
 
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
@@ -43,7 +43,7 @@ class Resumed:
 def resume_auto(engine: DeepSpeedEngine, save_dir: Location, load: Callable[..., Any],
                 memory: MemoryEvery | None = None, **load_kwargs: Any) -> Resumed:
     """Load the newest committed checkpoint of `save_dir` that passes its checks, or start fresh; with `memory`,
-    a newer memory checkpoint that the nodes hold completely comes first (`ucp.deepspeed.memory_resume`).
+    a newer memory checkpoint that the nodes hold completely comes first (`ucp.deepspeed.memory.resume`).
 
     Rank 0 lists the candidates and every rank tries the same ones in the same order; `load` raises the
     same error on every rank, with the engine untouched (`check_first`), so all fall back together.

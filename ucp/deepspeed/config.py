@@ -10,9 +10,9 @@ import difflib
 import os
 from dataclasses import dataclass
 
-from ucp.deepspeed.memory_files import MemoryEvery
+from ucp.deepspeed.memory.files import MemoryEvery
 from ucp.errors import ConfigError
-from ucp.format.locations import Location, location
+from ucp.storage.locations import Location, location
 
 CONFIG_KEY = "ucp"
 AUTO = "auto"  # "load": resume from the save folder's newest committed checkpoint, or start fresh
@@ -53,10 +53,10 @@ def ucp_options(config: dict | None) -> dict:
 
 @dataclass(frozen=True)
 class SaveOptions:
-    """The `"save"` section: save into `dir` after every `every`-th optimizer step (`ucp.deepspeed.save_cadence`
+    """The `"save"` section: save into `dir` after every `every`-th optimizer step (`ucp.deepspeed.saving.cadence`
     says when), and keep the newest `keep` committed checkpoints there (all when None;
     `ucp.elastic.retention.prune`); with `memory`, save into the host-memory tier too
-    (`ucp.deepspeed.memory_tier`). Read here with the rest of the section, before DeepSpeed runs."""
+    (`ucp.deepspeed.memory.tier`). Read here with the rest of the section, before DeepSpeed runs."""
 
     dir: Location
     every: int

@@ -24,7 +24,7 @@ from typing import NoReturn
 
 import torch.distributed as dist
 
-from ucp.deepspeed.async_save import wait_all
+from ucp.deepspeed.saving.saver import wait_all
 from ucp.elastic.ranks import release_spares
 
 logger = logging.getLogger("ucp.save")

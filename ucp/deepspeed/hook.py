@@ -9,7 +9,7 @@ committed, and runs at exit too; see `ucp.deepspeed.life`). The `"ucp"` config s
 
 * `load` (str): the atomic checkpoint to restore, or a save directory (its `latest` is restored);
   or a DeepSpeed checkpoint (save directory with `latest`, or a tag folder), resharded on the fly
-  without conversion (`ucp.deepspeed.load_source`); or
+  without conversion (`ucp.deepspeed.loading.source`); or
   `"auto"`: the newest committed checkpoint of the `save` folder that passes its checks (an older one,
   with a warning naming both, when the newest is damaged), or a fresh start when there is none; one
   line on rank 0 says which (`ucp.deepspeed.auto_resume`). The same command then serves the
@@ -23,7 +23,7 @@ committed, and runs at exit too; see `ucp.deepspeed.life`). The `"ucp"` config s
   `engine.ucp_client_state` (a dict) when set. Data parallelism (ZeRO 0-3), AutoTP, PipelineModule
   (ZeRO-0/1; with a Megatron-style mpu, ZeRO-1 or fp32 ZeRO-0), an mpu without a pipeline (ZeRO-1) and MoE
   (ZeRO 0-2). With `"memory": {"every": k, "replicas": r, "dir": ...}` it also saves every k steps into each node's host
-  memory, with copies on r other nodes, which `"auto"` prefers when newer (`ucp.deepspeed.memory_tier`).
+  memory, with copies on r other nodes, which `"auto"` prefers when newer (`ucp.deepspeed.memory.tier`).
 * `elastic` (dict): `{"global_batch": B, "micro_batch": m}` sets DeepSpeed's batch keys for the
   current world size so that every optimizer step sees the same B samples at any world size, in
   uneven shares where B does not divide (`ucp.elastic.shares`); pair it with
@@ -48,7 +48,7 @@ committed, and runs at exit too; see `ucp.deepspeed.life`). The `"ucp"` config s
   untouched. Each rank reads exactly its share of the load once and CRCs what it read; a unit with a
   CRC-32 of its own (a chunk of a ucp checkpoint's state, a zip entry of a DeepSpeed rank file) that a
   rank read only part of is checked by one owner rank from the parts' CRC-32s, sent to it by one
-  all-to-all (`ucp.deepspeed.exchange`), reading only the bytes no rank loads (ZeRO's padding, small
+  all-to-all (`ucp.deepspeed.loading.exchange`), reading only the bytes no rank loads (ZeRO's padding, small
   entries). What the check read goes straight into the engine where damage can be undone: the
   optimizer states this load creates (an engine that has not stepped: taken back on damage) and the
   fp32 masters while they equal the module's low-precision weights (as DeepSpeed makes them before the
@@ -69,14 +69,14 @@ committed, and runs at exit too; see `ucp.deepspeed.life`). The `"ucp"` config s
   parallelism (Elastor's HMP: TP sizes that differ between replicas), which DeepSpeed itself cannot
   describe. Each rank's module holds the slices the layout gives it (shapes of those slices) and
   exposes the whole model's `ucp_param_table`; every rank reads exactly its slices
-  (`ucp.deepspeed.placement`).
+  (`ucp.deepspeed.engine.placement`).
 * `hmp` (dict): `{"global_batch": B, "micro_batch": m, "shares": [...]}` with a `layout`: train on it. Each
   engine gets one replica's batch keys, and the gradient sync across replicas of unequal TP size runs
-  inside `engine.step` (`ucp.deepspeed.hmp_sync`; `engine.ucp_hmp.batch` serves the sampler and loss weights).
+  inside `engine.step` (`ucp.deepspeed.engine.hmp_sync`; `engine.ucp_hmp.batch` serves the sampler and loss weights).
   `save` (its `memory` tier too) and `ucp.deepspeed.save` write the checkpoint a homogeneous run writes
-  (`ucp.deepspeed.hmp_save`), and `"load": "auto"` resumes from either tier at any layout.
+  (`ucp.deepspeed.saving.hmp`), and `"load": "auto"` resumes from either tier at any layout.
 
-The load pipeline is `ucp.deepspeed.engine_load`; the save, its cadence and the rest of the engine's checkpoint
+The load pipeline is `ucp.deepspeed.loading.load`; the save, its cadence and the rest of the engine's checkpoint
 life are `ucp.deepspeed.life`. This module wires them into `initialize`.
 """
 from __future__ import annotations
@@ -87,14 +87,14 @@ import os
 import time
 from typing import Any
 
-from ucp.deepspeed.async_save import SaveStats
 from ucp.deepspeed.auto_resume import resume_auto
 from ucp.deepspeed.config import AUTO, read_section
 from ucp.deepspeed.elastic import check_engine, uses_autotp, with_batch_keys, with_layout_keys
-from ucp.deepspeed.engine_load import LoadStats, load
-from ucp.deepspeed.hmp_sync import hmp_batch, install_sync, replica_batch_keys
+from ucp.deepspeed.engine.hmp_sync import hmp_batch, install_sync, replica_batch_keys
+from ucp.deepspeed.engine.placement import as_layout
 from ucp.deepspeed.life import StepBook, life_of, save, wait
-from ucp.deepspeed.placement import as_layout
+from ucp.deepspeed.loading.load import LoadStats, load
+from ucp.deepspeed.saving.saver import SaveStats
 from ucp.elastic.layout_choice import RankLayout, hmp_layers
 from ucp.elastic.ranks import layout as elastic_layout
 from ucp.elastic.ranks import spare_loop

@@ -4,10 +4,10 @@
     ucp.deepspeed.wait(engine)                # the save is durable and committed once this returns
 
 `CheckpointLife` holds everything of an engine's checkpoints that outlives one call: the saver with the save in
-flight (`ucp.deepspeed.async_save.Saver`), the `"save"` section with the cadence of the disk and memory tiers
-(`ucp.deepspeed.save_cadence`), retention (`"keep"`: the saver runs `ucp.elastic.retention.retain` after each
+flight (`ucp.deepspeed.saving.saver.Saver`), the `"save"` section with the cadence of the disk and memory tiers
+(`ucp.deepspeed.saving.cadence`), retention (`"keep"`: the saver runs `ucp.elastic.retention.retain` after each
 commit), the step bookkeeping of elastic training and the restart report (`StepBook`), and what runs before
-each step (the HMP gradient sync, `ucp.deepspeed.hmp_sync`). It wraps the engine's step once, when
+each step (the HMP gradient sync, `ucp.deepspeed.engine.hmp_sync`). It wraps the engine's step once, when
 `ucp.deepspeed.initialize` gives it something to do at each step: `engine.step`, or `train_batch` on a pipeline
 engine (whose `step` refuses to be called). The engine carries it as one attribute, `engine._ucp_life`.
 
@@ -15,7 +15,7 @@ The saver, with its memory tier, is made on first use: the first save, or the fi
 by a cadence (collectively: every rank steps, and every rank saves). `initialize` only hands the life the
 section, so a restart enters the life once, after the load, and each save module once, at the first step
 (docs/ARCHITECTURE.md, "One restart of an elastic job"). What the saver cannot save is refused at the start all
-the same (`save_layout.refuse_unsupported`).
+the same (`saving.layout.refuse_unsupported`).
 
 What users read and set stays on the engine: `engine.ucp_client_state` (client state of the periodic saves),
 `engine.ucp_save_dir` (where they go), `engine.ucp_restart` (the restart report), `engine.ucp_load_stats`.
@@ -30,15 +30,15 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from ucp import collectives
-from ucp.deepspeed.async_save import Saver, SaveStats
 from ucp.deepspeed.auto_resume import Resumed
 from ucp.deepspeed.config import SaveOptions
-from ucp.deepspeed.memory_tier import MemoryTier
-from ucp.deepspeed.save_cadence import disk_due, memory_due
-from ucp.deepspeed.save_layout import refuse_unsupported
+from ucp.deepspeed.memory.tier import MemoryTier
+from ucp.deepspeed.saving.cadence import disk_due, memory_due
+from ucp.deepspeed.saving.layout import refuse_unsupported
+from ucp.deepspeed.saving.saver import Saver, SaveStats
 from ucp.elastic.restart import Progress, ProgressRecorder, RestartReport, read_progress
 from ucp.elastic.retention import retain
-from ucp.format.locations import Location, location
+from ucp.storage.locations import Location, location
 
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine

@@ -24,7 +24,7 @@ of its powers of two (3 ranks and T=2: 2 + 1), as that search deals TP_max T wit
 replica takes a share of the global batch in proportion to its speed under the cost model
 (`ucp.hmp.strategy.replica_speeds`, `ucp.elastic.shares.speed_shares`). `Choice.hmp_layout()` is that plan as a
 `ucp.hmp.layout.Layout`; with the flag on, homogeneous choices are given as such layouts too (equal replicas), so a job
-trains on one path at every size (`ucp.deepspeed.hmp_sync`).
+trains on one path at every size (`ucp.deepspeed.engine.hmp_sync`).
 
 Ranks numbered from 0 take the layout in Megatron's order (TP fastest, then DP, then PP: DeepSpeed's AutoTP
 groups and `PipeModelDataParallelTopology` number them so too), the search's plans replica by replica, stage by

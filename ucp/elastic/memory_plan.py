@@ -1,7 +1,7 @@
 """The host-memory tier's plans: which ranks share a node, who copies its snapshot to whom, which memory
 checkpoint is complete on the nodes that survived, and what each node must fetch before it loads one.
 
-A memory save (`ucp.deepspeed.memory_tier`) writes each rank's pieces into its node's directory (a sparse
+A memory save (`ucp.deepspeed.memory.tier`) writes each rank's pieces into its node's directory (a sparse
 copy of the checkpoint's data files), and `replicas` copies of them into the directories of the next nodes
 (node i's ranks send to nodes i+1 .. i+replicas, mod the node count). A node's manifest lists the saving
 ranks whose pieces it holds, and every saving rank that has none (under HMP, the ranks of the replicas that do not

@@ -15,7 +15,7 @@ before the release exits 1: its agent then restarts with the nodes left instead 
 
 When the config has a memory tier (`"save": {"memory": ...}`), every rank, spares included, also joins a gloo group
 of the whole world (`spare_copies`) before the split: over it the training ranks send the spares each memory
-checkpoint, so that a spare's node holds a copy that can serve the next restart (`ucp.deepspeed.memory_spare`, which
+checkpoint, so that a spare's node holds a copy that can serve the next restart (`ucp.deepspeed.memory.spare`, which
 registers that duty here with `on_spare`: this layer cannot import the DeepSpeed one).
 """
 from __future__ import annotations

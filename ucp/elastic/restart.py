@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from ucp.errors import UcpError
 from ucp.format.fields import Fields
 from ucp.format.index import MAX_STEP
-from ucp.format.locations import Location
-from ucp.format.storage import is_remote, read_json, write_whole
+from ucp.storage.layer import is_remote, read_json, write_whole
+from ucp.storage.locations import Location
 
 PROGRESS_NAME = "ucp_progress.json"
 PROGRESS_MAX_BYTES = 4096  # three numbers

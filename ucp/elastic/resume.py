@@ -6,7 +6,7 @@ sets aside the newer ones that failed (`set_aside`). What `"keep"` removes after
 `ucp.elastic.retention`.
 
 The save folder may be a prefix of an object store (`s3://bucket/prefix`): the same rules run over
-`ucp.format.storage` (list, read, copy, delete). There is no rename there: a checkpoint set aside is copied to
+`ucp.storage.layer` (list, read, copy, delete). There is no rename there: a checkpoint set aside is copied to
 `<tag>.damaged/` and deleted.
 """
 from __future__ import annotations
@@ -14,9 +14,9 @@ from __future__ import annotations
 import logging
 
 from ucp.format.folder import INDEX_NAME, commit_latest
-from ucp.format.locations import Location
 from ucp.format.save_folder import committed_tags
-from ucp.format.storage import list_folders, list_names, move_tree
+from ucp.storage.layer import list_folders, list_names, move_tree
+from ucp.storage.locations import Location
 
 logger = logging.getLogger("ucp.elastic")
 

@@ -15,9 +15,9 @@ import logging
 
 from ucp.errors import UcpError
 from ucp.format.folder import INDEX_NAME, locked_for_removal, read_latest
-from ucp.format.locations import Location
 from ucp.format.save_folder import committed_tags, step_tags, tag_step
-from ucp.format.storage import delete, delete_tree, is_file
+from ucp.storage.layer import delete, delete_tree, is_file
+from ucp.storage.locations import Location
 
 logger = logging.getLogger("ucp.elastic")
 save_log = logging.getLogger("ucp.save")  # retention is part of each save: what it could not remove is said there

@@ -42,10 +42,10 @@ from ucp.export.hf import DTYPES
 from ucp.export.model_config import find_config, model_keys
 from ucp.export.optimizer import default_target, export_groups
 from ucp.export.staging import staged_output
-from ucp.format.locations import Location, location
 from ucp.format.safetensors_stream import TORCH_DTYPES
 from ucp.plan.plan import BUFFER, BUFFER_STATE, TRAINABLE, WEIGHT_STATE
 from ucp.progress import progress_bar
+from ucp.storage.locations import Location, location
 
 METADATA_NAME = ".metadata"  # what DCP's FileSystemReader opens first; an s3:// export uploads it last
 

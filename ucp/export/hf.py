@@ -25,10 +25,10 @@ from ucp.checkpoint import Checkpoint, open_checkpoint
 from ucp.errors import ExportError
 from ucp.export.model_config import CONFIG_NAME, ModelConfig, check_tensors, model_keys, require_config
 from ucp.export.staging import parse_size, staged_output
-from ucp.format.locations import Location, location
 from ucp.format.safetensors_stream import TORCH_DTYPES, StreamingWriter, TensorSlot
 from ucp.plan.plan import BUFFER, BUFFER_STATE, WEIGHT_STATE
 from ucp.progress import progress_bar
+from ucp.storage.locations import Location, location
 
 DTYPES = ("float32", "bfloat16", "float16")
 SINGLE_FILE = "model.safetensors"

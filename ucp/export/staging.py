@@ -19,10 +19,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ucp.errors import ExportError, OutputExistsError
-from ucp.format.fileio import writing_alone
 from ucp.format.folder import fsync_dir
-from ucp.format.locations import Location, ObjectPath
-from ucp.format.storage import abort_uploads, is_remote, list_folders, list_names, upload_file
+from ucp.storage.fileio import writing_alone
+from ucp.storage.layer import abort_uploads, is_remote, list_folders, list_names, upload_file
+from ucp.storage.locations import Location, ObjectPath
 
 _FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,

@@ -1,7 +1,7 @@
 """The one read executor of loaders: boxes of stored states, or runs of a box's elements, read with as
 few positional reads as the storage allows and checked before anything is returned.
 
-The DeepSpeed hook (`ucp.deepspeed.load_source`) and `ucp.hmp.load_slices` both read through here.
+The DeepSpeed hook (`ucp.deepspeed.loading.source`) and `ucp.hmp.load_slices` both read through here.
 Each wanted box becomes one planned read (`slice_read`: exactly its bytes when they are contiguous
 in storage, else the covering splits, else the whole tensor), touching reads of a file are
 coalesced, every byte read is checked against the index's checksums (`checked_read`), and the bytes
@@ -15,12 +15,12 @@ import torch
 
 from ucp.format.boxes import Box
 from ucp.format.checked_read import Key, OpenChunk, read_checked
-from ucp.format.fileio import ReadCounter
 from ucp.format.index import StoredState
-from ucp.format.locations import Location
 from ucp.format.safetensors_stream import TORCH_DTYPES
 from ucp.format.slice_read import SliceRead, plan_flat_read, plan_slice_read
 from ucp.format.splits import box_of_read
+from ucp.storage.fileio import ReadCounter
+from ucp.storage.locations import Location
 
 
 @dataclass(frozen=True)

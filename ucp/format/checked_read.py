@@ -8,7 +8,7 @@ them) is read whole to be checked. No byte reaches a model unchecked.
 Ranks that read neighbouring parts of a state (ZeRO partitions) need not each read the chunks their
 boundary cuts: given `open_chunks`, a read stays exact, its whole chunks are checked, and each chunk it
 holds only part of becomes an `OpenChunk` carrying that part's CRC-32. The parts of a chunk go to one
-rank (`ucp.deepspeed.exchange`), whose `close_chunks` checks the chunk from the parts every rank read,
+rank (`ucp.deepspeed.loading.exchange`), whose `close_chunks` checks the chunk from the parts every rank read,
 joined with `crc32_combine`, reading only the bytes no rank read.
 
 A read made again after such a check (what the check could not keep in memory) is exact too: `crcs`
@@ -24,10 +24,10 @@ import torch
 from ucp.errors import CorruptCheckpointError
 from ucp.format.byte_ranges import ByteRange, coalesce
 from ucp.format.crc import chunk_bounds, crc32, crc32_combine
-from ucp.format.fileio import ReadCounter, read_buffer, tensor_bytes
 from ucp.format.index import StoredState
-from ucp.format.locations import Location
-from ucp.format.storage import read_ranges
+from ucp.storage.fileio import ReadCounter, read_buffer, tensor_bytes
+from ucp.storage.layer import read_ranges
+from ucp.storage.locations import Location
 
 Key = tuple[str, str]
 

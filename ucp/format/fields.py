@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any, Literal, overload
 
 from ucp.errors import CorruptCheckpointError
-from ucp.format.locations import Location
+from ucp.storage.locations import Location
 
 
 class Fields:

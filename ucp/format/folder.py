@@ -3,7 +3,7 @@
 See docs/FORMAT.md for the specification. A directory is a ucp checkpoint exactly when it holds a
 complete `ucp_index.json`; the index is written last, to a temporary name, fsynced, and renamed.
 A save directory holds one checkpoint per tag and a `latest` file naming the newest committed one,
-replaced atomically only after that checkpoint's index is committed. In an object store (`ucp.format.storage`)
+replaced atomically only after that checkpoint's index is committed. In an object store (`ucp.storage.layer`)
 there is no rename: the index object is written after every data object, and `latest` after the index, each in
 one request, so a checkpoint is committed by the order its objects are written in.
 """
@@ -22,10 +22,10 @@ from ucp.errors import (
     IncompleteCheckpointError,
 )
 from ucp.format.index import Index, index_json, parse_index
-from ucp.format.locations import Location, ObjectPath, local_only, location
-from ucp.format.storage import PARTIAL_SUFFIX as PARTIAL_SUFFIX  # re-exported: the format's names live here
-from ucp.format.storage import exclusive_lock, is_file, list_names, read_file, read_small, shared_lock, write_whole
-from ucp.format.storage import fsync_dir as fsync_dir
+from ucp.storage.layer import PARTIAL_SUFFIX as PARTIAL_SUFFIX  # re-exported: the format's names live here
+from ucp.storage.layer import exclusive_lock, is_file, list_names, read_file, read_small, shared_lock, write_whole
+from ucp.storage.layer import fsync_dir as fsync_dir
+from ucp.storage.locations import Location, ObjectPath, local_only, location
 
 INDEX_NAME = "ucp_index.json"
 DATA_PREFIX = "data-"

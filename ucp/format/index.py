@@ -23,8 +23,8 @@ from typing import Any
 from ucp.errors import CorruptCheckpointError
 from ucp.format.crc import CHUNK_BYTES, chunk_bounds
 from ucp.format.fields import Fields
-from ucp.format.locations import Location, ObjectPath
-from ucp.format.storage import is_remote, read_ranges
+from ucp.storage.layer import is_remote, read_ranges
+from ucp.storage.locations import Location, ObjectPath
 from ucp.version import __version__
 
 DTYPE_SIZES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
@@ -347,7 +347,7 @@ def _data_file(directory: Location, path: Location, name: str, recorded: int) ->
 
 def _data_object(file_path: ObjectPath, name: str, recorded: int) -> DataFile:
     """`_data_file` of an object: its size and header length, in one HEAD and one ranged GET."""
-    from ucp.format.storage import size
+    from ucp.storage.layer import size
 
     found = size(file_path)
     if found is None:

@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any
 
 from ucp.errors import CorruptCheckpointError
 from ucp.format.crc import CHUNK_BYTES, crc32, join_segments, segment_crcs
-from ucp.format.fileio import ReadCounter, tensor_bytes
 from ucp.format.index import DTYPE_SIZES, SAFETENSORS_DTYPES
-from ucp.format.locations import Location
-from ucp.format.storage import read_ranges
+from ucp.storage.fileio import ReadCounter, tensor_bytes
+from ucp.storage.layer import read_ranges
+from ucp.storage.locations import Location
 
 if TYPE_CHECKING:
     import torch

@@ -16,8 +16,8 @@ from ucp.errors import CorruptCheckpointError, UcpError
 from ucp.format.fields import Fields
 from ucp.format.folder import INDEX_NAME, index_max_bytes
 from ucp.format.index import FORMAT_NAME, MAX_STEP
-from ucp.format.locations import Location
-from ucp.format.storage import is_file, list_folders, read_json
+from ucp.storage.layer import is_file, list_folders, read_json
+from ucp.storage.locations import Location
 
 _STEP_TAG = re.compile(r"global_step(\d+)")
 

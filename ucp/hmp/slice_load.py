@@ -8,7 +8,7 @@ turns each box into one byte range (exactly the box's bytes when the checkpoint 
 with a split count the rank's TP size divides); touching ranges are merged (`coalesce`) and read
 with one positional read each. This is the loader behind the HMP reference model
 (`support.reference_tp`) without DeepSpeed; with DeepSpeed, `ucp.deepspeed`'s hook takes the same layout
-(`"layout"` config key, `ucp.deepspeed.placement`) and plans its reads with the same `ucp.format.slice_read`.
+(`"layout"` config key, `ucp.deepspeed.engine.placement`) and plans its reads with the same `ucp.format.slice_read`.
 
 ZeRO: when the layout's `zero_stage` is 1 or more, a rank keeps only its part of each optimizer
 state (`Layout.zero_shard`: a run of its box's elements, row-major, cut among the ranks of every
@@ -32,9 +32,9 @@ import torch
 from ucp.checkpoint import AtomicCheckpoint
 from ucp.errors import CheckpointMismatchError
 from ucp.format.box_read import BoxWant, read_boxes
-from ucp.format.fileio import ReadCounter
 from ucp.format.index import DTYPE_SIZES
 from ucp.hmp.layout import Layout, OwnedSlice, ParamSpec
+from ucp.storage.fileio import ReadCounter
 
 
 @dataclass

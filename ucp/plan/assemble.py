@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING, overload
 import numpy as np
 
 from ucp.format.dtypes import NUMPY_DTYPES, cast, to_torch
-from ucp.format.fileio import ReadCounter, pread_into
 from ucp.plan.plan import Fragment, StateSource
 from ucp.plan.primitives import Array, strip_pad, union
+from ucp.storage.fileio import ReadCounter, pread_into
 
 if TYPE_CHECKING:
     import torch
