@@ -24,7 +24,8 @@ from support.elastic_agents import (
 from support.launch import run_torchrun
 from support.memory_runs import manifest
 from support.processes import wait_for
-from ucp.deepspeed.memory.files import MemoryEvery, read_copies
+from ucp.deepspeed.config import MemoryEvery
+from ucp.deepspeed.memory.files import read_copies
 from ucp.deepspeed.memory.resume import memory_resume_point
 
 pytestmark = pytest.mark.slow

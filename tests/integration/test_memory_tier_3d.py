@@ -21,7 +21,7 @@ from support.atomic import assert_same_checkpoint
 from support.elastic_agents import ElasticJob, reached, read_losses
 from support.memory_runs import manifest
 from support.processes import wait_for
-from ucp.deepspeed.memory.files import MemoryEvery
+from ucp.deepspeed.config import MemoryEvery
 from ucp.deepspeed.memory.resume import memory_resume_point
 
 pytestmark = pytest.mark.slow

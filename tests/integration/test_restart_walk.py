@@ -1,7 +1,9 @@
 """The walk of one elastic restart through `ucp.deepspeed` and `ucp.elastic` (docs/ARCHITECTURE.md, "One restart
 of an elastic job"), recorded from a real restart of the torchrun example (2 ranks, then 1) by
 `tests/support/restart_walk.py`: each module is entered once, in the order the documentation gives, but for the
-one value type the documentation names with its reason."""
+one value type the documentation names with its reason. The same run follows the config through the start (issue
+#41): the raw `"ucp"` section is read once, by `ucp.deepspeed.config.read_section` (with `ucp.elastic.shares`, the
+reader of its `"elastic"` part), and every other module takes its parts from that typed value."""
 from __future__ import annotations
 
 import json
@@ -34,3 +36,9 @@ def test_one_restart_enters_each_module_once(tmp_path):
     firsts = [m for i, m in enumerate(walk) if m not in walk[:i] and m != "elastic.shares"]
     assert firsts == ORDER, walk
     assert len(walk) == 21 and len(set(walk)) == 19, walk
+    # The raw section goes from initialize's arguments to the one reading and nowhere else. Before #41 it also went
+    # to elastic.ranks (layout, _key, _cost_model_inputs, _expert_parallel, _heterogeneous), elastic.layout_choice
+    # (allowed_sizes) and, with a memory tier, deepspeed.memory_files.
+    raw = json.loads((tmp_path / "walk-raw.json").read_text())
+    assert {r.rpartition(".")[0] for r in raw} == {"ucp.deepspeed.hook", "ucp.deepspeed.config", "ucp.elastic.shares"}
+    assert [r for r in raw if r.startswith("ucp.deepspeed.hook.")] == ["ucp.deepspeed.hook.initialize"], raw

@@ -24,6 +24,12 @@ LAYERS = (
     ("ucp.convert", "ucp.checkpoint"),
     ("ucp.hmp",),
     ("ucp.elastic",),
+    # ucp.deepspeed's rooms: what an engine holds, the one reading of the "ucp" section, the save, then the load and
+    # the memory tier; the start, the life and the exit at the top of the package.
+    ("ucp.deepspeed.engine",),
+    ("ucp.deepspeed.config",),
+    ("ucp.deepspeed.saving",),
+    ("ucp.deepspeed.loading", "ucp.deepspeed.memory"),
     ("ucp.deepspeed",),
     ("ucp.export", "ucp.transformers", "ucp.accelerate", "ucp.elastic.ray_train"),
     ("ucp.cli",),
@@ -180,6 +186,8 @@ def test_the_checks_see_a_cycle_and_a_wrong_direction():
     assert cycles(edges) == [["ucp.convert.driver", "ucp.format.a"]]
     assert layer_of("ucp.format.a") < layer_of("ucp.convert.driver")
     assert layer_of("ucp.plan.plan") < layer_of("ucp.converters.deepspeed.zero") < layer_of("ucp.convert.driver")
+    assert layer_of("ucp.deepspeed.engine.targets") < layer_of("ucp.deepspeed.config") < layer_of(
+        "ucp.deepspeed.saving.saver") < layer_of("ucp.deepspeed.memory.tier") < layer_of("ucp.deepspeed.hook")
 
 
 @pytest.mark.parametrize("module", sorted(modules()))

@@ -7,13 +7,13 @@ import pytest
 from ucp.elastic.layout_choice import (
     Choice,
     RankLayout,
-    allowed_sizes,
     choose_layout,
     cost_model_replicas,
     cost_model_step_time,
     heterogeneous_choice,
     hmp_layers,
 )
+from ucp.elastic.shares import ElasticSection, allowed_sizes
 from ucp.errors import ConfigError
 from ucp.hmp.layout import Layout, Replica, Stage
 from ucp.hmp.model_shapes import ModelConfig
@@ -100,13 +100,15 @@ def test_expert_parallel_keeps_d_a_multiple_of_the_ep_size():
         choose_layout(1, (1,), (1,), 4, 1, expert_parallel=2)
 
 
-def test_expert_parallel_key_is_checked_in_one_line():
-    from ucp.elastic.ranks import _expert_parallel
+def section(**keys) -> ElasticSection:
+    return ElasticSection.from_config({"global_batch": 8, "micro_batch": 2, **keys})
 
-    assert _expert_parallel({}) == 1 and _expert_parallel({"expert_parallel": 2}) == 2
+
+def test_expert_parallel_key_is_checked_in_one_line():
+    assert section().expert_parallel == 1 and section(expert_parallel=2).expert_parallel == 2
     for bad in (0, True, "2", [2]):
         with pytest.raises(ConfigError, match='"expert_parallel": .*must be the ep_size'):
-            _expert_parallel({"expert_parallel": bad})
+            section(expert_parallel=bad)
 
 
 def test_bad_cost_model_keys_are_one_line():
@@ -114,16 +116,16 @@ def test_bad_cost_model_keys_are_one_line():
 
     for key, value in (("gpu_memory", 0), ("gpu_memory", "80"), ("seq_len", -1), ("model", 7)):
         with pytest.raises(ConfigError, match=f'"{key}"'):
-            _step_time({"global_batch": 8, "micro_batch": 2, "tensor_parallel": 2, key: value}, {}, None)
-    assert _step_time({"global_batch": 8, "micro_batch": 2, "tensor_parallel": 2}, {}, object()) is None   # no shape
+            section(tensor_parallel=2, **{key: value})
+    assert _step_time(section(tensor_parallel=2), 0, object()) is None   # no shape
     hf = type("HF", (), {"config": type("C", (), {"to_dict": lambda self: {"n_embd": 16}})()})()   # not Llama-shaped
-    assert _step_time({"global_batch": 8, "micro_batch": 2, "tensor_parallel": 2}, {}, hf) is None
+    assert _step_time(section(tensor_parallel=2), 0, hf) is None
     # data parallelism only: no cost model, whatever the module (one layout, as before)
     llama = type("HF", (), {"config": type("C", (), {"to_dict": lambda self: {
         "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 2, "num_attention_heads": 4,
         "vocab_size": 37}})()})()
-    assert _step_time({"global_batch": 8, "micro_batch": 2}, {}, llama) is None
-    assert _step_time({"global_batch": 8, "micro_batch": 2, "tensor_parallel": [2, 1]}, {}, llama) is not None
+    assert _step_time(section(), 0, llama) is None
+    assert _step_time(section(tensor_parallel=[2, 1]), 0, llama) is not None
 
 
 def test_autotp_size_is_set_for_the_layout():
@@ -191,12 +193,11 @@ def test_heterogeneous_replicas_that_cannot_share_the_batch_keep_the_spare():
 
 
 def test_heterogeneous_flag_and_layers():
-    from ucp.elastic.ranks import _heterogeneous
     from ucp.hmp.layout import ParamSpec
 
-    assert _heterogeneous({}) is False and _heterogeneous({"heterogeneous": True}) is True
+    assert section().heterogeneous is False and section(heterogeneous=True).heterogeneous is True
     with pytest.raises(ConfigError, match='"heterogeneous": 1}}: must be true or false'):
-        _heterogeneous({"heterogeneous": 1})
+        section(heterogeneous=1)
     table = [ParamSpec("embed", (4, 2), 0, -1), ParamSpec("fc", (2, 2), 0, 0), ParamSpec("head", (4, 2), 0, 2)]
     assert hmp_layers(table) == 2 and hmp_layers(table[:1]) == 1
 

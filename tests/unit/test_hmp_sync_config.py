@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from ucp.deepspeed.config import ucp_options
+from ucp.deepspeed.config import read_section, ucp_options
 from ucp.deepspeed.engine.hmp_sync import hmp_batch, replica_batch_keys
-from ucp.deepspeed.hook import _elastic_hmp_options, _hmp_batch
+from ucp.deepspeed.hook import _elastic_hmp
 from ucp.elastic.layout_choice import Choice, RankLayout
+from ucp.elastic.shares import ElasticSection
 from ucp.errors import ConfigError
 from ucp.hmp.layout import Layout, ParamSpec, Replica, Stage
 
@@ -49,26 +50,28 @@ def test_bad_sections_are_refused_in_one_line(section, message):
 ])
 def test_what_does_not_go_with_hmp_is_refused(options, message):
     with pytest.raises(ConfigError) as caught:
-        _hmp_batch(options)
+        read_section({"ucp": options})
     assert message in str(caught.value)
     # Control: the same section with its layout and nothing else is taken, and so is a save to disk and memory.
-    assert _hmp_batch({"hmp": options["hmp"], "layout": LAYOUT.to_json()}).global_batch == 8
-    assert _hmp_batch({"hmp": options["hmp"], "layout": LAYOUT.to_json(),
-                       "save": {"dir": "/x", "every": 1, "keep": 2, "memory": {"every": 1}}}).global_batch == 8
+    section = read_section({"ucp": {"hmp": options["hmp"], "layout": LAYOUT.to_json()}})
+    assert section.hmp is not None and section.hmp.global_batch == 8 and section.layout == LAYOUT
+    assert section.load_options == {"layout": LAYOUT}   # the load takes the layout read once
+    section = read_section({"ucp": {"hmp": options["hmp"], "layout": LAYOUT.to_json(),
+                                    "save": {"dir": "/x", "every": 1, "keep": 2, "memory": {"every": 1}}}})
+    assert section.hmp is not None and section.hmp.global_batch == 8 and section.memory_tier
 
 
-def test_an_elastic_heterogeneous_start_gets_the_layout_and_hmp_sections():
+def test_an_elastic_heterogeneous_start_gets_the_layout_and_hmp_batch():
     """`"elastic": {..., "heterogeneous": true}`: the hook trains this start's layout through the `"hmp"` path."""
     place = RankLayout.of(Choice(2, 1, 2, 3, (2, 1), (5, 3), True), 2)
     model = type("M", (), {"ucp_param_table": [ParamSpec("fc", (4, 2), 0, 0), ParamSpec("head", (4, 2), 0, 2)]})()
     elastic = {"global_batch": 8, "micro_batch": 8, "tensor_parallel": 2, "heterogeneous": True}
-    options = _elastic_hmp_options({"elastic": elastic, "load": "auto"}, place, model)
-    assert options["hmp"] == {"global_batch": 8, "micro_batch": 8, "shares": [5, 3]} and options["load"] == "auto"
-    assert Layout.from_json(options["layout"]) == Layout(2, (
-        Replica((Stage((0, 2), (0, 1)),), 5), Replica((Stage((0, 2), (2,)),), 3)))
+    layout, batch = _elastic_hmp(ElasticSection.from_config(elastic), place, model)
+    assert (batch.global_batch, batch.micro_batch, batch.world, batch.shares) == (8, 8, 2, (5, 3))
+    assert layout == Layout(2, (Replica((Stage((0, 2), (0, 1)),), 5), Replica((Stage((0, 2), (2,)),), 3)))
     with pytest.raises(ConfigError, match='leave out "layout"'):
-        _elastic_hmp_options({"elastic": elastic, "layout": LAYOUT.to_json()}, place, model)
+        read_section({"ucp": {"elastic": elastic, "layout": LAYOUT.to_json()}})
     memory = {"dir": "/x", "every": 1, "memory": {"every": 1}}  # the memory tier goes with it, as with "hmp"
-    assert _elastic_hmp_options({"elastic": elastic, "save": memory}, place, model)["save"] == memory
+    assert read_section({"ucp": {"elastic": elastic, "save": memory, "load": "auto"}}).memory_tier
     with pytest.raises(ConfigError, match="ucp_param_table"):
-        _elastic_hmp_options({"elastic": elastic}, place, object())
+        _elastic_hmp(ElasticSection.from_config(elastic), place, object())

@@ -14,7 +14,8 @@ import pytest
 
 from support.atomic import memory_copy, saved_at
 from ucp.deepspeed.auto_resume import resume_auto
-from ucp.deepspeed.memory.files import MemoryEvery, read_copies, remove_copies, untrusted
+from ucp.deepspeed.config import MemoryEvery
+from ucp.deepspeed.memory.files import read_copies, remove_copies, untrusted
 from ucp.deepspeed.memory.manifest import MANIFEST_NAME
 from ucp.deepspeed.memory.resume import memory_resume_point
 from ucp.elastic.restart import PROGRESS_NAME, Progress, read_progress, record_progress

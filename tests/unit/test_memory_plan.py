@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from ucp.deepspeed.config import SaveOptions
-from ucp.deepspeed.memory.files import MemoryEvery
+from ucp.deepspeed.config import MemoryEvery, SaveOptions
 from ucp.elastic.memory_plan import BASE, Fill, NodeCopy, choose, fills, held_by, nodes_of, peer_pairs
 from ucp.errors import ConfigError
 

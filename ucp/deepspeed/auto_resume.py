@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from ucp.collectives import rank, world_size
-from ucp.deepspeed.memory.files import MemoryEvery
+from ucp.deepspeed.config import MemoryEvery
 from ucp.deepspeed.memory.resume import memory_resume_point
 from ucp.elastic.resume import candidates, set_aside
 from ucp.errors import CheckpointMismatchError, CorruptCheckpointError

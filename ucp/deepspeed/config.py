@@ -1,18 +1,30 @@
-"""The `"ucp"` section of a DeepSpeed config: parsed and checked before any engine is built.
+"""The `"ucp"` section of a DeepSpeed config: read and checked once, before any engine is built.
 
-Every ucp entry point that takes a DeepSpeed config (`ucp.deepspeed.initialize`,
-`ucp.transformers.train`, `ucp.accelerate.load_state`) reads the section through `ucp_options`, so a
-typo is one clear `ConfigError` before `deepspeed.initialize` runs, never a `TypeError` after it.
+`ucp.deepspeed.initialize` reads the whole section once (`read_section`) into one typed value, `Section`: every key
+checked, every refusal one line naming the key and the fix (`ConfigError`), before `deepspeed.initialize` runs;
+the rest of the start takes its parts from that value (the load's arguments, the `"save"` section with its
+`"memory"` tier, the `"elastic"` section, the `"hmp"` batch and the explicit layout) and never reads the raw dict
+again. `ucp.transformers.train` and `ucp.accelerate.load_state` check the section through `ucp_options` too.
+
+The lowest module of `ucp.deepspeed` but for `ucp.deepspeed.engine` (whose parsers of the layout and of the
+`"hmp"` section it calls): every room of the package may import it.
 """
 from __future__ import annotations
 
 import difflib
+import hashlib
 import os
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
-from ucp.deepspeed.memory.files import MemoryEvery
-from ucp.errors import ConfigError
-from ucp.storage.locations import Location, location
+from ucp.deepspeed.engine.hmp_sync import hmp_batch
+from ucp.deepspeed.engine.placement import as_layout
+from ucp.elastic.shares import ElasticBatch, ElasticSection
+from ucp.errors import ConfigError, UnsupportedStorageError
+from ucp.format.folder import local_path
+from ucp.hmp.layout import Layout
+from ucp.storage.locations import Location, location, url_scheme
 
 CONFIG_KEY = "ucp"
 AUTO = "auto"  # "load": resume from the save folder's newest committed checkpoint, or start fresh
@@ -30,7 +42,7 @@ KNOWN_KEYS = ("load", "save", "elastic", "hmp", *LOAD_OPTIONS)
 
 
 def ucp_options(config: dict | None) -> dict:
-    """A checked copy of `config["ucp"]` ({} when there is none)."""
+    """A checked copy of `config["ucp"]` ({} when there is none): its keys and the load's options."""
     if not isinstance(config, dict) or CONFIG_KEY not in config:
         return {}
     section = config[CONFIG_KEY]
@@ -49,6 +61,61 @@ def ucp_options(config: dict | None) -> dict:
         if key == "check_keep_bytes" and (isinstance(value, bool) or value < 0):
             raise ConfigError(f'"ucp": {{"check_keep_bytes": {value!r}}}: must be a number of bytes, 0 or more')
     return dict(section)
+
+
+@dataclass(frozen=True)
+class MemoryEvery:
+    """The `"memory"` section of `"ucp": {"save": ...}`: a memory save after every `every`-th step, each node
+    keeping copies of `replicas` other nodes' pieces, in `dir` (expanded on each node); `job` is the identity
+    of the disk save folder (its absolute path, or its URL), recorded in every manifest
+    (`ucp.deepspeed.memory.tier`)."""
+
+    every: int
+    replicas: int
+    dir: str
+    job: str
+
+    @classmethod
+    def from_config(cls, options: object, save_dir: str) -> MemoryEvery:
+        example = '{"every": 50, "replicas": 1}'
+        if not isinstance(options, dict):
+            raise ConfigError(f'"ucp": {{"save": {{"memory": {options!r}}}}}: must be an object such as {example}')
+        unknown = set(options) - {"every", "replicas", "dir"}
+        if unknown:
+            raise ConfigError(f'"ucp": {{"save": {{"memory": ...}}}}: unknown key {sorted(unknown)[0]!r}; known: '
+                              '"every", "replicas", "dir"')
+        every, replicas = options.get("every"), options.get("replicas", 1)
+        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+            raise ConfigError(f'"ucp": {{"save": {{"memory": {{"every": {every!r}}}}}}}: must be a positive number '
+                              f"of optimizer steps, e.g. {example}")
+        if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 0:
+            raise ConfigError(f'"ucp": {{"save": {{"memory": {{"replicas": {replicas!r}}}}}}}: must be the number of '
+                              "other nodes that keep a copy of each node's pieces, 0 or more (1 survives the loss "
+                              "of any one node)")
+        job = save_dir if url_scheme(save_dir) else os.path.realpath(save_dir)  # s3://...: the same on every node
+        folder = options.get("dir")
+        if folder is None:
+            folder = f"/dev/shm/ucp-{hashlib.sha256(job.encode()).hexdigest()[:12]}"
+        try:
+            if not isinstance(folder, (str, os.PathLike)):
+                raise TypeError(folder)
+            local_path(folder)
+        except (TypeError, UnsupportedStorageError):
+            raise ConfigError(f'"ucp": {{"save": {{"memory": {{"dir": {folder!r}}}}}}}: must be a local folder in '
+                              'host memory, e.g. "/dev/shm/ucp-myjob"') from None
+        if not os.fspath(folder).startswith(("/", "~", "$")):  # "" or "shm/x": the working directory, pruned
+            raise ConfigError(f'"ucp": {{"save": {{"memory": {{"dir": {os.fspath(folder)!r}}}}}}}: must be an '
+                              'absolute path of a folder of its own, e.g. "/dev/shm/ucp-myjob"')
+        return cls(every, replicas, os.fspath(folder), job)
+
+    @property
+    def path(self) -> Path:
+        """This node's memory folder; one that expands to a relative path (an unset `$VAR`) is refused."""
+        expanded = os.path.expanduser(os.path.expandvars(self.dir))
+        if not os.path.isabs(expanded):
+            raise ConfigError(f'"ucp": {{"save": {{"memory": {{"dir": {self.dir!r}}}}}}}: expands to {expanded!r} '
+                              "on this node, not an absolute path; set the variables it names")
+        return Path(expanded).resolve()
 
 
 @dataclass(frozen=True)
@@ -96,19 +163,57 @@ def load_options(options: dict) -> dict:
 
 @dataclass(frozen=True)
 class Section:
-    """`ucp.deepspeed.initialize`'s reading of a DeepSpeed config, all at once before DeepSpeed runs: the checked
-    `"ucp"` options, their `"save"` section, the keyword arguments of `ucp.deepspeed.load` among them, and the
-    config DeepSpeed is given (without the section; None when the options do not come from a dict)."""
+    """`ucp.deepspeed.initialize`'s one reading of a DeepSpeed config, all at once before DeepSpeed runs.
 
-    options: dict
+    `load`: the `"load"` key (a checkpoint's path, or `AUTO`; None without one); `load_options`: the keyword
+    arguments of `ucp.deepspeed.load` among the keys, the layout as a `Layout`; `save`: the `"save"` section, its
+    `"memory"` tier included; `layout`: the explicit `"layout"`; `hmp`: the `"hmp"` section's batch over that
+    layout's replicas; `elastic`: the `"elastic"` section; `zero_stage`: DeepSpeed's ZeRO stage (the elastic cost
+    model's input); `deepspeed`: the config DeepSpeed is given (without the section; None when the options do not
+    come from a dict)."""
+
+    load: str | os.PathLike[str] | None
+    load_options: dict[str, Any]
     save: SaveOptions | None
-    load: dict
+    layout: Layout | None
+    hmp: ElasticBatch | None
+    elastic: ElasticSection | None
+    zero_stage: int
     deepspeed: dict | None
+
+    @property
+    def memory_tier(self) -> bool:
+        return self.save is not None and self.save.memory is not None
 
 
 def read_section(config: dict | None) -> Section:
-    """`config`'s `"ucp"` section, read and checked (`ucp_options`, `SaveOptions`)."""
+    """`config`'s `"ucp"` section, read and checked: its keys (`ucp_options`), `"save"` (`SaveOptions`), `"load"`
+    `"auto"` with its save folder, the explicit layout and its `"hmp"` batch, then `"elastic"` (`ElasticSection`)."""
     options = ucp_options(config)
     save = SaveOptions.from_config(options["save"]) if "save" in options else None
+    if options.get("load") == AUTO and save is None:
+        raise ConfigError('"ucp": {"load": "auto"} resumes from the save folder: '
+                          'add "save": {"dir": ..., "every": ...}')
+    layout = hmp = None
+    if "hmp" in options:  # heterogeneous model parallelism: the gradient sync between backward and step
+        if "layout" not in options:
+            raise ConfigError('"ucp": {"hmp": ...} trains on an explicit layout: add "layout" (the JSON that '
+                              "`Layout.to_json()` or `ucp plan --json` writes)")
+        if "elastic" in options:
+            raise ConfigError('"ucp": {"hmp": ...} with "elastic": an elastic job chooses its layout at each start; '
+                              'give "elastic": {..., "heterogeneous": true} without "hmp" and "layout"')
+        layout = as_layout(options["layout"])
+        hmp = hmp_batch(options["hmp"], layout)
+    elastic = ElasticSection.from_config(options["elastic"]) if "elastic" in options else None
+    if elastic is not None and elastic.heterogeneous and "layout" in options:
+        raise ConfigError('"ucp": {"elastic": {"heterogeneous": true}} chooses the layout at each start: leave out '
+                          '"layout"')
+    if "layout" in options and layout is None:
+        layout = as_layout(options["layout"])
     deepspeed = without_ucp(config) if options and isinstance(config, dict) else None
-    return Section(options, save, load_options(options), deepspeed)
+    zero = config.get("zero_optimization") if isinstance(config, dict) else None
+    stage = int(zero.get("stage", 0)) if isinstance(zero, dict) else 0
+    loads = load_options(options)
+    if layout is not None:
+        loads["layout"] = layout
+    return Section(options.get("load"), loads, save, layout, hmp, elastic, stage, deepspeed)

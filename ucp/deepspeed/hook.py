@@ -77,7 +77,8 @@ committed, and runs at exit too; see `ucp.deepspeed.life`). The `"ucp"` config s
   (`ucp.deepspeed.saving.hmp`), and `"load": "auto"` resumes from either tier at any layout.
 
 The load pipeline is `ucp.deepspeed.loading.load`; the save, its cadence and the rest of the engine's checkpoint
-life are `ucp.deepspeed.life`. This module wires them into `initialize`.
+life are `ucp.deepspeed.life`. This module wires them into `initialize`, which reads the section once
+(`ucp.deepspeed.config.read_section`) and hands each of them its part of that one value.
 """
 from __future__ import annotations
 
@@ -90,17 +91,16 @@ from typing import Any
 from ucp.deepspeed.auto_resume import resume_auto
 from ucp.deepspeed.config import AUTO, read_section
 from ucp.deepspeed.elastic import check_engine, uses_autotp, with_batch_keys, with_layout_keys
-from ucp.deepspeed.engine.hmp_sync import hmp_batch, install_sync, replica_batch_keys
-from ucp.deepspeed.engine.placement import as_layout
+from ucp.deepspeed.engine.hmp_sync import install_sync, replica_batch_keys
 from ucp.deepspeed.life import StepBook, life_of, save, wait
 from ucp.deepspeed.loading.load import LoadStats, load
 from ucp.deepspeed.saving.saver import SaveStats
 from ucp.elastic.layout_choice import RankLayout, hmp_layers
-from ucp.elastic.ranks import layout as elastic_layout
-from ucp.elastic.ranks import spare_loop
+from ucp.elastic.ranks import spare_loop, start_layout
 from ucp.elastic.rendezvous import warn_shared_rendezvous_store
-from ucp.elastic.shares import ElasticBatch
+from ucp.elastic.shares import ElasticBatch, ElasticSection
 from ucp.errors import CheckpointMismatchError, ConfigError
+from ucp.hmp.layout import Layout
 
 __all__ = ["CheckpointMismatchError", "LoadStats", "SaveStats", "initialize", "load", "save", "wait"]
 
@@ -108,7 +108,8 @@ __all__ = ["CheckpointMismatchError", "LoadStats", "SaveStats", "initialize", "l
 def initialize(*args: Any, **kwargs: Any) -> Any:
     """`deepspeed.initialize` with the same arguments and result, plus the `"ucp"` config section.
 
-    The section is checked before DeepSpeed runs, and the caller's config and `args` are left as given.
+    The section is read and checked once, before DeepSpeed runs (`read_section`); the caller's config and `args`
+    are left as given.
     """
     import deepspeed
 
@@ -121,25 +122,17 @@ def initialize(*args: Any, **kwargs: Any) -> Any:
         with open(config) as f:
             config = json.load(f)
     section = read_section(config)
-    options, save_every, load_kwargs = section.options, section.save, section.load
-    auto_dir = None  # the save folder "load": "auto" resumes from
-    if options.get("load") == AUTO:
-        if save_every is None:
-            raise ConfigError('"ucp": {"load": "auto"} resumes from the save folder: '
-                              'add "save": {"dir": ..., "every": ...}')
-        auto_dir = save_every.dir
-    place = batch = hmp = None
-    if "hmp" in options:  # heterogeneous model parallelism: the gradient sync between backward and step
-        hmp = _hmp_batch(options)
-    if "elastic" in options:  # this start's T x P x D (the same on every rank); a spare waits in spare_loop
-        place = elastic_layout(config, kwargs.get("model"))
+    auto_dir = section.save.dir if section.load == AUTO and section.save is not None else None
+    layout, hmp, load_options = section.layout, section.hmp, section.load_options
+    place = batch = None
+    if section.elastic is not None:  # this start's T x P x D (the same on every rank); a spare waits in spare_loop
+        place = start_layout(section.elastic, kwargs.get("model"), section.zero_stage, section.memory_tier, section)
         spare_loop()
         if place.hmp:  # "heterogeneous": true: the layout's replicas train through the HMP sync, loaded by the layout
-            options = _elastic_hmp_options(options, place, kwargs.get("model"))
-            load_kwargs = {**load_kwargs, "layout": options["layout"]}
-            hmp = hmp_batch(options["hmp"], as_layout(options["layout"]))
+            layout, hmp = _elastic_hmp(section.elastic, place, kwargs.get("model"))
+            load_options = {**load_options, "layout": layout}
         else:
-            batch = ElasticBatch.from_config(options["elastic"], place.dp)
+            batch = section.elastic.batch(place.dp)
     if section.deepspeed is not None:  # options come from a dict config's "ucp" section
         ds_config = section.deepspeed
         if batch is not None and place is not None:
@@ -159,49 +152,34 @@ def initialize(*args: Any, **kwargs: Any) -> Any:
         engine.ucp_layout = place
         if place.hmp:  # ElasticBatchSampler serves each replica (its dp_rank) its share
             engine.ucp_elastic = hmp
-    if hmp is not None:
-        synced = install_sync(engine, as_layout(options["layout"]), hmp)
+    if hmp is not None and layout is not None:
+        synced = install_sync(engine, layout, hmp)
         life_of(engine).run_before_step(synced.before_step)
         life_of(engine).count_samples(hmp.global_batch)  # B over all replicas, not this replica's share
     resumed = None
     if auto_dir is not None:
         warn_shared_rendezvous_store()
-        memory = save_every.memory if save_every is not None else None
-        resumed = resume_auto(engine, auto_dir, load, memory, **load_kwargs)
-    elif options.get("load"):
-        load(engine, options["load"], **load_kwargs)
+        memory = section.save.memory if section.save is not None else None
+        resumed = resume_auto(engine, auto_dir, load, memory, **load_options)
+    elif section.load:
+        load(engine, section.load, **load_options)
     if batch is not None:
         life_of(engine).count_samples(batch.global_batch)
     if place is not None or auto_dir is not None:
         life_of(engine).keep_book(StepBook(engine, auto_dir, resumed, called))
-    if save_every is not None:
-        life_of(engine).save_every(save_every)
+    if section.save is not None:
+        life_of(engine).save_every(section.save)
     return result
 
 
-def _hmp_batch(options: dict[str, Any]) -> ElasticBatch:
-    """The `"hmp"` section's batch, after refusing what does not go with it."""
-    if "layout" not in options:
-        raise ConfigError('"ucp": {"hmp": ...} trains on an explicit layout: add "layout" (the JSON that '
-                          "`Layout.to_json()` or `ucp plan --json` writes)")
-    if "elastic" in options:
-        raise ConfigError('"ucp": {"hmp": ...} with "elastic": an elastic job chooses its layout at each start; give '
-                          '"elastic": {..., "heterogeneous": true} without "hmp" and "layout"')
-    return hmp_batch(options["hmp"], as_layout(options["layout"]))
-
-
-def _elastic_hmp_options(options: dict[str, Any], place: RankLayout, model: Any) -> dict[str, Any]:
-    """`options` with the `"layout"` and `"hmp"` sections of this start's layout (`"heterogeneous": true`): the
-    replicas `ucp.elastic.layout()` chose (pipelines where the search's plan has them), over the layers of the
-    model's parameter table."""
-    if "layout" in options:
-        raise ConfigError('"ucp": {"elastic": {"heterogeneous": true}} chooses the layout at each start: leave out '
-                          '"layout"')
+def _elastic_hmp(elastic: ElasticSection, place: RankLayout, model: Any) -> tuple[Layout, ElasticBatch]:
+    """This start's layout and its batch (`"heterogeneous": true`): the replicas `ucp.elastic.layout()` chose
+    (pipelines where the search's plan has them), over the layers of the model's parameter table, each taking its
+    share of the `"elastic"` section's global batch."""
     table = getattr(model, "ucp_param_table", None)
     if not table:
         raise ConfigError('"ucp": {"elastic": {"heterogeneous": true}} trains by a layout: give the module a '
                           "`ucp_param_table` (a list of ucp.hmp.layout.ParamSpec), built for ucp.elastic.layout()")
     layout = place.hmp_layout(hmp_layers(table))
-    section = options["elastic"]
-    hmp = {"global_batch": section["global_batch"], "micro_batch": section["micro_batch"], "shares": list(place.shares)}
-    return {**options, "layout": layout.to_json(), "hmp": hmp}
+    batch = ElasticBatch(elastic.global_batch, elastic.micro_batch, len(layout.replicas), tuple(place.shares))
+    return layout, batch

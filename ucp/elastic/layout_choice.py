@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ucp.elastic.shares import ElasticBatch, speed_shares
 from ucp.errors import ConfigError
@@ -45,7 +45,6 @@ from ucp.hmp.layout import Layout, ParamSpec
 if TYPE_CHECKING:
     from ucp.hmp.model_shapes import ModelConfig
 
-SIZE_KEYS = ("tensor_parallel", "pipeline_parallel")
 # A layout's estimated step time in seconds, or None where it does not fit the ranks' memory: (tp, pp, dp) -> s.
 StepTime = Callable[[int, int, int], "float | None"]
 # The model's shape, the GiB per rank, the global batch, the micro-batch, the sequence length and the ZeRO stage.
@@ -175,17 +174,6 @@ class RankLayout:
     def hmp_layout(self, layers: int) -> Layout:
         """This start's layout as a `ucp.hmp.layout.Layout` (`Choice.hmp_layout`): build the model for it."""
         return self.choice.hmp_layout(layers)
-
-
-def allowed_sizes(section: dict[str, Any], key: str) -> tuple[int, ...]:
-    """The sizes `"elastic": {key: ...}` allows (an int: that size alone; absent: 1), largest first."""
-    value = section.get(key, 1)
-    values = [value] if isinstance(value, int) and not isinstance(value, bool) else value
-    if (not isinstance(values, list) or not values
-            or any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in values)):
-        raise ConfigError(f'"ucp": {{"elastic": {{"{key}": {value!r}}}}}: must be a size of at least 1 or a list '
-                          'of them, e.g. [4, 2]')
-    return tuple(sorted(set(values), reverse=True))
 
 
 def choose_layout(world: int, tensor_parallel: tuple[int, ...], pipeline_parallel: tuple[int, ...],

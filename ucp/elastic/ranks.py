@@ -21,7 +21,6 @@ registers that duty here with `on_spare`: this layer cannot import the DeepSpeed
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import os
 import sys
@@ -35,17 +34,15 @@ import torch
 import torch.distributed as dist
 
 from ucp.elastic.layout_choice import (
-    SIZE_KEYS,
     Choice,
     CostModelInputs,
     RankLayout,
-    allowed_sizes,
     choose_layout,
     cost_model_replicas,
     cost_model_step_time,
     heterogeneous_choice,
 )
-from ucp.elastic.shares import ElasticBatch
+from ucp.elastic.shares import ElasticSection
 from ucp.errors import ConfigError
 
 logger = logging.getLogger("ucp.elastic")
@@ -56,7 +53,7 @@ _ACK_TIMEOUT = timedelta(seconds=30)
 _COPY_TIMEOUT = timedelta(minutes=30)   # a memory checkpoint's transfer to a spare
 
 _chosen: RankLayout | None = None
-_chosen_for: tuple[str, object] | None = None   # the section it was chosen for, and the default group then
+_chosen_for: tuple[ElasticSection, object] | None = None   # the section it was chosen for, and the group then
 _store: dist.Store | None = None
 _copies: SpareCopies | None = None
 
@@ -76,11 +73,12 @@ class SpareCopies:
         return range(self.training, self.world)
 
 
-# What a spare does while it waits, besides waiting: each duty is called once with the layout, the config and the
+# What a spare does while it waits, besides waiting: each duty is called once with the layout, the config the start
+# was chosen for (the DeepSpeed config given to `layout`, or what `ucp.deepspeed.initialize` read of it) and the
 # channel, and returns what to call at every poll (None: nothing to do).
-SpareDuty = Callable[[RankLayout, dict[str, Any], SpareCopies], Callable[[], None] | None]
+SpareDuty = Callable[[RankLayout, Any, SpareCopies], Callable[[], None] | None]
 _duties: list[SpareDuty] = []
-_config: dict[str, Any] | None = None
+_config: object = None
 
 
 def layout(config: dict[str, Any] | None = None, module: Any = None) -> RankLayout:
@@ -89,39 +87,52 @@ def layout(config: dict[str, Any] | None = None, module: Any = None) -> RankLayo
     With a DeepSpeed `config` (its `"ucp": {"elastic": ...}` section), chosen on the first call of the start and
     applied to the process groups (module docstring); `module` gives the model's shape to the cost model when it
     has a Hugging Face config. Without arguments, the layout chosen before (by `layout(config)` or by
-    `ucp.deepspeed.initialize`)."""
-    global _chosen, _chosen_for, _copies, _config
-    if _chosen is not None and (config is None or _chosen_for == (_key(config), _group())):
-        return _chosen
+    `ucp.deepspeed.initialize`, which reads the section once and calls `start_layout`)."""
     if config is None:
+        if _chosen is not None:
+            return _chosen
         raise ConfigError('ucp.elastic.layout(): no layout chosen yet; pass the DeepSpeed config with its '
                           '"ucp": {"elastic": ...} section, or call it after ucp.deepspeed.initialize')
-    section = config.get("ucp", {}).get("elastic") if isinstance(config.get("ucp"), dict) else None
-    if not isinstance(section, dict):
+    options = config.get("ucp") if isinstance(config, dict) else None
+    section = options.get("elastic") if isinstance(options, dict) else None
+    if not isinstance(options, dict) or not isinstance(section, dict):
         raise ConfigError('ucp.elastic.layout(config): the config has no "ucp": {"elastic": {...}} section')
+    save, zero = options.get("save"), config.get("zero_optimization")
+    return start_layout(ElasticSection.from_config(section), module,
+                        int(zero.get("stage", 0)) if isinstance(zero, dict) else 0,
+                        isinstance(save, dict) and "memory" in save, config)
+
+
+def start_layout(section: ElasticSection, module: Any, zero_stage: int, memory_tier: bool,
+                 config: object) -> RankLayout:
+    """`layout` for a checked `"elastic"` section: chosen on the first call of the start (a later call for the same
+    section returns it), with DeepSpeed's `zero_stage` for the cost model; with `memory_tier`, the spares keep the
+    memory tier's copies, and `config` is what their duties are given (`on_spare`)."""
+    global _chosen, _chosen_for, _copies, _config
+    if _chosen is not None and _chosen_for == (section, _group()):
+        return _chosen
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
-    ElasticBatch.from_config(section, 1)   # the batch keys are there, and no unknown key
-    inputs = _cost_model_inputs(section, config, module)
+    inputs = _cost_model_inputs(section, zero_stage, module)
     step_time = cost_model_step_time(*inputs) if inputs is not None else None
-    sizes = allowed_sizes(section, "tensor_parallel"), allowed_sizes(section, "pipeline_parallel")
-    experts = _expert_parallel(section)
-    if _heterogeneous(section):
-        if experts > 1:
+    sizes = section.tensor_parallel, section.pipeline_parallel
+    if section.heterogeneous:
+        if section.expert_parallel > 1:
             raise ConfigError('"ucp": {"elastic": {"heterogeneous": true, "expert_parallel": ...}}: unequal replicas '
                               "do not train MoE expert parallelism yet; leave out one of the two")
         plan = cost_model_replicas(*inputs, *sizes) if inputs is not None else None
-        choice = heterogeneous_choice(world, *sizes, section["global_batch"], section["micro_batch"], step_time, plan)
+        choice = heterogeneous_choice(world, *sizes, section.global_batch, section.micro_batch, step_time, plan)
     else:
-        choice = choose_layout(world, *sizes, section["global_batch"], section["micro_batch"], step_time, experts)
+        choice = choose_layout(world, *sizes, section.global_batch, section.micro_batch, step_time,
+                               section.expert_parallel)
     _chosen = RankLayout.of(choice, rank)
     if rank == 0:
         logger.warning("ucp: %d ranks: %s%s", world, _chosen.described,
                        f", {choice.spares} spare(s)" if choice.spares else "")
     _copies, _config = None, config
     if choice.spares and dist.is_initialized():
-        _leave_spares_out(choice, rank, _has_memory_tier(config))
-    _chosen_for = (_key(config), _group())
+        _leave_spares_out(choice, rank, memory_tier)
+    _chosen_for = (section, _group())
     return _chosen
 
 
@@ -155,19 +166,9 @@ def release_spares() -> None:
             pass
 
 
-def _key(config: dict[str, Any]) -> str:
-    section = config.get("ucp") if isinstance(config, dict) else None
-    return json.dumps(section.get("elastic") if isinstance(section, dict) else None, sort_keys=True, default=str)
-
-
 def _group() -> object:
     """The default process group now (a later start in the same process has another)."""
     return dist.group.WORLD if dist.is_initialized() else None
-
-
-def _has_memory_tier(config: dict[str, Any]) -> bool:
-    save = config.get("ucp", {}).get("save")
-    return isinstance(save, dict) and "memory" in save
 
 
 def _leave_spares_out(choice: Choice, rank: int, memory_tier: bool) -> None:
@@ -221,40 +222,16 @@ def _wait_as_spare(place: RankLayout) -> NoReturn:
     os._exit(0 if released else 1)   # no process group to tear down; nothing of the training to finalize
 
 
-def _expert_parallel(section: dict[str, Any]) -> int:
-    """`"expert_parallel"`: the ep_size of the model's MoE layers (1 when absent); D is a multiple of it."""
-    value = section.get("expert_parallel", 1)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ConfigError(f'"ucp": {{"elastic": {{"expert_parallel": {value!r}}}}}: must be the ep_size of the '
-                          "model's MoE layers, an int of at least 1")
-    return value
-
-
-def _heterogeneous(section: dict[str, Any]) -> bool:
-    """`"heterogeneous"`: whether a world the homogeneous layouts leave spares in takes unequal replicas."""
-    value = section.get("heterogeneous", False)
-    if not isinstance(value, bool):
-        raise ConfigError(f'"ucp": {{"elastic": {{"heterogeneous": {value!r}}}}}: must be true or false')
-    return value
-
-
-def _cost_model_inputs(section: dict[str, Any], config: dict[str, Any], module: Any) -> CostModelInputs | None:
+def _cost_model_inputs(section: ElasticSection, zero_stage: int, module: Any) -> CostModelInputs | None:
     """What the cost model needs (`cost_model_step_time`, `cost_model_replicas`) where the section lists
     model-parallel sizes and the model's shape is known (`"model"`, or the module's Hugging Face config of a shape
     `ucp plan` reads), else None."""
     from ucp.hmp.model_shapes import ModelConfig, ModelConfigError, load_model_config
 
-    for key, fix in (("gpu_memory", "GiB per rank, e.g. 80"), ("seq_len", "tokens per sample, e.g. 4096")):
-        value = section.get(key, 1)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-            raise ConfigError(f'"ucp": {{"elastic": {{"{key}": {value!r}}}}}: must be a positive number: {fix}')
-    if "model" in section and not isinstance(section["model"], (str, os.PathLike)):
-        raise ConfigError(f'"ucp": {{"elastic": {{"model": {section["model"]!r}}}}}: must be the path of the model\'s '
-                          'Hugging Face config.json, as `ucp plan --model` takes')
-    if not any(key in section for key in SIZE_KEYS):
+    if not section.sizes_given:
         return None   # data parallelism only: one layout, as before layouts were chosen
-    if "model" in section:
-        model = load_model_config(section["model"])
+    if section.model is not None:
+        model = load_model_config(section.model)
     elif hasattr(getattr(module, "config", None), "to_dict"):
         try:
             model = ModelConfig.from_hf(module.config.to_dict(), name=type(module).__name__)
@@ -262,10 +239,8 @@ def _cost_model_inputs(section: dict[str, Any], config: dict[str, Any], module: 
             return None
     else:
         return None
-    gpu_memory = section.get("gpu_memory") or _smallest_memory_gib()
-    stage = int(config.get("zero_optimization", {}).get("stage", 0))
-    return (model, float(gpu_memory), section["global_batch"], section["micro_batch"],
-            int(section.get("seq_len", 4096)), stage)
+    gpu_memory = section.gpu_memory or _smallest_memory_gib()
+    return (model, float(gpu_memory), section.global_batch, section.micro_batch, section.seq_len, zero_stage)
 
 
 def _smallest_memory_gib() -> float:

@@ -16,13 +16,18 @@ Under heterogeneous model parallelism the ranks here are replicas, and faster re
 serves those shares in the same global order (the sync of `ucp.hmp.grad_sync` weights each replica by
 its share, so the step's gradient stays the mean over the B samples).
 
+The `"elastic"` section itself is read here once, into one typed value (`ElasticSection`): the batch, the sizes the
+layouts may take and the cost model's inputs, each refusal one line.
+
 Pure: no torch, no DeepSpeed.
 """
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, cast
 
 from ucp.errors import ConfigError
 
@@ -31,6 +36,7 @@ BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_ac
 # unequal replicas may use ranks the layouts leave spare (ucp.elastic.layout_choice).
 SECTION_KEYS = ("global_batch", "micro_batch", "tensor_parallel", "pipeline_parallel", "expert_parallel", "model",
                 "gpu_memory", "seq_len", "heterogeneous")
+SIZE_KEYS = ("tensor_parallel", "pipeline_parallel")
 
 
 @dataclass(frozen=True)
@@ -124,6 +130,65 @@ class ElasticBatch:
             raise ConfigError(f'"ucp": {{"elastic": ...}}: unknown key {unknown[0]!r}; known: '
                               + ", ".join(f'"{k}"' for k in SECTION_KEYS))
         return cls(section["global_batch"], section["micro_batch"], world)
+
+
+def allowed_sizes(section: dict[str, Any], key: str) -> tuple[int, ...]:
+    """The sizes `"elastic": {key: ...}` allows (an int: that size alone; absent: 1), largest first."""
+    value = section.get(key, 1)
+    values = [value] if isinstance(value, int) and not isinstance(value, bool) else value
+    if (not isinstance(values, list) or not values
+            or any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in values)):
+        raise ConfigError(f'"ucp": {{"elastic": {{"{key}": {value!r}}}}}: must be a size of at least 1 or a list '
+                          'of them, e.g. [4, 2]')
+    return tuple(sorted(set(values), reverse=True))
+
+
+@dataclass(frozen=True)
+class ElasticSection:
+    """The `"elastic"` section of the `"ucp"` config, read and checked once (`from_config`): the batch, the sizes
+    the job may use (`allowed_sizes`, largest first; `sizes_given` when the section lists any), the MoE layers'
+    `expert_parallel`, whether unequal replicas may take the ranks a homogeneous layout leaves spare
+    (`heterogeneous`), and the cost model's inputs (`model`, `gpu_memory`, `seq_len`). `ucp.elastic.ranks` chooses
+    this start's layout from it and `batch` shares its global batch; nothing reads the raw section again."""
+
+    global_batch: int
+    micro_batch: int
+    tensor_parallel: tuple[int, ...]
+    pipeline_parallel: tuple[int, ...]
+    sizes_given: bool
+    expert_parallel: int
+    heterogeneous: bool
+    model: str | os.PathLike[str] | None
+    gpu_memory: float | None
+    seq_len: int
+
+    @classmethod
+    def from_config(cls, section: object) -> ElasticSection:
+        """The section, each refusal one line naming its key."""
+        ElasticBatch.from_config(section, 1)   # the batch keys are there, and no unknown key: a dict
+        section = cast("dict[str, Any]", section)
+        for key, fix in (("gpu_memory", "GiB per rank, e.g. 80"), ("seq_len", "tokens per sample, e.g. 4096")):
+            value = section.get(key, 1)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ConfigError(f'"ucp": {{"elastic": {{"{key}": {value!r}}}}}: must be a positive number: {fix}')
+        model = section.get("model")
+        if "model" in section and not isinstance(model, (str, os.PathLike)):
+            raise ConfigError(f'"ucp": {{"elastic": {{"model": {model!r}}}}}: must be the path of the model\'s '
+                              'Hugging Face config.json, as `ucp plan --model` takes')
+        sizes = allowed_sizes(section, "tensor_parallel"), allowed_sizes(section, "pipeline_parallel")
+        experts = section.get("expert_parallel", 1)
+        if not isinstance(experts, int) or isinstance(experts, bool) or experts < 1:
+            raise ConfigError(f'"ucp": {{"elastic": {{"expert_parallel": {experts!r}}}}}: must be the ep_size of the '
+                              "model's MoE layers, an int of at least 1")
+        heterogeneous = section.get("heterogeneous", False)
+        if not isinstance(heterogeneous, bool):
+            raise ConfigError(f'"ucp": {{"elastic": {{"heterogeneous": {heterogeneous!r}}}}}: must be true or false')
+        return cls(section["global_batch"], section["micro_batch"], *sizes, any(k in section for k in SIZE_KEYS),
+                   experts, heterogeneous, model, section.get("gpu_memory"), int(section.get("seq_len", 4096)))
+
+    def batch(self, world: int) -> ElasticBatch:
+        """The global batch shared by `world` data-parallel ranks."""
+        return ElasticBatch(self.global_batch, self.micro_batch, world)
 
 
 def speed_shares(global_batch: int, speeds: Sequence[float]) -> tuple[int, ...]:

@@ -42,7 +42,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from ucp.deepspeed.config import CONFIG_KEY
 from ucp.elastic.shares import BATCH_KEYS, ElasticBatch
 from ucp.errors import ConfigError, UnsupportedLayoutError
 from ucp.hmp.grad_sync import GradSync
@@ -58,16 +57,16 @@ def hmp_batch(section: object, layout: Layout) -> ElasticBatch:
     """The `"hmp"` section: B samples per step over the layout's replicas, in micro-batches of at most
     `micro_batch`, cut by `shares` (one per replica; default: as even as B allows)."""
     if not isinstance(section, dict) or "global_batch" not in section or "micro_batch" not in section:
-        raise ConfigError(f'"{CONFIG_KEY}": {{"hmp": {section!r}}}: needs "global_batch" and "micro_batch" (and '
+        raise ConfigError(f'"ucp": {{"hmp": {section!r}}}: needs "global_batch" and "micro_batch" (and '
                           'optionally "shares", samples per replica), e.g. {"global_batch": 8, "micro_batch": 5, '
                           '"shares": [5, 3]}')
     unknown = sorted(set(section) - set(SECTION_KEYS))
     if unknown:
-        raise ConfigError(f'"{CONFIG_KEY}": {{"hmp": ...}}: unknown key {unknown[0]!r}; known: '
+        raise ConfigError(f'"ucp": {{"hmp": ...}}: unknown key {unknown[0]!r}; known: '
                           + ", ".join(f'"{k}"' for k in SECTION_KEYS))
     shares = section.get("shares")
     if shares is not None and (not isinstance(shares, list) or not all(isinstance(s, int) for s in shares)):
-        raise ConfigError(f'"{CONFIG_KEY}": {{"hmp": {{"shares": {shares!r}}}}}: must be a list of sample counts')
+        raise ConfigError(f'"ucp": {{"hmp": {{"shares": {shares!r}}}}}: must be a list of sample counts')
     return ElasticBatch(section["global_batch"], section["micro_batch"], len(layout.replicas),
                         tuple(shares) if shares is not None else None)
 

@@ -1,5 +1,5 @@
-"""The host-memory tier's configuration, and which node copies in a memory folder a job may use
-(`ucp.deepspeed.memory.tier`; the manifest of a copy: `ucp.deepspeed.memory.manifest`).
+"""Which node copies in a memory folder a job may use (`ucp.deepspeed.memory.tier`; the tier's configuration is
+`ucp.deepspeed.config.MemoryEvery`, the manifest of a copy `ucp.deepspeed.memory.manifest`).
 
 A memory folder is trusted only when it is a folder of this user that no one else may write to: /dev/shm is
 writable by all (sticky), so another user could otherwise plant a folder there, or copies in it, before the
@@ -13,78 +13,22 @@ name say (`ucp.format.save_folder.indexed_step`). Any other is passed over with 
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import shutil
 import socket
 import stat
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
+from ucp.deepspeed.config import MemoryEvery
 from ucp.deepspeed.memory.manifest import Manifest, read_manifest
-from ucp.errors import ConfigError, UcpError, UnsupportedStorageError
-from ucp.format.folder import INDEX_NAME, local_path, locked_for_removal
+from ucp.errors import ConfigError, UcpError
+from ucp.format.folder import INDEX_NAME, locked_for_removal
 from ucp.format.save_folder import indexed_step, tag_step
 from ucp.storage.layer import list_folders
-from ucp.storage.locations import url_scheme
 
 logger = logging.getLogger("ucp.save")
-
-
-@dataclass(frozen=True)
-class MemoryEvery:
-    """The `"memory"` section of `"ucp": {"save": ...}`: a memory save after every `every`-th step, each node
-    keeping copies of `replicas` other nodes' pieces, in `dir` (expanded on each node); `job` is the identity
-    of the disk save folder (its absolute path, or its URL), recorded in every manifest."""
-
-    every: int
-    replicas: int
-    dir: str
-    job: str
-
-    @classmethod
-    def from_config(cls, options: object, save_dir: str) -> MemoryEvery:
-        example = '{"every": 50, "replicas": 1}'
-        if not isinstance(options, dict):
-            raise ConfigError(f'"ucp": {{"save": {{"memory": {options!r}}}}}: must be an object such as {example}')
-        unknown = set(options) - {"every", "replicas", "dir"}
-        if unknown:
-            raise ConfigError(f'"ucp": {{"save": {{"memory": ...}}}}: unknown key {sorted(unknown)[0]!r}; known: '
-                              '"every", "replicas", "dir"')
-        every, replicas = options.get("every"), options.get("replicas", 1)
-        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
-            raise ConfigError(f'"ucp": {{"save": {{"memory": {{"every": {every!r}}}}}}}: must be a positive number '
-                              f"of optimizer steps, e.g. {example}")
-        if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 0:
-            raise ConfigError(f'"ucp": {{"save": {{"memory": {{"replicas": {replicas!r}}}}}}}: must be the number of '
-                              "other nodes that keep a copy of each node's pieces, 0 or more (1 survives the loss "
-                              "of any one node)")
-        job = save_dir if url_scheme(save_dir) else os.path.realpath(save_dir)  # s3://...: the same on every node
-        folder = options.get("dir")
-        if folder is None:
-            folder = f"/dev/shm/ucp-{hashlib.sha256(job.encode()).hexdigest()[:12]}"
-        try:
-            if not isinstance(folder, (str, os.PathLike)):
-                raise TypeError(folder)
-            local_path(folder)
-        except (TypeError, UnsupportedStorageError):
-            raise ConfigError(f'"ucp": {{"save": {{"memory": {{"dir": {folder!r}}}}}}}: must be a local folder in '
-                              'host memory, e.g. "/dev/shm/ucp-myjob"') from None
-        if not os.fspath(folder).startswith(("/", "~", "$")):  # "" or "shm/x": the working directory, pruned
-            raise ConfigError(f'"ucp": {{"save": {{"memory": {{"dir": {os.fspath(folder)!r}}}}}}}: must be an '
-                              'absolute path of a folder of its own, e.g. "/dev/shm/ucp-myjob"')
-        return cls(every, replicas, os.fspath(folder), job)
-
-    @property
-    def path(self) -> Path:
-        """This node's memory folder; one that expands to a relative path (an unset `$VAR`) is refused."""
-        expanded = os.path.expanduser(os.path.expandvars(self.dir))
-        if not os.path.isabs(expanded):
-            raise ConfigError(f'"ucp": {{"save": {{"memory": {{"dir": {self.dir!r}}}}}}}: expands to {expanded!r} '
-                              "on this node, not an absolute path; set the variables it names")
-        return Path(expanded).resolve()
 
 
 def node_key(folder: Path) -> str:

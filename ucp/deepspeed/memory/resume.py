@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 
 from ucp import collectives
-from ucp.deepspeed.memory.files import MemoryEvery, checked_folder, node_key, read_copies, refuse_untrusted
+from ucp.deepspeed.config import MemoryEvery
+from ucp.deepspeed.memory.files import checked_folder, node_key, read_copies, refuse_untrusted
 from ucp.deepspeed.memory.manifest import Manifest, write_manifest
 from ucp.elastic.memory_plan import BASE, Fill, NodeCopy, choose, fills, nodes_of
 from ucp.format.folder import INDEX_NAME, PARTIAL_SUFFIX, commit_latest, fsync_dir

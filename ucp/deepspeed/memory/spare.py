@@ -29,11 +29,11 @@ import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from ucp.deepspeed.memory.files import MemoryEvery, checked_folder, node_key, remove_copies
+from ucp.deepspeed.config import MemoryEvery, Section, read_section
+from ucp.deepspeed.memory.files import checked_folder, node_key, remove_copies
 from ucp.deepspeed.memory.manifest import Manifest, write_manifest
 from ucp.deepspeed.saving.files import SaveFile
 from ucp.deepspeed.saving.writer import partial_path
@@ -92,13 +92,12 @@ class SpareTargets:
         self.sent += 1
 
 
-def receive_copies(place: RankLayout, config: dict[str, Any], channel: SpareCopies) -> Callable[[], None] | None:
+def receive_copies(place: RankLayout, config: object, channel: SpareCopies) -> Callable[[], None] | None:
     """The spare's side (registered with `ucp.elastic.ranks.on_spare`): what to do at each poll, or None when
-    the config has no memory tier."""
-    from ucp.deepspeed.config import SaveOptions
-
-    save = config.get("ucp", {}).get("save")
-    memory = SaveOptions.from_config(save).memory if isinstance(save, dict) else None
+    the config has no memory tier. `config` is the section `ucp.deepspeed.initialize` read, or the DeepSpeed config
+    a script gave `ucp.elastic.layout` before it, read here as initialize reads it."""
+    section = config if isinstance(config, Section) else read_section(config if isinstance(config, dict) else None)
+    memory = section.save.memory if section.save is not None else None
     if memory is None:
         return None
     folder, problem = checked_folder(memory, create=True)

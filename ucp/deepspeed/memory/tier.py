@@ -33,7 +33,8 @@ import torch
 import torch.distributed as dist
 
 from ucp import collectives
-from ucp.deepspeed.memory.files import MemoryEvery, checked_folder, node_key, refuse_untrusted, remove_copies
+from ucp.deepspeed.config import MemoryEvery
+from ucp.deepspeed.memory.files import checked_folder, node_key, refuse_untrusted, remove_copies
 from ucp.deepspeed.memory.manifest import Manifest, write_manifest
 from ucp.deepspeed.memory.spare import Runs, SpareSave, SpareTargets, write_runs
 from ucp.deepspeed.saving.index import RankReport, index_of, report_of
