@@ -35,7 +35,7 @@ committed, and runs at exit too; see `ucp.deepspeed.life`). The `"ucp"` config s
   `"tensor_parallel": {"autotp_size": T}`. With `"heterogeneous": true` a start
   whose ranks no homogeneous layout uses without spares takes replicas of unequal TP size (pipelines where the
   search's plan has them, `"pipeline_parallel"` allowing), and every
-  start of the job trains through the `"layout"` + `"hmp"` path below (`_elastic_hmp_options`; the script builds
+  start of the job trains through the `"layout"` + `"hmp"` path below (`_elastic_hmp`; the script builds
   its replica from `ucp.elastic.layout().hmp_layout(...)` and passes `RankAloneMpu`), the memory tier included.
 * `bypass` (bool, default true): redundancy-bypassing read. Each rank reads its own ZeRO
   partitions straight from storage, and every tensor that all ranks of the data-parallel group
