@@ -539,7 +539,9 @@ def targets(result: dict) -> list[str]:
 def versions() -> str:
     from importlib.metadata import version
 
-    return ", ".join(f"{name} {version(name)}" for name in ("torch", "deepspeed", "dlrover", "ucp"))
+    # ucp's distribution is `ucp-checkpoint` (setup.cfg); the others' are their import names
+    dists = {"torch": "torch", "deepspeed": "deepspeed", "dlrover": "dlrover", "ucp": "ucp-checkpoint"}
+    return ", ".join(f"{name} {version(dist)}" for name, dist in dists.items())
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -194,27 +194,30 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    from ucp.cli.warnings_route import warnings_routed
     from ucp.errors import UcpError
 
     notes = _notes_to_stderr(args.command)
-    try:
-        from ucp.cli import commands
+    # What torch or a plugin warns while the command imports it stays out of the command's output (--debug shows it).
+    with warnings_routed(debug=args.debug):
+        try:
+            from ucp.cli import commands
 
-        code = getattr(commands, f"cmd_{args.command}")(args)
-        sys.stdout.flush()  # here, where a reader that went away (`ucp inspect ... | head`) is handled
-        return code
-    except BrokenPipeError:
-        return _reader_gone()
-    except UcpError as exc:
-        return _fail(args, f"{exc}", 2)
-    except OSError as exc:
-        return _fail(args, os_error_line(exc, getattr(args, "output", None)), 3)
-    except KeyboardInterrupt:
-        print(f"ucp {args.command}: interrupted; no index was written, the output is not a checkpoint",
-              file=sys.stderr)
-        return 130
-    finally:
-        logging.getLogger("ucp").removeHandler(notes)
+            code = getattr(commands, f"cmd_{args.command}")(args)
+            sys.stdout.flush()  # here, where a reader that went away (`ucp inspect ... | head`) is handled
+            return code
+        except BrokenPipeError:
+            return _reader_gone()
+        except UcpError as exc:
+            return _fail(args, f"{exc}", 2)
+        except OSError as exc:
+            return _fail(args, os_error_line(exc, getattr(args, "output", None)), 3)
+        except KeyboardInterrupt:
+            print(f"ucp {args.command}: interrupted; no index was written, the output is not a checkpoint",
+                  file=sys.stderr)
+            return 130
+        finally:
+            logging.getLogger("ucp").removeHandler(notes)
 
 
 def _reader_gone() -> int:

@@ -41,7 +41,7 @@ def kept_choice(monkeypatch):
 def implementation(request) -> str:
     """Each implementation in turn, made the one `crc32` uses."""
     if not installed(request.param):
-        pytest.skip(f"{request.param} is not installed (pip install ucp[fast])")
+        pytest.skip(f"{request.param} is not installed (pip install ucp-checkpoint[fast])")
     assert crc.use_crc32(request.param) == crc.crc32_implementation() == request.param
     return request.param
 
@@ -91,7 +91,7 @@ def test_crc32_combine_and_join_segments_work_on_its_crcs(implementation):
 
 
 def test_the_test_environment_has_a_fast_crc32(monkeypatch):
-    """`pip install ucp[test]` brings the `fast` extra: the suite runs what users of it run."""
+    """`pip install ucp-checkpoint[test]` brings the `fast` extra: the suite runs what users of it run."""
     monkeypatch.delenv(CRC32_ENV, raising=False)
     assert choose_crc32()[0] in ("isal", "zlib-ng")
 

@@ -3,7 +3,7 @@
 `crc32` is zlib's CRC-32 (the polynomial of zip files and of `zlib.crc32`), computed by the fastest library
 installed: ISA-L (`isal`), then zlib-ng (`zlib-ng`), else zlib itself. On the development machine they checksum
 about 4.5, 4.1 and 1.9 GB/s (benchmarks/README.md, "Checksums"); all three give the same values and release the
-GIL on large buffers, so the writers' threads overlap. `pip install ucp[fast]` brings them. The environment
+GIL on large buffers, so the writers' threads overlap. `pip install ucp-checkpoint[fast]` brings them. The environment
 variable `UCP_CRC32` (`isal`, `zlib-ng` or `zlib`) names one, to measure them against each other.
 
 During an asynchronous save each rank checksums the run of a tensor it writes; rank 0 combines
