@@ -62,7 +62,8 @@ def test_zero2_on_2_resumes_as_zero3_on_3(reference, tmp_path):
     out = tmp_path / "zero3"
     train(out, 3, "--stage", "3", "--ckpt-path", reference / "ckpt" / "epoch=1-step=8.ckpt")
     started = json.loads((out / "started.json").read_text())
-    assert started == {"global_step": 8, "epoch": 2, "batches_seen": 8, "lr": lrs(reference)[8]}
+    assert started == {"global_step": 8, "epoch": 2, "batches_seen": 8, "lr": lrs(reference)[8],
+                       "best_model_path": str(reference / "ckpt" / "epoch=1-step=8.ckpt")}  # the callback's state
     want, got = losses(reference), losses(out)
     assert sorted(got) == list(range(9, 17))
     for step in got:
@@ -97,7 +98,8 @@ def test_killed_save_then_auto_on_one_process(reference, tmp_path):
     assert log_line(out, "cut short") == (f"ucp: {out / 'ckpt' / 'epoch=2-step=12.ckpt.ucp-partial'} is a save cut "
                                           "short: passed over")
     started = json.loads((out / "started.json").read_text())
-    assert started == {"global_step": 8, "epoch": 2, "batches_seen": 8, "lr": lrs(reference)[8]}
+    assert started == {"global_step": 8, "epoch": 2, "batches_seen": 8, "lr": lrs(reference)[8],
+                       "best_model_path": str(out / "ckpt" / "epoch=1-step=8.ckpt")}  # the callback's state
     want, got = losses(reference), losses(out)
     assert sorted(got) == list(range(9, 17))
     for step in got:
@@ -128,3 +130,29 @@ def test_a_mismatched_model_is_refused_in_one_line(reference, tmp_path):
     line = log_line(out, "CheckpointMismatchError: ")
     assert line.startswith("ucp.errors.CheckpointMismatchError: ")
     assert "last.ckpt" in line and "net.0.weight" in line
+
+
+def test_export_to_lightning_matches_lightnings_own_conversion(reference, tmp_path, capsys):
+    """`ucp export --to lightning` writes what convert_zero_checkpoint_to_fp32_state_dict writes: the same fp32
+    weights (torch.equal) and Lightning's state; a checkpoint of another epoch differs (negative control)."""
+    import torch
+    from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
+
+    from ucp.cli.main import main
+
+    folder = reference / "ckpt" / "epoch=1-step=8.ckpt"
+    assert main(["export", "--input", str(folder), "--output", str(tmp_path / "ucp.ckpt"), "--to", "lightning",
+                 "--quiet"]) == 0
+    assert capsys.readouterr().out.startswith(f"exported 4 tensors and Lightning's training state into {tmp_path}")
+    convert_zero_checkpoint_to_fp32_state_dict(folder, tmp_path / "lightning.ckpt")
+    ours = torch.load(tmp_path / "ucp.ckpt", weights_only=False)
+    theirs = torch.load(tmp_path / "lightning.ckpt", weights_only=False)
+    assert sorted(ours["state_dict"]) == sorted(theirs["state_dict"]) == [
+        "net.0.bias", "net.0.weight", "net.2.bias", "net.2.weight"]
+    for name, tensor in theirs["state_dict"].items():
+        assert ours["state_dict"][name].dtype == torch.float32 and torch.equal(ours["state_dict"][name], tensor)
+    for key in ("epoch", "global_step", "loops", "lr_schedulers", "callbacks", "pytorch-lightning_version"):
+        assert repr(ours[key]) == repr(theirs[key]), key
+    convert_zero_checkpoint_to_fp32_state_dict(reference / "ckpt" / "epoch=0-step=4.ckpt", tmp_path / "older.ckpt")
+    older = torch.load(tmp_path / "older.ckpt", weights_only=False)["state_dict"]
+    assert not torch.equal(ours["state_dict"]["net.0.weight"], older["net.0.weight"])

@@ -71,7 +71,8 @@ class Started(Callback):
             loop = trainer.fit_loop.epoch_loop
             self.path.write_text(json.dumps({"global_step": trainer.global_step, "epoch": trainer.current_epoch,
                                              "batches_seen": loop.batch_progress.total.completed,
-                                             "lr": trainer.lr_scheduler_configs[0].scheduler.get_last_lr()[0]}))
+                                             "lr": trainer.lr_scheduler_configs[0].scheduler.get_last_lr()[0],
+                                             "best_model_path": trainer.checkpoint_callback.best_model_path}))
 
 
 def die_in_save(n: int) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 from ucp.elastic.trainer_folders import first_complete, opened_state
 from ucp.errors import CheckpointNotFoundError
@@ -25,6 +26,7 @@ from ucp.format.folder import LATEST_NAME
 PARTIAL = ".ucp-partial"  # a save being written (or cut short)
 REPLACED = ".ucp-replaced"  # the checkpoint a committed save replaces, for the moment of the swap
 SUFFIX = ".ckpt"
+MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")  # ZeRO 0-2, ZeRO-3
 
 
 def deepspeed_folder(path: str | os.PathLike[str]) -> Path:
@@ -45,6 +47,21 @@ def deepspeed_folder(path: str | os.PathLike[str]) -> Path:
             f"{place}: not a DeepSpeed checkpoint folder (no {LATEST_NAME} file naming its checkpoint/){partial}; "
             'pass a <name>.ckpt folder that DeepSpeedStrategy saved, or ckpt_path="auto"')
     return place
+
+
+def lightning_state(folder: Path, keys: list[str]) -> dict[str, Any]:
+    """The values of `keys` (Lightning's client state: loops, callbacks, LR schedulers, hyper-parameters) as
+    Lightning saved them in rank 0's DeepSpeed model-states file, unpickled as Lightning's own DeepSpeedStrategy
+    unpickles that file (`weights_only=False`: it holds Lightning's objects); tensors are mapped, not read."""
+    import torch
+
+    tag = (folder / LATEST_NAME).read_text().strip()
+    for name in MODEL_STATES:
+        if (folder / tag / name).is_file():
+            saved = torch.load(folder / tag / name, map_location="cpu", mmap=True, weights_only=False)
+            return {k: saved[k] for k in keys if k in saved}
+    raise CheckpointNotFoundError(f"{folder / tag}: holds neither {' nor '.join(MODEL_STATES)}; pass a folder "
+                                  "DeepSpeedStrategy saved")
 
 
 def incomplete(folder: Path) -> str | None:

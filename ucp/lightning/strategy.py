@@ -89,8 +89,11 @@ class DeepSpeedStrategy(LightningDeepSpeedStrategy):
         module = self.lightning_module
         assert module is not None  # the Trainer loads after setup
         fitting = module.trainer.state.fn == TrainerFn.FITTING
-        return load(self.deepspeed_engine, path, load_optimizer_states=fitting, load_lr_scheduler_states=False,
-                    strict=module.strict_loading)
+        client = load(self.deepspeed_engine, path, load_optimizer_states=fitting, load_lr_scheduler_states=False,
+                      strict=module.strict_loading)
+        # ucp reads the client state as plain data (no pickle code runs); Lightning's callbacks and hyper-parameters
+        # need their objects back as saved, which Lightning's own strategy unpickles from the same file
+        return folders.lightning_state(path, list(client))
 
     def auto_folder(self) -> Path | None:
         """Rank 0's newest complete checkpoint folder of the Trainer's ModelCheckpoint directories, on every rank
