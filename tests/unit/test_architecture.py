@@ -23,7 +23,7 @@ LAYERS = (
     ("ucp.hmp",),
     ("ucp.elastic",),
     ("ucp.deepspeed",),
-    ("ucp.export", "ucp.transformers", "ucp.accelerate", "ucp.elastic.ray_train"),
+    ("ucp.export", "ucp.transformers", "ucp.accelerate", "ucp.lightning", "ucp.elastic.ray_train"),
     ("ucp.cli",),
     ("ucp",),
 )
