@@ -47,9 +47,10 @@ def log_line(out: Path, marker: str) -> str:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
-    """The uninterrupted run: ZeRO-2 on 2 processes, `ckpt_path="auto"` with no checkpoint yet (a fresh start)."""
+    """The uninterrupted run: ZeRO-2 on 2 processes, `ckpt_path="auto"` with no checkpoint yet (a fresh start); it also
+    saves into `steps/` every 6 optimizer steps (step 6: in the middle of epoch 2)."""
     out = tmp_path_factory.mktemp("lightning") / "reference"
-    train(out, 2, "--stage", "2", "--ckpt-path", "auto")
+    train(out, 2, "--stage", "2", "--every-steps", "6", "--ckpt-path", "auto")
     return out
 
 
@@ -59,13 +60,18 @@ def test_fresh_start_under_auto(reference):
 
 
 def test_zero2_on_2_resumes_as_zero3_on_3(reference, tmp_path):
+    """From a checkpoint saved in the middle of epoch 2 (step 6: 2 of its 4 batches): Lightning's loop state, the
+    LR scheduler and ModelCheckpoint's state come back, the epoch continues after its 2 trained batches (where
+    Lightning's own restarts the epoch's DataLoader), and every loss equals the uninterrupted run's."""
     out = tmp_path / "zero3"
-    train(out, 3, "--stage", "3", "--ckpt-path", reference / "ckpt" / "epoch=1-step=8.ckpt")
+    train(out, 3, "--stage", "3", "--ckpt-path", reference / "steps" / "epoch=1-step=6.ckpt")
     started = json.loads((out / "started.json").read_text())
-    assert started == {"global_step": 8, "epoch": 2, "batches_seen": 8, "lr": lrs(reference)[8],
-                       "best_model_path": str(reference / "ckpt" / "epoch=1-step=8.ckpt")}  # the callback's state
+    assert started == {"global_step": 6, "epoch": 1, "batches_seen": 5, "lr": lrs(reference)[6],  # Lightning's count
+                       "best_model_path": str(reference / "ckpt" / "epoch=0-step=4.ckpt")}  # the callback's state
+    assert log_line(out, "ucp: the resumed epoch") == ("ucp: the resumed epoch continues after its 2 trained batches "
+                                                       "on each of 3 processes")
     want, got = losses(reference), losses(out)
-    assert sorted(got) == list(range(9, 17))
+    assert sorted(got) == list(range(7, 17))
     for step in got:
         assert abs(got[step] - want[step]) <= TOLERANCE, step
         assert lrs(out)[step] == lrs(reference)[step]
@@ -77,7 +83,7 @@ def test_lightning_own_strategy_fails_the_same_resume(reference, tmp_path):
     """Negative control: Lightning's DeepSpeedStrategy (only its CUDA-only checks bypassed) cannot resume it."""
     out = tmp_path / "stock"
     with pytest.raises(RuntimeError):
-        train(out, 3, "--stage", "3", "--stock", "--ckpt-path", reference / "ckpt" / "epoch=1-step=8.ckpt")
+        train(out, 3, "--stage", "3", "--stock", "--ckpt-path", reference / "steps" / "epoch=1-step=6.ckpt")
     text = (out.parent / "stock.log").read_text(errors="replace")
     assert "deepspeed/runtime/state_dict_factory.py" in text and "in check_ckpt_list" in text
     assert not (out / "losses.jsonl").exists()

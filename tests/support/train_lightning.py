@@ -112,6 +112,7 @@ def main() -> None:
     p.add_argument("--ckpt-path", default=None)
     p.add_argument("--die-at-save", type=int, default=0)
     p.add_argument("--stock", action="store_true")
+    p.add_argument("--every-steps", type=int, default=0, help="also save into DIR/steps every N optimizer steps")
     a = p.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     a.out.mkdir(parents=True, exist_ok=True)
@@ -120,15 +121,18 @@ def main() -> None:
     L.seed_everything(0, workers=True)
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(a.samples, 8, generator=g), torch.randn(a.samples, 1, generator=g))
-    loader = DataLoader(data, batch_size=a.global_batch // world, shuffle=True)
     import ucp.lightning
+
+    loader = DataLoader(data, batch_size=ucp.lightning.per_process_batch(a.global_batch, world), shuffle=True)
+    steps = [ModelCheckpoint(dirpath=a.out / "steps", every_n_train_steps=a.every_steps, save_top_k=-1)
+             ] if a.every_steps else []
 
     strategy = stock_strategy(a.stage) if a.stock else ucp.lightning.DeepSpeedStrategy(stage=a.stage)
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_epochs=a.epochs,
                         logger=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[LossLog(a.out / "losses.jsonl"), Started(a.out / "started.json"),
                                    ModelCheckpoint(dirpath=a.out / "ckpt", every_n_epochs=1, save_top_k=-1,
-                                                   save_last=True)])
+                                                   save_last=True), *steps])
     trainer.fit(Regression(hidden=a.hidden), train_dataloaders=loader, ckpt_path=a.ckpt_path)
     if dist.is_initialized():
         dist.barrier()

@@ -67,3 +67,14 @@ def test_commit_replaces_the_previous_checkpoint_only_once_written(tmp_path):
     commit(target)
     assert (target / "latest").read_text() == "new"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+
+
+def test_per_process_batch_keeps_the_global_batch_or_says_why_not():
+    from ucp.lightning import per_process_batch
+
+    assert [per_process_batch(6, w) for w in (1, 2, 3, 6)] == [6, 3, 2, 1]
+    with pytest.raises(ConfigError) as caught:
+        per_process_batch(6, 4)
+    assert str(caught.value) == ("global_batch 6 cannot be shared by 4 processes (Lightning's DistributedSampler gives "
+                                 "each the same batch size): choose a global batch that every world size of the job "
+                                 "divides, e.g. 24")

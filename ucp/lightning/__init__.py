@@ -2,6 +2,7 @@
 
 Importing this package imports `lightning`; `import ucp` does not.
 """
+from ucp.lightning.data_order import per_process_batch
 from ucp.lightning.strategy import DeepSpeedStrategy
 
-__all__ = ["DeepSpeedStrategy"]
+__all__ = ["DeepSpeedStrategy", "per_process_batch"]

@@ -15,6 +15,9 @@ What differs from Lightning's own strategy:
   Lightning's `"last"` resolves as Lightning resolves it, then loads at any size).
 * Saves commit: DeepSpeed writes `<name>.ckpt.ucp-partial/`, renamed to `<name>.ckpt` by rank 0 once every rank
   has written, so a save cut short never damages the checkpoint it would replace (`last.ckpt`).
+* A checkpoint saved in the middle of an epoch resumes after the batches that epoch trained, where Lightning's own
+  would start the epoch's DataLoader over (`ucp.lightning.data_order`, which also says how the global batch stays
+  fixed at any world size).
 * CPU: with Lightning's CPU accelerator it runs on DeepSpeed's CPU accelerator over gloo (Lightning's own refuses
   anything but CUDA); each process's device is `cpu:<local rank>`, whose index DeepSpeed takes as its device rank.
 """
@@ -32,6 +35,7 @@ from lightning.pytorch.strategies import DeepSpeedStrategy as LightningDeepSpeed
 
 from ucp.errors import ConfigError
 from ucp.lightning import folders
+from ucp.lightning.data_order import skip_done_batches
 
 logger = logging.getLogger("ucp.lightning")
 AUTO = "auto"
@@ -77,6 +81,15 @@ class DeepSpeedStrategy(LightningDeepSpeedStrategy):
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)
         _resolve_auto(trainer, self)
+
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        module = self.lightning_module
+        if module is not None and module.trainer is not None:
+            skipped = skip_done_batches(module.trainer)
+            if skipped and self.is_global_zero:
+                logger.warning("ucp: the resumed epoch continues after its %d trained batches on each of %d processes",
+                               skipped, self.world_size)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         if self.load_full_weights and self.zero_stage_3:
