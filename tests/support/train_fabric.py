@@ -22,6 +22,17 @@ import ucp.lightning
 import ucp.lightning.fabric
 
 
+def stock_strategy(stage: int):
+    from lightning.fabric.strategies import DDPStrategy, DeepSpeedStrategy
+
+    class CpuDeepSpeed(DeepSpeedStrategy):
+        def setup_environment(self):
+            self.parallel_devices = [torch.device("cpu", i) for i in range(len(self.parallel_devices))]
+            DDPStrategy.setup_environment(self)
+
+    return CpuDeepSpeed(stage=stage)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, required=True)
@@ -30,9 +41,11 @@ def main() -> None:
     p.add_argument("--global-batch", type=int, default=6)
     p.add_argument("--save-at", type=int, default=0)
     p.add_argument("--load", default=None)
+    p.add_argument("--stock", action="store_true", help="Fabric's own strategy, only its CUDA-only check bypassed")
     a = p.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=ucp.lightning.fabric.DeepSpeedStrategy(stage=a.stage))
+    strategy = stock_strategy(a.stage) if a.stock else ucp.lightning.fabric.DeepSpeedStrategy(stage=a.stage)
+    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy)
     fabric.launch()
     torch.manual_seed(1)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
