@@ -47,8 +47,6 @@ class DeepSpeedStrategy(LightningDeepSpeedStrategy):
     saved at any world size or ZeRO stage, takes `ckpt_path="auto"`, commits its saves and runs on CPU (module
     docstring)."""
 
-    strategy_name = "ucp_deepspeed"
-
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         stage = (self.config or {}).get("zero_optimization", {}).get("stage", 0)
