@@ -107,6 +107,12 @@ def cmd_export(args: argparse.Namespace) -> int:
         tied = f"; tied copies stored once: {', '.join(hf.dropped)}" if hf.dropped else ""
         print(f"exported {hf.tensors} tensors into {hf.output} ({human_bytes(hf.bytes)} in {len(hf.files)} "
               f"safetensors files, {time.perf_counter() - start:.1f} s{tied})")
+    elif args.to == "lightning":
+        from ucp.lightning.export import to_lightning
+
+        lit = to_lightning(args.input, args.output, dtype=args.dtype, tag=args.tag)
+        print(f"exported {lit.tensors} tensors and Lightning's training state into {lit.output} "
+              f"({human_bytes(lit.bytes)}, {time.perf_counter() - start:.1f} s)")
     else:
         dcp = to_dcp(args.input, args.output, optimizer=args.optimizer, **options)
         print(f"exported {dcp.model_tensors} model tensors and the optimizer state of {dcp.optimizer_params} "

@@ -100,12 +100,15 @@ def build_parser() -> argparse.ArgumentParser:
                                    "shards, tied weights stored once, checked against the architecture), or as a "
                                    "torch.distributed.checkpoint folder of FQN-keyed model and optimizer state "
                                    "(--to dcp, for dcp.load + set_model_state_dict / set_optimizer_state_dict at "
-                                   "any world size). Streams tensor by tensor; OUTPUT appears only once complete.")
+                                   "any world size), or as one Lightning checkpoint file (--to lightning, for "
+                                   "LightningModule.load_from_checkpoint). Streams tensor by tensor; OUTPUT "
+                                   "appears only once complete.")
     p.add_argument("--input", required=True, metavar="CKPT", help="a ucp checkpoint, or a DeepSpeed checkpoint "
                    "(the directory given to engine.save_checkpoint, or a tag folder)")
     p.add_argument("--output", required=True, metavar="DIR", help="output directory (must not exist, or be empty)")
-    p.add_argument("--to", required=True, choices=["hf", "dcp"], help="hf: a transformers folder; dcp: a PyTorch "
-                   "distributed checkpoint")
+    p.add_argument("--to", required=True, choices=["hf", "dcp", "lightning"], help="hf: a transformers folder; "
+                   "dcp: a PyTorch distributed checkpoint; lightning: one fp32 Lightning checkpoint file (OUTPUT is "
+                   "the file), as Lightning's convert_zero_checkpoint_to_fp32_state_dict writes it")
     p.add_argument("--tag", metavar="T", help="for a DeepSpeed save directory: the tag to export")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                    help="dtype of the exported weights (default float32); DCP optimizer states stay float32")

@@ -280,10 +280,11 @@ def agree_step(steps: dict[int, float | None], group: int, step: float | None, p
 
 def agree_with_model(steps: dict[int, float | None], model: dict, model_path: Path) -> None:
     """Without fp16 (whose overflowing steps the optimizer skips) every optimizer step is a global step:
-    the model-states file must record as many as the optimizer files."""
+    the model-states file must record as many as the optimizer files. A count of 0 is a loop that steps DeepSpeed's
+    optimizer itself, never through `engine.step` (Lightning Fabric's), which leaves the engine's count unused."""
     config = model.get("ds_config") or {}
     global_steps = model.get("global_steps")
-    if (config.get("fp16") or {}).get("enabled") or not isinstance(global_steps, int):
+    if (config.get("fp16") or {}).get("enabled") or not isinstance(global_steps, int) or global_steps == 0:
         return
     for group, step in steps.items():
         if step is not None and step != global_steps:

@@ -31,7 +31,7 @@ LAYERS = (
     ("ucp.deepspeed.saving",),
     ("ucp.deepspeed.loading", "ucp.deepspeed.memory"),
     ("ucp.deepspeed",),
-    ("ucp.export", "ucp.transformers", "ucp.accelerate", "ucp.elastic.ray_train"),
+    ("ucp.export", "ucp.transformers", "ucp.accelerate", "ucp.lightning", "ucp.elastic.ray_train"),
     ("ucp.cli",),
     ("ucp",),
 )
