@@ -239,6 +239,12 @@ def wait_all() -> list[SaveError]:
     return failed
 
 
+def abandon_all() -> None:
+    """Forget every engine's saver (`ucp.elastic.run`, leaving a broken world once their threads have ended): the
+    exit no longer waits for them, and their failures, the lost world's, are not raised again."""
+    _LIVE.clear()
+
+
 def _wait_at_exit() -> None:
     """At exit, wait for the saves in flight, unless the process ends on an uncaught error: its peers may be gone or
     wait for this rank, so the save's collectives could block for the group's whole timeout and, with them, the

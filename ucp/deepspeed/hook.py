@@ -95,6 +95,7 @@ from ucp.deepspeed.engine_load import LoadStats, load
 from ucp.deepspeed.hmp_sync import hmp_batch, install_sync, replica_batch_keys
 from ucp.deepspeed.life import StepBook, life_of, save, wait
 from ucp.deepspeed.placement import as_layout
+from ucp.elastic.inprocess import configure as configure_in_process
 from ucp.elastic.layout_choice import RankLayout, hmp_layers
 from ucp.elastic.ranks import layout as elastic_layout
 from ucp.elastic.ranks import spare_loop
@@ -132,6 +133,8 @@ def initialize(*args: Any, **kwargs: Any) -> Any:
     if "hmp" in options:  # heterogeneous model parallelism: the gradient sync between backward and step
         hmp = _hmp_batch(options)
     if "elastic" in options:  # this start's T x P x D (the same on every rank); a spare waits in spare_loop
+        if isinstance(options["elastic"], dict):
+            configure_in_process(options["elastic"])   # "detect_s", for ucp.elastic.run's heartbeat
         place = elastic_layout(config, kwargs.get("model"))
         spare_loop()
         if place.hmp:  # "heterogeneous": true: the layout's replicas train through the HMP sync, loaded by the layout

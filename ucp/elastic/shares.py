@@ -28,9 +28,10 @@ from ucp.errors import ConfigError
 
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 # The "elastic" section: the batch, then the layouts the job may take, the cost model's inputs and whether
-# unequal replicas may use ranks the layouts leave spare (ucp.elastic.layout_choice).
+# unequal replicas may use ranks the layouts leave spare (ucp.elastic.layout_choice); how long a rank may be
+# silent under ucp.elastic.run (ucp.elastic.inprocess).
 SECTION_KEYS = ("global_batch", "micro_batch", "tensor_parallel", "pipeline_parallel", "expert_parallel", "model",
-                "gpu_memory", "seq_len", "heterogeneous")
+                "gpu_memory", "seq_len", "heterogeneous", "detect_s")
 
 
 @dataclass(frozen=True)
