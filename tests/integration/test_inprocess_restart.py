@@ -118,7 +118,13 @@ def test_a_hung_rank_is_taken_for_lost_after_detect_s_of_silence(tmp_path, elast
         wait_for(lambda: any(r["world"] == 2 for r in read_losses(losses)), 300, "a step on 2 ranks")
         took = time.monotonic() - stopped
         assert {i: worker_pid(job, i) for i in survivors} == survivors, "the survivors' processes were replaced"
+        # The survivors wait (else they may finish at 2 first) until their agents see the woken node rejoin.
+        seen = {i: job._detections([i]) for i in survivors}
+        paused = job.pause()
         worker.resume()
+        wait_for(lambda: all(job._detections([i]) > seen[i] for i in survivors), 300,
+                 "the survivors' agents to see the woken node rejoin")
+        job.resume(paused)
         codes = job.wait(timeout=600)
     assert set(codes.values()) == {0}, job.logs()
     logs = job.logs(tail=None)

@@ -62,3 +62,19 @@ def test_the_in_process_report_line():
     assert report.line() == ("ucp: in-process restart 4 -> 3 ranks: loaded /dev/shm/ucp/global_step7 (step 7), 0 "
                              "steps redone; fault to first step 6.0 s = detection 1.9 s + regroup 2.5 s + engine "
                              "0.8 s + load 0.3 s + first step 0.5 s")
+
+
+def test_after_an_in_process_restart_no_checkpoint_ends_the_rank(monkeypatch, capsys):
+    def exit_(code):
+        raise SystemExit(code)
+
+    monkeypatch.setattr(inprocess.os, "_exit", exit_)
+    inprocess.require_checkpoint(False)   # a first start: nothing to load is a fresh start (control)
+    monkeypatch.setattr(inprocess, "_restart", inprocess.Restart(3, 2, 0.0, 0.0))
+    inprocess.require_checkpoint(True)
+    with pytest.raises(SystemExit) as ended:
+        inprocess.require_checkpoint(False)
+    assert ended.value.code == 1
+    assert capsys.readouterr().err == (
+        "ucp: in-process restart failed: no complete checkpoint to continue from (neither the memory tier nor the "
+        "save folder has one); exiting with 1 so that the launcher restarts the processes\n")

@@ -48,6 +48,7 @@ from ucp.deepspeed.save_snapshot import Prepared, Preparing, copy_into, every_ho
 from ucp.deepspeed.save_stores import write_local, write_object
 from ucp.deepspeed.save_writer import BackgroundSave
 from ucp.deepspeed.targets import Target, target_for
+from ucp.elastic.inprocess import when_leaving
 from ucp.errors import ConfigError, OutputExistsError, SaveError
 from ucp.format.folder import INDEX_NAME
 from ucp.format.locations import Location
@@ -258,3 +259,4 @@ def _wait_at_exit() -> None:
 
 
 atexit.register(_wait_at_exit)
+when_leaving(abandon_all)

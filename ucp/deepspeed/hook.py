@@ -96,6 +96,7 @@ from ucp.deepspeed.hmp_sync import hmp_batch, install_sync, replica_batch_keys
 from ucp.deepspeed.life import StepBook, life_of, save, wait
 from ucp.deepspeed.placement import as_layout
 from ucp.elastic.inprocess import configure as configure_in_process
+from ucp.elastic.inprocess import require_checkpoint
 from ucp.elastic.layout_choice import RankLayout, hmp_layers
 from ucp.elastic.ranks import layout as elastic_layout
 from ucp.elastic.ranks import spare_loop
@@ -171,6 +172,7 @@ def initialize(*args: Any, **kwargs: Any) -> Any:
         warn_shared_rendezvous_store()
         memory = save_every.memory if save_every is not None else None
         resumed = resume_auto(engine, auto_dir, load, memory, **load_kwargs)
+        require_checkpoint(resumed is not None and resumed.path is not None)   # after an in-process restart
     elif options.get("load"):
         load(engine, options["load"], **load_kwargs)
     if batch is not None:

@@ -84,6 +84,13 @@ def take_restart() -> Restart | None:
     return restart
 
 
+def require_checkpoint(found: bool) -> None:
+    """After an in-process restart, `"load": "auto"` found nothing to load: starting fresh in place would not
+    continue the run, so this rank exits 1 and the launcher decides (`ucp.deepspeed.initialize` calls it)."""
+    if _restart is not None and not found:
+        give_up("no complete checkpoint to continue from (neither the memory tier nor the save folder has one)")
+
+
 def configure(section: dict[str, object]) -> None:
     """`"elastic": {"detect_s": N}` from the config `ucp.deepspeed.initialize` reads (used by `run`'s heartbeat
     from the next beat on)."""
@@ -99,6 +106,15 @@ def configure(section: dict[str, object]) -> None:
 
 
 _heartbeat: Heartbeat | None = None
+
+
+_leaving: list[Callable[[], None]] = []
+
+
+def when_leaving(forget: Callable[[], None]) -> None:
+    """Call `forget` when a broken world is left, once its save threads have ended (the layers above this one
+    register what they hold of the old world: `ucp.deepspeed.async_save` its savers)."""
+    _leaving.append(forget)
 
 
 @dataclass
@@ -190,7 +206,7 @@ def _peer_fault(exc: BaseException) -> str | None:
         text = str(seen)
         if isinstance(seen, (RuntimeError, OSError)) and any(t in text for t in FAULT_TEXTS):
             line = next((x for x in text.splitlines() if any(t in x for t in FAULT_TEXTS)), text)
-            return f"{type(seen).__name__}: {line.strip()[:300]}"
+            return f"{type(seen).__name__}: {line.split(' This is typically')[0].strip()[:300]}"   # gloo's advice
         seen = seen.__cause__ or seen.__context__
     return None
 
@@ -200,22 +216,22 @@ def give_up(reason: str) -> None:
     old world's threads and atexit handlers could wait on peers that are gone)."""
     print(f"ucp: in-process restart failed: {reason}; exiting with 1 so that the launcher restarts the processes",
           file=sys.stderr, flush=True)
-    logging.shutdown()
+    for handler in logging.getLogger().handlers + logger.handlers:
+        handler.flush()
     os._exit(1)
 
 
 def _leave() -> None:
     """Leave the broken world: end the save threads, abort every process group, reset DeepSpeed's global
     communication state (module docstring, 2)."""
-    from ucp.deepspeed.async_save import abandon_all
-
     deadline = time.monotonic() + SAVE_THREADS_S
     for thread in threading.enumerate():
         if thread.name.startswith("ucp-save"):
             thread.join(timeout=max(0.0, deadline - time.monotonic()))
             if thread.is_alive():
                 give_up(f"save thread {thread.name} of the lost world did not end within {SAVE_THREADS_S:.0f} s")
-    abandon_all()
+    for forget in _leaving:
+        forget()
     aborted = threading.Thread(target=_abort_groups, name="ucp-abort", daemon=True)
     aborted.start()
     aborted.join(timeout=REGROUP_S / 4)
