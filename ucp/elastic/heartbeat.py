@@ -92,7 +92,13 @@ class Heartbeat:
         neighbour = (self.rank + 1) % self.world
         last, moved = -1, time.monotonic()
         members: dict[int, tuple[int, float]] = {}
+        tick = time.monotonic()
         while not self._stop.wait(self.period):
+            if time.monotonic() - tick > 2 * self.period + 1:
+                # This watcher was itself stopped or starved (a SIGSTOP of every worker, a swapping host): what
+                # it saw before says nothing of the peers now; they get a fresh detect_s.
+                last, members = -1, {}
+            tick = time.monotonic()
             try:
                 self.store.add(beat_key(self.rank), 1)
                 if self.fault is None and self.store.check([FAULT]):
