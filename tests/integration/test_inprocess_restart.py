@@ -40,7 +40,7 @@ def node_env(tmp: Path, node: int) -> dict[str, str]:
 
 
 def worker_pid(job: ElasticJob, agent: int) -> int | None:
-    pids = [p.pid for p in job.workers(agent) if "train.py" in cmdline(p)]
+    pids = [p.pid for p in job.workers(agent) if job.script.name in cmdline(p)]
     return pids[0] if pids else None
 
 
@@ -75,6 +75,7 @@ def test_a_lost_node_the_survivors_go_on_in_the_same_processes(tmp_path, elastic
         lost = next(i for i in range(3) if worker_pid(job, i) == rank0)
         survivors = [i for i in range(3) if i != lost]
         pids = {i: worker_pid(job, i) for i in survivors}
+        assert None not in pids.values()
         paused, last = pause_with_the_newest_step_in_memory(job, tmp_path, survivors)
         job.lose_node(lost)
         shutil.rmtree(tmp_path / f"node{lost}")
@@ -112,7 +113,7 @@ def test_a_hung_rank_is_taken_for_lost_after_detect_s_of_silence(tmp_path, elast
         rank0 = read_losses(losses)[-1]["pid"]
         hung = next(i for i in range(3) if worker_pid(job, i) != rank0)
         survivors = {i: worker_pid(job, i) for i in range(3) if i != hung}
-        worker = next(p for p in job.workers(hung) if "train.py" in cmdline(p))
+        worker = next(p for p in job.workers(hung) if EXAMPLE.name in cmdline(p))
         worker.suspend()
         stopped = time.monotonic()
         wait_for(lambda: any(r["world"] == 2 for r in read_losses(losses)), 300, "a step on 2 ranks")
@@ -168,3 +169,38 @@ def test_a_second_fault_during_the_regroup_falls_back_to_a_process_restart(tmp_p
     assert records[-1]["world"] == 2 and records[-1]["step"] == STEPS
     assert sorted(by_step(records)) == list(range(1, STEPS + 1))
     assert_same_losses(records, elastic_reference(1, 10), RTOL)
+
+
+def test_autotp_a_lost_node_the_survivors_take_the_new_layout_in_the_same_processes(tmp_path, elastic_3d_reference):
+    """AutoTP `"tensor_parallel": [2, 1]` on 4 ranks (T=2 x D=2) loses a node: the 3 survivors take T=1 x D=3 in
+    their processes (DeepSpeed's TP groups left and made again), from the disk save of every step; a node joins
+    and the job finishes at T=2 x D=2 with the uninterrupted run's losses."""
+    steps = 8   # conftest's ELASTIC_3D_STEPS
+    losses = tmp_path / "losses.jsonl"
+    example = EXAMPLE.with_name("train_3d.py")
+    with ElasticJob(example, ["--save-dir", tmp_path / "ckpt", "--steps", steps, "--every", 1, "--keep", 2,
+                              "--losses-out", losses, "--in-process", "--detect-s", DETECT_S],
+                    tmp_path / "agents") as job:
+        for _ in range(4):
+            job.start_agent()
+        wait_for(reached(losses, 2, world=4), 300, "step 2 on 4 ranks")
+        rank0 = read_losses(losses)[-1]["pid"]
+        lost = next(i for i in range(4) if worker_pid(job, i) != rank0)
+        survivors = {i: worker_pid(job, i) for i in range(4) if i != lost}
+        assert None not in survivors.values() and rank0 in survivors.values()
+        job.lose_node(lost)
+        wait_for(reached(losses, 5, world=3), 300, "step 5 on 3 ranks")
+        assert {i: worker_pid(job, i) for i in survivors} == survivors, "the survivors' processes were replaced"
+        job.join_while_paused()
+        codes = job.wait(timeout=600)
+    assert set(codes.values()) == {0}, job.logs()
+    logs = job.logs(tail=None)
+    assert re.search(r"ucp: in-process restart 4 -> 3 ranks: loaded \S+ \(step \d+\), [01] steps? redone; fault to "
+                     r"first step .*; layout tensor_parallel 1 x pipeline_parallel 1 x data_parallel 3", logs), \
+        logs[-8000:]
+    records = read_losses(losses)
+    assert {(r["world"], r["tp"], r["dp"]) for r in records} == {(4, 2, 2), (3, 1, 3)}
+    assert {r["pid"] for r in records if r["world"] == 3} <= set(survivors.values())
+    assert records[-1]["world"] == 4 and records[-1]["step"] == steps
+    assert sorted(by_step(records)) == list(range(1, steps + 1))
+    assert_same_losses(records, elastic_3d_reference[0], RTOL)
