@@ -35,6 +35,7 @@ class Run:
     stock: bool = False             # negative control: DistributedSampler and per-rank batch keys, no "elastic"
     ucp: dict | None = None         # the "ucp" section's load and save keys, when a launcher gives them (Ray Train)
     memory: dict | None = None      # the save section's "memory" tier: {"every": k, "replicas": r, "dir": ...}
+    detect_s: float | None = None   # ucp.elastic.run: how long a rank may be silent before it is taken for hung
     after_step: Callable[[object, float], None] = field(default=lambda engine, loss: None)  # (engine, mean loss)
 
 
@@ -73,6 +74,8 @@ def deepspeed_config(run: Run) -> dict:
         config.update(train_micro_batch_size_per_gpu=-(-run.global_batch // world), gradient_accumulation_steps=1)
     else:
         config["ucp"]["elastic"] = {"global_batch": run.global_batch, "micro_batch": run.micro_batch}    # ucp
+        if run.detect_s is not None:
+            config["ucp"]["elastic"]["detect_s"] = run.detect_s                                           # ucp
     return config
 
 

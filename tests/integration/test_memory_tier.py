@@ -96,6 +96,8 @@ def test_lose_a_node_resume_from_the_peer_copy_newer_than_disk(tmp_path, referen
     assert {r["world"] for r in records} == {2, 4} and max(r["step"] for r in records) == STEPS
     last_at_4 = max(i for i, r in enumerate(records) if r["world"] == 4)
     assert records[last_at_4 + 1]["step"] == step + 1 and records[last_at_4 + 1]["world"] == 2  # right after it
+    # without ucp.elastic.run (test_inprocess_restart's control): the fault restarted the processes
+    assert {r["pid"] for r in records if r["world"] == 2}.isdisjoint(r["pid"] for r in records if r["world"] == 4)
     assert_same_losses(records, reference)
 
 

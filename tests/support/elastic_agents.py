@@ -72,18 +72,19 @@ class ElasticJob:
 
     def lose_worker(self, index: int) -> None:
         """One worker process dies (SIGKILL); its agent lives on."""
-        workers = wait_for(lambda: [p for p in self.workers(index) if "train" in _cmdline(p)], 120,
+        workers = wait_for(lambda: [p for p in self.workers(index) if "train" in cmdline(p)], 120,
                            f"agent {index}'s worker")
         workers[0].kill()
 
-    def join_while_paused(self) -> int:
-        """Start one more agent while every worker is stopped (SIGSTOP), so that the job cannot finish before the
-        new agent is waiting in the rendezvous; the running agents then restart their workers with it."""
+    def join_while_paused(self, env: dict[str, str] | None = None) -> int:
+        """Start one more agent (with `env` added to its environment) while every worker is stopped (SIGSTOP), so
+        that the job cannot finish before the new agent is waiting in the rendezvous; the running agents then
+        restart their workers with it."""
         running = [i for i, a in enumerate(self.agents) if a.poll() is None]
         seen = {i: self._detections([i]) for i in running}
         workers = _suspend([p for i in running for p in self.workers(i)])
         try:
-            index = self.start_agent()
+            index = self.start_agent(env)
             # Every agent, not one: a worker resumed under an agent that has not seen the new node yet trains on,
             # and can finish the run before that agent restarts it.
             wait_for(lambda: all(self._detections([i]) > seen[i] for i in running), 300,
@@ -143,7 +144,7 @@ def _suspend(processes: list[psutil.Process]) -> list[psutil.Process]:
     return stopped
 
 
-def _cmdline(process: psutil.Process) -> str:
+def cmdline(process: psutil.Process) -> str:
     """The process's command line, "" once it has exited (a child listed a moment ago may be gone by now)."""
     try:
         return " ".join(process.cmdline())

@@ -36,6 +36,7 @@ from ucp.deepspeed.memory.tier import MemoryTier
 from ucp.deepspeed.saving.cadence import disk_due, memory_due
 from ucp.deepspeed.saving.layout import refuse_unsupported
 from ucp.deepspeed.saving.saver import Saver, SaveStats
+from ucp.elastic.inprocess import take_restart
 from ucp.elastic.restart import Progress, ProgressRecorder, RestartReport, read_progress
 from ucp.elastic.retention import retain
 from ucp.storage.locations import Location, location
@@ -204,6 +205,16 @@ class StepBook:
         resumed = self.resumed or Resumed(None, 0, 0.0)
         place = getattr(self.engine, "ucp_layout", None)  # an elastic job's layout (`ucp.elastic.RankLayout`)
         load_began = self.loaded_at - resumed.load_s
+        same_process = take_restart()   # ucp.elastic.run regrouped this process
+        if same_process is not None:
+            return RestartReport(
+                old_world=before.world, new_world=collectives.world_size(),
+                checkpoint=str(resumed.path) if resumed.path else None, checkpoint_step=resumed.step,
+                steps_redone=max(0, before.step - resumed.step),
+                detection_s=max(0.0, same_process.fault_seen - before.time),
+                regroup_s=same_process.regrouped - same_process.fault_seen,
+                startup_s=load_began - same_process.regrouped, load_s=resumed.load_s, first_step_s=now - self.loaded_at,
+                layout=place.described if place is not None else None)
         started = min(max(self.called, before.time), load_began)
         return RestartReport(
             old_world=before.world, new_world=collectives.world_size(),

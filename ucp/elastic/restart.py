@@ -134,10 +134,13 @@ class RestartReport:
     load_s: float
     first_step_s: float        # end of the load -> end of the first step after it
     layout: str | None = None  # the layout this start trains on (`ucp.elastic.layout_choice.Choice.describe`)
+    # In the same process (`ucp.elastic.run`): detection_s runs to the fault seen, regroup_s from there to the new
+    # group, startup_s from there (train() called again) to the load: the engine.
+    regroup_s: float | None = None
 
     @property
     def restart_s(self) -> float:
-        return self.detection_s + self.startup_s
+        return self.detection_s + self.startup_s + (self.regroup_s or 0.0)
 
     @property
     def fault_to_first_step_s(self) -> float:
@@ -147,6 +150,11 @@ class RestartReport:
         loaded = (f"loaded {self.checkpoint} (step {self.checkpoint_step})" if self.checkpoint
                   else "no committed checkpoint, started fresh")
         redone = f"{self.steps_redone} step{'' if self.steps_redone == 1 else 's'} redone"
+        if self.regroup_s is not None:
+            return (f"ucp: in-process restart {self.old_world} -> {self.new_world} ranks: {loaded}, {redone}; fault "
+                    f"to first step {self.fault_to_first_step_s:.1f} s = detection {self.detection_s:.1f} s + "
+                    f"regroup {self.regroup_s:.1f} s + engine {self.startup_s:.1f} s + load {self.load_s:.1f} s + "
+                    f"first step {self.first_step_s:.1f} s" + (f"; layout {self.layout}" if self.layout else ""))
         return (f"ucp: restart {self.old_world} -> {self.new_world} ranks: {loaded}, {redone}; fault to first step "
                 f"{self.fault_to_first_step_s:.1f} s = restart {self.restart_s:.1f} s (detection and relaunch "
                 f"{self.detection_s:.1f} s + engine start-up {self.startup_s:.1f} s) + load {self.load_s:.1f} s + "

@@ -33,10 +33,15 @@ from ucp.errors import ConfigError
 
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 # The "elastic" section: the batch, then the layouts the job may take, the cost model's inputs and whether
-# unequal replicas may use ranks the layouts leave spare (ucp.elastic.layout_choice).
+# unequal replicas may use ranks the layouts leave spare (ucp.elastic.layout_choice); how long a rank may be
+# silent under ucp.elastic.run (ucp.elastic.inprocess).
 SECTION_KEYS = ("global_batch", "micro_batch", "tensor_parallel", "pipeline_parallel", "expert_parallel", "model",
-                "gpu_memory", "seq_len", "heterogeneous")
+                "gpu_memory", "seq_len", "heterogeneous", "detect_s")
 SIZE_KEYS = ("tensor_parallel", "pipeline_parallel")
+# The default "detect_s": torchelastic's own rendezvous declares a node dead after 3 missed keep-alives of 5 s;
+# a rank's beat comes from a thread of its own, so only a process that is stopped, stuck outside Python with the
+# GIL held, or starved of CPU for that long misses it.
+DEFAULT_DETECT_S = 15.0
 
 
 @dataclass(frozen=True)
@@ -161,6 +166,7 @@ class ElasticSection:
     model: str | os.PathLike[str] | None
     gpu_memory: float | None
     seq_len: int
+    detect_s: float = DEFAULT_DETECT_S
 
     @classmethod
     def from_config(cls, section: object) -> ElasticSection:
@@ -183,8 +189,14 @@ class ElasticSection:
         heterogeneous = section.get("heterogeneous", False)
         if not isinstance(heterogeneous, bool):
             raise ConfigError(f'"ucp": {{"elastic": {{"heterogeneous": {heterogeneous!r}}}}}: must be true or false')
+        detect_s = section.get("detect_s", DEFAULT_DETECT_S)
+        if isinstance(detect_s, bool) or not isinstance(detect_s, (int, float)) or not 0 < detect_s < 86400:
+            raise ConfigError(f'"ucp": {{"elastic": {{"detect_s": {detect_s!r}}}}}: must be a number of seconds > 0 '
+                              '(how long a rank may send no heartbeat before it is taken for hung; default '
+                              f'{DEFAULT_DETECT_S:g})')
         return cls(section["global_batch"], section["micro_batch"], *sizes, any(k in section for k in SIZE_KEYS),
-                   experts, heterogeneous, model, section.get("gpu_memory"), int(section.get("seq_len", 4096)))
+                   experts, heterogeneous, model, section.get("gpu_memory"), int(section.get("seq_len", 4096)),
+                   float(detect_s))
 
     def batch(self, world: int) -> ElasticBatch:
         """The global batch shared by `world` data-parallel ranks."""

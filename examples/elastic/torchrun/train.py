@@ -7,7 +7,10 @@ Each agent is a "node"; on one machine, start several (each its own terminal), a
         examples/elastic/torchrun/train.py --save-dir /tmp/elastic --steps 40
 
 Kill one agent (and its worker) and the others restart their workers at the new world size, which resume from
-the newest committed ucp checkpoint; start an agent again and the job grows back at the next restart. The first
+the newest committed ucp checkpoint. With --in-process (`ucp.elastic.run`), the survivors do not restart at all:
+they leave the broken process group, regroup and load the newest checkpoint in the same processes (launch with
+--rdzv-backend=c10d and --rdzv-endpoint: they meet in that store). Start an agent again and the job grows back at
+the next restart (torchrun's agents restart every worker then, in-process or not). The first
 agent hosts the rendezvous store: keep it (or run the store elsewhere, --rdzv-endpoint) alive. `ucp-torchrun` is
 torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 set, without which torch's agents cannot admit a node that
 joins later (README, "Elastic training"). On GPUs, drop
@@ -43,17 +46,25 @@ def main() -> None:
     p.add_argument("--memory-dir", help="each node's memory folder ($VARS expanded on the node; default /dev/shm)")
     p.add_argument("--losses-out", help="append each step's loss here (JSON lines, rank 0)")
     p.add_argument("--stock", action="store_true", help="negative control: DistributedSampler, no \"elastic\"")
+    p.add_argument("--in-process", action="store_true",
+                   help="ucp.elastic.run: the survivors of a fault go on in the same processes")
+    p.add_argument("--detect-s", type=float, help="with --in-process: seconds of silence before a rank is hung")
     args = p.parse_args()
-    # In place of deepspeed.init_distributed(): each restart meets in a store of its own (torchrun's shared
-    # store keeps the addresses dead workers left; docs/RELIABILITY.md, "Elastic training").
-    ucp.elastic.init_distributed("gloo")   # CPU only
     memory = None
     if args.memory_every:
         memory = {"every": args.memory_every, "replicas": args.replicas}
         if args.memory_dir:
             memory["dir"] = args.memory_dir
-    train(Run(args.save_dir, args.steps, args.stage, args.global_batch, args.micro_batch, args.every, args.keep,
-              args.losses_out, args.stock, memory=memory))
+    run = Run(args.save_dir, args.steps, args.stage, args.global_batch, args.micro_batch, args.every, args.keep,
+              args.losses_out, args.stock, memory=memory, detect_s=args.detect_s)
+    if args.in_process:
+        # The process group, then train(run); after a fault, train(run) again in this process at the new size.
+        ucp.elastic.run(lambda: train(run), backend="gloo")   # CPU only
+        return
+    # In place of deepspeed.init_distributed(): each restart meets in a store of its own (torchrun's shared
+    # store keeps the addresses dead workers left; docs/RELIABILITY.md, "Elastic training").
+    ucp.elastic.init_distributed("gloo")   # CPU only
+    train(run)
 
 
 if __name__ == "__main__":

@@ -59,6 +59,8 @@ def deepspeed_config(args: argparse.Namespace, ucp_section: dict | None = None) 
     """`ucp_section`: the "ucp" section's load and save keys where a launcher gives them (Ray Train)."""
     elastic = {"global_batch": args.global_batch, "micro_batch": args.micro_batch,            # ucp
                "tensor_parallel": args.tp if args.tp else [2, 1], "seq_len": SEQ}              # ucp
+    if getattr(args, "detect_s", None):
+        elastic["detect_s"] = args.detect_s                                                     # ucp
     section = ucp_section or {"load": "auto", "save": {"dir": args.save_dir, "every": args.every, "keep": args.keep}}
     config = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}},
               "zero_optimization": {"stage": 1}, "steps_per_print": 10 ** 9,
@@ -85,11 +87,17 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--stock", action="store_true",
                    help="negative control: engine.save_checkpoint / load_checkpoint instead of ucp's")
     p.add_argument("--load-tag", help="with --stock: the DeepSpeed checkpoint to resume from (default: none)")
+    p.add_argument("--in-process", action="store_true",
+                   help="ucp.elastic.run: the survivors of a fault go on in the same processes, at a new layout")
+    p.add_argument("--detect-s", type=float, help="with --in-process: seconds of silence before a rank is hung")
     return p
 
 
 def main() -> None:
     args = parser().parse_args()
+    if args.in_process:
+        ucp.elastic.run(lambda: train(args), backend="gloo")   # CPU only                        # ucp
+        return
     ucp.elastic.init_distributed("gloo")   # CPU only
     train(args)
 

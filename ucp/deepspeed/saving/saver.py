@@ -48,6 +48,7 @@ from ucp.deepspeed.saving.metadata import metadata
 from ucp.deepspeed.saving.snapshot import Prepared, Preparing, copy_into, every_holding, prepare
 from ucp.deepspeed.saving.stores import write_local, write_object
 from ucp.deepspeed.saving.writer import BackgroundSave
+from ucp.elastic.inprocess import when_leaving
 from ucp.errors import ConfigError, OutputExistsError, SaveError
 from ucp.format.folder import INDEX_NAME
 from ucp.storage.layer import absolute, is_file, is_remote, make_folder
@@ -239,6 +240,12 @@ def wait_all() -> list[SaveError]:
     return failed
 
 
+def abandon_all() -> None:
+    """Forget every engine's saver (`ucp.elastic.run`, leaving a broken world once their threads have ended): the
+    exit no longer waits for them, and their failures, the lost world's, are not raised again."""
+    _LIVE.clear()
+
+
 def _wait_at_exit() -> None:
     """At exit, wait for the saves in flight, unless the process ends on an uncaught error: its peers may be gone or
     wait for this rank, so the save's collectives could block for the group's whole timeout and, with them, the
@@ -252,3 +259,4 @@ def _wait_at_exit() -> None:
 
 
 atexit.register(_wait_at_exit)
+when_leaving(abandon_all)
