@@ -382,7 +382,25 @@ def refuse_deepspeed_objects(place: ObjectPath, verb: str = "load") -> None:
             f"{place} --output {place.scheme}://{place.bucket}/NEW_PREFIX, then {verb} that prefix")
 
 
+MAX_DEGREE = 1 << 24  # ranks a run's data-, tensor- or pipeline-parallel degree may claim
+
+
+def source_world_size(source: dict[str, Any], where: object) -> int:
+    """Data x tensor x pipeline parallel of an index's `"source"`, each checked (an int from 1 to MAX_DEGREE; absent:
+    1): a number an index claims must not size a loop or a check unread (issue #43)."""
+    world = 1
+    for key in ("dp", "tp", "pp"):
+        value = source.get(key, 1)
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_DEGREE:
+            shown = repr(value) if isinstance(value, (int, float, type(None))) else type(value).__name__
+            raise CorruptCheckpointError(f'{where}: the index\'s "source": {{"{key}": {shown}}} is no number of ranks '
+                                         f"(an int from 1 to {MAX_DEGREE}); the index is damaged, convert or save the "
+                                         "checkpoint again")
+        world *= value
+    return world
+
+
 def saved_world_size(path: str | os.PathLike[str] | ObjectPath) -> int:
     """How many processes trained the checkpoint at `path` (data x tensor x pipeline parallel)."""
-    source = open_checkpoint(path).source
-    return int(source.get("dp", 1)) * int(source.get("tp", 1)) * int(source.get("pp", 1))
+    ckpt = open_checkpoint(path)
+    return source_world_size(ckpt.source, ckpt.path)

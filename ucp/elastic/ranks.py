@@ -43,6 +43,7 @@ from ucp.elastic.layout_choice import (
     choose_layout,
     cost_model_replicas,
     cost_model_step_time,
+    heads_problem,
     heterogeneous_choice,
 )
 from ucp.elastic.shares import ElasticBatch
@@ -96,6 +97,9 @@ def layout(config: dict[str, Any] | None = None, module: Any = None) -> RankLayo
     if config is None:
         raise ConfigError('ucp.elastic.layout(): no layout chosen yet; pass the DeepSpeed config with its '
                           '"ucp": {"elastic": ...} section, or call it after ucp.deepspeed.initialize')
+    if not isinstance(config, dict):
+        raise ConfigError(f"ucp.elastic.layout(config): config is a {type(config).__name__}, not the DeepSpeed "
+                          'config dict with its "ucp": {"elastic": ...} section')
     section = config.get("ucp", {}).get("elastic") if isinstance(config.get("ucp"), dict) else None
     if not isinstance(section, dict):
         raise ConfigError('ucp.elastic.layout(config): the config has no "ucp": {"elastic": {...}} section')
@@ -111,7 +115,8 @@ def layout(config: dict[str, Any] | None = None, module: Any = None) -> RankLayo
             raise ConfigError('"ucp": {"elastic": {"heterogeneous": true, "expert_parallel": ...}}: unequal replicas '
                               "do not train MoE expert parallelism yet; leave out one of the two")
         plan = cost_model_replicas(*inputs, *sizes) if inputs is not None else None
-        choice = heterogeneous_choice(world, *sizes, section["global_batch"], section["micro_batch"], step_time, plan)
+        choice = heterogeneous_choice(world, *sizes, section["global_batch"], section["micro_batch"], step_time, plan,
+                                      heads_problem(inputs[0]) if inputs is not None else None)
     else:
         choice = choose_layout(world, *sizes, section["global_batch"], section["micro_batch"], step_time, experts)
     _chosen = RankLayout.of(choice, rank)
@@ -244,10 +249,13 @@ def _cost_model_inputs(section: dict[str, Any], config: dict[str, Any], module: 
     `ucp plan` reads), else None."""
     from ucp.hmp.model_shapes import ModelConfig, ModelConfigError, load_model_config
 
-    for key, fix in (("gpu_memory", "GiB per rank, e.g. 80"), ("seq_len", "tokens per sample, e.g. 4096")):
+    for key, kinds, most, fix in (("gpu_memory", (int, float), MAX_GPU_MEMORY_GIB, "GiB per rank, e.g. 80"),
+                                  ("seq_len", (int,), MAX_SEQ_LEN, "tokens per sample, e.g. 4096")):
         value = section.get(key, 1)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-            raise ConfigError(f'"ucp": {{"elastic": {{"{key}": {value!r}}}}}: must be a positive number: {fix}')
+        if isinstance(value, bool) or not isinstance(value, kinds) or not 0 < value <= most:
+            what = "a number" if float in kinds else "an integer"
+            raise ConfigError(f'"ucp": {{"elastic": {{"{key}": {_shown(value)}}}}}: must be {what} above 0 and at most '
+                              f"{most}: {fix}")
     if "model" in section and not isinstance(section["model"], (str, os.PathLike)):
         raise ConfigError(f'"ucp": {{"elastic": {{"model": {section["model"]!r}}}}}: must be the path of the model\'s '
                           'Hugging Face config.json, as `ucp plan --model` takes')
@@ -263,9 +271,26 @@ def _cost_model_inputs(section: dict[str, Any], config: dict[str, Any], module: 
     else:
         return None
     gpu_memory = section.get("gpu_memory") or _smallest_memory_gib()
-    stage = int(config.get("zero_optimization", {}).get("stage", 0))
+    zero = config.get("zero_optimization", {})
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else None
+    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+        raise ConfigError(f'"zero_optimization": {{"stage": {_shown(stage)}}}: must be 0, 1, 2 or 3 (the ZeRO stage '
+                          "the cost model of \"ucp\": {\"elastic\": ...} plans for)")
     return (model, float(gpu_memory), section["global_batch"], section["micro_batch"],
-            int(section.get("seq_len", 4096)), stage)
+            section.get("seq_len", 4096), stage)
+
+
+MAX_GPU_MEMORY_GIB = 1 << 20   # a PiB per rank
+MAX_SEQ_LEN = 1 << 24          # tokens per sample
+
+
+def _shown(value: object) -> str:
+    """A config value, short: numbers, bools and None as JSON, a string's first characters, else its type."""
+    if isinstance(value, (bool, int, float)) or value is None:
+        return json.dumps(value)[:40]
+    if isinstance(value, str):
+        return json.dumps(value[:20] + ("..." if len(value) > 20 else ""))
+    return f"a {type(value).__name__}"
 
 
 def _smallest_memory_gib() -> float:

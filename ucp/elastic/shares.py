@@ -59,10 +59,13 @@ class ElasticBatch:
                               f"to the global batch {self.global_batch}")
         smallest = self.global_batch // self.world if self.shares is None else min(self.shares)
         if smallest < self.accumulation:
+            largest = -(-self.global_batch // self.world) if self.shares is None else max(self.shares)
+            takes = f"{smallest} or {smallest + 1}" if self.shares is None else f"from {smallest} to {largest}"
             raise ConfigError(
                 f'"ucp": {{"elastic": {{"global_batch": {self.global_batch}, "micro_batch": {self.micro_batch}}}}} on '
-                f"{self.world} ranks: ranks take {smallest} or {smallest + 1} samples, but every rank must run "
-                f"{self.accumulation} micro-batches of at least one sample; use micro_batch 2 or more")
+                f"{self.world} ranks: ranks take {takes} samples, but every rank must run "
+                f"{self.accumulation} micro-batches of at least one sample; use micro_batch "
+                f"{-(-largest // smallest)} or more")
 
     @property
     def accumulation(self) -> int:
@@ -113,8 +116,10 @@ class ElasticBatch:
                 "train_micro_batch_size_per_gpu": self.micro_batch, "gradient_accumulation_steps": a}
 
     @classmethod
-    def from_config(cls, section: object, world: int) -> ElasticBatch:
-        """The `"elastic"` section of the `"ucp"` config, for a run on `world` data-parallel ranks."""
+    def from_config(cls, section: object, world: int, keys: tuple[str, ...] = SECTION_KEYS,
+                    user: str = "") -> ElasticBatch:
+        """The `"elastic"` section of the `"ucp"` config, for a run on `world` data-parallel ranks. `keys` are those
+        the caller honours (`user` names it in the refusal of any other: the Trainer takes the batch keys only)."""
         if not isinstance(section, dict) or "global_batch" not in section or "micro_batch" not in section:
             raise ConfigError(f'"ucp": {{"elastic": {section!r}}}: needs "global_batch" (samples per optimizer step, '
                               'the same at every world size) and "micro_batch" (the most samples per forward pass), '
@@ -123,6 +128,10 @@ class ElasticBatch:
         if unknown:
             raise ConfigError(f'"ucp": {{"elastic": ...}}: unknown key {unknown[0]!r}; known: '
                               + ", ".join(f'"{k}"' for k in SECTION_KEYS))
+        ignored = [k for k in SECTION_KEYS if k in section and k not in keys]
+        if ignored:
+            raise ConfigError(f'"ucp": {{"elastic": {{"{ignored[0]}": ...}}}}: {user} trains data-parallel only and '
+                              "takes " + " and ".join(f'"{k}"' for k in keys) + f'; leave out "{ignored[0]}"')
         return cls(section["global_batch"], section["micro_batch"], world)
 
 
