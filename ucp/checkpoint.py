@@ -28,6 +28,7 @@ from ucp.format.folder import (
     read_latest,
 )
 from ucp.format.index import ExtraFile, Index, NotSaved, ParamEntry, StoredState, header_problems
+from ucp.format.json_file import shown
 from ucp.format.locations import Location, ObjectPath, location
 from ucp.format.safetensors_stream import read_stored
 from ucp.format.splits import from_split_major
@@ -392,10 +393,9 @@ def source_world_size(source: dict[str, Any], where: object) -> int:
     for key in ("dp", "tp", "pp"):
         value = source.get(key, 1)
         if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_DEGREE:
-            shown = repr(value) if isinstance(value, (int, float, type(None))) else type(value).__name__
-            raise CorruptCheckpointError(f'{where}: the index\'s "source": {{"{key}": {shown}}} is no number of ranks '
-                                         f"(an int from 1 to {MAX_DEGREE}); the index is damaged, convert or save the "
-                                         "checkpoint again")
+            raise CorruptCheckpointError(f'{where}: the index\'s "source": {{"{key}": {shown(value)}}} is no number '
+                                         f"of ranks (an int from 1 to {MAX_DEGREE}); the index is damaged, convert or "
+                                         "save the checkpoint again")
         world *= value
     return world
 

@@ -48,6 +48,7 @@ from ucp.elastic.layout_choice import (
 )
 from ucp.elastic.shares import ElasticBatch
 from ucp.errors import ConfigError
+from ucp.format.json_file import shown
 
 logger = logging.getLogger("ucp.elastic")
 GIB = 1 << 30
@@ -254,7 +255,7 @@ def _cost_model_inputs(section: dict[str, Any], config: dict[str, Any], module: 
         value = section.get(key, 1)
         if isinstance(value, bool) or not isinstance(value, kinds) or not 0 < value <= most:
             what = "a number" if float in kinds else "an integer"
-            raise ConfigError(f'"ucp": {{"elastic": {{"{key}": {_shown(value)}}}}}: must be {what} above 0 and at most '
+            raise ConfigError(f'"ucp": {{"elastic": {{"{key}": {shown(value)}}}}}: must be {what} above 0 and at most '
                               f"{most}: {fix}")
     if "model" in section and not isinstance(section["model"], (str, os.PathLike)):
         raise ConfigError(f'"ucp": {{"elastic": {{"model": {section["model"]!r}}}}}: must be the path of the model\'s '
@@ -274,7 +275,7 @@ def _cost_model_inputs(section: dict[str, Any], config: dict[str, Any], module: 
     zero = config.get("zero_optimization", {})
     stage = zero.get("stage", 0) if isinstance(zero, dict) else None
     if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
-        raise ConfigError(f'"zero_optimization": {{"stage": {_shown(stage)}}}: must be 0, 1, 2 or 3 (the ZeRO stage '
+        raise ConfigError(f'"zero_optimization": {{"stage": {shown(stage)}}}: must be 0, 1, 2 or 3 (the ZeRO stage '
                           "the cost model of \"ucp\": {\"elastic\": ...} plans for)")
     return (model, float(gpu_memory), section["global_batch"], section["micro_batch"],
             section.get("seq_len", 4096), stage)
@@ -282,15 +283,6 @@ def _cost_model_inputs(section: dict[str, Any], config: dict[str, Any], module: 
 
 MAX_GPU_MEMORY_GIB = 1 << 20   # a PiB per rank
 MAX_SEQ_LEN = 1 << 24          # tokens per sample
-
-
-def _shown(value: object) -> str:
-    """A config value, short: numbers, bools and None as JSON, a string's first characters, else its type."""
-    if isinstance(value, (bool, int, float)) or value is None:
-        return json.dumps(value)[:40]
-    if isinstance(value, str):
-        return json.dumps(value[:20] + ("..." if len(value) > 20 else ""))
-    return f"a {type(value).__name__}"
 
 
 def _smallest_memory_gib() -> float:

@@ -66,3 +66,14 @@ def parse_json(data: bytes | str, where: object, error: type[UcpError], fix: str
         raise error(f"{where}: not JSON ({exc.msg} at line {exc.lineno} column {exc.colno}); {fix}") from None
     except ValueError as exc:
         raise error(f"{where}: not JSON ucp takes ({str(exc)[:80]}); {fix}") from None
+
+
+def shown(value: object) -> str:
+    """A value read from a file or a config, short enough for a one-line error: numbers, bools and null as JSON,
+    a string's first 20 characters, anything else by its type (a list or an object is never quoted whole)."""
+    if isinstance(value, (bool, int, float)) or value is None:
+        return json.dumps(value)[:40]
+    if isinstance(value, str):
+        return json.dumps(value[:20] + ("..." if len(value) > 20 else ""))
+    kind = "list" if isinstance(value, list) else "object" if isinstance(value, dict) else type(value).__name__
+    return f"a JSON {kind}"

@@ -18,7 +18,6 @@ rank `r`'s elements are exactly splits `[r*k/t, (r+1)*k/t)`, whatever `D`.
 """
 from __future__ import annotations
 
-import json
 import math
 from collections import Counter
 from collections.abc import Iterable
@@ -27,6 +26,7 @@ from functools import cached_property
 
 from ucp.errors import UcpError
 from ucp.format.boxes import Box, part_bounds, split_bounds
+from ucp.format.json_file import parse_json, shown
 
 
 class LayoutError(UcpError):
@@ -144,8 +144,6 @@ class Layout:
     def from_json(cls, data: object) -> Layout:
         """A layout from `to_json()`'s dict, or its JSON text; every value checked (an int in its range, a list
         where a list belongs), so that a hand-edited or damaged layout is one line, never a traceback."""
-        from ucp.format.json_file import parse_json
-
         fields = parse_json(data, "the layout", LayoutError, _LAYOUT_FIX) if isinstance(data, str) else data
         if isinstance(fields, dict) and "plans" in fields and "replicas" not in fields:
             raise LayoutError("the layout is `ucp plan --json`'s output, which lists plans: give one plan's "
@@ -302,7 +300,7 @@ def _object(value: object, where: str, required: tuple[str, ...], optional: tupl
 
 def _list(value: object, where: str, most: int) -> list:
     if not isinstance(value, list):
-        raise LayoutError(f"{where}: {_shown(value)} is not a list; {_LAYOUT_FIX}")
+        raise LayoutError(f"{where}: {shown(value)} is not a list; {_LAYOUT_FIX}")
     if len(value) > most:
         raise LayoutError(f"{where}: {len(value)} entries, more than the {most} a layout may have")
     return value
@@ -310,18 +308,8 @@ def _list(value: object, where: str, most: int) -> list:
 
 def _int(value: object, where: str, least: int, most: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= most:
-        raise LayoutError(f"{where}: {_shown(value)} must be an integer from {least} to {most}")
+        raise LayoutError(f"{where}: {shown(value)} must be an integer from {least} to {most}")
     return value
-
-
-def _shown(value: object) -> str:
-    """A value of a file, short: numbers and short strings as they are, anything else by its type."""
-    if isinstance(value, (bool, int, float)) or value is None:
-        return json.dumps(value)[:40]
-    if isinstance(value, str):
-        return json.dumps(value[:20] + ("..." if len(value) > 20 else ""))
-    kind = "list" if isinstance(value, list) else "object" if isinstance(value, dict) else type(value).__name__
-    return f"a JSON {kind}"
 
 
 def _span(ranks: tuple[int, ...]) -> str:
