@@ -182,7 +182,8 @@ def test_heterogeneous_refuses_tp_sizes_that_do_not_split_the_heads():
     with pytest.raises(ConfigError) as e:
         heterogeneous_choice(6, (3,), (1,), 64, 1, step_time, plan, heads_problem(model))
     assert str(e.value) == ('"ucp": {"elastic": {"tensor_parallel": [3]}}: no size splits the model: T=3 does not '
-                            "divide the model's 32 attention heads and 32 KV heads; allow a size that divides the heads")
+                            "divide the model's 32 attention heads and 32 KV heads; allow a size that divides the "
+                            "heads")
     inputs = (model, 80.0, 64, 4, 2048, 1)
     allowed = heterogeneous_choice(6, (3, 2), (1,), 64, 4, cost_model_step_time(*inputs),
                                    cost_model_replicas(*inputs, (3, 2), (1,)), heads_problem(model))
@@ -195,8 +196,8 @@ def test_a_refusal_gives_the_true_reason():
     with pytest.raises(ConfigError) as e:
         choose_layout(6, (3,), (1,), 64, 1, step_time)
     assert str(e.value) == ('"ucp": {"elastic": ...}: no layout of tensor_parallel [3] x pipeline_parallel [1] can '
-                            "train on 6 ranks (T=3 x P=1 x D=2 does not divide the model's 32 attention heads and 32 KV "
-                            "heads); allow smaller sizes, or change the batch or the ranks")
+                            "train on 6 ranks (T=3 x P=1 x D=2 does not divide the model's 32 attention heads and 32 "
+                            "KV heads); allow smaller sizes, or change the batch or the ranks")
 
 
 def test_a_batch_error_advises_a_micro_batch_that_works():
@@ -213,7 +214,8 @@ def test_a_batch_error_advises_a_micro_batch_that_works():
 @pytest.mark.parametrize("key, value, line", [
     ("tie_word_embeddings", "false", 'tie_word_embeddings="false" must be true or false (a JSON boolean, not a string '
                                      "or a number)"),
-    ("tie_word_embeddings", 0, "tie_word_embeddings=0 must be true or false (a JSON boolean, not a string or a number)"),
+    ("tie_word_embeddings", 0, "tie_word_embeddings=0 must be true or false (a JSON boolean, not a string or a "
+                               "number)"),
     ("attention_bias", "no", 'attention_bias="no" must be true or false (a JSON boolean, not a string or a number)'),
     ("num_hidden_layers", 2.5, "num_hidden_layers=2.5 must be an integer; is it the model's config.json?"),
     ("num_attention_heads", 1e400, "num_attention_heads=Infinity must be an integer; is it the model's config.json?"),
