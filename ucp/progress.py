@@ -1,22 +1,30 @@
 """The progress bar of long work (conversion, export): bytes done of a total, on stderr when it is a terminal.
 
-A bar that stops moving because the network gave no answer says so (`ucp.format.net.stall_listeners`): "stalled:
-no answer from <url> for N s, retrying" until bytes move again, instead of a frozen count and rate that look
-like slow progress."""
+A bar that stops moving because the network gave no answer says so (`report_stall`, called by
+`ucp.format.net` at each timeout): "stalled: no answer from <url> for N s, retrying" until bytes move again,
+instead of a frozen count and rate that look like slow progress."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from tqdm import tqdm
 
-from ucp.format import net
+# The open bars' stall callbacks, (url, seconds) each.
+stall_listeners: list[Callable[[object, float], None]] = []
+
+
+def report_stall(url: object, seconds: float) -> None:
+    """`url` gave no answer within `seconds`: every open bar shows it."""
+    for listener in list(stall_listeners):
+        listener(url, seconds)
 
 
 class _Bar(tqdm):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.stalled = False
-        net.stall_listeners.append(self.stall)
+        stall_listeners.append(self.stall)
 
     def stall(self, url: object, seconds: float) -> None:
         self.stalled = True
@@ -29,8 +37,8 @@ class _Bar(tqdm):
         return super().update(n)
 
     def close(self) -> None:
-        if self.stall in net.stall_listeners:
-            net.stall_listeners.remove(self.stall)
+        if self.stall in stall_listeners:
+            stall_listeners.remove(self.stall)
         super().close()
 
 

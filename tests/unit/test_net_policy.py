@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 
+from ucp import progress
 from ucp.errors import ConfigError, StorageAccessError
 from ucp.format import net
 
@@ -73,7 +74,7 @@ def test_a_deadline_ends_tries_that_wait_longer_than_their_timeout(quick):
 
 def test_the_first_timeout_tells_the_progress_bar(quick):
     seen = []
-    quick.setattr(net, "stall_listeners", [lambda url, s: seen.append((str(url), s))])
+    quick.setattr(progress, "stall_listeners", [lambda url, s: seen.append((str(url), s))])
     quick.setenv("UCP_NET_TIMEOUT_ATTEMPTS", "2")
     with pytest.raises(StorageAccessError):
         net.retrying("s3://b/bar", "reading it", lambda: (_ for _ in ()).throw(Stall()), lambda exc: True)
@@ -97,3 +98,19 @@ def test_timeouts_are_told_from_other_failures_by_their_type():
 
     assert all(net.is_timeout(e) for e in (TimeoutError(), FSTimeoutError(), ReadTimeoutError(endpoint_url="u")))
     assert not any(net.is_timeout(e) for e in (ConnectionResetError(), ConnectionClosedError(endpoint_url="u")))
+
+
+def test_the_progress_bar_shows_a_stall_as_a_stall():
+    """A timeout puts "stalled: ..." on the open bar until bytes move again; a closed bar listens no more."""
+    import io
+
+    out = io.StringIO()
+    bar = progress._Bar(total=100, desc="convert", file=out, disable=False, mininterval=0)
+    bar.update(10)
+    progress.report_stall("s3://b/run/data-0", 20.0)
+    assert out.getvalue().splitlines()[-1].split("\r")[-1].endswith(
+        "stalled: no answer from s3://b/run/data-0 for 20 s, retrying]")
+    bar.update(5)
+    assert "stalled" not in str(bar)
+    bar.close()
+    assert progress.stall_listeners == []

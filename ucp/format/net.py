@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterable
 from typing import TypeVar
 
 from ucp.errors import ConfigError, StorageAccessError
+from ucp.progress import report_stall
 
 DEFAULT_TIMEOUT_S = 20.0
 DEFAULT_ATTEMPTS = 10
@@ -39,8 +40,6 @@ T = TypeVar("T")
 logger = logging.getLogger("ucp.net")
 _noted: dict[str, float] = {}  # endpoint -> when its silence was last said
 _noted_lock = threading.Lock()
-# Called with (url, seconds) at each timeout: the CLI's progress bar shows the stall (`ucp.progress`).
-stall_listeners: list[Callable[[object, float], None]] = []
 
 
 def _env_number(name: str, default: float, kind: type, least: float) -> float:
@@ -112,8 +111,7 @@ def note_silence(url: object) -> None:
     """Say once per stall (not again within `longest_silence_s()` for the same endpoint) that `url` gave no answer
     within the timeout, that ucp retries, and how to bound it; and tell the stall listeners."""
     now = time.monotonic()
-    for listener in list(stall_listeners):
-        listener(url, timeout_s())
+    report_stall(url, timeout_s())  # the progress bar, if one is open
     with _noted_lock:
         last = _noted.get(_endpoint(url))
         if last is not None and now - last < longest_silence_s():
