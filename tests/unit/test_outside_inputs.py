@@ -239,3 +239,44 @@ def test_the_trainer_takes_only_the_elastic_keys_it_honours(key):
     assert str(e.value) == (f'"ucp": {{"elastic": {{"{key}": ...}}}}: the Hugging Face Trainer trains data-parallel '
                             f'only and takes "global_batch" and "micro_batch"; leave out "{key}"')
     assert ElasticBatch.from_config({"global_batch": 8, "micro_batch": 2}, 2, TRAINER_KEYS, "the Trainer").world == 2
+
+
+# -- part 3: the HMP example's --layout (a layout or a `ucp plan --json` file) -----------------------------------
+
+def _read_layout():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "hmp" / "layout_file.py"
+    spec = importlib.util.spec_from_file_location("hmp_layout_file", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.read_layout
+
+
+@pytest.mark.parametrize("content, line", [
+    (json.dumps({"workload": "x", "plans": [{"layout": GOOD}]}),
+     '"workload" is "x", not the object ucp plan --json writes'),
+    (json.dumps({"workload": {"seq_len": 1e300}, "plans": [{"layout": GOOD}]}),
+     '"workload": {"seq_len": 1e+300} must be an integer from 1 to 16777216'),
+    (json.dumps({"workload": {"micro_batch_size": [1]}, "plans": [{"layout": GOOD}]}),
+     '"workload": {"micro_batch_size": a JSON list} must be an integer from 1 to 16777216'),
+    (json.dumps(GOOD)[:30], "@not JSON (Expecting value at line 1 column 31); pass the JSON of Layout.to_json() or "
+                            "of ucp plan --json"),  # @: the reader's line, naming the file alone
+])
+def test_the_hmp_examples_layout_file_is_one_line(tmp_path, content, line):
+    path = tmp_path / "plan.json"
+    path.write_text(content)
+    with pytest.raises(ConfigError) as e:
+        _read_layout()(str(path), 0, 2, 8)
+    assert str(e.value) == (f"{path}: {line[1:]}" if line.startswith("@") else f"--layout {path}: {line}")
+    path.write_text(json.dumps({"workload": {"seq_len": 8}, "plans": [{"layout": GOOD}]}))  # control
+    assert _read_layout()(str(path), 0, 2, 8)[1] == (1,)
+
+
+def test_the_hmp_examples_layout_may_not_be_a_fifo(tmp_path):
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(ConfigError) as e:
+        _read_layout()(str(tmp_path / "fifo"), 0, 2, 8)
+    assert str(e.value) == (f"{tmp_path / 'fifo'}: not a regular file (a FIFO, a device or a folder); pass the JSON "
+                            "of Layout.to_json() or of ucp plan --json")
