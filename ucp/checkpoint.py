@@ -31,6 +31,7 @@ from ucp.format.safetensors_stream import read_stored
 from ucp.format.splits import from_split_major
 from ucp.plan.plan import ParamPlan
 from ucp.storage.fileio import ReadCounter, read_regular
+from ucp.storage.json_file import shown
 from ucp.storage.layer import is_file, is_remote, list_names, read_small
 from ucp.storage.locations import Location, ObjectPath, location
 
@@ -382,7 +383,24 @@ def refuse_deepspeed_objects(place: ObjectPath, verb: str = "load") -> None:
             f"{place} --output {place.scheme}://{place.bucket}/NEW_PREFIX, then {verb} that prefix")
 
 
+MAX_DEGREE = 1 << 24  # ranks a run's data-, tensor- or pipeline-parallel degree may claim
+
+
+def source_world_size(source: dict[str, Any], where: object) -> int:
+    """Data x tensor x pipeline parallel of an index's `"source"`, each checked (an int from 1 to MAX_DEGREE; absent:
+    1): a number an index claims must not size a loop or a check unread (issue #43)."""
+    world = 1
+    for key in ("dp", "tp", "pp"):
+        value = source.get(key, 1)
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_DEGREE:
+            raise CorruptCheckpointError(f'{where}: the index\'s "source": {{"{key}": {shown(value)}}} is no number '
+                                         f"of ranks (an int from 1 to {MAX_DEGREE}); the index is damaged, convert or "
+                                         "save the checkpoint again")
+        world *= value
+    return world
+
+
 def saved_world_size(path: str | os.PathLike[str] | ObjectPath) -> int:
     """How many processes trained the checkpoint at `path` (data x tensor x pipeline parallel)."""
-    source = open_checkpoint(path).source
-    return int(source.get("dp", 1)) * int(source.get("tp", 1)) * int(source.get("pp", 1))
+    ckpt = open_checkpoint(path)
+    return source_world_size(ckpt.source, ckpt.path)

@@ -5,8 +5,9 @@ small ucp checkpoint written in-process (no DeepSpeed run) is uploaded to s3:// 
 
 * A ranged GET whose body is cut halfway is asked for again from where it stopped, with the backoff of a 503;
   verify and open_checkpoint read the same tensors as from the local folder; cut every time, one line.
-* Every network wait is bounded ($UCP_NET_TIMEOUT, $UCP_NET_ATTEMPTS): a silent endpoint and a body that stalls
-  end in one line (or, stalled once, in success) within a bound.
+* Every network wait is bounded ($UCP_NET_TIMEOUT, $UCP_NET_TIMEOUT_ATTEMPTS for no answer, $UCP_NET_ATTEMPTS for
+  throttling): a silent endpoint and a body that stalls are said at the first timeout and end in one line (or,
+  stalled once, in success) within a bound (issue #43).
 * Credentials in a URL (user info; signed-URL and token query values) appear in no output line.
 * `latest` that is not one plain name after percent-decoding is refused (it climbed out over http://).
 * An IPv6 host is a URL, not a chained one; a server that ignores Range is named as such; an index larger than
@@ -16,6 +17,7 @@ small ucp checkpoint written in-process (no DeepSpeed run) is uploaded to s3:// 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -29,13 +31,14 @@ import torch
 
 import ucp
 from support.http_files import HttpFiles
-from support.s3_proxy import BUCKET, Cut
+from support.s3_proxy import BUCKET, Cut, Fault
 from support.silent_server import SilentServer
 from ucp.cli.main import main
 from ucp.convert.object_output import upload
 from ucp.convert.tensors import write_tensors
 from ucp.errors import CorruptCheckpointError
 from ucp.format.folder import read_index, read_latest
+from ucp.storage import net as net_policy
 from ucp.storage.locations import location
 
 OPTIMIZER = {"type": "AdamW", "states": ["exp_avg"], "param_groups": [{"hyperparams": {"lr": 0.1},
@@ -134,9 +137,19 @@ def test_cut_http_bodies_are_read_again(ckpt, net, capsys):
 
 # -- 2. bounded waits -------------------------------------------------------------------------------------
 
+SILENCE = ("no answer within 1 s; retrying, giving up after at most {bound} s (bound it with $UCP_NET_TIMEOUT "
+           "seconds a try and $UCP_NET_TIMEOUT_ATTEMPTS tries)")
+NO_ANSWER = ("{doing} got no answer ({kind}) in {tries} tries of 1 s ($UCP_NET_TIMEOUT_ATTEMPTS, $UCP_NET_TIMEOUT); "
+             "check the storage and the network, then run the command again")
+
+
 @pytest.mark.parametrize("scheme", ["s3", "http"])
-def test_a_silent_endpoint_ends_in_one_line_within_the_bound(scheme, net, capsys):
-    net.setenv("UCP_NET_ATTEMPTS", "2")
+def test_a_silent_endpoint_says_so_at_once_and_ends_in_one_line_within_the_bound(scheme, net, capsys):
+    """Timeouts have their own budget ($UCP_NET_TIMEOUT_ATTEMPTS, 3 here), whatever the throttling one
+    ($UCP_NET_ATTEMPTS, 50 here); the first timeout is said at once; no backoff."""
+    net.setenv("UCP_NET_TIMEOUT_ATTEMPTS", "3")
+    net.setenv("UCP_NET_ATTEMPTS", "50")
+    net.setattr(net_policy, "backoff_s", lambda failures: 0.0)
     silent = SilentServer().start()
     try:
         if scheme == "s3":
@@ -145,17 +158,41 @@ def test_a_silent_endpoint_ends_in_one_line_within_the_bound(scheme, net, capsys
         start = time.monotonic()
         assert main(["verify", url]) == 2
         took = time.monotonic() - start
-        err = one_line(capsys)
-        assert url in err and "UCP_NET_TIMEOUT" in err, err
-        assert took < 15, took  # 2 tries of 1 s, and the backoff between
+        kind = "ReadTimeoutError" if scheme == "s3" else "SocketTimeoutError"
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert lines[0] == f"ucp verify: {url}/ucp_index.json: " + SILENCE.format(bound="8"), lines  # 3 x 1 s + 3 + 1.5
+        # how many tries fit the deadline depends on how long the client's try waits (http: HEAD, then GET)
+        assert len(lines) == 2 and re.fullmatch(re.escape(f"ucp verify: error: {url}/ucp_index.json: ")
+                                                + re.escape(NO_ANSWER.format(doing="reading its size", kind=kind,
+                                                                             tries="@")).replace("@", "[23]"),
+                                                lines[1]), lines
+        assert took < 15, took  # 3 tries of 1 s
         assert silent.accepted >= 2  # it was tried again
     finally:
         silent.stop()
 
 
+def test_the_first_timeout_is_said_while_ucp_still_waits():
+    """`ucp verify` as users run it, bounds far away (100 tries of 2 s): the line comes after the first 2 s
+    timeout, while the command still waits; no silent minute."""
+    silent = SilentServer().start()
+    env = {**os.environ, "UCP_NET_TIMEOUT": "2", "UCP_NET_TIMEOUT_ATTEMPTS": "100"}
+    proc = subprocess.Popen([sys.executable, "-m", "ucp.cli.main", "verify", f"{silent.url}/run1"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stderr.readline()  # the import takes a few seconds under load; then 2 s
+        assert line.startswith(f"ucp verify: {silent.url}/run1/ucp_index.json: no answer within 2 s; retrying, "
+                               "giving up after at most "), line
+        assert proc.poll() is None  # still waiting: the line came first
+    finally:
+        proc.kill()
+        proc.wait()
+        silent.stop()
+
+
 def test_without_the_timeout_a_silent_endpoint_holds_verify(tmp_path):
-    """Negative control: with $UCP_NET_TIMEOUT at 60 s (the default), verify still waits 3 s after connecting,
-    where 1 s ends it above."""
+    """Negative control: with $UCP_NET_TIMEOUT at 60 s, verify still waits 3 s after connecting, where 1 s ends
+    it above."""
     silent = SilentServer().start()
     env = {**os.environ, "UCP_NET_TIMEOUT": "60"}
     proc = subprocess.Popen([sys.executable, "-m", "ucp.cli.main", "verify", f"{silent.url}/run1"], env=env,
@@ -170,6 +207,43 @@ def test_without_the_timeout_a_silent_endpoint_holds_verify(tmp_path):
         proc.kill()
         proc.wait()
         silent.stop()
+
+
+def test_a_body_that_always_stalls_ends_in_one_line_within_the_bound(s3, ckpt, net, capsys):
+    """Every data body stops halfway and stays silent: a timeout each time, the timeouts' budget (not the 50 of
+    throttling), the parts still queued cancelled; one warning, one error line, over s3:// and http://."""
+    net.setenv("UCP_NET_TIMEOUT_ATTEMPTS", "2")
+    net.setenv("UCP_NET_ATTEMPTS", "50")
+    net.setattr(net_policy, "backoff_s", lambda failures: 0.0)
+    s3.proxy.cuts.append(Cut(times=100000, when=lambda path: "/data-" in path, stall_s=30))
+    http = f"{ckpt.http.url}/run1"
+    ckpt.http.cut, ckpt.http.stall_s = 100000, 30.0
+    try:
+        for url, kind in ((ckpt.url, "ReadTimeoutError"), (http, "FSTimeoutError")):
+            start = time.monotonic()
+            assert main(["verify", url]) == 2
+            took = time.monotonic() - start
+            lines = capsys.readouterr().err.strip().splitlines()
+            assert len(lines) == 2 and re.fullmatch(
+                rf"ucp verify: {re.escape(url)}/data-\S+: " + re.escape(SILENCE.format(bound="4")), lines[0]), lines
+            assert re.fullmatch(rf"ucp verify: error: {re.escape(url)}/data-\S+: reading bytes \[\d+, \d+\) got "
+                                rf"no answer \({kind}\) in [12] tries of 1 s .*", lines[1]), lines
+            assert took < 20, took
+    finally:
+        ckpt.http.cut, ckpt.http.stall_s = 0, 0.0
+
+
+def test_throttling_keeps_its_long_patience(s3, ckpt, net, capsys):
+    """503 SlowDown on every GET of the index: tried $UCP_NET_ATTEMPTS (5) times although timeouts get 1 try."""
+    net.setenv("UCP_NET_TIMEOUT_ATTEMPTS", "1")
+    net.setenv("UCP_NET_ATTEMPTS", "5")
+    net.setattr(net_policy, "backoff_s", lambda failures: 0.0)
+    s3.proxy.faults.append(Fault(503, "SlowDown", 1000, lambda m, p, q: m == "GET" and p.endswith("ucp_index.json")))
+    assert main(["verify", ckpt.url]) == 2
+    assert one_line(capsys) == (f"ucp verify: error: {ckpt.url}/ucp_index.json: reading it failed (SlowDown, HTTP "
+                                "503) 5 times, each try waiting at most 1 s for the network ($UCP_NET_ATTEMPTS, "
+                                "$UCP_NET_TIMEOUT); check the storage and the network, then run the command again")
+    assert s3.proxy.injected in (5, 10)  # 5 tries of each read of the index (verify may read it twice)
 
 
 def test_a_body_that_stalls_once_is_read_again_within_the_timeout(s3, ckpt, net, capsys):

@@ -61,13 +61,15 @@ def test_the_cost_model_breaks_ties():
 def test_a_layout_that_does_not_fit_memory_is_never_chosen():
     """7B on 40 GiB ranks: T=1 needs ~100 GiB a rank; T=4 fits, though T=1 x D=8 would use as many ranks."""
     fits = cost_model_step_time(LLAMA7B, 40.0, 64, 1, 2048, 1)
-    assert fits(1, 1, 8) is None and fits(4, 1, 2) is not None
+    assert fits(1, 1, 8) == "does not fit the ranks' memory (ucp.hmp cost model)"
+    assert isinstance(fits(4, 1, 2), float)
     assert choose_layout(8, (4, 1), (1,), 64, 1, fits) == Choice(4, 1, 2, 8)
     assert choose_layout(7, (4, 1), (1,), 64, 1, fits) == Choice(4, 1, 1, 7)   # 3 spares rather than T=1
     with pytest.raises(ConfigError, match="does not fit the ranks' memory"):
         choose_layout(8, (1,), (1,), 64, 1, fits)
-    assert cost_model_step_time(TINY, 8.0, 8, 2, 6, 1)(4, 1, 1) is None   # 2 KV heads cannot be split in 4
-    assert cost_model_step_time(TINY, 8.0, 8, 2, 6, 1)(1, 4, 1) is None   # 4 stages for 2 layers
+    assert cost_model_step_time(TINY, 8.0, 8, 2, 6, 1)(4, 1, 1) == ("does not divide the model's 4 attention heads "
+                                                                     "and 2 KV heads")
+    assert cost_model_step_time(TINY, 8.0, 8, 2, 6, 1)(1, 4, 1) == "has more stages than the model's 2 layers"
 
 
 def test_spares_and_coordinates():

@@ -199,9 +199,9 @@ def test_part_and_split_bounds_agree_when_tp_divides_the_split():
      "0 micro-batches"),
     ({"num_layers": 1, "zero_stage": 4, "replicas": [{"micro_batches": 1, "stages": [{"layers": [0, 1],
                                                                                       "ranks": [0]}]}]},
-     "zero_stage=4"),
-    ({"num_layers": 1, "replicas": [{"stages": []}]}, "not a layout"),
-    ("[1, 2", "not a layout"),
+     '"zero_stage": 4 must be an integer from 0 to 3'),
+    ({"num_layers": 1, "replicas": [{"stages": []}]}, "replica 0: has no 'micro_batches'"),
+    ("[1, 2", "the layout: not JSON"),
 ])
 def test_bad_layouts_are_named_errors(data, message):
     with pytest.raises(LayoutError, match=message):

@@ -16,7 +16,9 @@ import os
 import re
 from pathlib import Path
 
+from ucp.checkpoint import source_world_size
 from ucp.elastic.trainer_folders import first_complete, opened_state
+from ucp.errors import CorruptCheckpointError
 
 NUMBERED = re.compile(r"(\d+)$")
 RNG_FILE = "random_states_{}.pkl"
@@ -28,12 +30,14 @@ def incomplete(folder: Path) -> str | None:
     if ckpt is None:
         return problem
     try:  # the source's degrees are read, not computed: a bad one is a state that does not open
-        saved = int(ckpt.source.get("dp", 1)) * int(ckpt.source.get("tp", 1)) * int(ckpt.source.get("pp", 1))
-    except ValueError as exc:
+        saved = source_world_size(ckpt.source, folder)
+    except CorruptCheckpointError as exc:
         return f"its DeepSpeed state does not open ({exc})"
-    missing = [RNG_FILE.format(i) for i in range(saved) if not (folder / RNG_FILE.format(i)).is_file()]
-    if missing:
-        return f"it has no {missing[0]}, which save_state writes last"
+    # The RNG files present bound the search, not the number of ranks the index claims.
+    present = {n for n in os.listdir(folder) if n.startswith("random_states_") and (folder / n).is_file()}
+    missing = next((i for i in range(saved) if RNG_FILE.format(i) not in present), None)
+    if missing is not None:
+        return f"it has no {RNG_FILE.format(missing)}, which save_state writes last"
     return None
 
 

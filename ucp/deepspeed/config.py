@@ -20,7 +20,7 @@ from typing import Any
 
 from ucp.deepspeed.engine.hmp_sync import hmp_batch
 from ucp.deepspeed.engine.placement import as_layout
-from ucp.elastic.shares import ElasticBatch, ElasticSection
+from ucp.elastic.shares import ElasticBatch, ElasticSection, zero_stage
 from ucp.errors import ConfigError, UnsupportedStorageError
 from ucp.format.folder import local_path
 from ucp.hmp.layout import Layout
@@ -211,8 +211,7 @@ def read_section(config: dict | None) -> Section:
     if "layout" in options and layout is None:
         layout = as_layout(options["layout"])
     deepspeed = without_ucp(config) if options and isinstance(config, dict) else None
-    zero = config.get("zero_optimization") if isinstance(config, dict) else None
-    stage = int(zero.get("stage", 0)) if isinstance(zero, dict) else 0
+    stage = zero_stage(config)
     loads = load_options(options)
     if layout is not None:
         loads["layout"] = layout

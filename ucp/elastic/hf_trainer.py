@@ -33,6 +33,7 @@ from ucp.elastic.trainer_folders import newest_complete, set_aside
 from ucp.errors import ConfigError
 
 logger = logging.getLogger("ucp.elastic")
+TRAINER_KEYS = ("global_batch", "micro_batch")  # the "elastic" keys the Trainer honours: it trains data-parallel
 
 
 def _rank() -> int:
@@ -82,7 +83,7 @@ class _StepLoader(torch.utils.data.DataLoader[Any]):
 def elastic_batches(trainer: Any, section: object) -> Iterator[ElasticBatch]:
     """Within the block, `trainer` trains B samples per optimizer step in one global order (module docstring)."""
     args = trainer.args
-    batch = ElasticBatch.from_config(section, args.world_size)
+    batch = ElasticBatch.from_config(section, args.world_size, TRAINER_KEYS, "the Hugging Face Trainer")
     if not getattr(args, "average_tokens_across_devices", True) and _normalises_by_tokens(trainer):
         raise ConfigError('"ucp": {"elastic": ...} needs TrainingArguments(average_tokens_across_devices=True) (the '
                           "default) for a model that divides its loss by num_items_in_batch: otherwise ranks with "

@@ -45,8 +45,11 @@ from ucp.hmp.layout import Layout, ParamSpec
 if TYPE_CHECKING:
     from ucp.hmp.model_shapes import ModelConfig
 
-# A layout's estimated step time in seconds, or None where it does not fit the ranks' memory: (tp, pp, dp) -> s.
-StepTime = Callable[[int, int, int], "float | None"]
+# A layout's estimated step time in seconds, or why it cannot train (the model's shape or the ranks' memory):
+# (tp, pp, dp) -> s or reason.
+StepTime = Callable[[int, int, int], "float | str"]
+# Why a tensor-parallel size cannot split the model (the heads it does not divide), or None: tp -> reason.
+TpProblem = Callable[[int], "str | None"]
 # The model's shape, the GiB per rank, the global batch, the micro-batch, the sequence length and the ZeRO stage.
 CostModelInputs = tuple["ModelConfig", float, int, int, int, int]
 # The layout of the plan for W ranks that `ucp plan`'s search finds fastest among those the job allows (replicas
@@ -197,8 +200,8 @@ def choose_layout(world: int, tensor_parallel: tuple[int, ...], pipeline_paralle
                 refusals.append(f"T={tp} x P={pp}: {exc}")
                 continue
             seconds = step_time(tp, pp, dp) if step_time is not None else 0.0
-            if seconds is None:
-                refusals.append(f"T={tp} x P={pp} x D={dp} does not fit the ranks' memory (ucp.hmp cost model)")
+            if isinstance(seconds, str):
+                refusals.append(f"T={tp} x P={pp} x D={dp} {seconds}")
                 continue
             ranked.append(((-dp * tp * pp, seconds, tp * pp, pp), Choice(tp, pp, dp, world)))
     if not ranked:
@@ -210,12 +213,21 @@ def choose_layout(world: int, tensor_parallel: tuple[int, ...], pipeline_paralle
 
 def heterogeneous_choice(world: int, tensor_parallel: tuple[int, ...], pipeline_parallel: tuple[int, ...],
                          global_batch: int, micro_batch: int, step_time: StepTime | None = None,
-                         replica_plan: ReplicaPlan | None = None) -> Choice:
+                         replica_plan: ReplicaPlan | None = None, tp_problem: TpProblem | None = None) -> Choice:
     """With `"heterogeneous": true`: `choose_layout`'s choice as the HMP path takes it (equal replicas), or, where it
     leaves spares or none fits, replicas of unequal size over all `world` ranks: those of `replica_plan` (the cost
     model's search, when it knows the model's shape and finds such a plan; its replicas may be pipelines), else the
     module docstring's one-stage replicas. Where those replicas cannot share the batch (fewer samples than
-    micro-batches), the homogeneous choice stands, spares and all; ConfigError when neither is possible."""
+    micro-batches), the homogeneous choice stands, spares and all; ConfigError when neither is possible.
+    `tp_problem` (where the model's shape is known) rules out the TP sizes that do not divide its heads, for
+    unequal replicas as for equal ones."""
+    if tp_problem is not None:
+        refused = {tp: why for tp in tensor_parallel if (why := tp_problem(tp)) is not None}
+        if len(refused) == len(tensor_parallel):
+            raise ConfigError(f'"ucp": {{"elastic": {{"tensor_parallel": {list(tensor_parallel)}}}}}: no size splits '
+                              "the model: " + "; ".join(f"T={t} {why}" for t, why in refused.items())
+                              + "; allow a size that divides the heads")
+        tensor_parallel = tuple(t for t in tensor_parallel if t not in refused)
     try:
         homogeneous: Choice | None = choose_layout(world, tensor_parallel, pipeline_parallel, global_batch,
                                                    micro_batch, step_time)
@@ -240,6 +252,12 @@ def heterogeneous_choice(world: int, tensor_parallel: tuple[int, ...], pipeline_
         rest = world % tp
         replicas = (tp,) * (world // tp) + tuple(1 << b for b in range(rest.bit_length() - 1, -1, -1) if rest >> b & 1)
         staged = None
+        if tp_problem is not None and any(tp_problem(t) for t in replicas):  # a remainder's power of two
+            if homogeneous is None:
+                bad = next(t for t in replicas if tp_problem(t))
+                raise ConfigError(f'"ucp": {{"elastic": {{"heterogeneous": true}}}} on {world} ranks: the replica of '
+                                  f"T={bad} left over {tp_problem(bad)}; allow sizes that cover {world} ranks")
+            return homogeneous
     try:
         shares = _shares(global_batch, staged or replicas)
         ElasticBatch(global_batch, micro_batch, len(replicas), shares)
@@ -280,15 +298,30 @@ def cost_model_step_time(model: ModelConfig, gpu_memory_gib: float, global_batch
     work = Workload(global_batch=micro_batch * -(-global_batch // micro_batch), seq_len=seq_len,
                     micro_batch_size=micro_batch)
 
-    def seconds(tp: int, pp: int, dp: int) -> float | None:
-        if pp > model.num_layers or model.num_heads % tp or model.num_kv_heads % tp:
-            return None
+    def seconds(tp: int, pp: int, dp: int) -> float | str:
+        if pp > model.num_layers:
+            return f"has more stages than the model's {model.num_layers} layers"
+        problem = heads_problem(model)(tp)
+        if problem is not None:
+            return problem
         micro_batches = math.ceil(math.ceil(global_batch / dp) / micro_batch)
         result = estimate(Layout.homogeneous(dp, tp, pp, model.num_layers, zero_stage=min(zero_stage, 1),
                                              micro_batches=micro_batches), model, cost, work)
-        return result.step_time_s if result.fits else None
+        return result.step_time_s if result.fits else "does not fit the ranks' memory (ucp.hmp cost model)"
 
     return seconds
+
+
+def heads_problem(model: ModelConfig) -> TpProblem:
+    """Why TP size `tp` cannot split `model` (AutoTP and Megatron split whole attention and KV heads), or None."""
+
+    def problem(tp: int) -> str | None:
+        if model.num_heads % tp or model.num_kv_heads % tp:
+            return (f"does not divide the model's {model.num_heads} attention heads and {model.num_kv_heads} KV "
+                    "heads")
+        return None
+
+    return problem
 
 
 def cost_model_replicas(model: ModelConfig, gpu_memory_gib: float, global_batch: int, micro_batch: int, seq_len: int,
@@ -310,6 +343,8 @@ def cost_model_replicas(model: ModelConfig, gpu_memory_gib: float, global_batch:
             return None
         for plan in plans:
             layout = plan.layout()
+            if any(heads_problem(model)(t) for t in layout.tp_sizes):
+                continue
             if (max(layout.tp_sizes) in tensor_parallel
                     and all(len(r.stages) in pipeline_parallel for r in layout.replicas)):
                 if all(len(r.stages) == 1 for r in layout.replicas):

@@ -40,9 +40,10 @@ from ucp.elastic.layout_choice import (
     choose_layout,
     cost_model_replicas,
     cost_model_step_time,
+    heads_problem,
     heterogeneous_choice,
 )
-from ucp.elastic.shares import ElasticSection
+from ucp.elastic.shares import ElasticSection, zero_stage
 from ucp.errors import ConfigError
 
 logger = logging.getLogger("ucp.elastic")
@@ -93,13 +94,15 @@ def layout(config: dict[str, Any] | None = None, module: Any = None) -> RankLayo
             return _chosen
         raise ConfigError('ucp.elastic.layout(): no layout chosen yet; pass the DeepSpeed config with its '
                           '"ucp": {"elastic": ...} section, or call it after ucp.deepspeed.initialize')
-    options = config.get("ucp") if isinstance(config, dict) else None
+    if not isinstance(config, dict):
+        raise ConfigError(f"ucp.elastic.layout(config): config is a {type(config).__name__}, not the DeepSpeed "
+                          'config dict with its "ucp": {"elastic": ...} section')
+    options = config.get("ucp")
     section = options.get("elastic") if isinstance(options, dict) else None
     if not isinstance(options, dict) or not isinstance(section, dict):
         raise ConfigError('ucp.elastic.layout(config): the config has no "ucp": {"elastic": {...}} section')
-    save, zero = options.get("save"), config.get("zero_optimization")
-    return start_layout(ElasticSection.from_config(section), module,
-                        int(zero.get("stage", 0)) if isinstance(zero, dict) else 0,
+    save = options.get("save")
+    return start_layout(ElasticSection.from_config(section), module, zero_stage(config),
                         isinstance(save, dict) and "memory" in save, config)
 
 
@@ -121,7 +124,8 @@ def start_layout(section: ElasticSection, module: Any, zero_stage: int, memory_t
             raise ConfigError('"ucp": {"elastic": {"heterogeneous": true, "expert_parallel": ...}}: unequal replicas '
                               "do not train MoE expert parallelism yet; leave out one of the two")
         plan = cost_model_replicas(*inputs, *sizes) if inputs is not None else None
-        choice = heterogeneous_choice(world, *sizes, section.global_batch, section.micro_batch, step_time, plan)
+        choice = heterogeneous_choice(world, *sizes, section.global_batch, section.micro_batch, step_time, plan,
+                                      heads_problem(inputs[0]) if inputs is not None else None)
     else:
         choice = choose_layout(world, *sizes, section.global_batch, section.micro_batch, step_time,
                                section.expert_parallel)

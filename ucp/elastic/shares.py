@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from ucp.errors import ConfigError
+from ucp.storage.json_file import shown
 
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 # The "elastic" section: the batch, then the layouts the job may take, the cost model's inputs and whether
@@ -42,6 +43,8 @@ SIZE_KEYS = ("tensor_parallel", "pipeline_parallel")
 # a rank's beat comes from a thread of its own, so only a process that is stopped, stuck outside Python with the
 # GIL held, or starved of CPU for that long misses it.
 DEFAULT_DETECT_S = 15.0
+MAX_GPU_MEMORY_GIB = 1 << 20   # a PiB per rank
+MAX_SEQ_LEN = 1 << 24          # tokens per sample
 
 
 @dataclass(frozen=True)
@@ -70,10 +73,13 @@ class ElasticBatch:
                               f"to the global batch {self.global_batch}")
         smallest = self.global_batch // self.world if self.shares is None else min(self.shares)
         if smallest < self.accumulation:
+            largest = -(-self.global_batch // self.world) if self.shares is None else max(self.shares)
+            takes = f"{smallest} or {smallest + 1}" if self.shares is None else f"from {smallest} to {largest}"
             raise ConfigError(
                 f'"ucp": {{"elastic": {{"global_batch": {self.global_batch}, "micro_batch": {self.micro_batch}}}}} on '
-                f"{self.world} ranks: ranks take {smallest} or {smallest + 1} samples, but every rank must run "
-                f"{self.accumulation} micro-batches of at least one sample; use micro_batch 2 or more")
+                f"{self.world} ranks: ranks take {takes} samples, but every rank must run "
+                f"{self.accumulation} micro-batches of at least one sample; use micro_batch "
+                f"{-(-largest // smallest)} or more")
 
     @property
     def accumulation(self) -> int:
@@ -124,8 +130,10 @@ class ElasticBatch:
                 "train_micro_batch_size_per_gpu": self.micro_batch, "gradient_accumulation_steps": a}
 
     @classmethod
-    def from_config(cls, section: object, world: int) -> ElasticBatch:
-        """The `"elastic"` section of the `"ucp"` config, for a run on `world` data-parallel ranks."""
+    def from_config(cls, section: object, world: int, keys: tuple[str, ...] = SECTION_KEYS,
+                    user: str = "") -> ElasticBatch:
+        """The `"elastic"` section of the `"ucp"` config, for a run on `world` data-parallel ranks. `keys` are those
+        the caller honours (`user` names it in the refusal of any other: the Trainer takes the batch keys only)."""
         if not isinstance(section, dict) or "global_batch" not in section or "micro_batch" not in section:
             raise ConfigError(f'"ucp": {{"elastic": {section!r}}}: needs "global_batch" (samples per optimizer step, '
                               'the same at every world size) and "micro_batch" (the most samples per forward pass), '
@@ -134,6 +142,10 @@ class ElasticBatch:
         if unknown:
             raise ConfigError(f'"ucp": {{"elastic": ...}}: unknown key {unknown[0]!r}; known: '
                               + ", ".join(f'"{k}"' for k in SECTION_KEYS))
+        ignored = [k for k in SECTION_KEYS if k in section and k not in keys]
+        if ignored:
+            raise ConfigError(f'"ucp": {{"elastic": {{"{ignored[0]}": ...}}}}: {user} trains data-parallel only and '
+                              "takes " + " and ".join(f'"{k}"' for k in keys) + f'; leave out "{ignored[0]}"')
         return cls(section["global_batch"], section["micro_batch"], world)
 
 
@@ -173,10 +185,13 @@ class ElasticSection:
         """The section, each refusal one line naming its key."""
         ElasticBatch.from_config(section, 1)   # the batch keys are there, and no unknown key: a dict
         section = cast("dict[str, Any]", section)
-        for key, fix in (("gpu_memory", "GiB per rank, e.g. 80"), ("seq_len", "tokens per sample, e.g. 4096")):
+        for key, kinds, most, fix in (("gpu_memory", (int, float), MAX_GPU_MEMORY_GIB, "GiB per rank, e.g. 80"),
+                                      ("seq_len", (int,), MAX_SEQ_LEN, "tokens per sample, e.g. 4096")):
             value = section.get(key, 1)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-                raise ConfigError(f'"ucp": {{"elastic": {{"{key}": {value!r}}}}}: must be a positive number: {fix}')
+            if isinstance(value, bool) or not isinstance(value, kinds) or not 0 < value <= most:
+                what = "a number" if float in kinds else "an integer"
+                raise ConfigError(f'"ucp": {{"elastic": {{"{key}": {shown(value)}}}}}: must be {what} above 0 and at '
+                                  f"most {most}: {fix}")
         model = section.get("model")
         if "model" in section and not isinstance(model, (str, os.PathLike)):
             raise ConfigError(f'"ucp": {{"elastic": {{"model": {model!r}}}}}: must be the path of the model\'s '
@@ -221,3 +236,13 @@ def speed_shares(global_batch: int, speeds: Sequence[float]) -> tuple[int, ...]:
     for i in by_remainder[:global_batch - sum(shares)]:
         shares[i] += 1
     return tuple(shares)
+
+
+def zero_stage(config: object) -> int:
+    """DeepSpeed's ZeRO stage in a config dict (0 where it sets none), checked: one line for anything else."""
+    zero = config.get("zero_optimization") if isinstance(config, dict) else None
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
+    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+        raise ConfigError(f'"zero_optimization": {{"stage": {shown(stage)}}}: must be 0, 1, 2 or 3 (the ZeRO stage '
+                          "DeepSpeed partitions by, which ucp's layouts and cost model plan for)")
+    return int(stage)

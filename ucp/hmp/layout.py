@@ -18,14 +18,15 @@ rank `r`'s elements are exactly splits `[r*k/t, (r+1)*k/t)`, whatever `D`.
 """
 from __future__ import annotations
 
-import json
 import math
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cached_property
 
 from ucp.errors import UcpError
 from ucp.format.boxes import Box, part_bounds, split_bounds
+from ucp.storage.json_file import parse_json, shown
 
 
 class LayoutError(UcpError):
@@ -140,18 +141,32 @@ class Layout:
                              for r in self.replicas]}
 
     @classmethod
-    def from_json(cls, data: dict | str) -> Layout:
-        """A layout from `to_json()`'s dict, or its JSON text."""
-        try:
-            fields = json.loads(data) if isinstance(data, str) else data
-            replicas = tuple(Replica(tuple(Stage((int(s["layers"][0]), int(s["layers"][1])),
-                                                 tuple(int(r) for r in s["ranks"]))
-                                           for s in r["stages"]), int(r["micro_batches"]))
-                             for r in fields["replicas"])
-            return cls(int(fields["num_layers"]), replicas, int(fields.get("zero_stage", 0)))
-        except (KeyError, IndexError, TypeError, ValueError) as exc:
-            raise LayoutError(f"not a layout ({type(exc).__name__}: {exc}); expected {{'num_layers': L, "
-                              "'replicas': [{'micro_batches': M, 'stages': [{'layers': [a, b], 'ranks': [...]}]}]}")
+    def from_json(cls, data: object) -> Layout:
+        """A layout from `to_json()`'s dict, or its JSON text; every value checked (an int in its range, a list
+        where a list belongs), so that a hand-edited or damaged layout is one line, never a traceback."""
+        fields = parse_json(data, "the layout", LayoutError, _LAYOUT_FIX) if isinstance(data, str) else data
+        if isinstance(fields, dict) and "plans" in fields and "replicas" not in fields:
+            raise LayoutError("the layout is `ucp plan --json`'s output, which lists plans: give one plan's "
+                              '"layout" (e.g. plans[0]["layout"])')
+        fields = _object(fields, "the layout", ("num_layers", "replicas"), ("zero_stage",))
+        replicas = []
+        for i, r in enumerate(_list(fields["replicas"], '"replicas"', MAX_RANKS)):
+            r = _object(r, f"replica {i}", ("stages", "micro_batches"), ())
+            stages = []
+            for j, st in enumerate(_list(r["stages"], f"replica {i} \"stages\"", MAX_LAYERS)):
+                where = f"replica {i} stage {j}"
+                st = _object(st, where, ("layers", "ranks"), ())
+                layers = _list(st["layers"], f'{where} "layers"', 2)
+                if len(layers) != 2:
+                    raise LayoutError(f'{where} "layers": {len(layers)} values; give [first, stop)')
+                stages.append(Stage((_int(layers[0], f'{where} "layers"', 0, MAX_LAYERS),
+                                     _int(layers[1], f'{where} "layers"', 0, MAX_LAYERS)),
+                                    tuple(_int(x, f'{where} "ranks"', 0, MAX_RANKS - 1)
+                                          for x in _list(st["ranks"], f'{where} "ranks"', MAX_RANKS))))
+            replicas.append(Replica(tuple(stages), _int(r["micro_batches"], f'replica {i} "micro_batches"', 0,
+                                                        MAX_MICRO_BATCHES)))
+        return cls(_int(fields["num_layers"], '"num_layers"', 1, MAX_LAYERS), tuple(replicas),
+                   _int(fields.get("zero_stage", 0), '"zero_stage"', 0, 3))
 
     # -- queries -----------------------------------------------------------------------------------
 
@@ -264,6 +279,39 @@ def choose_global_split(tp_sizes: Iterable[int], bound: int = 64) -> int:
     return split
 
 
+MAX_LAYERS = 1 << 20
+MAX_RANKS = 1 << 24
+MAX_MICRO_BATCHES = 1 << 30
+_LAYOUT_FIX = ("expected {'num_layers': L, 'replicas': [{'micro_batches': M, 'stages': [{'layers': [a, b], "
+               "'ranks': [...]}]}]}, as `Layout.to_json()` or `ucp plan --json` writes")
+
+
+def _object(value: object, where: str, required: tuple[str, ...], optional: tuple[str, ...]) -> dict:
+    if not isinstance(value, dict):
+        raise LayoutError(f"{where}: a JSON {type(value).__name__}, not an object; {_LAYOUT_FIX}")
+    for key in value:
+        if key not in required + optional:
+            raise LayoutError(f"{where}: unknown key {str(key)[:40]!r}; known: {', '.join(required + optional)}")
+    for key in required:
+        if key not in value:
+            raise LayoutError(f"{where}: has no {key!r}; {_LAYOUT_FIX}")
+    return value
+
+
+def _list(value: object, where: str, most: int) -> list:
+    if not isinstance(value, list):
+        raise LayoutError(f"{where}: {shown(value)} is not a list; {_LAYOUT_FIX}")
+    if len(value) > most:
+        raise LayoutError(f"{where}: {len(value)} entries, more than the {most} a layout may have")
+    return value
+
+
+def _int(value: object, where: str, least: int, most: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= most:
+        raise LayoutError(f"{where}: {shown(value)} must be an integer from {least} to {most}")
+    return value
+
+
 def _span(ranks: tuple[int, ...]) -> str:
     if list(ranks) == list(range(ranks[0], ranks[0] + len(ranks))):
         return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else str(ranks[0])
@@ -301,6 +349,7 @@ def _validate(layout: Layout) -> None:
         if expect != layout.num_layers:
             raise LayoutError(f"replica {i}: stages end at layer {expect}, the model has {layout.num_layers}")
     if sorted(seen) != list(range(len(seen))):
-        dup = sorted({r for r in seen if seen.count(r) > 1})
+        counts = Counter(seen)  # linear: a layout of 60,000 ranks is checked in milliseconds
+        dup = sorted(r for r, n in counts.items() if n > 1)
         raise LayoutError(f"ranks must be 0..{len(seen) - 1}, each in exactly one stage" +
                           (f"; rank {dup[0]} appears twice" if dup else f"; got {sorted(seen)}"))

@@ -14,6 +14,7 @@ from functools import cached_property
 
 from ucp.errors import UcpError
 from ucp.hmp.layout import ParamSpec
+from ucp.storage.json_file import shown
 
 _REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 MAX_LAYERS = 4096  # the deepest models have ~130; the search's time grows with layers
@@ -44,16 +45,22 @@ class ModelConfig:
         if missing:
             raise ModelConfigError(f"{name}: config has no '{missing[0]}'; a Llama/Qwen2/Mistral config.json needs "
                                    f"{', '.join(_REQUIRED)} (and num_key_value_heads for GQA)")
-        try:
-            model = cls(name=name, hidden_size=int(config["hidden_size"]),
-                        intermediate_size=int(config["intermediate_size"]),
-                        num_layers=int(config["num_hidden_layers"]), num_heads=int(config["num_attention_heads"]),
-                        num_kv_heads=int(config.get("num_key_value_heads") or config["num_attention_heads"]),
-                        vocab_size=int(config["vocab_size"]),
-                        qkv_bias=bool(config.get("attention_bias", config.get("model_type") == "qwen2")),
-                        tie_embeddings=bool(config.get("tie_word_embeddings", False)))
-        except (TypeError, ValueError, OverflowError) as exc:
-            raise ModelConfigError(f"{name}: config value is not a number ({exc})") from None
+        sizes = {key: config[key] for key in _REQUIRED}
+        sizes["num_key_value_heads"] = config.get("num_key_value_heads") or config["num_attention_heads"]
+        for key, value in sizes.items():
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ModelConfigError(f"{name}: {key}={shown(value)} must be an integer; is it the model's "
+                                       "config.json?")
+        flags = {"attention_bias": config.get("attention_bias", config.get("model_type") == "qwen2"),
+                 "tie_word_embeddings": config.get("tie_word_embeddings", False)}
+        for key, value in flags.items():
+            if not isinstance(value, bool):
+                raise ModelConfigError(f"{name}: {key}={shown(value)} must be true or false (a JSON boolean, not a "
+                                       "string or a number)")
+        model = cls(name=name, hidden_size=sizes["hidden_size"], intermediate_size=sizes["intermediate_size"],
+                    num_layers=sizes["num_hidden_layers"], num_heads=sizes["num_attention_heads"],
+                    num_kv_heads=sizes["num_key_value_heads"], vocab_size=sizes["vocab_size"],
+                    qkv_bias=flags["attention_bias"], tie_embeddings=flags["tie_word_embeddings"])
         model.check()
         return model
 

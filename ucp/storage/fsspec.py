@@ -125,7 +125,9 @@ def _info(path: ObjectPath) -> dict[str, Any] | None:
     def request() -> dict[str, Any] | None:
         try:
             info = fs.info(p)
-        except FileNotFoundError:
+        except FileNotFoundError as exc:
+            if exc.__cause__ is not None and net.is_timeout(exc.__cause__):  # http's HEAD, then GET, got no answer
+                raise exc.__cause__ from None
             return None
         return info if info.get("type") == "file" else None
 

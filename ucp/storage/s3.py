@@ -2,9 +2,11 @@
 
 Credentials and the endpoint come from the standard AWS chain (environment, `AWS_ENDPOINT_URL`, config files,
 instance roles); they are never logged, nor put into an error or an index (an s3:// URL carrying some is refused:
-`locations`). Every request has the connect and read timeouts of `net.timeout_s()`; throttling (503 SlowDown), 5xx
-answers and timeouts are retried `net.attempts()` times with exponential backoff by botocore's "standard" retry
-mode, and a body cut or stalled halfway is asked for again from where it stopped (`net.fill`). Reads are ranged
+`locations`). Every request has the connect and read timeouts of `net.timeout_s()` and goes through ucp's network
+policy (`net.retrying`; botocore's own retries are off, as they give a silent endpoint the patience of a throttled
+one): throttling (503 SlowDown), 5xx answers and cut connections are tried `net.attempts()` times, no answer
+`net.timeout_attempts()` times, with botocore's standard backoff between; a body cut or stalled halfway is asked
+for again from where it stopped (`net.fill`). Reads are ranged
 GETs, each range cut into parts of `part_bytes()` that run concurrently, at most `max_in_flight()` at once per process;
 uploads of more than that are multipart, their parts in parallel, and a failed one is aborted so that
 no parts are left behind.
@@ -29,6 +31,13 @@ _ACCESS_CODES = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", 
                  "InvalidToken", "AllAccessDisabled", "AuthorizationHeaderMalformed"}
 _OPENING_BUCKET = "opening its bucket"
 _MISSING_KEY_CODES = {"NoSuchKey", "404", "NotFound"}
+# What botocore's standard retry mode retries besides connection errors (botocore.retries.standard).
+_RETRY_CODES = {"RequestTimeout", "RequestTimeoutException", "PriorRequestNotComplete", "Throttling",
+                "ThrottlingException", "ThrottledException", "RequestThrottledException", "TooManyRequestsException",
+                "ProvisionedThroughputExceededException", "TransactionInProgressException", "RequestLimitExceeded",
+                "BandwidthLimitExceeded", "LimitExceededException", "RequestThrottled", "SlowDown",
+                "EC2ThrottledException"}
+_RETRY_STATUS = {429, 500, 502, 503, 504}
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/")
 _lock = threading.Lock()
 # One client and pool per process (a forked worker makes its own) and per endpoint and credentials in the
@@ -51,14 +60,13 @@ def part_bytes() -> int:
 def _client_and_pool() -> tuple[Any, ThreadPoolExecutor]:
     with _lock:
         env = os.environ.get
-        key = (os.getpid(), env("AWS_ENDPOINT_URL"), env("AWS_ACCESS_KEY_ID"), env("AWS_PROFILE"), net.timeout_s(),
-               net.attempts())
+        key = (os.getpid(), env("AWS_ENDPOINT_URL"), env("AWS_ACCESS_KEY_ID"), env("AWS_PROFILE"), net.timeout_s())
         if key not in _state:
             import boto3
             from botocore.config import Config
 
             rank = os.environ.get("RANK")
-            config = Config(retries={"mode": "standard", "max_attempts": net.attempts()},
+            config = Config(retries={"mode": "standard", "max_attempts": 1},  # retried by `_call` (`net`)
                             connect_timeout=net.timeout_s(), read_timeout=net.timeout_s(),
                             max_pool_connections=max_in_flight(),
                             user_agent_extra="ucp" + (f" ucp-rank/{rank}" if rank is not None else ""),
@@ -90,7 +98,7 @@ def _error(exc: Exception, path: ObjectPath, doing: str) -> UcpError:
              "AWS_SECRET_ACCESS_KEY, AWS_PROFILE, ~/.aws/credentials or an instance role)")
     if isinstance(exc, NoCredentialsError):
         return StorageAccessError(f"{path}: no AWS credentials found while {doing}; {chain}")
-    if isinstance(exc, (ReadTimeoutError, ConnectTimeoutError, ConnectionClosedError)):  # after botocore's retries
+    if isinstance(exc, (ReadTimeoutError, ConnectTimeoutError, ConnectionClosedError)):  # after `net`'s retries
         return net.gave_up(path, doing, exc)
     if isinstance(exc, EndpointConnectionError):
         return StorageAccessError(f"{path}: cannot reach the object store while {doing}; check AWS_ENDPOINT_URL "
@@ -103,18 +111,31 @@ def _error(exc: Exception, path: ObjectPath, doing: str) -> UcpError:
                                       "URL (and AWS_ENDPOINT_URL if the store is not AWS)")
         if code in _ACCESS_CODES or status == 403:
             return StorageAccessError(f"{path}: access refused ({code}) while {doing}; {chain}")
-        return StorageAccessError(f"{path}: {doing} failed ({code}, HTTP {status}; throttling and server errors "
-                                  f"are tried {net.attempts()} times); check the object store, then run the command "
-                                  "again")
+        return StorageAccessError(f"{path}: {doing} failed ({code}, HTTP {status}); check the object store, then "
+                                  "run the command again")
     return StorageAccessError(f"{path}: {doing} failed ({type(exc).__name__}); check the object store and "
                               "the network, then run the command again")
 
 
+def _retryable(exc: BaseException) -> bool:
+    """What botocore's standard mode would retry: a connection that failed, was cut or got no answer; throttling
+    and server errors."""
+    from botocore.exceptions import ClientError, HTTPClientError
+    from botocore.exceptions import ConnectionError as BotoConnectionError
+
+    if isinstance(exc, ClientError):
+        code = str(exc.response.get("Error", {}).get("Code", ""))
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        return code in _RETRY_CODES or status in _RETRY_STATUS
+    return isinstance(exc, (BotoConnectionError, HTTPClientError))
+
+
 def _call(path: ObjectPath, doing: str, request: Callable[[], T]) -> T:
+    """`request()` under the network policy (`net.retrying`); a failure as one line."""
     from botocore.exceptions import BotoCoreError, ClientError
 
     try:
-        return request()
+        return net.retrying(path, doing, request, _retryable)
     except (BotoCoreError, ClientError) as exc:
         raise _error(exc, path, doing) from None
 
@@ -137,7 +158,7 @@ def _unless_missing(path: ObjectPath, doing: str, request: Callable[[], T]) -> T
     from botocore.exceptions import BotoCoreError, ClientError
 
     try:
-        return request()
+        return net.retrying(path, doing, request, _retryable)
     except ClientError as exc:
         if _missing(exc):
             _check_bucket(path)
@@ -244,13 +265,18 @@ def read_many(reads: Sequence[tuple[ObjectPath, int, memoryview]]) -> None:
 
 
 def wait_all(jobs: list[Future[Any]]) -> list[Any]:
-    """The results of `jobs`, in order; the first failure is raised once all have ended (none left running)."""
+    """The results of `jobs`, in order; the first failure is raised once all have ended (none left running). The
+    jobs not yet started when one fails are cancelled: a store that stopped answering is not asked again by every
+    queued part, each waiting its own timeouts."""
     failure = None
     results = []
     for job in jobs:
         try:
             results.append(job.result())
         except BaseException as exc:  # noqa: BLE001  # raised below, once every job has ended
+            if failure is None:
+                for queued in jobs:
+                    queued.cancel()
             failure = failure or exc
     if failure is not None:
         raise failure

@@ -10,7 +10,6 @@ the single source of truth, as for `ucp.hmp.load_slices`.
 """
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -20,6 +19,7 @@ from ucp.deepspeed.engine.hmp_sync import EngineHmp
 from ucp.deepspeed.engine.targets import Target
 from ucp.errors import UnsupportedLayoutError
 from ucp.hmp.layout import Layout, LayoutError, ParamSpec
+from ucp.storage.json_file import read_json_file
 
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
@@ -32,11 +32,12 @@ def as_layout(layout: Layout | dict | str | os.PathLike) -> Layout:
     if isinstance(layout, dict):
         return Layout.from_json(layout)
     path = Path(layout)
+    fields = read_json_file(path, LayoutError, "pass a path to the JSON that `Layout.to_json()` or `ucp plan --json` "
+                                               "writes")
     try:
-        return Layout.from_json(json.loads(path.read_text()))
-    except OSError as e:
-        raise LayoutError(f"{path}: cannot read the layout ({e.strerror}); pass a path to the JSON that "
-                          "`Layout.to_json()` or `ucp plan --json` writes") from None
+        return Layout.from_json(fields)
+    except LayoutError as exc:
+        raise LayoutError(f"{path}: {exc}") from None
 
 
 def place_by_layout(target: Target, layout: Layout, table: Iterable[ParamSpec], rank: int) -> set[str]:
