@@ -10,9 +10,9 @@ import difflib
 import os
 from dataclasses import dataclass
 
-from ucp.deepspeed.memory_files import MemoryEvery
+from ucp.deepspeed.memory_files import MemoryEvery, overlap_problem
 from ucp.errors import ConfigError
-from ucp.format.locations import Location, location
+from ucp.format.locations import Location, location, url_scheme
 
 CONFIG_KEY = "ucp"
 AUTO = "auto"  # "load": resume from the save folder's newest committed checkpoint, or start fresh
@@ -80,8 +80,24 @@ class SaveOptions:
             raise ConfigError(f'"ucp": {{"save": ...}}: unknown key {sorted(unknown)[0]!r}; known: "dir", "every", '
                               '"keep", "memory"')
         folder = location(options["dir"])  # a URL no storage takes is refused in one line, before training
+        refuse_unpromised_dir(os.fspath(options["dir"]))
         memory = MemoryEvery.from_config(options["memory"], os.fspath(options["dir"])) if "memory" in options else None
+        problem = overlap_problem(memory.path, memory.job) if memory is not None and "$" not in memory.dir else None
+        if problem is not None:  # "$VARS": checked on each node (memory_files.checked_folder)
+            raise ConfigError(problem)
         return cls(folder, options["every"], options.get("keep"), memory)
+
+
+def refuse_unpromised_dir(folder: str) -> None:
+    """Refuse a save `"dir"` the docs do not promise, which would save into (and prune) a folder the user did not
+    mean: `""` or `"."` (the working directory itself), `"~..."` and `"$VAR..."` (never expanded: a folder
+    literally named so in the working directory)."""
+    if url_scheme(folder):
+        return
+    if os.path.normpath(folder or ".") == "." or folder.startswith("~") or "$" in folder:
+        raise ConfigError(f'"ucp": {{"save": {{"dir": {folder!r}}}}}: must name a folder of its own, e.g. '
+                          '"/ckpt/ucp" (an absolute path, or a relative one below the working directory; "", "." '
+                          'and unexpanded "~" or "$VAR" are refused)')
 
 
 def without_ucp(config: dict) -> dict:

@@ -101,6 +101,7 @@ from ucp.elastic.ranks import spare_loop
 from ucp.elastic.rendezvous import warn_shared_rendezvous_store
 from ucp.elastic.shares import ElasticBatch
 from ucp.errors import CheckpointMismatchError, ConfigError
+from ucp.format.ownership import check_save_folder
 
 __all__ = ["CheckpointMismatchError", "LoadStats", "SaveStats", "initialize", "load", "save", "wait"]
 
@@ -122,6 +123,8 @@ def initialize(*args: Any, **kwargs: Any) -> Any:
             config = json.load(f)
     section = read_section(config)
     options, save_every, load_kwargs = section.options, section.save, section.load
+    if save_every is not None:  # a save folder ucp cannot write into is refused before DeepSpeed runs
+        check_save_folder(save_every.dir, None)
     auto_dir = None  # the save folder "load": "auto" resumes from
     if options.get("load") == AUTO:
         if save_every is None:

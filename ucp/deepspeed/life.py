@@ -39,6 +39,7 @@ from ucp.deepspeed.save_layout import refuse_unsupported
 from ucp.elastic.restart import Progress, ProgressRecorder, RestartReport, read_progress
 from ucp.elastic.retention import retain
 from ucp.format.locations import Location, location
+from ucp.format.ownership import check_save_folder
 
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
@@ -88,6 +89,7 @@ class CheckpointLife:
     def save_every(self, save: SaveOptions) -> None:
         """Save by `save`'s cadence after each optimizer step (and into the memory tier, when it has one)."""
         refuse_unsupported(self.engine)  # before training: what the saver (made at the first step) cannot save
+        check_save_folder(save.dir, self.engine.global_steps, say=collectives.rank() == 0)  # ucp.format.ownership
         self.save_options = save
         self.start_step = self.engine.global_steps
         self.engine.ucp_save_dir = save.dir

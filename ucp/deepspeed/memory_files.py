@@ -27,6 +27,7 @@ from ucp.deepspeed.memory_manifest import Manifest, read_manifest
 from ucp.errors import ConfigError, UcpError, UnsupportedStorageError
 from ucp.format.folder import INDEX_NAME, local_path, locked_for_removal
 from ucp.format.locations import url_scheme
+from ucp.format.ownership import foreign_why, is_ucp_partial, pass_over, save_folder_problem
 from ucp.format.save_folder import indexed_step, tag_step
 from ucp.format.storage import list_folders
 
@@ -72,15 +73,16 @@ class MemoryEvery:
         except (TypeError, UnsupportedStorageError):
             raise ConfigError(f'"ucp": {{"save": {{"memory": {{"dir": {folder!r}}}}}}}: must be a local folder in '
                               'host memory, e.g. "/dev/shm/ucp-myjob"') from None
-        if not os.fspath(folder).startswith(("/", "~", "$")):  # "" or "shm/x": the working directory, pruned
+        if not os.fspath(folder).startswith(("/", "$")):  # "", "shm/x", "~": the working or home directory
             raise ConfigError(f'"ucp": {{"save": {{"memory": {{"dir": {os.fspath(folder)!r}}}}}}}: must be an '
-                              'absolute path of a folder of its own, e.g. "/dev/shm/ucp-myjob"')
+                              'absolute path of a folder of its own, e.g. "/dev/shm/ucp-myjob" ("~" is not '
+                              'expanded; "$VARS" are)')
         return cls(every, replicas, os.fspath(folder), job)
 
     @property
     def path(self) -> Path:
         """This node's memory folder; one that expands to a relative path (an unset `$VAR`) is refused."""
-        expanded = os.path.expanduser(os.path.expandvars(self.dir))
+        expanded = os.path.expandvars(self.dir)
         if not os.path.isabs(expanded):
             raise ConfigError(f'"ucp": {{"save": {{"memory": {{"dir": {self.dir!r}}}}}}}: expands to {expanded!r} '
                               "on this node, not an absolute path; set the variables it names")
@@ -142,15 +144,21 @@ def read_copies(folder: Path, job: str) -> dict[str, Manifest]:
 
 def remove_copies(folder: Path, job: str, gone: Callable[[int], bool]) -> None:
     """Remove this job's memory checkpoints whose step (as their index records it) is `gone`, and the partial
-    ones (no index) whose name's step is; never another job's, one passed over, one a reader holds
-    (`ucp.format.folder.reading`), or anything through a symbolic link."""
+    ones (no index, ucp's partial-save marker) whose name's step is; never another job's, one passed over, one a
+    reader holds (`ucp.format.folder.reading`), anything through a symbolic link, nor any folder that is not
+    ucp's, whatever its name (`ucp.format.ownership`: said once at warning level)."""
     ours = read_copies(folder, job)
     for name in list_folders(folder):
         tag = folder / name
         if name in ours:
             doomed = gone(ours[name].step)
+        elif tag_step(tag) < 0 or os.path.lexists(tag / INDEX_NAME):
+            doomed = False  # another job's, or passed over by `read_copies`
+        elif is_ucp_partial(tag):  # a memory save of ucp's that never committed
+            doomed = gone(tag_step(tag))
         else:
-            doomed = tag_step(tag) >= 0 and not os.path.lexists(tag / INDEX_NAME) and gone(tag_step(tag))
+            pass_over(tag, foreign_why(tag))
+            doomed = False
         if doomed:
             with locked_for_removal(tag) as free:
                 if free:
@@ -158,15 +166,32 @@ def remove_copies(folder: Path, job: str, gone: Callable[[int], bool]) -> None:
                     shutil.rmtree(tag, ignore_errors=True)
 
 
-def checked_folder(config: MemoryEvery, create: bool) -> tuple[Path, str | None]:
+def checked_folder(config: MemoryEvery, create: bool, start_step: int | None = None) -> tuple[Path, str | None]:
     """This node's memory folder (created private when `create`), and why this job may not use it (None when it
     may; the folder is then `dir` unexpanded): gathered from every rank, so that all refuse together
-    (`refuse_untrusted`)."""
+    (`refuse_untrusted`). With `start_step`, also what a save into it would have to write into that is not ucp's
+    (`ucp.format.ownership.save_folder_problem`)."""
     try:
         folder = config.path
+        overlap = overlap_problem(folder, config.job)
+        if overlap is not None:
+            return Path(config.dir), overlap
         if create:
             folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     except (ConfigError, OSError) as exc:
         return Path(config.dir), str(exc)
     problem = untrusted(folder)
+    if problem is None and start_step is not None:
+        problem = save_folder_problem(folder, start_step)
     return folder, None if problem is None else f'"ucp": {{"save": {{"memory": ...}}}}: memory folder {problem}'
+
+def overlap_problem(folder: Path, job: str) -> str | None:
+    """Why memory folder `folder` may not be used beside save folder `job`: the same folder, inside it or holding
+    it (each tier removes its own checkpoints by the same names), or None."""
+    if url_scheme(job):
+        return None
+    mem, disk = os.path.realpath(folder), os.path.realpath(job)
+    if mem == disk or mem.startswith(disk.rstrip("/") + "/") or disk.startswith(mem.rstrip("/") + "/"):
+        return (f'"ucp": {{"save": {{"memory": {{"dir": ...}}}}}}: {folder} is the save "dir" {job}, inside it or '
+                'holds it; the memory tier needs a folder of its own, e.g. "/dev/shm/ucp-myjob"')
+    return None

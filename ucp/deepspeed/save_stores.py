@@ -29,8 +29,9 @@ from ucp.deepspeed.save_index import RankReport, commit_folder, index_of, report
 from ucp.deepspeed.save_snapshot import Prepared
 from ucp.deepspeed.save_writer import write_pieces
 from ucp.errors import SaveError
-from ucp.format.folder import commit_index, commit_latest
+from ucp.format.folder import commit_index
 from ucp.format.locations import Location, ObjectPath
+from ucp.format.ownership import replace_latest, unmark
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -132,7 +133,8 @@ def write_object(saver: SavingGroup, prepared: Prepared, save_dir: ObjectPath, t
                 index = index_of(prepared, tag_dir, [r for r, _ in reports], meta)
                 object_save.complete(tag_dir, uploads, [e for _, mine in reports for e in mine], parts)
                 commit_index(tag_dir, index)
-                commit_latest(save_dir, tag)
+                unmark(tag_dir)
+                replace_latest(save_dir, tag)
             except Exception as exc:
                 outcome = str(exc) if isinstance(exc, SaveError) else f"{tag_dir}: {type(exc).__name__}: {exc}"
             finally:
