@@ -362,7 +362,7 @@ def test_a_save_whose_uploads_fail_commits_nothing_and_training_is_told(s3, ckpt
 def test_auto_and_keep_over_an_object_store_prefix(s3, converted):
     """`candidates`, `set_aside` (ucp.elastic.resume) and `prune` (ucp.elastic.retention) on an s3:// save prefix,
     without training: copies of the converted checkpoint as tags 1 and 2 (each index recording its tag's step, as a
-    save's does), and a tag 0 that never committed (data, no index)."""
+    save's does), and a tag 0 that never committed (data, ucp's partial-save marker, no index)."""
     from ucp.elastic.resume import candidates, set_aside
     from ucp.elastic.retention import prune
     from ucp.format.folder import commit_latest
@@ -380,6 +380,8 @@ def test_auto_and_keep_over_an_object_store_prefix(s3, converted):
 
     for tag, partial in (("global_step0", True), ("global_step1", False), ("global_step2", False)):
         copy_tag(tag, partial)
+    # a ucp save killed mid-write: its partial-save marker, written before any data (ucp.format.ownership)
+    s3.client.put_object(Bucket=BUCKET, Key="saves/global_step0/ucp_saving", Body=b"")
     url, data = location(f"s3://{BUCKET}/saves"), sorted(k[len("run1/"):] for k in keys(s3, "run1/"))
     assert candidates(url) == [url / "global_step2", url / "global_step1"]  # committed only, newest first
     set_aside([url / "global_step2"], url / "global_step1")  # as "auto" does after step 2 failed its checks

@@ -27,7 +27,7 @@ from ucp.deepspeed.memory_manifest import Manifest, read_manifest
 from ucp.errors import ConfigError, UcpError, UnsupportedStorageError
 from ucp.format.folder import INDEX_NAME, local_path, locked_for_removal
 from ucp.format.locations import url_scheme
-from ucp.format.ownership import foreign_why, is_ucp_partial, pass_over, save_folder_problem
+from ucp.format.ownership import foreign_why, is_ucp_partial, pass_over, save_folder_problem, say_once
 from ucp.format.save_folder import indexed_step, tag_step
 from ucp.format.storage import list_folders
 
@@ -127,13 +127,13 @@ def read_copies(folder: Path, job: str) -> dict[str, Manifest]:
         try:
             manifest = read_manifest(tag)
             if manifest.job != job:
-                logger.warning("ucp: %s is another job's memory checkpoint (of %s, not %s); passed over", tag,
-                               manifest.job, job)
+                say_once(tag, f"ucp: {tag} is another job's memory checkpoint (of {manifest.job}, not {job}); "
+                              "passed over")
                 continue
             step = indexed_step(tag)
             if manifest.step != step or manifest.tag != name:
-                logger.warning("ucp: %s: its manifest says %s, step %d, its index step %d; passed over as "
-                               "damaged, remove the folder", tag, manifest.tag, manifest.step, step)
+                say_once(tag, f"ucp: {tag}: its manifest says {manifest.tag}, step {manifest.step}, its index step "
+                              f"{step}; passed over as damaged, remove the folder")
                 continue
         except UcpError as exc:
             logger.warning("ucp: %s", exc)
@@ -182,7 +182,7 @@ def checked_folder(config: MemoryEvery, create: bool, start_step: int | None = N
         return Path(config.dir), str(exc)
     problem = untrusted(folder)
     if problem is None and start_step is not None:
-        problem = save_folder_problem(folder, start_step)
+        problem = save_folder_problem(folder, start_step, say=False)  # the leader says it (remove_copies)
     return folder, None if problem is None else f'"ucp": {{"save": {{"memory": ...}}}}: memory folder {problem}'
 
 def overlap_problem(folder: Path, job: str) -> str | None:

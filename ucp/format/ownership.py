@@ -50,10 +50,16 @@ def printable_prefix(raw: bytes) -> str:
 
 def pass_over(path: Location, why: str) -> None:
     """Say once, at warning level, that ucp leaves `path` alone and why."""
+    say_once(path, f"ucp: {path}: {why}; ucp never removes or replaces it, move it away if it is not needed")
+
+
+def say_once(path: Location, line: str) -> None:
+    """Log `line` at warning level, the first time something is said of `path` in this process (a folder passed
+    over at every save is said at the first)."""
     if str(path) in _said:
         return
     _said.add(str(path))
-    logger.warning("ucp: %s: %s; ucp never removes or replaces it, move it away if it is not needed", path, why)
+    logger.warning("%s", line)
 
 
 def is_ucp_index(tag: Location) -> bool:
