@@ -101,4 +101,5 @@ def test_a_start_that_would_write_into_what_ucp_did_not_write_is_one_line(case, 
     log = (tmp_path / "log").read_text()
     assert f"ucp.errors.ConfigError: {line(save_dir)}\n" in log, log[-3000:]
     assert digest(save_dir) == before and sorted(os.listdir(save_dir)) == entries   # nothing added or changed
+    assert "starting fresh" not in log   # refused before DeepSpeed runs, not after "auto" decided
     assert "Saving model checkpoint" not in log and "saved global_step" not in log

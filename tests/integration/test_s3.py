@@ -317,8 +317,13 @@ def test_async_saves_to_s3_keep_the_newest_two_and_auto_resume_continues_the_run
         index = [i for i, r in enumerate(writes) if r.path == tag + "ucp_index.json" and r.method == "PUT"]
         latest = [i for i, r in enumerate(writes) if r.path == f"/{BUCKET}/train/latest" and r.method == "PUT"]
         assert completed and len(index) == 1 and max(completed) < index[0] < latest[step - 1], step
+        # ucp's partial-save marker: put before any part, deleted once the index is in (ucp.format.ownership)
+        marker = [(i, r.method) for i, r in enumerate(writes) if r.path == tag + "ucp_saving"]
+        assert [m for _, m in marker] == ["PUT", "DELETE"] and marker[0][0] < min(completed), step
+        assert index[0] < marker[1][0] < latest[step - 1], step
         # "keep": 2 deleted step 1, index first (control: it was committed)
-        deleted = [i for i, r in enumerate(writes) if r.path.startswith(tag) and r.method == "DELETE"]
+        deleted = [i for i, r in enumerate(writes) if r.path.startswith(tag) and r.method == "DELETE"
+                   and i != marker[1][0]]
         assert bool(deleted) == (step == 1) and (not deleted or writes[deleted[0]].path == tag + "ucp_index.json")
     assert {r.rank for r in writes if "partNumber" in r.query} == {0, 1}  # each rank uploads parts of its own
     assert open_uploads(s3) == []

@@ -89,7 +89,7 @@ from typing import Any
 
 from ucp.deepspeed.async_save import SaveStats
 from ucp.deepspeed.auto_resume import resume_auto
-from ucp.deepspeed.config import AUTO, read_section
+from ucp.deepspeed.config import AUTO, SaveOptions, read_section
 from ucp.deepspeed.elastic import check_engine, uses_autotp, with_batch_keys, with_layout_keys
 from ucp.deepspeed.engine_load import LoadStats, load
 from ucp.deepspeed.hmp_sync import hmp_batch, install_sync, replica_batch_keys
@@ -102,6 +102,7 @@ from ucp.elastic.rendezvous import warn_shared_rendezvous_store
 from ucp.elastic.shares import ElasticBatch
 from ucp.errors import CheckpointMismatchError, ConfigError
 from ucp.format.ownership import check_save_folder
+from ucp.format.save_folder import committed_tags, tag_step
 
 __all__ = ["CheckpointMismatchError", "LoadStats", "SaveStats", "initialize", "load", "save", "wait"]
 
@@ -124,7 +125,7 @@ def initialize(*args: Any, **kwargs: Any) -> Any:
     section = read_section(config)
     options, save_every, load_kwargs = section.options, section.save, section.load
     if save_every is not None:  # a save folder ucp cannot write into is refused before DeepSpeed runs
-        check_save_folder(save_every.dir, None)
+        check_save_folder(save_every.dir, _highest_start(options, save_every), say=False)
     auto_dir = None  # the save folder "load": "auto" resumes from
     if options.get("load") == AUTO:
         if save_every is None:
@@ -180,6 +181,19 @@ def initialize(*args: Any, **kwargs: Any) -> Any:
     if save_every is not None:
         life_of(engine).save_every(save_every)
     return result
+
+
+def _highest_start(options: dict[str, Any], save: SaveOptions) -> int | None:
+    """The highest step this start can resume from, where it is known before DeepSpeed runs: 0 with no "load", the
+    newest committed checkpoint of the save folder under "auto" without a memory tier (a fallback only goes
+    lower); else None. What a later save needs is then refused before DeepSpeed runs, not after "starting fresh"
+    (`ucp.deepspeed.life` checks again at the step actually loaded)."""
+    if not options.get("load"):
+        return 0
+    if options["load"] != AUTO or save.memory is not None:
+        return None
+    committed, _ = committed_tags(save.dir)
+    return tag_step(committed[0]) if committed else 0
 
 
 def _hmp_batch(options: dict[str, Any]) -> ElasticBatch:

@@ -64,7 +64,7 @@ def memory_resume_point(config: MemoryEvery, newer_than: int, fallback: str) -> 
     tag_dir = folder / tag
     problem = _unreadable(tag_dir, manifests[mine][tag]) if any(f.src == mine for f in plan) else None
     if any(f.dst == mine and f.source == BASE for f in plan):  # a new copy here: never over what is not ucp's
-        problem = foreign_problem(tag_dir)
+        problem = problem or foreign_problem(tag_dir)
     problems = [p for p in collectives.all_gather_objects(problem if rank == nodes[mine][0] else None, group) if p]
     if problems:  # found before any transfer starts: no rank waits for bytes that will not come
         if rank == 0:
