@@ -8,12 +8,14 @@ import hashlib
 import logging
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from support.atomic import memory_copy, saved_at
 from ucp.deepspeed.config import SaveOptions
 from ucp.deepspeed.memory_files import MemoryEvery, checked_folder, remove_copies
+from ucp.elastic.hf_trainer import auto_checkpoint
 from ucp.elastic.retention import prune
 from ucp.elastic.trainer_folders import missing_files, not_a_folder
 from ucp.errors import ConfigError, SaveError
@@ -309,5 +311,11 @@ def test_a_trainer_checkpoint_that_is_a_file_or_a_link_loop_is_refused_in_one_li
     assert not_a_folder(tmp_path) == (f'"ucp": {{"load": "auto"}}: {entry} is {what}, not a checkpoint folder; the '
                                       f"Trainer saves and rotates its checkpoint-N folders there: move it out of "
                                       f"{tmp_path}")
+    trainer = SimpleNamespace(args=SimpleNamespace(output_dir=str(tmp_path), world_size=1))
+    with pytest.raises(ConfigError) as refused:   # what "auto" (ucp.transformers.train) does with it
+        auto_checkpoint(trainer)
+    assert str(refused.value) == not_a_folder(tmp_path)
+    assert entry.is_symlink() if kind == "loop" else entry.read_text() == "x"
     entry.unlink()
     assert not_a_folder(tmp_path) is None   # control
+    assert auto_checkpoint(trainer) is None   # checkpoint-3 is incomplete (no latest): a fresh start
