@@ -319,7 +319,7 @@ def test_async_saves_to_s3_keep_the_newest_two_and_auto_resume_continues_the_run
         assert completed and len(index) == 1 and max(completed) < index[0] < latest[step - 1], step
         # ucp's partial-save marker: put before any part, deleted once the index is in (ucp.format.ownership)
         marker = [(i, r.method) for i, r in enumerate(writes) if r.path == tag + "ucp_saving"]
-        assert [m for _, m in marker] == ["PUT", "DELETE"] and marker[0][0] < min(completed), step
+        assert [m for _, m in marker][:2] == ["PUT", "DELETE"] and marker[0][0] < min(completed), step
         assert index[0] < marker[1][0] < latest[step - 1], step
         # "keep": 2 deleted step 1, index first (control: it was committed)
         deleted = [i for i, r in enumerate(writes) if r.path.startswith(tag) and r.method == "DELETE"

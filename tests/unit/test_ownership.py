@@ -98,6 +98,30 @@ def test_keep_never_removes_an_unmarked_folder_of_notes_or_a_file_named_as_a_tag
                                    "never removes or replaces it, move it away if it is not needed"]
 
 
+def test_a_removal_cut_short_leaves_a_folder_marked_ucps_that_the_next_one_finishes(tmp_path, monkeypatch):
+    """A node lost while "keep" or the memory tier removed a checkpoint left its data without index or marker,
+    which the next start then took for another tool's folder (test_elastic_3d's spare copy, #43)."""
+    for step in (1, 2):
+        saved_at(tmp_path / f"global_step{step}", step)
+    (tmp_path / "latest").write_text("global_step2")
+    real_unlink = os.unlink
+
+    def killed(path, *args, **kwargs):
+        if "data-" in str(path):
+            raise KeyboardInterrupt   # the process dies here
+        real_unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "unlink", killed)
+    with pytest.raises(KeyboardInterrupt):
+        prune(tmp_path, keep=1)
+    monkeypatch.undo()
+    left = tmp_path / "global_step1"
+    assert not (left / "ucp_index.json").exists() and (left / PARTIAL_MARKER).is_file()
+    saved_at(tmp_path / "global_step3", 3)
+    assert prune(tmp_path, keep=2) == [left]   # older than the newest committed and marked: removed
+    assert not left.exists()
+
+
 # -- `latest`
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import shutil
 import socket
 import stat
 from collections.abc import Callable
@@ -27,7 +26,14 @@ from ucp.deepspeed.memory_manifest import Manifest, read_manifest
 from ucp.errors import ConfigError, UcpError, UnsupportedStorageError
 from ucp.format.folder import INDEX_NAME, local_path, locked_for_removal
 from ucp.format.locations import url_scheme
-from ucp.format.ownership import foreign_why, is_ucp_partial, pass_over, save_folder_problem, say_once
+from ucp.format.ownership import (
+    foreign_why,
+    is_ucp_partial,
+    pass_over,
+    remove_ours,
+    save_folder_problem,
+    say_once,
+)
 from ucp.format.save_folder import indexed_step, tag_step
 from ucp.format.storage import list_folders
 
@@ -162,8 +168,7 @@ def remove_copies(folder: Path, job: str, gone: Callable[[int], bool]) -> None:
         if doomed:
             with locked_for_removal(tag) as free:
                 if free:
-                    (tag / INDEX_NAME).unlink(missing_ok=True)
-                    shutil.rmtree(tag, ignore_errors=True)
+                    remove_ours(tag)
 
 
 def checked_folder(config: MemoryEvery, create: bool, start_step: int | None = None) -> tuple[Path, str | None]:

@@ -18,9 +18,9 @@ import logging
 from ucp.errors import UcpError
 from ucp.format.folder import INDEX_NAME, locked_for_removal, read_latest
 from ucp.format.locations import Location
-from ucp.format.ownership import foreign_why, is_ucp_index, is_ucp_partial, pass_over
+from ucp.format.ownership import foreign_why, is_ucp_index, is_ucp_partial, pass_over, remove_ours
 from ucp.format.save_folder import committed_tags, step_tags, tag_step
-from ucp.format.storage import delete, delete_tree, is_file
+from ucp.format.storage import is_file
 
 logger = logging.getLogger("ucp.elastic")
 save_log = logging.getLogger("ucp.save")  # retention is part of each save: what it could not remove is said there
@@ -63,8 +63,7 @@ def prune(save_dir: Location, keep: int) -> list[Location]:
             if not free:
                 logger.info("ucp: keeping %s: a reader holds it", tag)
                 continue
-            delete(tag / INDEX_NAME)  # uncommitted first
-            delete_tree(tag)
+            remove_ours(tag)  # marked ucp's, uncommitted, then removed: one cut short is finished by the next
         removed.append(tag)
     return removed
 

@@ -23,6 +23,7 @@ from ucp.format.locations import Location
 from ucp.format.save_folder import tag_step
 from ucp.format.storage import (
     delete,
+    delete_tree,
     is_file,
     is_remote,
     list_folders,
@@ -116,6 +117,27 @@ def claim_tag(tag: Location, leader: bool = True) -> None:
         os.close(os.open(tag / PARTIAL_MARKER, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o644))
 
 
+def remove_ours(tag: Location) -> None:
+    """Remove ucp's tag folder `tag` so that a removal cut short (a node lost, a job killed) leaves a folder still
+    marked ucp's, which the next removal finishes: the marker first, then the index (uncommitted), the rest, the
+    marker last."""
+    if is_remote(tag):
+        write_whole(tag / PARTIAL_MARKER, b"")
+        delete(tag / INDEX_NAME)
+        delete_tree(tag)
+        return
+    os.close(os.open(tag / PARTIAL_MARKER, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o644))
+    (tag / INDEX_NAME).unlink(missing_ok=True)
+    for entry in os.scandir(tag):
+        if entry.name == PARTIAL_MARKER:
+            continue
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path, ignore_errors=True)
+        else:
+            os.unlink(entry.path)
+    shutil.rmtree(tag, ignore_errors=True)
+
+
 def foreign_problem(tag: Location) -> str | None:
     """Why a save may not write at `tag` (something not ucp's stands there), or None (`claim_tag`'s test)."""
     if _stands(tag) and not is_ours(tag) and not _empty_folder(tag):
@@ -131,8 +153,7 @@ def fresh_tag(tag: Path) -> None:
     if problem is not None:
         raise SaveError(problem)
     if os.path.isdir(tag):
-        delete(tag / INDEX_NAME)  # uncommitted first
-        shutil.rmtree(tag, ignore_errors=True)
+        remove_ours(tag)
     claim_tag(tag)
 
 
