@@ -317,8 +317,13 @@ def test_async_saves_to_s3_keep_the_newest_two_and_auto_resume_continues_the_run
         index = [i for i, r in enumerate(writes) if r.path == tag + "ucp_index.json" and r.method == "PUT"]
         latest = [i for i, r in enumerate(writes) if r.path == f"/{BUCKET}/train/latest" and r.method == "PUT"]
         assert completed and len(index) == 1 and max(completed) < index[0] < latest[step - 1], step
+        # ucp's partial-save marker: put before any part, deleted once the index is in (ucp.format.save_folder)
+        marker = [(i, r.method) for i, r in enumerate(writes) if r.path == tag + "ucp_saving"]
+        assert [m for _, m in marker][:2] == ["PUT", "DELETE"] and marker[0][0] < min(completed), step
+        assert index[0] < marker[1][0] < latest[step - 1], step
         # "keep": 2 deleted step 1, index first (control: it was committed)
-        deleted = [i for i, r in enumerate(writes) if r.path.startswith(tag) and r.method == "DELETE"]
+        deleted = [i for i, r in enumerate(writes) if r.path.startswith(tag) and r.method == "DELETE"
+                   and i != marker[1][0]]
         assert bool(deleted) == (step == 1) and (not deleted or writes[deleted[0]].path == tag + "ucp_index.json")
     assert {r.rank for r in writes if "partNumber" in r.query} == {0, 1}  # each rank uploads parts of its own
     assert open_uploads(s3) == []
@@ -362,7 +367,7 @@ def test_a_save_whose_uploads_fail_commits_nothing_and_training_is_told(s3, ckpt
 def test_auto_and_keep_over_an_object_store_prefix(s3, converted):
     """`candidates`, `set_aside` (ucp.elastic.resume) and `prune` (ucp.elastic.retention) on an s3:// save prefix,
     without training: copies of the converted checkpoint as tags 1 and 2 (each index recording its tag's step, as a
-    save's does), and a tag 0 that never committed (data, no index)."""
+    save's does), and a tag 0 that never committed (data, ucp's partial-save marker, no index)."""
     from ucp.elastic.resume import candidates, set_aside
     from ucp.elastic.retention import prune
     from ucp.format.folder import commit_latest
@@ -380,6 +385,8 @@ def test_auto_and_keep_over_an_object_store_prefix(s3, converted):
 
     for tag, partial in (("global_step0", True), ("global_step1", False), ("global_step2", False)):
         copy_tag(tag, partial)
+    # a ucp save killed mid-write: its partial-save marker, written before any data (ucp.format.save_folder)
+    s3.client.put_object(Bucket=BUCKET, Key="saves/global_step0/ucp_saving", Body=b"")
     url, data = location(f"s3://{BUCKET}/saves"), sorted(k[len("run1/"):] for k in keys(s3, "run1/"))
     assert candidates(url) == [url / "global_step2", url / "global_step1"]  # committed only, newest first
     set_aside([url / "global_step2"], url / "global_step1")  # as "auto" does after step 2 failed its checks

@@ -10,6 +10,7 @@ from support.atomic import saved_at
 from ucp.elastic.resume import candidates, set_aside
 from ucp.elastic.retention import prune
 from ucp.format.folder import INDEX_NAME, locked_for_removal, reading
+from ucp.format.save_folder import PARTIAL_MARKER
 
 
 def tag(save_dir: Path, step: int, committed: bool = True, name: str | None = None) -> Path:
@@ -18,7 +19,8 @@ def tag(save_dir: Path, step: int, committed: bool = True, name: str | None = No
     if committed:
         return saved_at(folder, step)
     folder.mkdir(parents=True)
-    (folder / "data-00000-of-00001.safetensors").write_bytes(b"x")
+    (folder / PARTIAL_MARKER).touch()   # as a save marks its folder before any data file
+    (folder / "data-00000-of-00001.safetensors.partial").write_bytes(b"x")
     return folder
 
 

@@ -103,15 +103,16 @@ class MemoryEvery:
         except (TypeError, UnsupportedStorageError):
             raise ConfigError(f'"ucp": {{"save": {{"memory": {{"dir": {folder!r}}}}}}}: must be a local folder in '
                               'host memory, e.g. "/dev/shm/ucp-myjob"') from None
-        if not os.fspath(folder).startswith(("/", "~", "$")):  # "" or "shm/x": the working directory, pruned
+        if not os.fspath(folder).startswith(("/", "$")):  # "", "shm/x", "~": the working or home directory
             raise ConfigError(f'"ucp": {{"save": {{"memory": {{"dir": {os.fspath(folder)!r}}}}}}}: must be an '
-                              'absolute path of a folder of its own, e.g. "/dev/shm/ucp-myjob"')
+                              'absolute path of a folder of its own, e.g. "/dev/shm/ucp-myjob" ("~" is not '
+                              'expanded; "$VARS" are)')
         return cls(every, replicas, os.fspath(folder), job)
 
     @property
     def path(self) -> Path:
         """This node's memory folder; one that expands to a relative path (an unset `$VAR`) is refused."""
-        expanded = os.path.expanduser(os.path.expandvars(self.dir))
+        expanded = os.path.expandvars(self.dir)
         if not os.path.isabs(expanded):
             raise ConfigError(f'"ucp": {{"save": {{"memory": {{"dir": {self.dir!r}}}}}}}: expands to {expanded!r} '
                               "on this node, not an absolute path; set the variables it names")
@@ -147,8 +148,36 @@ class SaveOptions:
             raise ConfigError(f'"ucp": {{"save": ...}}: unknown key {sorted(unknown)[0]!r}; known: "dir", "every", '
                               '"keep", "memory"')
         folder = location(options["dir"])  # a URL no storage takes is refused in one line, before training
+        refuse_unpromised_dir(os.fspath(options["dir"]))
         memory = MemoryEvery.from_config(options["memory"], os.fspath(options["dir"])) if "memory" in options else None
+        problem = overlap_problem(memory.path, memory.job) if memory is not None and "$" not in memory.dir else None
+        if problem is not None:  # "$VARS": checked on each node (memory.files.checked_folder)
+            raise ConfigError(problem)
         return cls(folder, options["every"], options.get("keep"), memory)
+
+
+def refuse_unpromised_dir(folder: str) -> None:
+    """Refuse a save `"dir"` the docs do not promise, which would save into (and prune) a folder the user did not
+    mean: `""` or `"."` (the working directory itself), `"~..."` and `"$VAR..."` (never expanded: a folder
+    literally named so in the working directory)."""
+    if url_scheme(folder):
+        return
+    if os.path.normpath(folder or ".") == "." or folder.startswith("~") or "$" in folder:
+        raise ConfigError(f'"ucp": {{"save": {{"dir": {folder!r}}}}}: must name a folder of its own, e.g. '
+                          '"/ckpt/ucp" (an absolute path, or a relative one below the working directory; "", "." '
+                          'and unexpanded "~" or "$VAR" are refused)')
+
+
+def overlap_problem(folder: Path, job: str) -> str | None:
+    """Why memory folder `folder` may not be used beside save folder `job`: the same folder, inside it or holding
+    it (each tier removes its own checkpoints by the same names), or None."""
+    if url_scheme(job):
+        return None
+    mem, disk = os.path.realpath(folder), os.path.realpath(job)
+    if mem == disk or mem.startswith(disk.rstrip("/") + "/") or disk.startswith(mem.rstrip("/") + "/"):
+        return (f'"ucp": {{"save": {{"memory": {{"dir": ...}}}}}}: {folder} is the save "dir" {job}, inside it or '
+                'holds it; the memory tier needs a folder of its own, e.g. "/dev/shm/ucp-myjob"')
+    return None
 
 
 def without_ucp(config: dict) -> dict:

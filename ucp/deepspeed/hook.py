@@ -89,7 +89,7 @@ import time
 from typing import Any
 
 from ucp.deepspeed.auto_resume import resume_auto
-from ucp.deepspeed.config import AUTO, read_section
+from ucp.deepspeed.config import AUTO, SaveOptions, read_section
 from ucp.deepspeed.elastic import check_engine, uses_autotp, with_batch_keys, with_layout_keys
 from ucp.deepspeed.engine.hmp_sync import install_sync, replica_batch_keys
 from ucp.deepspeed.life import StepBook, life_of, save, wait
@@ -102,6 +102,7 @@ from ucp.elastic.ranks import spare_loop, start_layout
 from ucp.elastic.rendezvous import warn_shared_rendezvous_store
 from ucp.elastic.shares import ElasticBatch, ElasticSection
 from ucp.errors import CheckpointMismatchError, ConfigError
+from ucp.format.save_folder import check_save_folder, committed_tags, tag_step
 from ucp.hmp.layout import Layout
 
 __all__ = ["CheckpointMismatchError", "LoadStats", "SaveStats", "initialize", "load", "save", "wait"]
@@ -124,6 +125,8 @@ def initialize(*args: Any, **kwargs: Any) -> Any:
         with open(config) as f:
             config = json.load(f)
     section = read_section(config)
+    if section.save is not None:  # a save folder ucp cannot write into is refused before DeepSpeed runs
+        check_save_folder(section.save.dir, _highest_start(section.load, section.save), say=False)
     auto_dir = section.save.dir if section.load == AUTO and section.save is not None else None
     layout, hmp, load_options = section.layout, section.hmp, section.load_options
     place = batch = None
@@ -174,6 +177,19 @@ def initialize(*args: Any, **kwargs: Any) -> Any:
     if section.save is not None:
         life_of(engine).save_every(section.save)
     return result
+
+
+def _highest_start(load: str | os.PathLike[str] | None, save: SaveOptions) -> int | None:
+    """The highest step this start can resume from, where it is known before DeepSpeed runs: 0 with no "load", the
+    newest committed checkpoint of the save folder under "auto" without a memory tier (a fallback only goes
+    lower); else None. What a later save needs is then refused before DeepSpeed runs, not after "starting fresh"
+    (`ucp.deepspeed.life` checks again at the step actually loaded)."""
+    if not load:
+        return 0
+    if load != AUTO or save.memory is not None:
+        return None
+    committed, _ = committed_tags(save.dir)
+    return tag_step(committed[0]) if committed else 0
 
 
 def _elastic_hmp(elastic: ElasticSection, place: RankLayout, model: Any) -> tuple[Layout, ElasticBatch]:

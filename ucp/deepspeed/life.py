@@ -39,6 +39,7 @@ from ucp.deepspeed.saving.saver import Saver, SaveStats
 from ucp.elastic.inprocess import take_restart
 from ucp.elastic.restart import Progress, ProgressRecorder, RestartReport, read_progress
 from ucp.elastic.retention import retain
+from ucp.format.save_folder import check_save_folder
 from ucp.storage.locations import Location, location
 
 if TYPE_CHECKING:
@@ -89,6 +90,7 @@ class CheckpointLife:
     def save_every(self, save: SaveOptions) -> None:
         """Save by `save`'s cadence after each optimizer step (and into the memory tier, when it has one)."""
         refuse_unsupported(self.engine)  # before training: what the saver (made at the first step) cannot save
+        check_save_folder(save.dir, self.engine.global_steps, say=collectives.rank() == 0)  # ucp.format.save_folder
         self.save_options = save
         self.start_step = self.engine.global_steps
         self.engine.ucp_save_dir = save.dir

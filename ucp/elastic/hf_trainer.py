@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from ucp.elastic.sampler import StepBatchSampler
 from ucp.elastic.shares import ElasticBatch
-from ucp.elastic.trainer_folders import newest_complete, set_aside
+from ucp.elastic.trainer_folders import newest_complete, not_a_folder, set_aside
 from ucp.errors import ConfigError
 
 logger = logging.getLogger("ucp.elastic")
@@ -52,6 +52,10 @@ def auto_checkpoint(trainer: Any) -> Path | None:
     """The `checkpoint-N` folder to resume from under `"auto"`, or None to start fresh (module docstring)."""
     output_dir = Path(trainer.args.output_dir)
     chosen: str | None = None
+    problem = not_a_folder(output_dir) if _rank() == 0 else None
+    problem = _everyone_gets(problem)  # type: ignore[assignment]  # rank 0's str | None
+    if problem is not None:
+        raise ConfigError(problem)
     if _rank() == 0:
         folder, passed = newest_complete(output_dir)
         chosen = None if folder is None else str(folder)

@@ -3,8 +3,10 @@ checkpoint life, `ucp.deepspeed.life`, gives the saver to run after each commit)
 
 `prune` keeps the newest N committed checkpoints of the save folder (newest by the step each index records,
 `ucp.format.save_folder`), never the one `latest` names nor one a reader holds (`ucp.format.folder.reading`).
-Tag folders that never committed (a save killed mid-write) and are older than the newest committed one are
-removed with them: nothing will ever complete them. A folder the listing passes over is never removed.
+Tag folders that never committed (a save killed mid-write: ucp's partial-save marker, `ucp.format.save_folder`) and
+are older than the newest committed one are removed with them: nothing will ever complete them. A folder the
+listing passes over is never removed, nor any folder that is not ucp's, whatever its name (another tool's
+checkpoint, such as DeepSpeed's `global_step1/` with no ucp index): that is said once, at warning level.
 
 In an object store (`s3://bucket/prefix`) there is no lock: a checkpoint is removed by deleting its index object
 first.
@@ -15,8 +17,17 @@ import logging
 
 from ucp.errors import UcpError
 from ucp.format.folder import INDEX_NAME, locked_for_removal, read_latest
-from ucp.format.save_folder import committed_tags, step_tags, tag_step
-from ucp.storage.layer import delete, delete_tree, is_file
+from ucp.format.save_folder import (
+    committed_tags,
+    foreign_why,
+    is_ucp_index,
+    is_ucp_partial,
+    pass_over,
+    remove_ours,
+    step_tags,
+    tag_step,
+)
+from ucp.storage.layer import is_file
 from ucp.storage.locations import Location
 
 logger = logging.getLogger("ucp.elastic")
@@ -44,8 +55,14 @@ def prune(save_dir: Location, keep: int) -> list[Location]:
     if not committed:
         return []
     latest, newest = _latest_name(save_dir), tag_step(committed[0])
-    doomed = committed[keep:] + [tag for tag in step_tags(save_dir)
-                                 if tag_step(tag) < newest and not is_file(tag / INDEX_NAME)]
+    doomed = committed[keep:]
+    for tag in step_tags(save_dir):
+        if tag_step(tag) >= newest or tag in committed:
+            continue
+        if not is_file(tag / INDEX_NAME) and is_ucp_partial(tag):  # a ucp save that never committed
+            doomed.append(tag)
+        elif not is_ucp_index(tag):  # another tool's, another job's, or unknown: never removed
+            pass_over(tag, foreign_why(tag))
     removed: list[Location] = []
     for tag in doomed:
         if tag.name == latest:
@@ -54,8 +71,7 @@ def prune(save_dir: Location, keep: int) -> list[Location]:
             if not free:
                 logger.info("ucp: keeping %s: a reader holds it", tag)
                 continue
-            delete(tag / INDEX_NAME)  # uncommitted first
-            delete_tree(tag)
+            remove_ours(tag)  # marked ucp's, uncommitted, then removed: one cut short is finished by the next
         removed.append(tag)
     return removed
 

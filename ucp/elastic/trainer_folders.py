@@ -23,7 +23,9 @@ from pathlib import Path
 from ucp.checkpoint import Checkpoint, open_checkpoint
 from ucp.converters.trainer_folders import CHECKPOINT_RE, checkpoint_folders
 from ucp.errors import UcpError
-from ucp.format.folder import INDEX_NAME, LATEST_NAME
+from ucp.format.folder import INDEX_NAME, LATEST_MAX_BYTES, LATEST_NAME, plain_tag
+from ucp.format.save_folder import printable_prefix
+from ucp.storage.fileio import read_regular
 
 TRAINER_STATE = "trainer_state.json"
 TRAINER_STATE_MAX_BYTES = 64 << 20  # a log_history of millions of steps; bounds what a damaged file makes us read
@@ -37,12 +39,35 @@ def missing_files(folder: Path) -> str | None:
     if (folder / INDEX_NAME).is_file():
         return None
     latest = folder / LATEST_NAME
+    if latest.is_symlink():  # never followed: it may reach any file on the machine, which a warning would quote
+        return f"its '{LATEST_NAME}' is a symbolic link, which ucp never follows"
     if not latest.is_file():
         return f"it has no '{LATEST_NAME}' file"
-    tag = latest.read_text(errors="replace").strip()
+    try:
+        raw = read_regular(str(latest), follow=False, limit=LATEST_MAX_BYTES)
+    except (UcpError, OSError):
+        return f"its '{LATEST_NAME}' is larger than {LATEST_MAX_BYTES} bytes or unreadable, not a tag name"
+    tag = raw.decode("utf-8", errors="replace").strip()
     tag_folder = folder / tag
-    if not tag or tag_folder.parent != folder or not tag_folder.is_dir():
-        return f"its '{LATEST_NAME}' names {tag!r}, which it does not hold"
+    if not tag or not plain_tag(tag) or not tag_folder.is_dir():
+        return f"its '{LATEST_NAME}' names {printable_prefix(raw.strip())}, which it does not hold"
+    return None
+
+
+def not_a_folder(output_dir: Path) -> str | None:
+    """One line naming the first `checkpoint-N` entry of `output_dir` that is not a folder (a file, a link that
+    reaches none, a link loop), which "auto" could not resume from and the Trainer could not save or rotate
+    into; None when there is none."""
+    try:
+        names = sorted(os.listdir(output_dir))
+    except OSError:
+        return None
+    for name in names:
+        entry = output_dir / name
+        if CHECKPOINT_RE.search(name) and not entry.is_dir():
+            kind = "a symbolic link that reaches no folder" if entry.is_symlink() else "a file"
+            return (f'"ucp": {{"load": "auto"}}: {entry} is {kind}, not a checkpoint folder; the Trainer saves and '
+                    f"rotates its checkpoint-N folders there: move it out of {output_dir}")
     return None
 
 

@@ -15,17 +15,25 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import socket
 import stat
 from collections.abc import Callable
 from pathlib import Path
 
-from ucp.deepspeed.config import MemoryEvery
+from ucp.deepspeed.config import MemoryEvery, overlap_problem
 from ucp.deepspeed.memory.manifest import Manifest, read_manifest
 from ucp.errors import ConfigError, UcpError
 from ucp.format.folder import INDEX_NAME, locked_for_removal
-from ucp.format.save_folder import indexed_step, tag_step
+from ucp.format.save_folder import (
+    foreign_why,
+    indexed_step,
+    is_ucp_partial,
+    pass_over,
+    remove_ours,
+    save_folder_problem,
+    say_once,
+    tag_step,
+)
 from ucp.storage.layer import list_folders
 
 logger = logging.getLogger("ucp.save")
@@ -69,13 +77,13 @@ def read_copies(folder: Path, job: str) -> dict[str, Manifest]:
         try:
             manifest = read_manifest(tag)
             if manifest.job != job:
-                logger.warning("ucp: %s is another job's memory checkpoint (of %s, not %s); passed over", tag,
-                               manifest.job, job)
+                say_once(tag, f"ucp: {tag} is another job's memory checkpoint (of {manifest.job}, not {job}); "
+                              "passed over")
                 continue
             step = indexed_step(tag)
             if manifest.step != step or manifest.tag != name:
-                logger.warning("ucp: %s: its manifest says %s, step %d, its index step %d; passed over as "
-                               "damaged, remove the folder", tag, manifest.tag, manifest.step, step)
+                say_once(tag, f"ucp: {tag}: its manifest says {manifest.tag}, step {manifest.step}, its index step "
+                              f"{step}; passed over as damaged, remove the folder")
                 continue
         except UcpError as exc:
             logger.warning("ucp: %s", exc)
@@ -86,31 +94,42 @@ def read_copies(folder: Path, job: str) -> dict[str, Manifest]:
 
 def remove_copies(folder: Path, job: str, gone: Callable[[int], bool]) -> None:
     """Remove this job's memory checkpoints whose step (as their index records it) is `gone`, and the partial
-    ones (no index) whose name's step is; never another job's, one passed over, one a reader holds
-    (`ucp.format.folder.reading`), or anything through a symbolic link."""
+    ones (no index, ucp's partial-save marker) whose name's step is; never another job's, one passed over, one a
+    reader holds (`ucp.format.folder.reading`), anything through a symbolic link, nor any folder that is not
+    ucp's, whatever its name (`ucp.format.save_folder`: said once at warning level)."""
     ours = read_copies(folder, job)
     for name in list_folders(folder):
         tag = folder / name
         if name in ours:
             doomed = gone(ours[name].step)
+        elif tag_step(tag) < 0 or os.path.lexists(tag / INDEX_NAME):
+            doomed = False  # another job's, or passed over by `read_copies`
+        elif is_ucp_partial(tag):  # a memory save of ucp's that never committed
+            doomed = gone(tag_step(tag))
         else:
-            doomed = tag_step(tag) >= 0 and not os.path.lexists(tag / INDEX_NAME) and gone(tag_step(tag))
+            pass_over(tag, foreign_why(tag))
+            doomed = False
         if doomed:
             with locked_for_removal(tag) as free:
                 if free:
-                    (tag / INDEX_NAME).unlink(missing_ok=True)
-                    shutil.rmtree(tag, ignore_errors=True)
+                    remove_ours(tag)
 
 
-def checked_folder(config: MemoryEvery, create: bool) -> tuple[Path, str | None]:
+def checked_folder(config: MemoryEvery, create: bool, start_step: int | None = None) -> tuple[Path, str | None]:
     """This node's memory folder (created private when `create`), and why this job may not use it (None when it
     may; the folder is then `dir` unexpanded): gathered from every rank, so that all refuse together
-    (`refuse_untrusted`)."""
+    (`refuse_untrusted`). With `start_step`, also what a save into it would have to write into that is not ucp's
+    (`ucp.format.save_folder.save_folder_problem`)."""
     try:
         folder = config.path
+        overlap = overlap_problem(folder, config.job)
+        if overlap is not None:
+            return Path(config.dir), overlap
         if create:
             folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     except (ConfigError, OSError) as exc:
         return Path(config.dir), str(exc)
     problem = untrusted(folder)
+    if problem is None and start_step is not None:
+        problem = save_folder_problem(folder, start_step, say=False)  # the leader says it (remove_copies)
     return folder, None if problem is None else f'"ucp": {{"save": {{"memory": ...}}}}: memory folder {problem}'

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,8 @@ from ucp.deepspeed.config import MemoryEvery
 from ucp.deepspeed.memory.files import checked_folder, node_key, read_copies, refuse_untrusted
 from ucp.deepspeed.memory.manifest import Manifest, write_manifest
 from ucp.elastic.memory_plan import BASE, Fill, NodeCopy, choose, fills, nodes_of
-from ucp.format.folder import INDEX_NAME, PARTIAL_SUFFIX, commit_latest, fsync_dir
+from ucp.format.folder import INDEX_NAME, PARTIAL_SUFFIX, fsync_dir
+from ucp.format.save_folder import foreign_problem, fresh_tag, replace_latest, unmark
 from ucp.storage.fileio import tensor_bytes
 from ucp.storage.layer import read_ranges, write_ranges
 
@@ -64,6 +64,8 @@ def memory_resume_point(config: MemoryEvery, newer_than: int, fallback: str) -> 
     mine = next(i for i, node in enumerate(nodes) if rank in node)
     tag_dir = folder / tag
     problem = _unreadable(tag_dir, manifests[mine][tag]) if any(f.src == mine for f in plan) else None
+    if any(f.dst == mine and f.source == BASE for f in plan):  # a new copy here: never over what is not ucp's
+        problem = problem or foreign_problem(tag_dir)
     problems = [p for p in collectives.all_gather_objects(problem if rank == nodes[mine][0] else None, group) if p]
     if problems:  # found before any transfer starts: no rank waits for bytes that will not come
         if rank == 0:
@@ -124,10 +126,7 @@ def _send(fill: Fill, holder: Manifest, tag_dir: Path, dst: int, group: Any) -> 
 
 def _receive(fill: Fill, holder: Manifest, tag_dir: Path, src: int, group: Any) -> None:
     if fill.source == BASE:  # this node has no copy: start one, sized as the holder's
-        if tag_dir.is_symlink():  # the link itself goes, never what it points at
-            tag_dir.unlink()
-        shutil.rmtree(tag_dir, ignore_errors=True)
-        tag_dir.mkdir(parents=True)
+        fresh_tag(tag_dir)  # checked before any transfer (foreign_problem)
         size = torch.zeros(1, dtype=torch.int64)
         dist.recv(size, src, group=group)
         index = torch.empty(int(size.item()), dtype=torch.uint8)
@@ -162,7 +161,8 @@ def _commit_fill(tag_dir: Path, own: Manifest | None, received: list[Fill], mani
     if own is None:
         os.replace(tag_dir / (INDEX_NAME + PARTIAL_SUFFIX), tag_dir / INDEX_NAME)
         fsync_dir(tag_dir)
-        commit_latest(tag_dir.parent, tag)
+        unmark(tag_dir)
+        replace_latest(tag_dir.parent, tag)
 
 
 def _gloo_group() -> Any:

@@ -25,7 +25,6 @@ import json
 import logging
 import os
 import pickle
-import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,8 +38,10 @@ from ucp.deepspeed.saving.files import SaveFile
 from ucp.deepspeed.saving.writer import partial_path
 from ucp.elastic.layout_choice import RankLayout
 from ucp.elastic.ranks import SpareCopies, on_spare
-from ucp.format.folder import commit_index, commit_latest, fsync_dir
+from ucp.errors import SaveError
+from ucp.format.folder import commit_index, fsync_dir
 from ucp.format.index import Index
+from ucp.format.save_folder import fresh_tag, replace_latest, unmark
 from ucp.storage.fileio import tensor_bytes
 from ucp.storage.layer import write_ranges
 
@@ -132,17 +133,14 @@ class _Receiver:
         """Every saving rank's snapshot into this node's copy (all of them received even when a write fails, so
         that no sender waits), then the commit."""
         tag_dir = self.folder / save.tag
-        failure = None
+        failure: Exception | None = None
         try:
-            if tag_dir.is_symlink():
-                tag_dir.unlink()
-            shutil.rmtree(tag_dir, ignore_errors=True)
-            tag_dir.mkdir()
+            fresh_tag(tag_dir)
             for f in save.files:
                 with open(partial_path(tag_dir, f.name), "wb") as out:
                     out.truncate(f.size)
                     out.write(f.header)
-        except OSError as exc:
+        except (OSError, SaveError) as exc:
             failure = exc
         for src, runs in enumerate(save.runs):
             if not _size(runs):
@@ -162,7 +160,8 @@ class _Receiver:
         fsync_dir(tag_dir)
         write_manifest(tag_dir, save.manifest)
         commit_index(tag_dir, save.index)
-        commit_latest(self.folder, save.tag)
+        unmark(tag_dir)
+        replace_latest(self.folder, save.tag)
         remove_copies(self.folder, self.memory.job, lambda saved: saved < save.manifest.step)
         logger.info("ucp: spare rank %d holds memory checkpoint %s", self.rank, save.tag)
 

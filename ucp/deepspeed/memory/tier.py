@@ -44,8 +44,9 @@ from ucp.deepspeed.saving.writer import BackgroundSave, partial_path, write_piec
 from ucp.elastic.memory_plan import held_by, nodes_of, peer_pairs
 from ucp.elastic.ranks import spare_copies
 from ucp.errors import SaveError
-from ucp.format.folder import commit_index, commit_latest, fsync_dir
+from ucp.format.folder import commit_index, fsync_dir
 from ucp.format.index import Index
+from ucp.format.save_folder import replace_latest, unmark
 from ucp.storage.fileio import tensor_bytes
 
 logger = logging.getLogger("ucp.save")
@@ -56,7 +57,7 @@ class MemoryTier:
 
     def __init__(self, saver: Saver, config: MemoryEvery, step: int):
         self.config = config
-        folder, problem = checked_folder(config, create=True)
+        folder, problem = checked_folder(config, create=True, start_step=step)
         self.last_step: int | None = step
         # A writer thread and a gloo group of its own: a memory save never queues behind a disk save in flight,
         # and the two writers' collectives never interleave.
@@ -180,5 +181,6 @@ class MemoryTier:
         write_manifest(tag_dir, Manifest(tag, step, index.run.source["fingerprint"], self.config.job, len(runs), holds,
                                          tuple((f.name, f.size, len(f.header)) for f in prepared.files.files)))
         commit_index(tag_dir, index)
-        commit_latest(self.dir, tag)
+        unmark(tag_dir)
+        replace_latest(self.dir, tag)
         remove_copies(self.dir, self.config.job, lambda saved: saved < step)

@@ -18,9 +18,10 @@ from ucp.deepspeed.saving.snapshot import Prepared
 from ucp.deepspeed.saving.writer import partial_path
 from ucp.errors import SaveError
 from ucp.format.crc import CHUNK_BYTES
-from ucp.format.folder import commit_index, commit_latest, fsync_dir
+from ucp.format.folder import commit_index, fsync_dir
 from ucp.format.index import Index, RunRecord
 from ucp.format.safetensors_stream import StoredTensor
+from ucp.format.save_folder import replace_latest, unmark
 from ucp.patterns import PatternSpec
 from ucp.plan.index_builder import ParamRecord, WrittenFile, build_index
 from ucp.storage.locations import Location
@@ -45,7 +46,8 @@ def commit_folder(prepared: Prepared, save_dir: Path, tag: str, reports: list[Ra
         os.replace(partial_path(tag_dir, f.name), tag_dir / f.name)
     fsync_dir(tag_dir)
     commit_index(tag_dir, index)
-    commit_latest(save_dir, tag)
+    unmark(tag_dir)
+    replace_latest(save_dir, tag)
 
 
 def index_of(prepared: Prepared, tag_dir: Location, reports: list[RankReport], meta: dict[str, Any]) -> Index:

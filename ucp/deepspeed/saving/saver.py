@@ -51,7 +51,8 @@ from ucp.deepspeed.saving.writer import BackgroundSave
 from ucp.elastic.inprocess import when_leaving
 from ucp.errors import ConfigError, OutputExistsError, SaveError
 from ucp.format.folder import INDEX_NAME
-from ucp.storage.layer import absolute, is_file, is_remote, make_folder
+from ucp.format.save_folder import claim_tag
+from ucp.storage.layer import absolute, is_file, is_remote
 from ucp.storage.locations import Location
 
 if TYPE_CHECKING:
@@ -165,7 +166,7 @@ class Saver:
                   ) -> tuple[Prepared, dict[str, Any] | None, torch.cuda.Event | None, SaveStats]:
         """Copy this rank's pieces into the snapshot buffer (and on rank 0 take the metadata); training goes on
         once this returns."""
-        make_folder(tag_dir)
+        claim_tag(tag_dir, self.leader)  # a save writes only into a folder of its own (ucp.format.save_folder)
         prepared = self._prepare(tier)
         event = copy_into(prepared, self.before_snapshot)
         meta = (metadata(self.engine, self.target, len(self.ranks), prepared, tag, tag_dir, client_state)

@@ -29,7 +29,8 @@ from ucp.deepspeed.saving.index import RankReport, commit_folder, index_of, repo
 from ucp.deepspeed.saving.snapshot import Prepared
 from ucp.deepspeed.saving.writer import write_pieces
 from ucp.errors import SaveError
-from ucp.format.folder import commit_index, commit_latest
+from ucp.format.folder import commit_index
+from ucp.format.save_folder import replace_latest, unmark
 from ucp.storage.locations import Location, ObjectPath
 
 if TYPE_CHECKING:
@@ -132,7 +133,8 @@ def write_object(saver: SavingGroup, prepared: Prepared, save_dir: ObjectPath, t
                 index = index_of(prepared, tag_dir, [r for r, _ in reports], meta)
                 object_save.complete(tag_dir, uploads, [e for _, mine in reports for e in mine], parts)
                 commit_index(tag_dir, index)
-                commit_latest(save_dir, tag)
+                unmark(tag_dir)
+                replace_latest(save_dir, tag)
             except Exception as exc:
                 outcome = str(exc) if isinstance(exc, SaveError) else f"{tag_dir}: {type(exc).__name__}: {exc}"
             finally:
