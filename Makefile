@@ -17,7 +17,7 @@ lint: install
 	$(PYTHON) .ci/typecheck.py
 
 test: lint
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q --durations=25
 
 # The unit tier alone: pure tests, no DeepSpeed run, no subprocess training (under 2 minutes).
 test-fast: install
