@@ -17,7 +17,7 @@ EXAMPLE = ROOT / "examples" / "elastic" / "torchrun" / "train.py"
 WALKER = ROOT / "tests" / "support" / "restart_walk.py"
 # In the order of docs/ARCHITECTURE.md's count.
 ORDER = ["hook", "config", "elastic.ranks", "elastic.layout_choice", "elastic", "elastic.rendezvous", "auto_resume",
-         "elastic.resume", "loading.load", "life", "saving.cadence", "saving.saver", "saving.snapshot",
+         "elastic.resume", "loading.load", "elastic.inprocess", "life", "saving.cadence", "saving.saver", "saving.snapshot",
          "saving.metadata", "saving.stores", "saving.index", "elastic.retention", "elastic.restart"]
 # Entered again, for the reason docs/ARCHITECTURE.md gives: the batch (`ElasticBatch`), a value that the layout's
 # choice, the hook and DeepSpeed's batch keys each ask.
@@ -35,7 +35,7 @@ def test_one_restart_enters_each_module_once(tmp_path):
     assert again == AGAIN, walk
     firsts = [m for i, m in enumerate(walk) if m not in walk[:i] and m != "elastic.shares"]
     assert firsts == ORDER, walk
-    assert len(walk) == 21 and len(set(walk)) == 19, walk
+    assert len(walk) == 22 and len(set(walk)) == 20, walk
     # The raw section goes from initialize's arguments to the one reading and nowhere else. Before #41 it also went
     # to elastic.ranks (layout, _key, _cost_model_inputs, _expert_parallel, _heterogeneous), elastic.layout_choice
     # (allowed_sizes) and, with a memory tier, deepspeed.memory_files.

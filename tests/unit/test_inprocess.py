@@ -70,11 +70,14 @@ def test_after_an_in_process_restart_no_checkpoint_ends_the_rank(monkeypatch, ca
         raise SystemExit(code)
 
     monkeypatch.setattr(inprocess.os, "_exit", exit_)
-    inprocess.require_checkpoint(False)   # a first start: nothing to load is a fresh start (control)
-    monkeypatch.setattr(inprocess, "_restart", inprocess.Restart(3, 2, 0.0, 0.0))
-    inprocess.require_checkpoint(True)
+    assert inprocess.started(None, False) is None   # a first start: nothing to load is a fresh start (control)
+    restart = inprocess.Restart(3, 2, 0.0, 0.0)
+    monkeypatch.setattr(inprocess, "_restart", restart)
+    assert inprocess.started(None, True) is restart   # handed over once, for the report
+    assert inprocess.started(None, True) is None
+    monkeypatch.setattr(inprocess, "_restart", restart)
     with pytest.raises(SystemExit) as ended:
-        inprocess.require_checkpoint(False)
+        inprocess.started(None, False)
     assert ended.value.code == 1
     assert capsys.readouterr().err == (
         "ucp: in-process restart failed: no complete checkpoint to continue from (neither the memory tier nor the "

@@ -95,8 +95,7 @@ from ucp.deepspeed.engine.hmp_sync import install_sync, replica_batch_keys
 from ucp.deepspeed.life import StepBook, life_of, save, wait
 from ucp.deepspeed.loading.load import LoadStats, load
 from ucp.deepspeed.saving.saver import SaveStats
-from ucp.elastic.inprocess import configure as configure_in_process
-from ucp.elastic.inprocess import require_checkpoint
+from ucp.elastic.inprocess import started as in_process_start
 from ucp.elastic.layout_choice import RankLayout, hmp_layers
 from ucp.elastic.ranks import spare_loop, start_layout
 from ucp.elastic.rendezvous import warn_shared_rendezvous_store
@@ -131,7 +130,6 @@ def initialize(*args: Any, **kwargs: Any) -> Any:
     layout, hmp, load_options = section.layout, section.hmp, section.load_options
     place = batch = None
     if section.elastic is not None:  # this start's T x P x D (the same on every rank); a spare waits in spare_loop
-        configure_in_process(section.elastic.detect_s)   # for ucp.elastic.run's heartbeat
         place = start_layout(section.elastic, kwargs.get("model"), section.zero_stage, section.memory_tier, section)
         spare_loop()
         if place.hmp:  # "heterogeneous": true: the layout's replicas train through the HMP sync, loaded by the layout
@@ -167,13 +165,15 @@ def initialize(*args: Any, **kwargs: Any) -> Any:
         warn_shared_rendezvous_store()
         memory = section.save.memory if section.save is not None else None
         resumed = resume_auto(engine, auto_dir, load, memory, **load_options)
-        require_checkpoint(resumed is not None and resumed.path is not None)   # after an in-process restart
     elif section.load:
         load(engine, section.load, **load_options)
+    # ucp.elastic.run: the heartbeat's detect_s, and the in-process restart this start continues, if any
+    restart = in_process_start(section.elastic.detect_s if section.elastic is not None else None,
+                               auto_dir is None or (resumed is not None and resumed.path is not None))
     if batch is not None:
         life_of(engine).count_samples(batch.global_batch)
     if place is not None or auto_dir is not None:
-        life_of(engine).keep_book(StepBook(engine, auto_dir, resumed, called))
+        life_of(engine).keep_book(StepBook(engine, auto_dir, resumed, called, restart))
     if section.save is not None:
         life_of(engine).save_every(section.save)
     return result

@@ -36,7 +36,6 @@ from ucp.deepspeed.memory.tier import MemoryTier
 from ucp.deepspeed.saving.cadence import disk_due, memory_due
 from ucp.deepspeed.saving.layout import refuse_unsupported
 from ucp.deepspeed.saving.saver import Saver, SaveStats
-from ucp.elastic.inprocess import take_restart
 from ucp.elastic.restart import Progress, ProgressRecorder, RestartReport, read_progress
 from ucp.elastic.retention import retain
 from ucp.format.save_folder import check_save_folder
@@ -44,6 +43,8 @@ from ucp.storage.locations import Location, location
 
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
+
+    from ucp.elastic.inprocess import Restart
 
 restart_log = logging.getLogger("ucp.elastic")
 
@@ -180,8 +181,9 @@ class StepBook:
     run recorded is read at that first step, just before this run's record replaces it."""
 
     def __init__(self, engine: DeepSpeedEngine, progress_dir: Location | None, resumed: Resumed | None,
-                 called: float):
+                 called: float, restart: Restart | None = None):
         self.engine = engine
+        self.restart = restart  # the in-process restart (ucp.elastic.run) this start continues, if any
         self.progress_dir = progress_dir if collectives.rank() == 0 else None
         self.progress: ProgressRecorder | None = None  # from the first step on
         self.resumed = resumed
@@ -207,7 +209,7 @@ class StepBook:
         resumed = self.resumed or Resumed(None, 0, 0.0)
         place = getattr(self.engine, "ucp_layout", None)  # an elastic job's layout (`ucp.elastic.RankLayout`)
         load_began = self.loaded_at - resumed.load_s
-        same_process = take_restart()   # ucp.elastic.run regrouped this process
+        same_process = self.restart   # ucp.elastic.run regrouped this process
         if same_process is not None:
             return RestartReport(
                 old_world=before.world, new_world=collectives.world_size(),

@@ -74,27 +74,20 @@ class Restart:
     regrouped: float    # time.time() when the new world's group was made (train() called again)
 
 
-def take_restart() -> Restart | None:
-    """The in-process restart not yet reported, once."""
-    global _restart
+def started(detect_s: float | None, loaded: bool) -> Restart | None:
+    """Called once per start by `ucp.deepspeed.initialize`, its engine built and loaded: the heartbeat takes the
+    config's `"elastic": {"detect_s": N}` (None: keep it) from the next beat on, and the in-process restart not yet
+    reported is handed over, once, for the restart report. After an in-process restart, a start that found no
+    checkpoint to load (`loaded` False) would not continue the run: this rank exits 1 and the launcher decides."""
+    global _detect_s, _restart
+    if detect_s is not None:
+        _detect_s = detect_s
+        if _heartbeat is not None:
+            _heartbeat.detect_s = detect_s
     restart, _restart = _restart, None
-    return restart
-
-
-def require_checkpoint(found: bool) -> None:
-    """After an in-process restart, `"load": "auto"` found nothing to load: starting fresh in place would not
-    continue the run, so this rank exits 1 and the launcher decides (`ucp.deepspeed.initialize` calls it)."""
-    if _restart is not None and not found:
+    if restart is not None and not loaded:
         give_up("no complete checkpoint to continue from (neither the memory tier nor the save folder has one)")
-
-
-def configure(detect_s: float) -> None:
-    """`"elastic": {"detect_s": N}` as `ucp.deepspeed.initialize` read it (`ElasticSection.detect_s`), used by
-    `run`'s heartbeat from the next beat on."""
-    global _detect_s
-    _detect_s = detect_s
-    if _heartbeat is not None:
-        _heartbeat.detect_s = _detect_s
+    return restart
 
 
 _heartbeat: Heartbeat | None = None
