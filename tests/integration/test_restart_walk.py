@@ -17,8 +17,8 @@ EXAMPLE = ROOT / "examples" / "elastic" / "torchrun" / "train.py"
 WALKER = ROOT / "tests" / "support" / "restart_walk.py"
 # In the order of docs/ARCHITECTURE.md's count.
 ORDER = ["hook", "config", "elastic.ranks", "elastic.layout_choice", "elastic", "elastic.rendezvous", "auto_resume",
-         "elastic.resume", "loading.load", "elastic.inprocess", "life", "saving.cadence", "saving.saver", "saving.snapshot",
-         "saving.metadata", "saving.stores", "saving.index", "elastic.retention", "elastic.restart"]
+         "elastic.resume", "loading.load", "elastic.inprocess", "life", "saving.cadence", "saving.saver",
+         "saving.snapshot", "saving.metadata", "saving.stores", "saving.index", "elastic.retention", "elastic.restart"]
 # Entered again, for the reason docs/ARCHITECTURE.md gives: the batch (`ElasticBatch`), a value that the layout's
 # choice, the hook and DeepSpeed's batch keys each ask.
 AGAIN = {"elastic.shares": 3}
