@@ -11,7 +11,9 @@ CPU machine with small models (benchmarks/README.md: Peers, Tiers, Save, Load, C
 restart's report), and the same job, GPUs and faults:
 
 * ucp_inprocess: `ucp.elastic.run`; the survivors keep their processes: detection + regroup + engine rebuild
-  + load from the memory tier (peer copies) + the step in flight; it trains on at the size that is left.
+  + load from the memory tier (peer copies) + the work redone; it trains on at the size that is left. A node
+  that joins later restarts the processes under ucp-torchrun today, so its grow is ucp_restart's. In process
+  today: ZeRO-1/3 and AutoTP on gloo; the cost model's TP x PP and HMP plans in process are assumed here (#42).
 * ucp_restart: today's elastic path: every process relaunched (imports, process group, model, DeepSpeed's
   initialize), `"load": "auto"` from the memory tier, at the size that is left.
 * dlrover: a DLRover-style restart at the same size: it waits for replacement hardware, then restarts and
@@ -218,7 +220,9 @@ def recovery(tool: str, case: str, job: Job, parts: Parts = MEASURED) -> Recover
     in_flight = parts.step_in_flight * job.step_s
     memory_load = ucp_bytes_per_gpu(job, parts) / parts.memory_load_bps
     if tool == "ucp_inprocess":
-        grow = parts.regroup_s + parts.engine_inprocess_s + memory_load
+        # a node that joins restarts every process under ucp-torchrun today (README, "ucp.elastic.run"): the grow
+        # is the process restart's
+        grow = parts.startup_ucp_s + memory_load
         if case == "back":
             return Recovery(grow_s=grow)
         detect = parts.detect_hung_s if case == "hung" else parts.detect_dead_s
@@ -294,7 +298,8 @@ def plan_job(model: ModelConfig, gpus: int, cost: CostModel, work: Workload) -> 
 
     def share_after(lost: int) -> float:
         hmp = search(model, gpus - lost, cost, work, top=1).plans[0].tokens_per_s / full.tokens_per_s
-        return max(hmp, fewer)  # ucp loads at any layout: an HMP plan on exactly the GPUs left, or a replica fewer
+        # ucp loads at any layout: an HMP plan on exactly the GPUs left, or a replica fewer; never above the full job
+        return min(1.0, max(hmp, fewer))
 
     fewer = (full.dp - 1) / full.dp  # micro-batches spread over the replicas left, bubble and sync unchanged
     return Job(model.name, float(model.num_params), gpus, full.step_time_s, full.dp, share_after(1),
@@ -341,9 +346,9 @@ def report(args: argparse.Namespace) -> str:
               "(as issue #42 quotes it)", ""]
     cases = ["| model | GPUs | case | " + " | ".join(f"{t}: down / lost (s)" for t in TOOLS) + " |",
              "|---|---:|---|" + "---:|" * len(TOOLS)]
-    table = ["| model | GPUs | step (s) | faults | saves every (s): ucp / dlrover / deepspeed | "
-             + " | ".join(TOOLS) + " | in-process / restart | in-process / dlrover | in-process / deepspeed |",
-             "|---|---:|---:|---:|---:|" + "---:|" * (len(TOOLS) + 3)]
+    table = ["| model | GPUs | step (s) | faults | saves every (s): ucp / dlrover / deepspeed | node lost: ucp / "
+             "deepspeed tokens/s | " + " | ".join(TOOLS) + " | in-process / restart | in-process / dlrover | "
+             "in-process / deepspeed |", "|---|---:|---:|---:|---:|---:|" + "---:|" * (len(TOOLS) + 3)]
     for name in args.models:
         model = load_model(name)
         for gpus in args.gpus:
@@ -358,6 +363,7 @@ def report(args: argparse.Namespace) -> str:
             g = {tool: goodput(tool, faults, "node", horizon, job, parts) for tool in TOOLS}
             every = " / ".join(f"{save_interval_s(t, job, parts):,.0f}" for t in TOOLS[1:])
             table.append(f"| {name} | {gpus:,} | {job.step_s:.2f} | {faults} | {every} | "
+                         f"{job.share_lost_node:.3f} / {job.share_fewer_replicas:.3f} | "
                          + " | ".join(f"{g[t]:.4f}" for t in TOOLS) + " | "
                          + " | ".join(f"{g['ucp_inprocess'] / g[t]:.3f}x" for t in TOOLS[1:]) + " |")
     return "\n".join(lines + [f"Per fault ({parts.replace_s / 60:g} min until the hardware is back; down: fault "
