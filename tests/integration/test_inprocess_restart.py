@@ -24,6 +24,10 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "elastic" / "torchr
 STEPS = 16   # conftest's ELASTIC_STEPS: room for the test to find its moment before the run ends
 DISK_EVERY = 4
 DETECT_S = 5   # the heartbeat's, short for the test (the default is 15 s)
+# Each step takes at least this long: longer than the tiny model's memory save, as a real model's step is, so that
+# the moment a fault redoes no step (the newest step's memory save committed) lasts long enough to be caught. Without
+# it the save of step N commits after step N + 1 on an idle machine and no such moment comes.
+STEP_S = 0.5
 # fp32, no dropout: runs at different world sizes sum the same gradients in another order, so losses agree to
 # rounding (~1e-7 relative per step, compounding over a few Adam steps), not to the bit.
 RTOL = 1e-6
@@ -33,7 +37,7 @@ def job_args(tmp: Path, stage: int, global_batch: int) -> list:
     # "$UCP_TEST_NODE" is expanded by each worker: every agent (node) gets its own memory folder.
     return ["--save-dir", tmp / "ckpt", "--steps", STEPS, "--stage", stage, "--global-batch", global_batch,
             "--every", DISK_EVERY, "--keep", 2, "--memory-every", 1, "--replicas", 1, "--memory-dir", "$UCP_TEST_NODE",
-            "--losses-out", tmp / "losses.jsonl", "--in-process", "--detect-s", DETECT_S]
+            "--losses-out", tmp / "losses.jsonl", "--in-process", "--detect-s", DETECT_S, "--step-s", STEP_S]
 
 
 def node_env(tmp: Path, node: int) -> dict[str, str]:

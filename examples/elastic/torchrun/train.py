@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")   # CPU only
@@ -49,6 +50,9 @@ def main() -> None:
     p.add_argument("--in-process", action="store_true",
                    help="ucp.elastic.run: the survivors of a fault go on in the same processes")
     p.add_argument("--detect-s", type=float, help="with --in-process: seconds of silence before a rank is hung")
+    p.add_argument("--step-s", type=float, default=0.0,
+                   help="sleep this long after each optimizer step, a stand-in for a real model's compute: the tiny "
+                        "model's step is shorter than its memory save, which a real step is not")
     args = p.parse_args()
     memory = None
     if args.memory_every:
@@ -57,6 +61,8 @@ def main() -> None:
             memory["dir"] = args.memory_dir
     run = Run(args.save_dir, args.steps, args.stage, args.global_batch, args.micro_batch, args.every, args.keep,
               args.losses_out, args.stock, memory=memory, detect_s=args.detect_s)
+    if args.step_s:
+        run.after_step = lambda engine, loss: time.sleep(args.step_s)
     if args.in_process:
         # The process group, then train(run); after a fault, train(run) again in this process at the new size.
         ucp.elastic.run(lambda: train(run), backend="gloo")   # CPU only
