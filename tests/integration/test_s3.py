@@ -345,7 +345,8 @@ def test_async_saves_to_s3_keep_the_newest_two_and_auto_resume_continues_the_run
 
 def test_a_save_whose_uploads_fail_commits_nothing_and_training_is_told(s3, ckpt_root, tmp_path, capsys):
     """Part uploads of step 2's save refused (after two went up): the save aborts its uploads and commits
-    nothing, `latest` stays at step 1, and the next save raises the failure in training, as a full disk does."""
+    nothing (its folder holds only ucp's partial-save marker), `latest` stays at step 1, and the next save raises the
+    failure in training, as a full disk does."""
     url, prefix = f"s3://{BUCKET}/failing", "failing/"
     s3.proxy.reset()
     s3.proxy.faults.append(Fault(403, "AccessDenied", 1000, lambda m, p, q: m == "PUT" and "partNumber" in q
@@ -357,7 +358,10 @@ def test_a_save_whose_uploads_fail_commits_nothing_and_training_is_told(s3, ckpt
     assert s3.proxy.injected > 0
     uploaded = [r for r in s3.proxy.seen if "partNumber" in r.query and r.status == 200 and "global_step2" in r.path]
     assert uploaded, "no part went up before the fault: the abort would have nothing to remove"  # control
-    assert tags_in(s3, prefix) == {"global_step1", "latest", "ucp_progress.json"}
+    # Nothing of step 2 but ucp's partial-save marker, which says the folder is a ucp save that did not commit (the
+    # next save's "keep" removes it; no index, so nothing reads it as a checkpoint).
+    assert tags_in(s3, prefix) == {"global_step1", "global_step2", "latest", "ucp_progress.json"}
+    assert keys(s3, prefix + "global_step2/") == [prefix + "global_step2/ucp_saving"]
     assert s3.client.get_object(Bucket=BUCKET, Key="failing/latest")["Body"].read() == b"global_step1"
     assert open_uploads(s3) == []
     assert cli_main(["verify", url]) == 0
