@@ -6,15 +6,13 @@ layouts cut into per-rank slices.
 """
 from __future__ import annotations
 
-import json
 import os
-import stat
 from dataclasses import dataclass
 from functools import cached_property
 
 from ucp.errors import UcpError
 from ucp.hmp.layout import ParamSpec
-from ucp.storage.json_file import shown
+from ucp.storage.json_file import read_json_file, shown
 
 _REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 MAX_LAYERS = 4096  # the deepest models have ~130; the search's time grows with layers
@@ -132,33 +130,10 @@ class ModelConfig:
 
 
 def load_model_config(path: str | os.PathLike) -> ModelConfig:
-    """Read a Hugging Face `config.json`."""
-    try:
-        data = json.loads(_read_config(str(path)))
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
-        raise ModelConfigError(f"{path}: not JSON ({exc})") from None
+    """Read a Hugging Face `config.json`: a regular file of at most MAX_CONFIG_BYTES (a FIFO would block a read
+    forever and a device such as /dev/zero never end, so neither is read), strict JSON, each failure one line."""
+    data = read_json_file(path, ModelConfigError, "pass a Hugging Face config.json (examples in examples/models/)",
+                          MAX_CONFIG_BYTES)
     if not isinstance(data, dict):
         raise ModelConfigError(f"{path}: expected a JSON object with hidden_size, num_hidden_layers, ...")
     return ModelConfig.from_hf(data, name=os.path.splitext(os.path.basename(path))[0])
-
-
-def _read_config(path: str) -> bytes:
-    """The bytes of `path`, a regular file of at most MAX_CONFIG_BYTES: a FIFO would block a read forever and a
-    device such as /dev/zero never end, so neither is read (no numpy here: `ucp plan` starts without it)."""
-    fix = "pass a Hugging Face config.json (examples in examples/models/)"
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    except FileNotFoundError:
-        raise ModelConfigError(f"{path}: no such file; {fix}") from None
-    except OSError as exc:
-        raise ModelConfigError(f"{path}: cannot be opened ({exc.strerror}); {fix}") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise ModelConfigError(f"{path}: not a regular file (a FIFO, a device or a folder); {fix}")
-        if info.st_size > MAX_CONFIG_BYTES:
-            raise ModelConfigError(f"{path}: {info.st_size} bytes, more than a config.json holds; {fix}")
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            return f.read(MAX_CONFIG_BYTES + 1)
-    finally:
-        os.close(fd)

@@ -24,6 +24,8 @@ def read_json_file(path: str | os.PathLike[str], error: type[UcpError], fix: str
     """The JSON value of file `path`; `error(...)` naming the path and `fix` when it cannot be read as one."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise error(f"{path}: no such file; {fix}") from None
     except OSError as exc:
         raise error(f"{path}: cannot be opened ({exc.strerror}); {fix}") from None
     try:
